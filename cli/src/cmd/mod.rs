@@ -1,0 +1,10 @@
+//! One module per subcommand. Each has `Args` (clap) and `run(args) -> Result<()>`.
+
+pub mod advise;
+pub mod analyze;
+pub mod bench;
+pub mod inspect;
+pub mod plan;
+pub mod run;
+pub mod simulate;
+pub mod trace;

@@ -1,0 +1,14 @@
+//! teraio's engine: everything that touches bytes.
+//!
+//! - [`backend`]: how I/O is submitted and completed (io_uring, psync, sim). Backends only
+//!   submit and complete; they do not know tensors.
+//! - [`device`] and [`array`]: where bytes live: opening targets, block sizes, the overwrite
+//!   guard, and striped tensor reads/writes over the layout's stripe map.
+//! - [`pool`]: huge-page backed, aligned host buffers that I/O can use directly.
+//! - [`tier`]: memory tiers (host now, CUDA behind a feature later) behind one trait.
+//! - [`store`]: the tensor store (location table, checksums, persistent metadata).
+//! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
+
+mod error;
+
+pub use error::{Error, Result};

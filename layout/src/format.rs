@@ -1,0 +1,1 @@
+//! On-disk format (superblock, metadata records). Filled in by the format work.
