@@ -1,1 +1,0 @@
-//! On-disk format (superblock, metadata records). Filled in by the format work.
