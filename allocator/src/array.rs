@@ -1,0 +1,223 @@
+//! The array allocator: places a tensor over the devices of an array in stripe units.
+//!
+//! A tensor of `size` bytes uses `L = lane_count(size, stripe_unit, devices)` lanes. The `L`
+//! devices with the most free bytes are chosen (ties: lower index), the device with the most
+//! free space taking lane 0 (the lane that holds the most bytes), and so on. Each lane gets
+//! [`lane_bytes`] rounded up to its device's allocation unit, in the fewest extents. Every call
+//! is all-or-nothing: on any failure nothing is left allocated.
+
+use serde::{Deserialize, Serialize};
+use teraio_layout::{ArrayGeometry, Extent, Lane, StripeMap, lane_bytes, lane_count};
+
+use crate::extent::{ExtentAllocator, Stats};
+use crate::{Error, Result};
+
+/// Space accounting of an array: every device and the totals.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArrayStats {
+    /// One entry per device, by index.
+    pub devices: Vec<Stats>,
+    /// Sums over the devices; `largest_free_bytes` is the largest of any device, and
+    /// `fragmentation` is `1 - sum(largest free) / sum(free)`.
+    pub total: Stats,
+}
+
+/// One [`ExtentAllocator`] per device of an array, striping tensors over them.
+#[derive(Debug, Clone)]
+pub struct ArrayAllocator {
+    geometry: ArrayGeometry,
+    devices: Vec<ExtentAllocator>,
+}
+
+impl ArrayAllocator {
+    /// Combine per-device allocators into an array allocator.
+    ///
+    /// `devices[i]` must serve device `i`, one per device of `geometry`, with an allocation unit
+    /// and base offset that are multiples of the geometry's block size.
+    pub fn new(geometry: ArrayGeometry, devices: Vec<ExtentAllocator>) -> Result<Self> {
+        if devices.len() != geometry.device_count as usize {
+            return Err(Error::InvalidArgument(format!(
+                "the geometry has {} devices, {} allocators were given",
+                geometry.device_count,
+                devices.len()
+            )));
+        }
+        let block = u64::from(geometry.block_bytes);
+        for (i, dev) in devices.iter().enumerate() {
+            if dev.device() as usize != i {
+                return Err(Error::InvalidArgument(format!(
+                    "allocator {i} serves device {}, expected device {i}",
+                    dev.device()
+                )));
+            }
+            if !dev.unit_bytes().is_multiple_of(block) || !dev.base_bytes().is_multiple_of(block) {
+                return Err(Error::InvalidArgument(format!(
+                    "device {i}: unit {} and base {} must be multiples of the block size {block}",
+                    dev.unit_bytes(),
+                    dev.base_bytes()
+                )));
+            }
+        }
+        Ok(Self { geometry, devices })
+    }
+
+    /// The array's geometry.
+    pub fn geometry(&self) -> &ArrayGeometry {
+        &self.geometry
+    }
+
+    /// The allocator of device `i`.
+    ///
+    /// # Panics
+    /// If `i` is not a device of the array (`i >= device_count`).
+    pub fn device(&self, i: u32) -> &ExtentAllocator {
+        &self.devices[i as usize]
+    }
+
+    /// All device allocators, by index.
+    pub fn devices(&self) -> &[ExtentAllocator] {
+        &self.devices
+    }
+
+    /// Allocate a tensor of `size_bytes` striped over the array. All-or-nothing: on
+    /// [`Error::NoSpace`] (or any error) nothing stays allocated.
+    pub fn alloc_tensor(&mut self, size_bytes: u64) -> Result<StripeMap> {
+        if size_bytes == 0 {
+            return Err(Error::InvalidArgument("a tensor has at least one byte".into()));
+        }
+        let g = self.geometry;
+        let lanes = lane_count(size_bytes, g.stripe_unit_bytes, g.device_count);
+        let needs = lane_bytes(size_bytes, g.stripe_unit_bytes, g.block_bytes, lanes);
+        let chosen = self.choose_devices(lanes as usize);
+        // Check every lane before touching anything: a device can serve a lane iff its free
+        // bytes cover the lane rounded up to its unit (alloc may split into several extents).
+        let fits = chosen
+            .iter()
+            .zip(&needs)
+            .all(|(&d, &need)| self.devices[d].round_up(need) <= self.devices[d].free_bytes());
+        if !fits {
+            return Err(self.no_space(size_bytes));
+        }
+        let mut done: Vec<Lane> = Vec::with_capacity(chosen.len());
+        for (&d, &need) in chosen.iter().zip(&needs) {
+            match self.devices[d].alloc(need) {
+                Ok(extents) => done.push(Lane { device: d as u32, extents }),
+                Err(e) => {
+                    self.roll_back(&done);
+                    return Err(match e {
+                        Error::NoSpace { .. } => self.no_space(size_bytes),
+                        other => other,
+                    });
+                }
+            }
+        }
+        match StripeMap::new(size_bytes, g.stripe_unit_bytes, g.block_bytes, done.clone()) {
+            Ok(map) => Ok(map),
+            Err(e) => {
+                self.roll_back(&done);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Free every extent of a tensor. All-or-nothing: every extent is checked to be allocated
+    /// (and no two to overlap) before any is freed.
+    pub fn free_tensor(&mut self, map: &StripeMap) -> Result<()> {
+        let extents = self.validated_extents(map)?;
+        for &(d, e) in &extents {
+            self.devices[d as usize].check_allocated(e)?;
+        }
+        for (d, e) in extents {
+            self.devices[d as usize]
+                .free(e)
+                .expect("extent was checked to be allocated and not to overlap another");
+        }
+        Ok(())
+    }
+
+    /// Mark a tensor's extents allocated, as when rebuilding from metadata on reopen.
+    /// All-or-nothing: every extent is checked to be free before any is marked.
+    pub fn mark_tensor(&mut self, map: &StripeMap) -> Result<()> {
+        let extents = self.validated_extents(map)?;
+        for &(d, e) in &extents {
+            self.devices[d as usize].check_free(e)?;
+        }
+        for (d, e) in extents {
+            self.devices[d as usize]
+                .mark_allocated(e)
+                .expect("extent was checked to be free and not to overlap another");
+        }
+        Ok(())
+    }
+
+    /// Per-device stats and totals.
+    pub fn stats(&self) -> ArrayStats {
+        let devices: Vec<Stats> = self.devices.iter().map(ExtentAllocator::stats).collect();
+        let sum = |f: fn(&Stats) -> u64| devices.iter().map(f).sum::<u64>();
+        let free_bytes = sum(|s| s.free_bytes);
+        let largest_sum = sum(|s| s.largest_free_bytes);
+        let total = Stats {
+            capacity_bytes: sum(|s| s.capacity_bytes),
+            used_bytes: sum(|s| s.used_bytes),
+            free_bytes,
+            largest_free_bytes: devices.iter().map(|s| s.largest_free_bytes).max().unwrap_or(0),
+            free_extents: sum(|s| s.free_extents),
+            fragmentation: Stats::fragmentation_of(largest_sum, free_bytes),
+        };
+        ArrayStats { devices, total }
+    }
+
+    /// Check every device's invariants (see [`ExtentAllocator::check_invariants`]).
+    pub fn check_invariants(&self) -> Result<()> {
+        self.devices.iter().try_for_each(ExtentAllocator::check_invariants)
+    }
+
+    /// The `lanes` devices with the most free bytes, most free first (ties: lower index).
+    fn choose_devices(&self, lanes: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.devices.len()).collect();
+        order.sort_unstable_by_key(|&d| (std::cmp::Reverse(self.devices[d].free_bytes()), d));
+        order.truncate(lanes);
+        order
+    }
+
+    fn no_space(&self, size_bytes: u64) -> Error {
+        Error::NoSpace {
+            requested_bytes: size_bytes,
+            free_bytes: self.devices.iter().map(ExtentAllocator::free_bytes).sum(),
+            device: None,
+        }
+    }
+
+    /// Free lanes allocated by a failing `alloc_tensor`.
+    fn roll_back(&mut self, lanes: &[Lane]) {
+        for lane in lanes {
+            for &e in &lane.extents {
+                self.devices[lane.device as usize]
+                    .free(e)
+                    .expect("rolling back an extent allocated by this very call");
+            }
+        }
+    }
+
+    /// The map's (device, extent) pairs, checked to name devices of the array and not to
+    /// overlap one another (a deserialized map has not been through `StripeMap::new`).
+    fn validated_extents(&self, map: &StripeMap) -> Result<Vec<(u32, Extent)>> {
+        let mut extents: Vec<(u32, Extent)> = map.extents().collect();
+        if let Some(&(d, _)) = extents.iter().find(|(d, _)| *d >= self.geometry.device_count) {
+            return Err(Error::InvalidArgument(format!(
+                "the tensor names device {d}, the array has {}",
+                self.geometry.device_count
+            )));
+        }
+        extents.sort_unstable_by_key(|&(d, e)| (d, e.offset));
+        for w in extents.windows(2) {
+            let ((d0, e0), (d1, e1)) = (w[0], w[1]);
+            if d0 == d1 && e0.offset.saturating_add(e0.len) > e1.offset {
+                return Err(Error::InvalidArgument(format!(
+                    "the tensor's extents {e0:?} and {e1:?} overlap on device {d0}"
+                )));
+            }
+        }
+        Ok(extents)
+    }
+}
