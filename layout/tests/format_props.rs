@@ -9,7 +9,11 @@ use teraio_layout::Error;
 use teraio_layout::format::*;
 
 /// Encode `batches` one after another into a journal region of `region_bytes`.
-fn write_journal(batches: &[Vec<RecordBody>], block: u32, region_bytes: usize) -> (Vec<u8>, Vec<usize>) {
+fn write_journal(
+    batches: &[Vec<RecordBody>],
+    block: u32,
+    region_bytes: usize,
+) -> (Vec<u8>, Vec<usize>) {
     let mut region = vec![0u8; region_bytes];
     let mut ends = Vec::new();
     let (mut pos, mut seq) = (0usize, 1u64);

@@ -24,7 +24,13 @@ impl Mix {
 
 /// A valid stripe map over `devices` of 16 possible device ids, its lanes cut into up to three
 /// extents each with gaps between them, some lanes holding more than they need.
-pub fn build_stripe_map(block: u32, unit_shift: u32, devices: u32, size: u64, seed: u64) -> StripeMap {
+pub fn build_stripe_map(
+    block: u32,
+    unit_shift: u32,
+    devices: u32,
+    size: u64,
+    seed: u64,
+) -> StripeMap {
     let unit = u64::from(block) << unit_shift;
     let lanes = lane_count(size, unit, devices);
     let need = lane_bytes(size, unit, block, lanes);
@@ -79,15 +85,13 @@ pub fn arbitrary_tensor_record() -> impl Strategy<Value = TensorRecord> {
                 0 => 0,
                 c => stripe.size_bytes().div_ceil(c) as usize,
             };
-            proptest::collection::vec(any::<u32>(), count).prop_map(move |checksums| {
-                TensorRecord {
-                    id,
-                    name: name.clone(),
-                    size_bytes: stripe.size_bytes(),
-                    stripe: stripe.clone(),
-                    checksum_chunk_bytes: chunk,
-                    checksums,
-                }
+            proptest::collection::vec(any::<u32>(), count).prop_map(move |checksums| TensorRecord {
+                id,
+                name: name.clone(),
+                size_bytes: stripe.size_bytes(),
+                stripe: stripe.clone(),
+                checksum_chunk_bytes: chunk,
+                checksums,
             })
         })
 }
@@ -152,10 +156,10 @@ pub fn arbitrary_checkpoint() -> impl Strategy<Value = Checkpoint> {
         .prop_flat_map(|(uuid, generation, seq, device, unit_shift, bits, tensors)| {
             proptest::collection::vec(any::<u8>(), bits.div_ceil(8) as usize).prop_map(
                 move |mut bitmap| {
-                    if bits % 8 != 0 {
-                        if let Some(last) = bitmap.last_mut() {
-                            *last &= (1u8 << (bits % 8)) - 1;
-                        }
+                    if let Some(last) = bitmap.last_mut()
+                        && bits % 8 != 0
+                    {
+                        *last &= (1u8 << (bits % 8)) - 1;
                     }
                     let mut tensors = tensors.clone();
                     tensors.sort_by_key(|t| t.id);
