@@ -9,6 +9,10 @@
 //! - [`store`]: the tensor store (location table, checksums, persistent metadata).
 //! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
 
+pub mod array;
+pub mod backend;
+pub mod device;
 mod error;
+pub mod pool;
 
 pub use error::{Error, Result};

@@ -1,0 +1,565 @@
+//! The device array: N targets (files, raw block devices or simulated disks) behind one
+//! backend, and striped tensor reads and writes over the layout's [`StripeMap`].
+//!
+//! "Where bytes live" is decided here (a stripe map range becomes per-device segments of at
+//! most [`DeviceArray::max_io_bytes`]); "how I/O is submitted" is the backend's business. Every
+//! request is validated (alignment, buffer size, device bounds) before anything is submitted,
+//! so a bad call never leaves half an operation in flight.
+//!
+//! ```no_run
+//! use teraio_engine::array::{ArrayConfig, DeviceArray, Target};
+//! use teraio_engine::pool::{BufferPool, PoolConfig};
+//! # fn main() -> teraio_engine::Result<()> {
+//! let mut config = ArrayConfig::new(vec![Target::Path("/mnt/nvme0/teraio.dat".into())]);
+//! config.file_size_bytes = 1 << 30;
+//! let array = DeviceArray::open(config)?;
+//! let pool = BufferPool::new(PoolConfig::default())?;
+//! let mut buf = pool.alloc(1 << 20)?;
+//! buf.fill(7);
+//! let (buf, result) = array.write_at(0, 0, buf)?.wait();
+//! result?;
+//! let (back, result) = array.read_at(0, 0, buf)?.wait();
+//! result?;
+//! assert!(back.iter().all(|&b| b == 7));
+//! # Ok(()) }
+//! ```
+
+use std::ops::Range;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+use teraio_layout::{ArrayGeometry, StripeMap};
+
+use crate::backend::psync::PsyncBackend;
+use crate::backend::sim::{SimBackend, SimDisk};
+use crate::backend::uring::{self, UringBackend};
+use crate::backend::{Backend, IoFailure, IoRequest, IoVec, OpKind};
+use crate::device::{self, DEFAULT_MAX_IO_BYTES, PROBE_BYTES};
+use crate::pool::IoBuf;
+use crate::{Error, Result};
+
+/// One device of an array.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A regular file (created if missing) or a raw block device.
+    Path(PathBuf),
+    /// A simulated in-memory disk (tests).
+    Sim(Arc<SimDisk>),
+}
+
+/// How I/O is submitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendKind {
+    /// io_uring; falls back to [`BackendKind::Psync`] with a one-line notice when io_uring is not
+    /// available (old kernel, seccomp, `kernel.io_uring_disabled`).
+    #[default]
+    Uring,
+    /// pread/pwrite on a thread pool.
+    Psync,
+}
+
+/// What to do when a target already holds data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExistingData {
+    /// Refuse any target holding a partition table, filesystem, volume manager or RAID
+    /// signature, or another teraio array.
+    #[default]
+    Refuse,
+    /// Accept a teraio superblock (reopening our own array); refuse everything else.
+    AllowTeraio,
+    /// Overwrite whatever is there.
+    AllowAnything,
+}
+
+/// How to open an array.
+#[derive(Debug, Clone)]
+pub struct ArrayConfig {
+    /// The devices, in array order.
+    pub targets: Vec<Target>,
+    /// Files are created or extended (never shrunk) to this size; 0 keeps their size.
+    pub file_size_bytes: u64,
+    /// io_uring (default) or psync.
+    pub backend: BackendKind,
+    /// Requests in flight per device (io_uring ring depth; psync threads per device).
+    pub queue_depth: u32,
+    /// Policy for targets that already hold data.
+    pub existing: ExistingData,
+    /// Stripe unit of the array geometry.
+    pub stripe_unit_bytes: u64,
+    /// I/O threads per device (io_uring: one ring each). 0 means 1.
+    pub io_threads: usize,
+}
+
+impl ArrayConfig {
+    /// Defaults: keep file sizes, io_uring, queue depth 32, refuse existing data, 1 MiB stripe
+    /// unit, one I/O thread per device.
+    pub fn new(targets: Vec<Target>) -> Self {
+        Self {
+            targets,
+            file_size_bytes: 0,
+            backend: BackendKind::Uring,
+            queue_depth: 32,
+            existing: ExistingData::Refuse,
+            stripe_unit_bytes: teraio_layout::geometry::DEFAULT_STRIPE_UNIT_BYTES,
+            io_threads: 1,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    path: PathBuf,
+    capacity_bytes: u64,
+    block_bytes: u32,
+    max_io_bytes: u64,
+}
+
+/// N devices behind one backend. `Send + Sync`; share it as `Arc<DeviceArray>`.
+pub struct DeviceArray {
+    slots: Vec<Arc<Slot>>,
+    backend: Box<dyn Backend>,
+    geometry: ArrayGeometry,
+    max_io_bytes: u64,
+}
+
+impl std::fmt::Debug for DeviceArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceArray")
+            .field("devices", &self.slots.iter().map(|s| &s.name).collect::<Vec<_>>())
+            .field("backend", &self.backend.name())
+            .field("geometry", &self.geometry)
+            .finish()
+    }
+}
+
+fn check_existing(policy: ExistingData, path: &Path, head: &[u8]) -> Result<()> {
+    if policy == ExistingData::AllowAnything {
+        return Ok(());
+    }
+    let Some(found) = device::detect_signature(head) else { return Ok(()) };
+    if policy == ExistingData::AllowTeraio && found.contains("teraio") {
+        return Ok(());
+    }
+    Err(Error::OverwriteRefused { path: path.to_path_buf(), found })
+}
+
+impl DeviceArray {
+    /// Open every target, apply the overwrite guard, and start the backend.
+    pub fn open(config: ArrayConfig) -> Result<Arc<DeviceArray>> {
+        if config.targets.is_empty() {
+            return Err(Error::InvalidArgument("an array needs at least one target".into()));
+        }
+        let sims: Vec<Arc<SimDisk>> = config
+            .targets
+            .iter()
+            .filter_map(|t| if let Target::Sim(d) = t { Some(Arc::clone(d)) } else { None })
+            .collect();
+        let (slots, backend): (Vec<Slot>, Box<dyn Backend>) = if !sims.is_empty() {
+            if sims.len() != config.targets.len() {
+                return Err(Error::InvalidArgument(
+                    "an array cannot mix simulated disks with files or block devices".into(),
+                ));
+            }
+            let mut slots = Vec::new();
+            for (i, d) in sims.iter().enumerate() {
+                if sims[..i].iter().any(|o| Arc::ptr_eq(o, d)) {
+                    return Err(Error::InvalidArgument(format!("sim disk {i} is listed twice")));
+                }
+                let name = format!("sim:{i}");
+                let mut head = vec![0u8; PROBE_BYTES];
+                d.peek(0, &mut head);
+                check_existing(config.existing, Path::new(&name), &head)?;
+                slots.push(Slot {
+                    path: PathBuf::from(&name),
+                    name,
+                    capacity_bytes: d.capacity_bytes(),
+                    block_bytes: d.block_bytes(),
+                    max_io_bytes: DEFAULT_MAX_IO_BYTES,
+                });
+            }
+            let backend = SimBackend::new(sims)
+                .map_err(|e| Error::Os { context: "starting the sim backend".into(), source: e })?;
+            (slots, Box::new(backend))
+        } else {
+            let mut slots = Vec::new();
+            let mut fds: Vec<Arc<OwnedFd>> = Vec::new();
+            let mut ids: Vec<(u64, u64)> = Vec::new();
+            for t in &config.targets {
+                let Target::Path(path) = t else { unreachable!("all targets are paths here") };
+                let opened = device::open_path(path, config.file_size_bytes)?;
+                let meta = std::fs::metadata(path).map_err(|e| Error::Os {
+                    context: format!("stat of {}", path.display()),
+                    source: e,
+                })?;
+                let id = {
+                    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+                    if meta.file_type().is_block_device() {
+                        (0, meta.rdev())
+                    } else {
+                        (meta.dev(), meta.ino())
+                    }
+                };
+                if ids.contains(&id) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} is listed twice (same file or device)",
+                        path.display()
+                    )));
+                }
+                ids.push(id);
+                check_existing(config.existing, path, &device::read_head(path)?)?;
+                slots.push(Slot {
+                    name: path.display().to_string(),
+                    path: path.clone(),
+                    capacity_bytes: opened.capacity_bytes,
+                    block_bytes: opened.block_bytes,
+                    max_io_bytes: opened.max_io_bytes,
+                });
+                fds.push(opened.fd);
+            }
+            let qd = config.queue_depth.max(1);
+            let threads = config.io_threads.max(1);
+            let use_uring = match config.backend {
+                BackendKind::Psync => false,
+                BackendKind::Uring => match uring::probe() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        eprintln!("teraio: notice: io_uring is not available ({e}); using psync");
+                        false
+                    }
+                },
+            };
+            let backend: Box<dyn Backend> = if use_uring {
+                Box::new(UringBackend::new(fds, qd, threads).map_err(|e| Error::Os {
+                    context: "starting the io_uring backend".into(),
+                    source: e,
+                })?)
+            } else {
+                let n = (qd as usize * slots.len()).clamp(1, 256);
+                Box::new(PsyncBackend::new(fds, n).map_err(|e| Error::Os {
+                    context: "starting the psync backend".into(),
+                    source: e,
+                })?)
+            };
+            (slots, backend)
+        };
+        let block = slots.iter().map(|s| s.block_bytes).max().expect("at least one target");
+        let geometry = ArrayGeometry::new(slots.len() as u32, block, config.stripe_unit_bytes)?;
+        let max_io_bytes = slots.iter().map(|s| s.max_io_bytes).min().expect("at least one target");
+        let max_io_bytes =
+            (max_io_bytes / u64::from(block) * u64::from(block)).max(u64::from(block));
+        Ok(Arc::new(DeviceArray {
+            slots: slots.into_iter().map(Arc::new).collect(),
+            backend,
+            geometry,
+            max_io_bytes,
+        }))
+    }
+
+    /// Device count, block size (the largest logical block of the devices) and stripe unit.
+    pub fn geometry(&self) -> ArrayGeometry {
+        self.geometry
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
+    /// Usable bytes of one device (0 for an unknown index).
+    pub fn device_capacity(&self, device: u32) -> u64 {
+        self.slots.get(device as usize).map_or(0, |s| s.capacity_bytes)
+    }
+
+    /// The device's path, or "sim:N" (empty for an unknown index).
+    pub fn device_name(&self, device: u32) -> String {
+        self.slots.get(device as usize).map_or_else(String::new, |s| s.name.clone())
+    }
+
+    /// The largest single I/O issued: the smallest `max_sectors_kb` of the devices (capped at
+    /// 4 MiB), rounded down to the block size.
+    pub fn max_io_bytes(&self) -> u64 {
+        self.max_io_bytes
+    }
+
+    /// "uring", "psync" or "sim".
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    fn block(&self) -> u64 {
+        u64::from(self.geometry.block_bytes)
+    }
+
+    fn check_buf_address(&self, buf: &IoBuf) -> Result<()> {
+        let addr = buf.as_ptr() as u64;
+        if !addr.is_multiple_of(self.block()) {
+            return Err(Error::Misaligned {
+                what: "buffer address",
+                value: addr,
+                align: self.block(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_extent(&self, device: u32, offset: u64, len: u64) -> Result<&Arc<Slot>> {
+        let slot = self.slots.get(device as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "device {device} does not exist (array has {})",
+                self.slots.len()
+            ))
+        })?;
+        let block = u64::from(slot.block_bytes);
+        if !offset.is_multiple_of(block) {
+            return Err(Error::Misaligned { what: "device offset", value: offset, align: block });
+        }
+        if !len.is_multiple_of(block) {
+            return Err(Error::Misaligned { what: "transfer length", value: len, align: block });
+        }
+        if offset.checked_add(len).is_none_or(|end| end > slot.capacity_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes at offset {offset} run past the end of device {device} ({}, {} bytes)",
+                slot.name, slot.capacity_bytes
+            )));
+        }
+        Ok(slot)
+    }
+
+    fn submit_map(
+        &self,
+        kind: OpKind,
+        map: &StripeMap,
+        range: Range<u64>,
+        mut buf: IoBuf,
+    ) -> Result<IoTicket> {
+        let block = self.block();
+        if u64::from(map.block_bytes()) % block != 0 {
+            return Err(Error::Misaligned {
+                what: "stripe map block size",
+                value: u64::from(map.block_bytes()),
+                align: block,
+            });
+        }
+        self.check_buf_address(&buf)?;
+        let segments = map.segments(range.clone(), self.max_io_bytes)?;
+        let need = segments
+            .iter()
+            .flat_map(|s| s.pieces.iter())
+            .map(|p| p.buf_offset + p.len)
+            .max()
+            .unwrap_or(0);
+        if (buf.capacity() as u64) < need {
+            return Err(Error::InvalidArgument(format!(
+                "buffer of {} bytes is shorter than the {need} bytes range {range:?} moves",
+                buf.capacity()
+            )));
+        }
+        let mut planned = Vec::with_capacity(segments.len());
+        for s in &segments {
+            let slot = self.check_extent(s.device, s.device_offset, s.len)?;
+            planned.push(Arc::clone(slot));
+        }
+        let base = buf.as_mut_ptr();
+        let state = TicketState::new(buf, segments.len());
+        for (s, slot) in segments.iter().zip(planned) {
+            let iovecs = s
+                .pieces
+                .iter()
+                .map(|p| IoVec {
+                    // SAFETY: every piece lies inside the buffer's capacity (checked: `need`).
+                    ptr: unsafe { base.add(p.buf_offset as usize) },
+                    len: p.len as usize,
+                })
+                .collect();
+            self.submit_one(kind, s.device, s.device_offset, iovecs, &state, slot);
+        }
+        Ok(IoTicket { state })
+    }
+
+    fn submit_one(
+        &self,
+        kind: OpKind,
+        device: u32,
+        offset: u64,
+        iovecs: Vec<IoVec>,
+        state: &Arc<TicketState>,
+        slot: Arc<Slot>,
+    ) {
+        let st = Arc::clone(state);
+        let completion = Box::new(move |r: Result<(), IoFailure>| {
+            let err = r.err().map(|f| match f {
+                IoFailure::Os(source) => Error::Io { device, path: slot.path.clone(), source },
+                IoFailure::Short { done, len } => {
+                    Error::ShortTransfer { op: kind.name(), device, offset, done, len }
+                }
+            });
+            st.complete_one(err);
+        });
+        // SAFETY: the iovecs point into the IoBuf owned by `state`, which the completion keeps
+        // alive (Arc) until it has run; nobody touches the buffer until every completion ran
+        // (IoTicket::wait hands it out only when `pending` reaches 0).
+        let req = unsafe { IoRequest::new(kind, device as usize, offset, iovecs, completion) };
+        self.backend.submit(req);
+    }
+
+    /// Write `range` of a tensor from `buf` (offset 0 of `buf` is `range.start`). Every segment
+    /// on every device is issued at once. Alignment and buffer size are checked before anything
+    /// is submitted.
+    pub fn submit_write(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> Result<IoTicket> {
+        self.submit_map(OpKind::Write, map, range, buf)
+    }
+
+    /// Read `range` of a tensor into `buf` (offset 0 of `buf` is `range.start`); the padded tail
+    /// of the last block is read too. Same rules as [`submit_write`](Self::submit_write).
+    pub fn submit_read(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> Result<IoTicket> {
+        self.submit_map(OpKind::Read, map, range, buf)
+    }
+
+    fn submit_raw(
+        &self,
+        kind: OpKind,
+        device: u32,
+        offset: u64,
+        mut buf: IoBuf,
+    ) -> Result<IoTicket> {
+        if buf.is_empty() {
+            return Err(Error::InvalidArgument("an I/O moves at least one block".into()));
+        }
+        self.check_buf_address(&buf)?;
+        let slot = Arc::clone(self.check_extent(device, offset, buf.len() as u64)?);
+        let max = self.max_io_bytes as usize;
+        let base = buf.as_mut_ptr();
+        let len = buf.len();
+        let chunks = len.div_ceil(max);
+        let state = TicketState::new(buf, chunks);
+        for c in 0..chunks {
+            let start = c * max;
+            let n = max.min(len - start);
+            // SAFETY: `start + n <= len <= capacity` of the buffer owned by `state`.
+            let iov = vec![IoVec { ptr: unsafe { base.add(start) }, len: n }];
+            self.submit_one(kind, device, offset + start as u64, iov, &state, Arc::clone(&slot));
+        }
+        Ok(IoTicket { state })
+    }
+
+    /// Write all of `buf` (`len()` a multiple of the block size) at a block-aligned offset of
+    /// one device; for metadata. Split into [`max_io_bytes`](Self::max_io_bytes) requests.
+    pub fn write_at(&self, device: u32, offset: u64, buf: IoBuf) -> Result<IoTicket> {
+        self.submit_raw(OpKind::Write, device, offset, buf)
+    }
+
+    /// Read `buf.len()` bytes (a multiple of the block size) at a block-aligned offset of one
+    /// device.
+    pub fn read_at(&self, device: u32, offset: u64, buf: IoBuf) -> Result<IoTicket> {
+        self.submit_raw(OpKind::Read, device, offset, buf)
+    }
+
+    /// Durability barrier on every device: every write whose ticket completed before this call
+    /// is durable when it returns `Ok` (fdatasync; the simulator's flush). The first failing
+    /// device is named in the error; the others are still flushed.
+    pub fn sync(&self) -> Result<()> {
+        let mut first = None;
+        for (i, slot) in self.slots.iter().enumerate() {
+            if let Err(source) = self.backend.flush(i) {
+                first.get_or_insert(Error::Io {
+                    device: i as u32,
+                    path: slot.path.clone(),
+                    source,
+                });
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+struct TicketInner {
+    pending: usize,
+    buf: Option<IoBuf>,
+    error: Option<Error>,
+    failed_devices: Vec<u32>,
+    completed_at: Option<Instant>,
+}
+
+struct TicketState {
+    inner: Mutex<TicketInner>,
+    cv: Condvar,
+}
+
+impl TicketState {
+    fn new(buf: IoBuf, pending: usize) -> Arc<Self> {
+        let done = pending == 0;
+        Arc::new(TicketState {
+            inner: Mutex::new(TicketInner {
+                pending,
+                buf: Some(buf),
+                error: None,
+                failed_devices: Vec::new(),
+                completed_at: done.then(Instant::now),
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn complete_one(&self, err: Option<Error>) {
+        let mut g = self.inner.lock();
+        if let Some(e) = err {
+            if let Error::Io { device, .. } | Error::ShortTransfer { device, .. } = &e
+                && !g.failed_devices.contains(device)
+            {
+                g.failed_devices.push(*device);
+            }
+            g.error.get_or_insert(e);
+        }
+        g.pending -= 1;
+        if g.pending == 0 {
+            g.completed_at = Some(Instant::now());
+            drop(g);
+            self.cv.notify_all();
+        }
+    }
+}
+
+/// An operation in flight. Dropping it before completion is safe: the requests in flight keep
+/// the buffer alive until their completions arrive, then the buffer returns to its pool.
+pub struct IoTicket {
+    state: Arc<TicketState>,
+}
+
+impl std::fmt::Debug for IoTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoTicket").field("done", &self.is_done()).finish()
+    }
+}
+
+impl IoTicket {
+    /// Wait for every request of the operation. The buffer always comes back; the result is the
+    /// first error (naming its device) if any request failed. The other devices' requests ran
+    /// to completion regardless.
+    pub fn wait(self) -> (IoBuf, Result<()>) {
+        let mut g = self.state.inner.lock();
+        while g.pending > 0 {
+            self.state.cv.wait(&mut g);
+        }
+        let buf = g.buf.take().expect("the buffer is handed out once, by wait(self)");
+        (buf, g.error.take().map_or(Ok(()), Err))
+    }
+
+    /// Whether every request has completed.
+    pub fn is_done(&self) -> bool {
+        self.state.inner.lock().pending == 0
+    }
+
+    /// When the last request completed (`None` while in flight).
+    pub fn completed_at(&self) -> Option<Instant> {
+        self.state.inner.lock().completed_at
+    }
+
+    /// Devices whose requests failed so far, in order of failure.
+    pub fn failed_devices(&self) -> Vec<u32> {
+        self.state.inner.lock().failed_devices.clone()
+    }
+}

@@ -1,0 +1,397 @@
+//! io_uring backend (the default): the `io-uring` crate directly, no async runtime.
+//!
+//! Each device gets `threads_per_device` dedicated I/O threads; each thread owns one ring for
+//! its device, with the device's file registered (fixed file 0) and at most `queue_depth`
+//! requests in flight. Requests reach a thread through a channel; a thread that sleeps in
+//! `io_uring_enter` is woken by an eventfd whose read is kept armed in the ring, so new work is
+//! picked up without waiting for an I/O to finish. Multi-piece requests use `READV`/`WRITEV`,
+//! single-piece ones `READ`/`WRITE`; short transfers are resubmitted for the remainder.
+//!
+//! Memory safety: a request's context (its [`IoRequest`], which owns the buffer through its
+//! completion) stays in the thread's slot table until its completion entry arrives; a thread
+//! exits only when nothing it submitted is in flight, so the kernel never writes into freed
+//! memory, whatever the callers drop.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use io_uring::{IoUring, opcode, squeue, types};
+
+use super::psync::fdatasync;
+use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, advance_iovecs, bad_device};
+
+/// Largest iovec count one READV/WRITEV takes (Linux IOV_MAX).
+const IOV_MAX: usize = 1024;
+/// user_data of the eventfd read that wakes a sleeping thread.
+const WAKE: u64 = u64::MAX;
+
+/// Whether io_uring can be used here (not disabled by sysctl, seccomp or an old kernel).
+pub fn probe() -> io::Result<()> {
+    let ring = IoUring::new(2)?;
+    drop(ring);
+    Ok(())
+}
+
+struct WorkerShared {
+    eventfd: OwnedFd,
+    sleeping: AtomicBool,
+}
+
+impl WorkerShared {
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to an eventfd this struct owns.
+        let _ = unsafe {
+            libc::write(
+                self.eventfd.as_raw_fd(),
+                (&raw const one).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+}
+
+struct Worker {
+    tx: Option<Sender<IoRequest>>,
+    shared: Arc<WorkerShared>,
+    join: Option<JoinHandle<()>>,
+}
+
+struct DeviceWorkers {
+    workers: Vec<Worker>,
+    next: AtomicUsize,
+}
+
+/// The io_uring backend.
+pub struct UringBackend {
+    files: Vec<Arc<OwnedFd>>,
+    devices: Vec<DeviceWorkers>,
+    queue_depth: u32,
+}
+
+impl std::fmt::Debug for UringBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringBackend")
+            .field("files", &self.files.len())
+            .field("queue_depth", &self.queue_depth)
+            .finish()
+    }
+}
+
+impl UringBackend {
+    /// A backend over open files (request device `i` is `files[i]`), with `threads_per_device`
+    /// I/O threads per file, each with one ring of `queue_depth` requests in flight.
+    pub fn new(
+        files: Vec<Arc<OwnedFd>>,
+        queue_depth: u32,
+        threads_per_device: usize,
+    ) -> io::Result<Self> {
+        let queue_depth = queue_depth.clamp(1, 4096);
+        let mut backend = UringBackend { files: files.clone(), devices: Vec::new(), queue_depth };
+        for (d, file) in files.iter().enumerate() {
+            let mut workers = Vec::new();
+            for t in 0..threads_per_device.max(1) {
+                // SAFETY: eventfd takes no pointers; the result is checked below.
+                let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+                if efd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // SAFETY: `efd` is a fresh descriptor nobody else owns.
+                let eventfd = unsafe { OwnedFd::from_raw_fd(efd) };
+                let shared = Arc::new(WorkerShared { eventfd, sleeping: AtomicBool::new(false) });
+                let ring = IoUring::builder().build(queue_depth + 1)?;
+                ring.submitter().register_files(&[file.as_raw_fd()])?;
+                let (tx, rx) = crossbeam_channel::unbounded::<IoRequest>();
+                let thread_shared = Arc::clone(&shared);
+                let file = Arc::clone(file);
+                let join = std::thread::Builder::new()
+                    .name(format!("teraio-uring-{d}.{t}"))
+                    .spawn(move || {
+                        let mut w = RingThread::new(ring, rx, thread_shared, queue_depth as usize);
+                        w.run();
+                        drop(file);
+                    })?;
+                workers.push(Worker { tx: Some(tx), shared, join: Some(join) });
+            }
+            // Owned by `backend` at once, so an error further on shuts these threads down.
+            backend.devices.push(DeviceWorkers { workers, next: AtomicUsize::new(0) });
+        }
+        Ok(backend)
+    }
+}
+
+impl Backend for UringBackend {
+    fn name(&self) -> &'static str {
+        "uring"
+    }
+
+    fn submit(&self, request: IoRequest) {
+        let Some(dev) = self.devices.get(request.device()) else {
+            let (d, n) = (request.device(), self.devices.len());
+            return request.complete(Err(bad_device(d, n)));
+        };
+        let i = if dev.workers.len() == 1 {
+            0
+        } else {
+            dev.next.fetch_add(1, Ordering::Relaxed) % dev.workers.len()
+        };
+        let w = &dev.workers[i];
+        let Some(tx) = &w.tx else {
+            return request
+                .complete(Err(IoFailure::Os(io::Error::other("uring backend shut down"))));
+        };
+        if let Err(e) = tx.send(request) {
+            return e.0.complete(Err(IoFailure::Os(io::Error::other("uring backend shut down"))));
+        }
+        if w.shared.sleeping.load(Ordering::SeqCst)
+            && w.shared.sleeping.swap(false, Ordering::SeqCst)
+        {
+            w.shared.wake();
+        }
+    }
+
+    fn flush(&self, device: usize) -> io::Result<()> {
+        let fd = self.files.get(device).ok_or_else(|| io::Error::other("no such device"))?;
+        fdatasync(fd.as_raw_fd())
+    }
+}
+
+impl Drop for UringBackend {
+    fn drop(&mut self) {
+        // Disconnect every thread first so they drain in parallel; each Worker's drop joins.
+        for dev in &mut self.devices {
+            for w in &mut dev.workers {
+                w.tx = None;
+                w.shared.wake();
+            }
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.tx = None;
+        self.shared.wake();
+        if let Some(j) = self.join.take() {
+            let _ = j.join();
+        }
+    }
+}
+
+/// A request in flight in a ring.
+struct InFlight {
+    req: IoRequest,
+    /// What is left to move.
+    iov: Vec<IoVec>,
+    /// The iovec array handed to the kernel for the current submission (stable until its
+    /// completion arrives).
+    raw: Vec<libc::iovec>,
+    done: u64,
+}
+
+struct RingThread {
+    ring: IoUring,
+    rx: Receiver<IoRequest>,
+    shared: Arc<WorkerShared>,
+    slots: Vec<Option<InFlight>>,
+    free: Vec<usize>,
+    in_flight: usize,
+    /// Target of the armed eventfd read.
+    wake_buf: Box<u64>,
+    wake_armed: bool,
+    disconnected: bool,
+}
+
+impl RingThread {
+    fn new(
+        ring: IoUring,
+        rx: Receiver<IoRequest>,
+        shared: Arc<WorkerShared>,
+        depth: usize,
+    ) -> Self {
+        Self {
+            ring,
+            rx,
+            shared,
+            slots: (0..depth).map(|_| None).collect(),
+            free: (0..depth).rev().collect(),
+            in_flight: 0,
+            wake_buf: Box::new(0),
+            wake_armed: false,
+            disconnected: false,
+        }
+    }
+
+    fn push(&mut self, entry: squeue::Entry) {
+        loop {
+            // SAFETY: every entry pushed names memory that outlives its completion: a slot's
+            // iovecs/buffer (kept in `slots` until the completion) or `wake_buf` (kept until
+            // the armed read completes, see `run`).
+            if unsafe { self.ring.submission().push(&entry) }.is_ok() {
+                return;
+            }
+            // Submission queue full: hand what is queued to the kernel and retry.
+            if let Err(e) = self.ring.submit()
+                && !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY))
+            {
+                panic!("io_uring_enter failed while flushing the submission queue: {e}");
+            }
+        }
+    }
+
+    fn arm_wake(&mut self) {
+        if self.wake_armed || self.disconnected {
+            return;
+        }
+        let buf: *mut u64 = &mut *self.wake_buf;
+        let e = opcode::Read::new(types::Fd(self.shared.eventfd.as_raw_fd()), buf.cast(), 8)
+            .build()
+            .user_data(WAKE);
+        self.push(e);
+        self.wake_armed = true;
+    }
+
+    /// Queue the SQE for slot `i`'s remaining bytes.
+    fn issue(&mut self, i: usize) {
+        let f = self.slots[i].as_mut().expect("issued slot is occupied");
+        let off = f.req.offset() + f.done;
+        let fixed = types::Fixed(0);
+        let entry = if f.iov.len() == 1 {
+            let v = f.iov[0];
+            let len = v.len.min(u32::MAX as usize & !4095) as u32;
+            match f.req.kind() {
+                OpKind::Read => opcode::Read::new(fixed, v.ptr, len).offset(off).build(),
+                OpKind::Write => opcode::Write::new(fixed, v.ptr, len).offset(off).build(),
+            }
+        } else {
+            f.raw.clear();
+            f.raw.extend(
+                f.iov
+                    .iter()
+                    .take(IOV_MAX)
+                    .map(|v| libc::iovec { iov_base: v.ptr.cast(), iov_len: v.len }),
+            );
+            let (p, n) = (f.raw.as_ptr(), f.raw.len() as u32);
+            match f.req.kind() {
+                OpKind::Read => opcode::Readv::new(fixed, p, n).offset(off).build(),
+                OpKind::Write => opcode::Writev::new(fixed, p, n).offset(off).build(),
+            }
+        };
+        self.push(entry.user_data(i as u64));
+    }
+
+    fn start(&mut self, req: IoRequest) {
+        if req.is_empty() {
+            return req.complete(Ok(()));
+        }
+        let i = self.free.pop().expect("start is called only with a free slot");
+        let iov = req.iovecs().to_vec();
+        self.slots[i] = Some(InFlight { req, iov, raw: Vec::new(), done: 0 });
+        self.in_flight += 1;
+        self.issue(i);
+    }
+
+    fn finish(&mut self, i: usize, result: Result<(), IoFailure>) {
+        let f = self.slots[i].take().expect("completed slot is occupied");
+        self.free.push(i);
+        self.in_flight -= 1;
+        f.req.complete(result);
+    }
+
+    fn on_completion(&mut self, user_data: u64, res: i32) {
+        if user_data == WAKE {
+            self.wake_armed = false;
+            return;
+        }
+        let i = user_data as usize;
+        if res < 0 {
+            if res == -libc::EAGAIN || res == -libc::EINTR {
+                return self.issue(i);
+            }
+            return self.finish(i, Err(IoFailure::Os(io::Error::from_raw_os_error(-res))));
+        }
+        let f = self.slots[i].as_mut().expect("completed slot is occupied");
+        if res == 0 {
+            let (done, len) = (f.done, f.req.len());
+            return self.finish(i, Err(IoFailure::Short { done, len }));
+        }
+        f.done += res as u64;
+        advance_iovecs(&mut f.iov, res as usize);
+        if f.iov.is_empty() {
+            self.finish(i, Ok(()));
+        } else {
+            self.issue(i);
+        }
+    }
+
+    fn intake(&mut self) {
+        while !self.free.is_empty() {
+            match self.rx.try_recv() {
+                Ok(req) => self.start(req),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.disconnected = true;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn run(&mut self) {
+        loop {
+            self.intake();
+            if self.disconnected && self.in_flight == 0 {
+                break;
+            }
+            let can_accept = !self.free.is_empty() && !self.disconnected;
+            if can_accept {
+                self.arm_wake();
+                self.shared.sleeping.store(true, Ordering::SeqCst);
+                if !self.rx.is_empty() {
+                    self.shared.sleeping.store(false, Ordering::SeqCst);
+                    if let Err(e) = self.ring.submit() {
+                        let benign = matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY));
+                        assert!(benign, "io_uring_enter failed: {e}");
+                    }
+                    self.reap();
+                    continue;
+                }
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY)) => {}
+                Err(e) => panic!("io_uring_enter failed: {e}"),
+            }
+            self.shared.sleeping.store(false, Ordering::SeqCst);
+            self.reap();
+        }
+        // Nothing of ours is in flight; the eventfd read may still be armed: complete it so the
+        // kernel is done with `wake_buf` before it is freed.
+        while self.wake_armed {
+            self.shared.wake();
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY)) => {}
+                Err(e) => panic!("io_uring_enter failed: {e}"),
+            }
+            self.reap();
+        }
+    }
+
+    fn reap(&mut self) {
+        loop {
+            let batch: Vec<(u64, i32)> =
+                self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            if batch.is_empty() {
+                break;
+            }
+            for (ud, res) in batch {
+                self.on_completion(ud, res);
+            }
+        }
+    }
+}

@@ -1,0 +1,520 @@
+//! Host buffer pool: large, aligned, reusable regions that O_DIRECT I/O (and later CUDA's
+//! `cuMemHostRegister`) can use directly.
+//!
+//! Physically contiguous memory matters as much as queue depth: a block device accepts a
+//! bounded number of memory segments per request (254 on the virtio disk of our machines), so a
+//! 1 MiB transfer from scattered 4 KiB pages is split in two while huge-page memory keeps it
+//! whole. The pool therefore backs every buffer of 2 MiB or more with huge pages when it can:
+//!
+//! 1. [`PageBacking::HugeTlb`]: `MAP_HUGETLB` when the system has huge pages reserved
+//!    (`/proc/sys/vm/nr_hugepages` > 0). A region that cannot get huge pages (the reserve is
+//!    used up) falls back to the next mode.
+//! 2. [`PageBacking::TransparentHuge`]: 2 MiB-aligned anonymous regions with
+//!    `madvise(MADV_HUGEPAGE)` when transparent huge pages are in `always` or `madvise` mode.
+//! 3. [`PageBacking::Normal`]: ordinary pages (a one-line notice says so).
+//!
+//! Buffers below 2 MiB get a power-of-two capacity and are cut from 2 MiB slabs backed the
+//! same way, so they are physically contiguous too.
+//!
+//! Buffers are **not zeroed**: a fresh region reads as zeros, a reused one holds whatever its
+//! previous user left. The pool is bounded: [`BufferPool::alloc`] returns [`Error::NoSpace`]
+//! instead of waiting when the live buffers would exceed the capacity. Freed regions are kept
+//! for reuse (same capacity) and unmapped only when room is needed for a region of another size.
+
+use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::{Error, Result};
+
+/// Alignment of every buffer and granularity of every capacity.
+pub const BUF_ALIGN_BYTES: usize = 4096;
+/// Huge page size: buffers of at least this size are aligned to it and sized in multiples of it.
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// Configuration of a [`BufferPool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Upper bound on the bytes of live buffers (capacities, not lengths).
+    pub capacity_bytes: u64,
+    /// Back large buffers with huge pages when the system offers them.
+    pub prefer_huge_pages: bool,
+}
+
+impl Default for PoolConfig {
+    /// 1 GiB, huge pages preferred.
+    fn default() -> Self {
+        Self { capacity_bytes: 1 << 30, prefer_huge_pages: true }
+    }
+}
+
+/// How the pool's large buffers are backed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageBacking {
+    /// Reserved huge pages (`MAP_HUGETLB`): physically contiguous 2 MiB pages.
+    HugeTlb,
+    /// Transparent huge pages requested with `madvise(MADV_HUGEPAGE)` on 2 MiB-aligned regions.
+    TransparentHuge,
+    /// Ordinary 4 KiB pages.
+    Normal,
+}
+
+/// One mapping owned by the pool.
+struct Region {
+    /// Start of the usable, aligned memory.
+    ptr: NonNull<u8>,
+    /// Usable bytes from `ptr`.
+    capacity: usize,
+    /// Start and length of the whole mapping (for munmap).
+    map_ptr: *mut libc::c_void,
+    map_len: usize,
+}
+
+// SAFETY: a Region is an exclusively owned anonymous mapping; moving it between threads is fine.
+unsafe impl Send for Region {}
+
+impl Region {
+    fn unmap(self) {
+        // SAFETY: map_ptr/map_len describe a mapping this region owns and nothing references
+        // any more (the IoBuf using it was dropped, or it was never handed out).
+        let rc = unsafe { libc::munmap(self.map_ptr, self.map_len) };
+        debug_assert_eq!(rc, 0, "munmap of a pool region failed");
+    }
+}
+
+struct PoolState {
+    /// Capacities of live buffers, summed.
+    used_bytes: u64,
+    /// Capacities of cached free regions, summed.
+    cached_bytes: u64,
+    /// Every mapped byte: live and cached regions, and slabs.
+    mapped_bytes: u64,
+    /// Free regions by capacity.
+    free: HashMap<usize, Vec<Region>>,
+    /// Free slab pieces (small buffers) by capacity.
+    small_free: HashMap<usize, Vec<Region>>,
+    /// 2 MiB regions cut into small buffers; unmapped when the pool is dropped.
+    slabs: Vec<Region>,
+}
+
+/// A bounded pool of aligned host buffers for I/O. `Send + Sync`; share it as `Arc<BufferPool>`.
+pub struct BufferPool {
+    capacity_bytes: u64,
+    backing: PageBacking,
+    state: Mutex<PoolState>,
+}
+
+impl std::fmt::Debug for BufferPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufferPool")
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("backing", &self.backing)
+            .field("used_bytes", &self.used_bytes())
+            .finish()
+    }
+}
+
+fn read_trimmed(path: &str) -> Option<String> {
+    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+/// Whether reserved huge pages (of the default 2 MiB size) are available now.
+fn hugetlb_pages_free() -> u64 {
+    let Ok(info) = std::fs::read_to_string("/proc/meminfo") else { return 0 };
+    info.lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether transparent huge pages can be asked for with madvise.
+fn thp_available() -> bool {
+    read_trimmed("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_some_and(|s| s.contains("[always]") || s.contains("[madvise]"))
+}
+
+impl BufferPool {
+    /// Create a pool bounded to `config.capacity_bytes` of live buffers. Nothing is mapped yet.
+    pub fn new(config: PoolConfig) -> Result<Arc<BufferPool>> {
+        if config.capacity_bytes < BUF_ALIGN_BYTES as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "buffer pool capacity {} is below one {BUF_ALIGN_BYTES}-byte buffer",
+                config.capacity_bytes
+            )));
+        }
+        let backing = if !config.prefer_huge_pages {
+            PageBacking::Normal
+        } else if hugetlb_pages_free() > 0 {
+            PageBacking::HugeTlb
+        } else if thp_available() {
+            PageBacking::TransparentHuge
+        } else {
+            eprintln!(
+                "teraio: notice: no huge pages reserved and transparent huge pages disabled; \
+                 I/O buffers use ordinary pages (large transfers may be split)"
+            );
+            PageBacking::Normal
+        };
+        Ok(Arc::new(BufferPool {
+            capacity_bytes: config.capacity_bytes,
+            backing,
+            state: Mutex::new(PoolState {
+                used_bytes: 0,
+                cached_bytes: 0,
+                mapped_bytes: 0,
+                free: HashMap::new(),
+                small_free: HashMap::new(),
+                slabs: Vec::new(),
+            }),
+        }))
+    }
+
+    /// How large buffers are backed.
+    pub fn backing(&self) -> PageBacking {
+        self.backing
+    }
+
+    /// Bytes held by live buffers (their capacities).
+    pub fn used_bytes(&self) -> u64 {
+        self.state.lock().used_bytes
+    }
+
+    /// The bound on live buffers.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity_bytes
+    }
+
+    /// The capacity a request of `len` bytes gets: below 2 MiB the next power of two (at least
+    /// 4096; such buffers are cut from 2 MiB huge-page slabs), from 2 MiB up a multiple of 2 MiB.
+    pub fn capacity_for(len: usize) -> usize {
+        let len = len.max(1);
+        if len > HUGE_PAGE_BYTES / 2 {
+            len.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        } else {
+            len.next_power_of_two().max(BUF_ALIGN_BYTES)
+        }
+    }
+
+    /// A buffer of `len` bytes (not zeroed; see the module docs), aligned to 4096 bytes, and to
+    /// 2 MiB when its capacity is 2 MiB or more. Returns [`Error::NoSpace`] when the live
+    /// buffers would exceed the pool's capacity; never blocks.
+    pub fn alloc(self: &Arc<Self>, len: usize) -> Result<IoBuf> {
+        let capacity = Self::capacity_for(len);
+        let cap64 = capacity as u64;
+        let mut st = self.state.lock();
+        if st.used_bytes + cap64 > self.capacity_bytes {
+            return Err(Error::NoSpace(format!(
+                "buffer pool: {} bytes requested, {} of {} in use",
+                capacity, st.used_bytes, self.capacity_bytes
+            )));
+        }
+        st.used_bytes += cap64;
+        let small = capacity < HUGE_PAGE_BYTES;
+        if small && let Some(piece) = st.small_free.get_mut(&capacity).and_then(Vec::pop) {
+            return Ok(IoBuf { pool: Arc::clone(self), region: Some(piece), len });
+        }
+        if let Some(region) = st.free.get_mut(&capacity).and_then(Vec::pop) {
+            st.cached_bytes -= cap64;
+            return Ok(IoBuf { pool: Arc::clone(self), region: Some(region), len });
+        }
+        // New memory: a slab for small buffers, a region for large ones. Keep mapped memory
+        // within the bound by unmapping cached regions of other sizes first.
+        let want = if small { HUGE_PAGE_BYTES as u64 } else { cap64 };
+        let mut victims = Vec::new();
+        while st.mapped_bytes + want > self.capacity_bytes && st.cached_bytes > 0 {
+            let Some(&key) = st.free.keys().next() else { break };
+            let list = st.free.get_mut(&key).expect("key just listed");
+            let victim = list.pop();
+            if list.is_empty() {
+                st.free.remove(&key);
+            }
+            if let Some(r) = victim {
+                st.cached_bytes -= r.capacity as u64;
+                st.mapped_bytes -= r.capacity as u64;
+                victims.push(r);
+            }
+        }
+        let slab = small && st.mapped_bytes + want <= self.capacity_bytes;
+        let map_bytes = if slab { HUGE_PAGE_BYTES } else { capacity };
+        st.mapped_bytes += map_bytes as u64;
+        drop(st);
+        victims.into_iter().for_each(Region::unmap);
+        let region = match self.map_region(map_bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                let mut st = self.state.lock();
+                st.used_bytes -= cap64;
+                st.mapped_bytes -= map_bytes as u64;
+                return Err(e);
+            }
+        };
+        if !slab {
+            return Ok(IoBuf { pool: Arc::clone(self), region: Some(region), len });
+        }
+        // Cut the slab into pieces of this capacity; hand out the first.
+        let pieces = HUGE_PAGE_BYTES / capacity;
+        let mut st = self.state.lock();
+        let free = st.small_free.entry(capacity).or_default();
+        for i in (1..pieces).rev() {
+            // SAFETY: `i * capacity < HUGE_PAGE_BYTES`: inside the slab just mapped.
+            let p = unsafe { region.ptr.as_ptr().add(i * capacity) };
+            let ptr = NonNull::new(p).expect("inside a mapping");
+            free.push(Region { ptr, capacity, map_ptr: std::ptr::null_mut(), map_len: 0 });
+        }
+        let first = Region { ptr: region.ptr, capacity, map_ptr: std::ptr::null_mut(), map_len: 0 };
+        st.slabs.push(region);
+        Ok(IoBuf { pool: Arc::clone(self), region: Some(first), len })
+    }
+
+    fn map_region(&self, capacity: usize) -> Result<Region> {
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        let large = capacity >= HUGE_PAGE_BYTES;
+        if large && self.backing == PageBacking::HugeTlb {
+            // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+            let p = unsafe {
+                libc::mmap(std::ptr::null_mut(), capacity, prot, flags | libc::MAP_HUGETLB, -1, 0)
+            };
+            if p != libc::MAP_FAILED {
+                let ptr = NonNull::new(p.cast::<u8>()).expect("mmap returned a non-null pointer");
+                return Ok(Region { ptr, capacity, map_ptr: p, map_len: capacity });
+            }
+            // The reserve is used up: fall back to transparent huge pages for this region.
+        }
+        let align = if large { HUGE_PAGE_BYTES } else { BUF_ALIGN_BYTES };
+        let map_len = capacity + align - BUF_ALIGN_BYTES;
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len, prot, flags, -1, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Os {
+                context: format!("mapping a {capacity}-byte I/O buffer"),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let addr = p as usize;
+        let start = addr.next_multiple_of(align);
+        debug_assert!(start + capacity <= addr + map_len);
+        if large && self.backing != PageBacking::Normal {
+            // SAFETY: [start, start + capacity) lies inside the mapping made above. madvise is
+            // advisory: failure only means ordinary pages.
+            unsafe { libc::madvise(start as *mut libc::c_void, capacity, libc::MADV_HUGEPAGE) };
+        }
+        let ptr = NonNull::new(start as *mut u8).expect("aligned address inside a mapping");
+        Ok(Region { ptr, capacity, map_ptr: p, map_len })
+    }
+
+    fn release(&self, region: Region) {
+        let cap = region.capacity as u64;
+        let mut st = self.state.lock();
+        st.used_bytes -= cap;
+        if region.map_len == 0 {
+            // A slab piece: back to its class.
+            st.small_free.entry(region.capacity).or_default().push(region);
+        } else if st.mapped_bytes <= self.capacity_bytes {
+            st.cached_bytes += cap;
+            st.free.entry(region.capacity).or_default().push(region);
+        } else {
+            st.mapped_bytes -= cap;
+            drop(st);
+            region.unmap();
+        }
+    }
+}
+
+impl Drop for BufferPool {
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        for (_, list) in st.free.drain() {
+            list.into_iter().for_each(Region::unmap);
+        }
+        // Slab pieces are views into the slabs; no IoBuf is alive (each holds the pool).
+        st.small_free.clear();
+        st.slabs.drain(..).for_each(Region::unmap);
+    }
+}
+
+/// An aligned host buffer from a [`BufferPool`]. Dereferences to its first [`len`](Self::len)
+/// bytes; returns its memory to the pool on drop.
+pub struct IoBuf {
+    pool: Arc<BufferPool>,
+    region: Option<Region>,
+    len: usize,
+}
+
+// SAFETY: the buffer exclusively owns its region; &IoBuf only gives shared access to bytes.
+unsafe impl Sync for IoBuf {}
+
+impl IoBuf {
+    fn region(&self) -> &Region {
+        self.region.as_ref().expect("an IoBuf holds its region until dropped")
+    }
+
+    /// Bytes visible through `Deref`.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether [`len`](Self::len) is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes the buffer can hold: a multiple of 4096 (of 2 MiB from 2 MiB up), at least `len`.
+    pub fn capacity(&self) -> usize {
+        self.region().capacity
+    }
+
+    /// Change the visible length. Panics when `len` exceeds the capacity.
+    pub fn set_len(&mut self, len: usize) {
+        assert!(
+            len <= self.capacity(),
+            "IoBuf::set_len({len}) beyond capacity {}",
+            self.capacity()
+        );
+        self.len = len;
+    }
+
+    /// Start of the buffer (aligned to at least 4096).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.region().ptr.as_ptr()
+    }
+
+    /// Start of the buffer, writable.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.region().ptr.as_ptr()
+    }
+
+    /// The whole capacity as a slice (bytes past `len` included).
+    pub fn as_full_slice_mut(&mut self) -> &mut [u8] {
+        let cap = self.capacity();
+        // SAFETY: the region is `cap` bytes of mapped, exclusively owned memory.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), cap) }
+    }
+
+    /// The pool this buffer returns to.
+    pub fn pool(&self) -> &Arc<BufferPool> {
+        &self.pool
+    }
+}
+
+impl Deref for IoBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len <= capacity` bytes of mapped memory owned by this buffer; no mutable
+        // alias exists while &self is held (I/O in flight owns the IoBuf itself).
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for IoBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        // SAFETY: as in `deref`, with exclusive access through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), len) }
+    }
+}
+
+impl std::fmt::Debug for IoBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoBuf")
+            .field("ptr", &self.as_ptr())
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .finish()
+    }
+}
+
+impl Drop for IoBuf {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            self.pool.release(region);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(cap: u64) -> Arc<BufferPool> {
+        BufferPool::new(PoolConfig { capacity_bytes: cap, prefer_huge_pages: true }).unwrap()
+    }
+
+    #[test]
+    fn alignment_and_capacity_rounding() {
+        let p = pool(64 << 20);
+        let small = p.alloc(100).unwrap();
+        assert_eq!(small.len(), 100);
+        assert_eq!(small.capacity(), 4096);
+        assert_eq!(p.alloc(5000).unwrap().capacity(), 8192);
+        assert_eq!(small.as_ptr() as usize % 4096, 0);
+        let large = p.alloc((2 << 20) + 1).unwrap();
+        assert_eq!(large.capacity(), 4 << 20);
+        assert_eq!(large.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
+        assert_eq!(p.used_bytes(), 4096 + (4 << 20));
+    }
+
+    #[test]
+    fn bound_gives_no_space_and_memory_is_reused() {
+        let p = pool(8 << 20);
+        let mut a = p.alloc(4 << 20).unwrap();
+        a[0] = 0xAB;
+        let addr = a.as_ptr();
+        let _b = p.alloc(4 << 20).unwrap();
+        assert!(matches!(p.alloc(4096), Err(Error::NoSpace(_))));
+        drop(a);
+        assert_eq!(p.used_bytes(), 4 << 20);
+        let c = p.alloc(4 << 20).unwrap();
+        assert_eq!(c.as_ptr(), addr, "a freed region of the same size is reused");
+        assert_eq!(c[0], 0xAB, "reused memory is not zeroed (documented)");
+    }
+
+    #[test]
+    fn cached_regions_are_evicted_for_other_sizes() {
+        let p = pool(4 << 20);
+        drop(p.alloc(4 << 20).unwrap());
+        let small: Vec<_> = (0..8).map(|_| p.alloc(4096).unwrap()).collect();
+        assert_eq!(p.used_bytes(), 8 * 4096);
+        drop(small);
+        assert_eq!(p.used_bytes(), 0);
+        let big = p.alloc(4 << 20).unwrap();
+        assert_eq!(big.capacity(), 4 << 20);
+    }
+
+    #[test]
+    fn small_buffers_share_aligned_slabs() {
+        let p = pool(64 << 20);
+        let a = p.alloc(1 << 20).unwrap();
+        let b = p.alloc(600 << 10).unwrap();
+        assert_eq!(b.capacity(), 1 << 20, "small capacities are powers of two");
+        assert_eq!(a.as_ptr() as usize % (1 << 20), 0);
+        assert_eq!(
+            (a.as_ptr() as usize) / HUGE_PAGE_BYTES,
+            (b.as_ptr() as usize) / HUGE_PAGE_BYTES
+        );
+        let addr = b.as_ptr();
+        drop(b);
+        assert_eq!(p.alloc(1 << 20).unwrap().as_ptr(), addr, "slab pieces are reused");
+    }
+
+    #[test]
+    fn set_len_and_deref() {
+        let p = pool(1 << 20);
+        let mut b = p.alloc(10).unwrap();
+        b.copy_from_slice(&[7; 10]);
+        b.set_len(4096);
+        assert_eq!(b.len(), 4096);
+        assert_eq!(&b[..10], &[7; 10]);
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond capacity")]
+    fn set_len_beyond_capacity_panics() {
+        let p = pool(1 << 20);
+        let mut b = p.alloc(10).unwrap();
+        b.set_len(8192);
+    }
+}
