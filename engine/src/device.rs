@@ -11,11 +11,8 @@ use std::sync::Arc;
 
 use crate::{Error, Result};
 
-/// First 8 bytes (little-endian) of a teraio superblock at device offset 0.
-///
-/// Mirrors `teraio_layout::format::SUPERBLOCK_MAGIC` ("TERAIOSB"), which the format work is
-/// adding; kept local until that constant lands.
-pub const TERAIO_SUPERBLOCK_MAGIC: u64 = 0x5445_5241_494f_5342;
+/// First 8 bytes (little-endian) of a teraio superblock at device offset 0 ("TERAIOSB").
+pub const TERAIO_SUPERBLOCK_MAGIC: u64 = teraio_layout::format::SUPERBLOCK_MAGIC;
 
 /// Bytes read from the start of a target to look for signatures (covers btrfs at 64 KiB).
 pub const PROBE_BYTES: usize = 128 << 10;

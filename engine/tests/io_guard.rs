@@ -56,7 +56,8 @@ fn the_same_bytes_elsewhere_are_not_a_signature() {
 
 #[test]
 fn another_teraio_array_needs_allow_teraio() {
-    let (_dir, path) = file_with(&[(0, &TERAIO_SUPERBLOCK_MAGIC.to_le_bytes())], 4 << 20);
+    assert_eq!(TERAIO_SUPERBLOCK_MAGIC.to_le_bytes(), *b"TERAIOSB");
+    let (_dir, path) = file_with(&[(0, b"TERAIOSB")], 4 << 20);
     let e = open(&path, ExistingData::Refuse).unwrap_err();
     assert!(e.to_string().contains("teraio array"), "{e}");
     open(&path, ExistingData::AllowTeraio).unwrap();

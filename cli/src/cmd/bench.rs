@@ -1,12 +1,628 @@
-//! `teraio bench` (being built).
+//! `teraio bench`: a storage benchmark in the spirit of fio, over files or raw block devices,
+//! through teraio's own I/O engine (the same device array and backends a training run uses).
+//!
+//! Each device gets one driver thread that keeps `--iodepth` requests in flight through
+//! [`DeviceArray::read_at`]/[`DeviceArray::write_at`] with buffers from the huge-page
+//! [`BufferPool`]. Latencies go into HDR histograms; `--json` prints them with fio's field names
+//! (`bw_bytes`, `iops`, `runtime`, `lat_ns`/`clat_ns`/`slat_ns` with percentile keys such as
+//! `"99.000000"`) so the result can be put next to fio's.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Map, Value, json};
+use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, IoTicket, Target};
+use teraio_engine::pool::{BufferPool, IoBuf, PoolConfig};
 
 use crate::{CliError, Result};
 
+/// The I/O pattern (fio's `--rw`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rw {
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Random reads.
+    Randread,
+    /// Random writes.
+    Randwrite,
+    /// Sequential mixed reads and writes (`--rwmixread` % reads).
+    #[value(alias = "rw")]
+    Readwrite,
+    /// Random mixed reads and writes.
+    Randrw,
+}
+
+impl Rw {
+    fn random(self) -> bool {
+        matches!(self, Rw::Randread | Rw::Randwrite | Rw::Randrw)
+    }
+    fn reads(self) -> bool {
+        !matches!(self, Rw::Write | Rw::Randwrite)
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Rw::Read => "read",
+            Rw::Write => "write",
+            Rw::Randread => "randread",
+            Rw::Randwrite => "randwrite",
+            Rw::Readwrite => "rw",
+            Rw::Randrw => "randrw",
+        }
+    }
+}
+
+/// I/O backend of the run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendArg {
+    /// io_uring (falls back to psync with a notice when unavailable).
+    Uring,
+    /// pread/pwrite on a thread pool.
+    Psync,
+}
+
 /// Options of `teraio bench`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// A file or raw block device to test; repeat for several. Default: `--files` files in
+    /// `--dir`.
+    #[arg(long = "target", value_name = "PATH")]
+    pub targets: Vec<PathBuf>,
+    /// Folder of the default data files (`dev0`, `dev1`, ...), created if missing.
+    #[arg(long, default_value = "./teraio-data")]
+    pub dir: PathBuf,
+    /// Number of data files in `--dir` when no `--target` is given.
+    #[arg(long, default_value_t = 4)]
+    pub files: u32,
+    /// I/O pattern.
+    #[arg(long, value_enum, default_value = "read")]
+    pub rw: Rw,
+    /// Block size of each I/O (k, M, G suffixes are powers of 1024).
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    pub bs: u64,
+    /// Requests in flight per device.
+    #[arg(long, default_value_t = 32)]
+    pub iodepth: u32,
+    /// Bytes per device (files are created or extended to it; devices use at most this).
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    pub size: u64,
+    /// Run for this many seconds, wrapping around (default: one pass over `--size`).
+    #[arg(long, value_name = "SECONDS")]
+    pub runtime: Option<f64>,
+    /// Percentage of reads in mixed workloads.
+    #[arg(long, default_value_t = 50)]
+    pub rwmixread: u32,
+    /// I/O backend.
+    #[arg(long, value_enum, default_value = "uring")]
+    pub backend: BackendArg,
+    /// Print fio-style JSON instead of the text summary.
+    #[arg(long)]
+    pub json: bool,
+    /// Overwrite targets that hold a filesystem, partition table or teraio array.
+    #[arg(long)]
+    pub force: bool,
+    /// Do not write new files before a read workload (reads of never-written blocks of a
+    /// preallocated file do not touch the disk).
+    #[arg(long)]
+    pub no_prefill: bool,
+    /// Seed of the random offsets.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// Parse "4k", "1M", "1GiB", "512" (powers of 1024, as fio does by default).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let t = t.strip_suffix('B').or_else(|| t.strip_suffix('b')).unwrap_or(t);
+    let t = t.strip_suffix('i').unwrap_or(t);
+    let (num, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
+        Some('t' | 'T') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let n: u64 =
+        num.trim().parse().map_err(|_| format!("{s:?} is not a size (e.g. 4k, 1M, 1G)"))?;
+    n.checked_mul(mult).filter(|&v| v > 0).ok_or_else(|| format!("{s:?} is zero or too large"))
+}
+
+/// Latency histograms of one direction (nanoseconds).
+struct DirStats {
+    ios: u64,
+    bytes: u64,
+    slat: Histogram<u64>,
+    clat: Histogram<u64>,
+    lat: Histogram<u64>,
+}
+
+impl DirStats {
+    fn new() -> Self {
+        let h = || Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds");
+        Self { ios: 0, bytes: 0, slat: h(), clat: h(), lat: h() }
+    }
+    fn merge(&mut self, o: &DirStats) {
+        self.ios += o.ios;
+        self.bytes += o.bytes;
+        self.slat.add(&o.slat).expect("same bounds");
+        self.clat.add(&o.clat).expect("same bounds");
+        self.lat.add(&o.lat).expect("same bounds");
+    }
+}
+
+struct InFlight {
+    ticket: IoTicket,
+    read: bool,
+    submitted: Instant,
+    slat: Duration,
+}
+
+const PERCENTILES: [f64; 17] = [
+    1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95,
+    99.99,
+];
+
+/// What one device's driver thread should do.
+struct Job {
+    device: u32,
+    rw: Rw,
+    bs: u64,
+    span: u64,
+    iodepth: u32,
+    ops: Option<u64>,
+    deadline: Option<Instant>,
+    rwmixread: u32,
+    seed: u64,
+}
+
+fn drive(
+    array: &DeviceArray,
+    pool: &Arc<BufferPool>,
+    job: &Job,
+    progress: &AtomicU64,
+    stop: &AtomicBool,
+) -> Result<(DirStats, DirStats)> {
+    let (mut rd, mut wr) = (DirStats::new(), DirStats::new());
+    let blocks = job.span / job.bs;
+    let mut rng = SmallRng::seed_from_u64(job.seed ^ (u64::from(job.device) << 32));
+    let mut free: Vec<IoBuf> = Vec::new();
+    for _ in 0..job.iodepth {
+        let mut b = pool.alloc(job.bs as usize)?;
+        rng.fill(&mut b[..]);
+        free.push(b);
+    }
+    let mut queue: VecDeque<InFlight> = VecDeque::with_capacity(job.iodepth as usize);
+    let mut issued = 0u64;
+    let mut next_block = 0u64;
+    loop {
+        let more = |issued: u64| {
+            job.ops.is_none_or(|n| issued < n)
+                && job.deadline.is_none_or(|d| Instant::now() < d)
+                && !stop.load(Ordering::Relaxed)
+        };
+        while queue.len() < job.iodepth as usize && more(issued) {
+            let block = if job.rw.random() {
+                rng.gen_range(0..blocks)
+            } else {
+                let b = next_block;
+                next_block = (next_block + 1) % blocks;
+                b
+            };
+            let read = match job.rw {
+                Rw::Read | Rw::Randread => true,
+                Rw::Write | Rw::Randwrite => false,
+                Rw::Readwrite | Rw::Randrw => rng.gen_range(0..100) < job.rwmixread,
+            };
+            let buf = free.pop().expect("one buffer per slot of the queue");
+            let t0 = Instant::now();
+            let ticket = if read {
+                array.read_at(job.device, block * job.bs, buf)?
+            } else {
+                array.write_at(job.device, block * job.bs, buf)?
+            };
+            let slat = t0.elapsed();
+            queue.push_back(InFlight { ticket, read, submitted: t0, slat });
+            issued += 1;
+        }
+        let Some(f) = queue.pop_front() else { break };
+        let (buf, result) = f.ticket.wait();
+        result?;
+        let done = Instant::now();
+        let lat = done.saturating_duration_since(f.submitted);
+        let s = if f.read { &mut rd } else { &mut wr };
+        s.ios += 1;
+        s.bytes += job.bs;
+        let ns = |d: Duration| (d.as_nanos() as u64).max(1);
+        s.slat.saturating_record(ns(f.slat));
+        s.clat.saturating_record(ns(lat.saturating_sub(f.slat)));
+        s.lat.saturating_record(ns(lat));
+        progress.fetch_add(job.bs, Ordering::Relaxed);
+        free.push(buf);
+    }
+    Ok((rd, wr))
+}
+
+fn human_bytes(b: f64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{v:.0}{}", U[i]) } else { format!("{v:.1}{}", U[i]) }
+}
+
+fn hist_json(h: &Histogram<u64>, with_percentiles: bool) -> Value {
+    let mut m = Map::new();
+    let n = h.len();
+    m.insert("min".into(), json!(if n == 0 { 0 } else { h.min() }));
+    m.insert("max".into(), json!(h.max()));
+    m.insert("mean".into(), json!(if n == 0 { 0.0 } else { h.mean() }));
+    m.insert("stddev".into(), json!(if n == 0 { 0.0 } else { h.stdev() }));
+    m.insert("N".into(), json!(n));
+    if with_percentiles {
+        let mut p = Map::new();
+        for q in PERCENTILES {
+            p.insert(format!("{q:.6}"), json!(h.value_at_quantile(q / 100.0)));
+        }
+        m.insert("percentile".into(), Value::Object(p));
+    }
+    Value::Object(m)
+}
+
+fn dir_json(s: &DirStats, runtime: Duration) -> Value {
+    let secs = runtime.as_secs_f64().max(1e-9);
+    let bw = s.bytes as f64 / secs;
+    json!({
+        "io_bytes": s.bytes,
+        "io_kbytes": s.bytes / 1024,
+        "bw_bytes": bw.round() as u64,
+        "bw": (bw / 1024.0).round() as u64,
+        "iops": s.ios as f64 / secs,
+        "runtime": runtime.as_millis() as u64,
+        "total_ios": s.ios,
+        "slat_ns": hist_json(&s.slat, false),
+        "clat_ns": hist_json(&s.clat, true),
+        "lat_ns": hist_json(&s.lat, true),
+    })
+}
+
+fn print_dir(name: &str, s: &DirStats, runtime: Duration) {
+    if s.ios == 0 {
+        return;
+    }
+    let secs = runtime.as_secs_f64().max(1e-9);
+    let bw = s.bytes as f64 / secs;
+    println!(
+        "  {name}: IOPS={:.0}, BW={:.2}GB/s ({}/s) ({} in {:.3}s)",
+        s.ios as f64 / secs,
+        bw / 1e9,
+        human_bytes(bw),
+        human_bytes(s.bytes as f64),
+        secs
+    );
+    let us = |v: u64| v as f64 / 1000.0;
+    let h = &s.lat;
+    println!(
+        "    lat (usec): min={:.1}, avg={:.1}, p50={:.1}, p99={:.1}, p99.9={:.1}, max={:.1}",
+        us(h.min()),
+        h.mean() / 1000.0,
+        us(h.value_at_quantile(0.5)),
+        us(h.value_at_quantile(0.99)),
+        us(h.value_at_quantile(0.999)),
+        us(h.max())
+    );
+}
+
+/// Open the targets and run the workload.
+fn execute(args: &Args) -> Result<Report> {
+    if args.iodepth == 0 {
+        return Err(CliError::Usage("--iodepth must be at least 1".into()));
+    }
+    if args.rwmixread > 100 {
+        return Err(CliError::Usage("--rwmixread is a percentage (0-100)".into()));
+    }
+    if args.runtime.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+        return Err(CliError::Usage("--runtime must be a positive number of seconds".into()));
+    }
+    let targets: Vec<PathBuf> = if args.targets.is_empty() {
+        if args.files == 0 {
+            return Err(CliError::Usage("--files must be at least 1".into()));
+        }
+        std::fs::create_dir_all(&args.dir)
+            .map_err(|e| CliError::File { path: args.dir.clone(), source: e })?;
+        (0..args.files).map(|i| args.dir.join(format!("dev{i}"))).collect()
+    } else {
+        args.targets.clone()
+    };
+    // Files that do not yet hold `size` bytes get written before a read workload.
+    let needs_prefill: Vec<bool> = targets
+        .iter()
+        .map(|p| match std::fs::metadata(p) {
+            Ok(m) if m.file_type().is_file() => m.len() < args.size,
+            Ok(_) => false,
+            Err(_) => true,
+        })
+        .collect();
+    let mut config = ArrayConfig::new(targets.iter().cloned().map(Target::Path).collect());
+    config.file_size_bytes = args.size;
+    config.queue_depth = args.iodepth;
+    config.backend = match args.backend {
+        BackendArg::Uring => BackendKind::Uring,
+        BackendArg::Psync => BackendKind::Psync,
+    };
+    config.existing =
+        if args.force { ExistingData::AllowAnything } else { ExistingData::AllowTeraio };
+    let array = DeviceArray::open(config)?;
+    let block = u64::from(array.geometry().block_bytes);
+    if !args.bs.is_multiple_of(block) {
+        return Err(CliError::Usage(format!(
+            "--bs {} is not a multiple of the devices' block size {block} (O_DIRECT)",
+            args.bs
+        )));
+    }
+    if args.bs > array.max_io_bytes() {
+        eprintln!(
+            "teraio: notice: --bs {} exceeds the devices' largest request ({} bytes); each I/O is split",
+            args.bs,
+            array.max_io_bytes()
+        );
+    }
+    let n = array.device_count();
+    let spans: Vec<u64> =
+        (0..n).map(|d| array.device_capacity(d).min(args.size) / args.bs * args.bs).collect();
+    if let Some((d, _)) = spans.iter().enumerate().find(|(_, s)| **s == 0) {
+        return Err(CliError::Usage(format!(
+            "{} holds less than one --bs block",
+            array.device_name(d as u32)
+        )));
+    }
+    let slots = u64::from(args.iodepth) * u64::from(n);
+    let per_buf = BufferPool::capacity_for(args.bs as usize) as u64;
+    let pool = BufferPool::new(PoolConfig {
+        capacity_bytes: (slots * per_buf + (4 << 20)).next_multiple_of(2 << 20),
+        prefer_huge_pages: true,
+    })?;
+
+    if args.rw.reads() && !args.no_prefill && needs_prefill.iter().any(|&b| b) {
+        eprintln!(
+            "teraio: writing the new data files once before reading them (--no-prefill skips)"
+        );
+        let jobs: Vec<Job> = (0..n)
+            .filter(|&d| needs_prefill[d as usize])
+            .map(|d| Job {
+                device: d,
+                rw: Rw::Write,
+                bs: args.bs,
+                span: spans[d as usize],
+                iodepth: args.iodepth,
+                ops: Some(spans[d as usize] / args.bs),
+                deadline: None,
+                rwmixread: 0,
+                seed: args.seed,
+            })
+            .collect();
+        run_jobs(&array, &pool, jobs, None, true)?;
+        array.sync()?;
+    }
+
+    let deadline = args.runtime.map(|r| Instant::now() + Duration::from_secs_f64(r));
+    let jobs: Vec<Job> = (0..n)
+        .map(|d| Job {
+            device: d,
+            rw: args.rw,
+            bs: args.bs,
+            span: spans[d as usize],
+            iodepth: args.iodepth,
+            ops: if deadline.is_some() { None } else { Some(spans[d as usize] / args.bs) },
+            deadline,
+            rwmixread: args.rwmixread,
+            seed: args.seed,
+        })
+        .collect();
+    let total = if deadline.is_some() { None } else { Some(spans.iter().sum::<u64>()) };
+    let (rd, wr) = run_jobs(&array, &pool, jobs, total.map(|t| (t, args.runtime)), args.json)?;
+    if !args.rw.reads() {
+        // Not part of the timing (as fio without --end_fsync), but leave the data durable.
+        array.sync()?;
+    }
+    let runtime = rd.1.max(wr.1).max(Duration::from_nanos(1));
+    Ok(Report {
+        rd: rd.0,
+        wr: wr.0,
+        runtime,
+        names: (0..n).map(|d| array.device_name(d)).collect(),
+        backend: array.backend_name(),
+        backing: pool.backing(),
+    })
+}
+
+/// The outcome of a run.
+struct Report {
+    rd: DirStats,
+    wr: DirStats,
+    runtime: Duration,
+    names: Vec<String>,
+    backend: &'static str,
+    backing: teraio_engine::pool::PageBacking,
+}
 
 /// Run `teraio bench`.
-pub fn run(_args: Args) -> Result<()> {
-    Err(CliError::Usage("teraio bench is not built yet".into()))
+pub fn run(args: Args) -> Result<()> {
+    let report = execute(&args)?;
+    let Report { rd, wr, runtime, names, backend, backing } = report;
+    let n = names.len();
+    let engine = format!("teraio-{backend}");
+    if args.json {
+        let out = json!({
+            "teraio version": env!("CARGO_PKG_VERSION"),
+            "timestamp": std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            "global options": {
+                "rw": args.rw.name(),
+                "bs": args.bs.to_string(),
+                "iodepth": args.iodepth.to_string(),
+                "size": args.size.to_string(),
+                "direct": "1",
+                "ioengine": engine,
+                "numjobs": n.to_string(),
+                "filename": names.join(":"),
+            },
+            "jobs": [{
+                "jobname": "teraio",
+                "job_runtime": runtime.as_millis() as u64,
+                "read": dir_json(&rd, runtime),
+                "write": dir_json(&wr, runtime),
+            }],
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "teraio bench: rw={} bs={} iodepth={} x {} device(s), backend={}, buffers={:?}",
+            args.rw.name(),
+            human_bytes(args.bs as f64),
+            args.iodepth,
+            n,
+            backend,
+            backing
+        );
+        print_dir("read", &rd, runtime);
+        print_dir("write", &wr, runtime);
+    }
+    Ok(())
+}
+
+type Totals = ((DirStats, Duration), (DirStats, Duration));
+
+/// Run one driver thread per job; returns merged read and write stats with the wall time.
+fn run_jobs(
+    array: &Arc<DeviceArray>,
+    pool: &Arc<BufferPool>,
+    jobs: Vec<Job>,
+    total: Option<(u64, Option<f64>)>,
+    quiet: bool,
+) -> Result<Totals> {
+    let progress = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let bar = if quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        let bar = match total {
+            Some((bytes, _)) => indicatif::ProgressBar::new(bytes),
+            None => indicatif::ProgressBar::new(0),
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec}",
+            )
+            .expect("valid template"),
+        );
+        bar
+    };
+    let started = Instant::now();
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|job| {
+                let (array, pool, progress, stop) = (array, pool, &progress, &stop);
+                s.spawn(move || {
+                    let r = drive(array, pool, job, progress, stop);
+                    if r.is_err() {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    r
+                })
+            })
+            .collect();
+        while !handles.iter().all(|h| h.is_finished()) {
+            bar.set_position(progress.load(Ordering::Relaxed));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        handles.into_iter().map(|h| h.join().expect("driver thread panicked")).collect::<Vec<_>>()
+    });
+    let elapsed = started.elapsed();
+    bar.finish_and_clear();
+    let (mut rd, mut wr) = (DirStats::new(), DirStats::new());
+    for r in results {
+        let (a, b) = r?;
+        rd.merge(&a);
+        wr.merge(&b);
+    }
+    Ok(((rd, elapsed), (wr, elapsed)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_fio() {
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("512"), Ok(512));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn percentile_keys_match_fio() {
+        let mut h = Histogram::<u64>::new_with_bounds(1, 1_000_000, 3).unwrap();
+        for v in 1..=1000 {
+            h.record(v).unwrap();
+        }
+        let j = hist_json(&h, true);
+        let p = j["percentile"].as_object().unwrap();
+        assert!(
+            p.contains_key("99.000000")
+                && p.contains_key("50.000000")
+                && p.contains_key("99.990000")
+        );
+        let p99 = p["99.000000"].as_u64().unwrap();
+        assert!((985..=995).contains(&p99), "{p99}");
+    }
+
+    #[test]
+    fn a_small_run_over_files_reports_what_it_moved() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = Args {
+            targets: vec![],
+            dir: dir.path().to_path_buf(),
+            files: 2,
+            rw: Rw::Write,
+            bs: 64 << 10,
+            iodepth: 4,
+            size: 1 << 20,
+            runtime: None,
+            rwmixread: 50,
+            backend: BackendArg::Uring,
+            json: true,
+            force: false,
+            no_prefill: false,
+            seed: 1,
+        };
+        let r = execute(&args).unwrap();
+        assert_eq!(r.wr.ios, 32);
+        assert_eq!(r.wr.bytes, 2 << 20);
+        assert_eq!(r.rd.ios, 0);
+        assert_eq!(r.wr.lat.len(), 32);
+        assert_eq!(r.names.len(), 2);
+        assert_eq!(std::fs::metadata(dir.path().join("dev1")).unwrap().len(), 1 << 20);
+        // A read pass over the same files reads what was written.
+        let args = Args { rw: Rw::Randread, bs: 4096, ..args };
+        let r = execute(&args).unwrap();
+        assert_eq!(r.rd.ios, 2 * 256);
+        assert!(r.rd.clat.max() <= r.rd.lat.max());
+    }
 }
