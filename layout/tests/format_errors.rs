@@ -208,8 +208,13 @@ fn device_layout_defaults() {
     let slot =
         (CHECKPOINT_HEADER_BYTES as u64 + (128 << 10) + DEFAULT_TABLE_BYTES).div_ceil(4096) * 4096;
     assert_eq!(big.checkpoints[0].len, slot);
-    assert_eq!(big.data.offset % MIB, 0);
+    // The worked example of docs/FORMAT.md.
+    assert_eq!(big.checkpoints[0].offset, 67_239_936);
+    assert_eq!(big.checkpoints[1].offset, 134_483_968);
+    assert_eq!(slot, 67_244_032);
+    assert_eq!(big.data.offset, 193 * MIB);
     assert_eq!(big.data.end(), 1 << 40);
+    assert_eq!(big.data_units(), (1 << 20) - 193);
 
     let small = DeviceLayout::with_defaults(64 * MIB, 4096, 64 << 10).unwrap();
     assert_eq!(small.journal.len, 4 * MIB);
@@ -491,9 +496,22 @@ fn journal_scan_reports_lost_records_as_corruption() {
     region[a.len() + 60] ^= 1;
     match scan_journal(&region, BLOCK, 1).unwrap_err() {
         Error::Corruption { what: "journal", detail } => {
-            assert!(detail.contains(&format!("offset {}", a.len())), "{detail}");
-            assert!(detail.contains("seq 3"), "{detail}");
+            assert!(detail.contains(&format!("offset {} holds a damaged", a.len())), "{detail}");
+            assert!(detail.contains("seq 3 follows"), "{detail}");
         }
+        e => panic!("{e}"),
+    }
+    // A zeroed block in the middle (e.g. a lost write) with a newer batch after it.
+    let region = region_with(&[(0, &a), (a.len() + b.len(), &c)]);
+    match scan_journal(&region, BLOCK, 1).unwrap_err() {
+        Error::Corruption { detail, .. } => assert!(detail.contains("zeroed"), "{detail}"),
+        e => panic!("{e}"),
+    }
+    // An older batch where b should be (a lost overwrite after a restart), c after it.
+    let old = batch(1, &[RecordBody::DeleteTensor { id: 5 }]);
+    let region = region_with(&[(0, &a), (a.len(), &old), (a.len() + b.len(), &c)]);
+    match scan_journal(&region, BLOCK, 1).unwrap_err() {
+        Error::Corruption { detail, .. } => assert!(detail.contains("older batch"), "{detail}"),
         e => panic!("{e}"),
     }
     // A gap in sequence numbers between valid batches.

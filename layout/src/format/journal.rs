@@ -138,7 +138,9 @@ pub fn decode_journal_batch(bytes: &[u8], block_bytes: u32) -> Result<JournalBat
     Ok(JournalBatch { offset: 0, len_bytes: len as u64, seq_first, records })
 }
 
-/// Why [`scan_journal`] stopped. Every variant is a clean end of the journal.
+/// Why [`scan_journal`] stopped. Every variant is a clean end of the journal: apart from
+/// `End`, the scan has checked that no valid batch with the expected or a later sequence
+/// number follows anywhere in the region.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ScanStop {
     /// The batches fill the region to its end (less than one block is left).
@@ -151,9 +153,8 @@ pub enum ScanStop {
         /// The stale batch's first sequence number.
         seq_first: u64,
     },
-    /// The next block does not hold a valid batch (a batch torn by a crash mid-append, or
-    /// leftover bytes of an older batch), and no valid batch with an expected or later sequence
-    /// number follows anywhere after it.
+    /// The next block does not hold a valid batch: a batch torn by a crash mid-append, or
+    /// leftover bytes of an older batch.
     TornTail {
         /// Why the batch at `bytes_used` did not decode.
         error: Error,
@@ -187,13 +188,14 @@ impl JournalScan {
 /// checkpoint's `journal_seq + 1` (1 on a fresh array). Batches are read in order while each
 /// is valid and starts exactly at the expected sequence number. The scan stops cleanly
 /// ([`ScanStop`]) at the end of the region, at a zeroed block, at a valid batch with a lower
-/// sequence number (stale), or at a block that is not a valid batch (torn tail). In the last
-/// case the rest of the region is searched, block by block, for a valid batch whose
-/// `seq_first` is at least the expected sequence number: finding one means records in the
-/// middle of the journal were lost, and the scan fails with `Corruption`.
+/// sequence number (stale), or at a block that is not a valid batch (torn tail). Before
+/// stopping anywhere but the end, the rest of the region is searched, block by block, for a
+/// valid batch whose `seq_first` is at least the expected sequence number: finding one means
+/// records in the middle of the journal were lost (a damaged, zeroed or lost-write batch), and
+/// the scan fails with `Corruption` instead.
 ///
-/// Errors: `InvalidArgument` for an invalid block size; `Corruption` for a damaged batch
-/// followed by a newer valid one, or a valid batch that skips sequence numbers. Never panics.
+/// Errors: `InvalidArgument` for an invalid block size; `Corruption` for lost records as
+/// above, or a valid batch that skips sequence numbers. Never panics.
 pub fn scan_journal(bytes: &[u8], block_bytes: u32, first_seq: u64) -> Result<JournalScan> {
     check_block_bytes(block_bytes).map_err(Error::InvalidArgument)?;
     let block = block_bytes as usize;
@@ -202,46 +204,54 @@ pub fn scan_journal(bytes: &[u8], block_bytes: u32, first_seq: u64) -> Result<Jo
     let mut expected = first_seq;
     let stop = loop {
         if bytes.len() - pos < block {
+            // Nothing can follow the end of the region.
             break ScanStop::End;
         }
-        if bytes[pos..pos + block].iter().all(|&b| b == 0) {
-            break ScanStop::Zeroed;
-        }
-        match decode_journal_batch(&bytes[pos..], block_bytes) {
-            Ok(batch) if batch.seq_first < expected => {
-                break ScanStop::Stale { seq_first: batch.seq_first };
-            }
-            Ok(batch) if batch.seq_first > expected => {
-                return Err(corrupt(
-                    WHAT_JOURNAL,
-                    format!(
-                        "batch at offset {pos} starts at seq {}, expected {expected}: records \
-                         {expected}..{} are missing",
-                        batch.seq_first, batch.seq_first
-                    ),
-                ));
-            }
-            Ok(mut batch) => {
-                batch.offset = pos as u64;
-                expected = batch.seq_end();
-                pos += batch.len_bytes as usize;
-                batches.push(batch);
-            }
-            Err(error) => {
-                if let Some((at, seq)) =
-                    newer_batch_after(bytes, block_bytes, pos + block, expected)
-                {
+        let stop = if bytes[pos..pos + block].iter().all(|&b| b == 0) {
+            ScanStop::Zeroed
+        } else {
+            match decode_journal_batch(&bytes[pos..], block_bytes) {
+                Ok(batch) if batch.seq_first < expected => {
+                    ScanStop::Stale { seq_first: batch.seq_first }
+                }
+                Ok(batch) if batch.seq_first > expected => {
                     return Err(corrupt(
                         WHAT_JOURNAL,
                         format!(
-                            "batch at offset {pos} is damaged ({error}) but a valid batch with \
-                             seq {seq} follows at offset {at}: records were lost"
+                            "batch at offset {pos} starts at seq {}, expected {expected}: records \
+                             {expected}..{} are missing",
+                            batch.seq_first, batch.seq_first
                         ),
                     ));
                 }
-                break ScanStop::TornTail { error };
+                Ok(mut batch) => {
+                    batch.offset = pos as u64;
+                    expected = batch.seq_end();
+                    pos += batch.len_bytes as usize;
+                    batches.push(batch);
+                    continue;
+                }
+                Err(error) => ScanStop::TornTail { error },
             }
+        };
+        // Nothing valid and newer may follow a clean end: if something does, the records of
+        // the batch that stood at `pos` were lost.
+        if let Some((at, seq)) = newer_batch_after(bytes, block_bytes, pos + block, expected) {
+            let found = match &stop {
+                ScanStop::Zeroed => "a zeroed block".to_owned(),
+                ScanStop::Stale { seq_first } => format!("an older batch (seq {seq_first})"),
+                ScanStop::TornTail { error } => format!("a damaged batch ({error})"),
+                ScanStop::End => "the end of the region".to_owned(),
+            };
+            return Err(corrupt(
+                WHAT_JOURNAL,
+                format!(
+                    "offset {pos} holds {found} where seq {expected} was expected, but a valid \
+                     batch with seq {seq} follows at offset {at}: records were lost"
+                ),
+            ));
         }
+        break stop;
     };
     Ok(JournalScan { batches, bytes_used: pos as u64, next_seq: expected, stop })
 }
