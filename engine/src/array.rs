@@ -334,8 +334,21 @@ impl DeviceArray {
         kind: OpKind,
         map: &StripeMap,
         range: Range<u64>,
-        mut buf: IoBuf,
+        buf: IoBuf,
     ) -> Result<IoTicket> {
+        self.submit_map_keep(kind, map, range, &mut Some(buf))
+    }
+
+    /// Validate, then take the buffer out of `holder` and submit. On a validation error the
+    /// buffer is still in `holder`.
+    fn submit_map_keep(
+        &self,
+        kind: OpKind,
+        map: &StripeMap,
+        range: Range<u64>,
+        holder: &mut Option<IoBuf>,
+    ) -> Result<IoTicket> {
+        let buf = holder.as_ref().expect("a buffer to submit");
         let block = self.block();
         if u64::from(map.block_bytes()) % block != 0 {
             return Err(Error::Misaligned {
@@ -344,7 +357,7 @@ impl DeviceArray {
                 align: block,
             });
         }
-        self.check_buf_address(&buf)?;
+        self.check_buf_address(buf)?;
         let segments = map.segments(range.clone(), self.max_io_bytes)?;
         let need = segments
             .iter()
@@ -363,6 +376,7 @@ impl DeviceArray {
             let slot = self.check_extent(s.device, s.device_offset, s.len)?;
             planned.push(Arc::clone(slot));
         }
+        let mut buf = holder.take().expect("checked above");
         let base = buf.as_mut_ptr();
         let state = TicketState::new(buf, segments.len());
         for (s, slot) in segments.iter().zip(planned) {
@@ -404,6 +418,31 @@ impl DeviceArray {
         // (IoTicket::wait hands it out only when `pending` reaches 0).
         let req = unsafe { IoRequest::new(kind, device as usize, offset, iovecs, completion) };
         self.backend.submit(req);
+    }
+
+    /// [`submit_write`](Self::submit_write) that never loses the buffer: a request that fails
+    /// validation comes back as a completed ticket carrying the error and the buffer.
+    pub fn write_tensor(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> IoTicket {
+        self.transfer(OpKind::Write, map, range, buf)
+    }
+
+    /// [`submit_read`](Self::submit_read) that never loses the buffer (see
+    /// [`write_tensor`](Self::write_tensor)).
+    pub fn read_tensor(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> IoTicket {
+        self.transfer(OpKind::Read, map, range, buf)
+    }
+
+    fn transfer(&self, kind: OpKind, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> IoTicket {
+        let mut holder = Some(buf);
+        match self.submit_map_keep(kind, map, range, &mut holder) {
+            Ok(t) => t,
+            Err(e) => {
+                let buf = holder.take().expect("validation failed before the buffer was taken");
+                let state = TicketState::new(buf, 0);
+                state.inner.lock().error = Some(e);
+                IoTicket { state }
+            }
+        }
     }
 
     /// Write `range` of a tensor from `buf` (offset 0 of `buf` is `range.start`). Every segment

@@ -13,6 +13,9 @@ pub mod array;
 pub mod backend;
 pub mod device;
 mod error;
+pub mod migrate;
 pub mod pool;
+pub mod store;
+pub mod tier;
 
 pub use error::{Error, Result};

@@ -159,6 +159,10 @@ fn crash_loses_only_unsynced_writes() {
 fn failed_sync_names_the_device() {
     let fx = open(Kind::Sim, 2, 8 * MIB, 4);
     fx.sims[1].inject(SimFault::Eio { op: SimOp::Write, after_ops: 0 });
+    // The device dies at its first refused write; from then on its flushes fail too.
+    let buf = pool(MIB).alloc(4096).unwrap();
+    let (_, r) = fx.array.write_at(1, 0, buf).unwrap().wait();
+    assert!(r.is_err(), "the write is refused");
     match fx.array.sync() {
         Err(Error::Io { device: 1, .. }) => {}
         other => panic!("expected a flush error on device 1, got {other:?}"),

@@ -428,8 +428,9 @@ impl Backend for SimBackend {
         let disk = self.disks.get(device).ok_or_else(|| io::Error::other("no such device"))?;
         let mut st = disk.state.lock();
         for f in st.faults.iter_mut() {
+            // The device dies at its first refused write: flushes before that one succeed.
             if let SimFault::Eio { op: SimOp::Write | SimOp::Any, after_ops } = f.fault
-                && f.seen >= after_ops
+                && f.seen > after_ops
             {
                 st.stats.injected_errors += 1;
                 return Err(io::Error::from_raw_os_error(libc::EIO));

@@ -1,0 +1,302 @@
+//! The migration engine's moving parts: priorities, completion handles, the priority queues
+//! that feed worker threads, the in-flight byte budget, and statistics.
+//!
+//! The tensor store ([`crate::store`]) keeps one ordered queue of operations per tensor; only the
+//! head of a tensor's queue may run, so operations on one tensor apply in issue order. When a
+//! tensor has work, its id is sent to the priority channel of its head operation; workers always
+//! take urgent work first, then normal, then background.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, select};
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+
+use crate::Result;
+
+/// How soon an operation must finish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Default)]
+pub enum Priority {
+    /// Must finish before the next kernel: runs before everything else.
+    Urgent = 0,
+    /// Planned ahead of need.
+    #[default]
+    Normal = 1,
+    /// Opportunistic work (e.g. checkpoints of cold tensors).
+    Background = 2,
+}
+
+impl Priority {
+    /// All priorities, most urgent first.
+    pub const ALL: [Priority; 3] = [Priority::Urgent, Priority::Normal, Priority::Background];
+}
+
+/// A one-shot slot a worker fills and a [`Handle`] waits on.
+pub(crate) struct Slot<T> {
+    value: Mutex<Option<Result<T>>>,
+    ready: Condvar,
+    done: AtomicBool,
+}
+
+impl<T> Slot<T> {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            value: Mutex::new(None),
+            ready: Condvar::new(),
+            done: AtomicBool::new(false),
+        })
+    }
+
+    /// Fill the slot. A slot is filled exactly once.
+    pub(crate) fn complete(&self, value: Result<T>) {
+        let mut v = self.value.lock();
+        debug_assert!(v.is_none(), "a slot is completed once");
+        *v = Some(value);
+        self.done.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+}
+
+/// A handle on an asynchronous store operation: wait on it or poll it.
+///
+/// Dropping a handle does not cancel the operation; it still runs to completion and its
+/// resources are released by the engine.
+#[must_use = "an operation's result (and errors) arrive through its handle"]
+pub struct Handle<T> {
+    slot: Arc<Slot<T>>,
+}
+
+impl<T> std::fmt::Debug for Handle<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle").field("done", &self.is_done()).finish()
+    }
+}
+
+impl<T> Handle<T> {
+    pub(crate) fn new(slot: Arc<Slot<T>>) -> Self {
+        Self { slot }
+    }
+
+    /// A handle that is already complete.
+    pub(crate) fn ready(value: Result<T>) -> Self {
+        let slot = Slot::new();
+        slot.complete(value);
+        Self { slot }
+    }
+
+    /// Whether the operation has finished (successfully or not).
+    pub fn is_done(&self) -> bool {
+        self.slot.done.load(Ordering::Acquire)
+    }
+
+    /// Block until the operation finishes and return its result.
+    pub fn wait(self) -> Result<T> {
+        let mut v = self.slot.value.lock();
+        while v.is_none() {
+            self.slot.ready.wait(&mut v);
+        }
+        v.take().expect("checked above")
+    }
+
+    /// Wait at most `timeout`; gives the handle back if the operation is still running.
+    pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, Self> {
+        let deadline = Instant::now() + timeout;
+        {
+            let mut v = self.slot.value.lock();
+            while v.is_none() {
+                if self.slot.ready.wait_until(&mut v, deadline).timed_out() {
+                    break;
+                }
+            }
+            if let Some(r) = v.take() {
+                return Ok(r);
+            }
+        }
+        Err(self)
+    }
+}
+
+/// Priority channels carrying "this tensor has runnable work" tokens.
+///
+/// Tokens are idempotent hints: a worker that receives one checks the tensor's state, so a stale
+/// or duplicated token does nothing. The number of tokens is bounded by the store's bound on
+/// queued operations (at most two per queued operation).
+pub(crate) struct Queues {
+    tx: [Sender<u64>; 3],
+    rx: [Receiver<u64>; 3],
+    shutdown_tx: Mutex<Option<Sender<()>>>,
+    shutdown_rx: Receiver<()>,
+}
+
+impl Queues {
+    pub(crate) fn new() -> Self {
+        let (t0, r0) = crossbeam_channel::unbounded();
+        let (t1, r1) = crossbeam_channel::unbounded();
+        let (t2, r2) = crossbeam_channel::unbounded();
+        let (shutdown_tx, shutdown_rx) = crossbeam_channel::bounded(0);
+        Self {
+            tx: [t0, t1, t2],
+            rx: [r0, r1, r2],
+            shutdown_tx: Mutex::new(Some(shutdown_tx)),
+            shutdown_rx,
+        }
+    }
+
+    pub(crate) fn push(&self, priority: Priority, tensor: u64) {
+        // The receivers live as long as `self`, so sending cannot fail.
+        let _ = self.tx[priority as usize].send(tensor);
+    }
+
+    /// Next token, most urgent first; `None` once shut down.
+    pub(crate) fn pop(&self) -> Option<u64> {
+        loop {
+            for rx in &self.rx {
+                if let Ok(t) = rx.try_recv() {
+                    return Some(t);
+                }
+            }
+            select! {
+                recv(self.rx[0]) -> t => return t.ok(),
+                recv(self.rx[1]) -> t => { if let Ok(t) = t { self.push(Priority::Normal, t); } },
+                recv(self.rx[2]) -> t => { if let Ok(t) = t { self.push(Priority::Background, t); } },
+                recv(self.shutdown_rx) -> _ => return None,
+            }
+            // A lower-priority token woke us: loop to take the most urgent one available.
+        }
+    }
+
+    /// Wake every worker blocked in `pop` and make them return `None`.
+    pub(crate) fn shutdown(&self) {
+        // Dropping the only sender disconnects the channel: every `recv` on it returns at once.
+        self.shutdown_tx.lock().take();
+    }
+}
+
+/// A counting budget of bytes (in flight, or queued), with blocking acquire.
+pub(crate) struct Budget {
+    max: u64,
+    used: Mutex<u64>,
+    freed: Condvar,
+}
+
+impl Budget {
+    pub(crate) fn new(max: u64) -> Self {
+        Self { max: max.max(1), used: Mutex::new(0), freed: Condvar::new() }
+    }
+
+    /// Take `n` units, waiting while the budget is exhausted. A request larger than the whole
+    /// budget waits until nothing else is held and then proceeds alone.
+    pub(crate) fn acquire(&self, n: u64) -> u64 {
+        let n = n.min(self.max);
+        let mut used = self.used.lock();
+        while *used + n > self.max {
+            self.freed.wait(&mut used);
+        }
+        *used += n;
+        n
+    }
+
+    pub(crate) fn release(&self, n: u64) {
+        let mut used = self.used.lock();
+        debug_assert!(*used >= n);
+        *used -= n;
+        self.freed.notify_all();
+    }
+}
+
+/// Traffic in one direction.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DirectionStats {
+    /// Completed operations.
+    pub ops: u64,
+    /// Bytes moved by completed operations.
+    pub bytes: u64,
+    /// Failed operations.
+    pub errors: u64,
+    /// Sum of operation durations (operations overlap, so this exceeds wall time).
+    pub op_time_ns: u64,
+    /// Wall time during which at least one operation of this direction was running.
+    pub busy_ns: u64,
+    #[serde(skip)]
+    running: u32,
+    #[serde(skip)]
+    busy_since: Option<Instant>,
+}
+
+impl DirectionStats {
+    /// Achieved bandwidth: bytes over the time this direction was busy.
+    pub fn bandwidth_bytes_per_s(&self) -> f64 {
+        if self.busy_ns == 0 { 0.0 } else { self.bytes as f64 * 1e9 / self.busy_ns as f64 }
+    }
+
+    pub(crate) fn start(&mut self, now: Instant) {
+        if self.running == 0 {
+            self.busy_since = Some(now);
+        }
+        self.running += 1;
+    }
+
+    pub(crate) fn finish(&mut self, now: Instant, took: Duration, bytes: u64, ok: bool) {
+        self.running -= 1;
+        if self.running == 0
+            && let Some(s) = self.busy_since.take()
+        {
+            self.busy_ns += now.duration_since(s).as_nanos() as u64;
+        }
+        self.op_time_ns += took.as_nanos() as u64;
+        if ok {
+            self.ops += 1;
+            self.bytes += bytes;
+        } else {
+            self.errors += 1;
+        }
+    }
+}
+
+/// Time operations of one priority spent queued before a worker started them.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct QueueWaitStats {
+    /// Operations started.
+    pub ops: u64,
+    /// Sum of waits.
+    pub total_ns: u64,
+    /// Longest wait.
+    pub max_ns: u64,
+}
+
+impl QueueWaitStats {
+    pub(crate) fn record(&mut self, wait: Duration) {
+        let ns = wait.as_nanos() as u64;
+        self.ops += 1;
+        self.total_ns += ns;
+        self.max_ns = self.max_ns.max(ns);
+    }
+
+    /// Mean wait in nanoseconds.
+    pub fn mean_ns(&self) -> u64 {
+        self.total_ns.checked_div(self.ops).unwrap_or(0)
+    }
+}
+
+/// Statistics of a tensor store's migration engine.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StoreStats {
+    /// Offloads to the SSD array (GPU/host -> SSD writes).
+    pub ssd_write: DirectionStats,
+    /// Prefetches from the SSD array.
+    pub ssd_read: DirectionStats,
+    /// Offloads to the host tier.
+    pub host_write: DirectionStats,
+    /// Prefetches from the host tier.
+    pub host_read: DirectionStats,
+    /// Queue wait of urgent, normal and background operations.
+    pub queue_wait: [QueueWaitStats; 3],
+    /// Checksummed chunks verified on prefetch.
+    pub chunks_verified: u64,
+    /// Offloads cancelled by a later prefetch of the same tensor.
+    pub offloads_cancelled: u64,
+    /// Host-tier offloads that went to SSD because the host tier was full.
+    pub host_fallbacks: u64,
+}

@@ -1,0 +1,1078 @@
+//! The tensor store: offload tensors to the SSD array (or the host tier), prefetch them back,
+//! free them; asynchronously, in order per tensor, checksummed, never losing data.
+//!
+//! ```text
+//! offload(id, src) ──► per-tensor queue ──► priority channel ──► worker
+//!                                                   │  allocate extents, crc32c per unit,
+//!                                                   │  striped O_DIRECT write, (journal)
+//!                                                   ▼
+//!                                 src released only now; Handle completes
+//! ```
+//!
+//! Contracts:
+//! - Operations on one tensor apply in issue order.
+//! - A prefetch moves the tensor back to the caller. In a volatile store (the default, used for
+//!   training) the store then forgets the content: its SSD extents or host-tier memory are
+//!   released, and the tensor must be offloaded again before the next prefetch. A persistent store
+//!   keeps the SSD copy until the tensor is freed.
+//! - In a volatile store, a prefetch issued while the tensor's offload is still queued (not yet
+//!   started) cancels that offload and completes at once from its source memory.
+//! - The source memory of an offload is released only after the write completed (and, in
+//!   persistent mode, after the journal record naming the tensor is durable). A failed offload
+//!   leaves the tensor held by the store ([`Location::Held`]); a later prefetch returns it.
+//! - A prefetch verifies the crc32c of every chunk (stripe unit) it read; a mismatch is
+//!   [`Error::ChecksumMismatch`] naming the tensor, never bad data.
+
+mod persist;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLockReadGuard};
+use serde::Serialize;
+use teraio_allocator::{ArrayAllocator, ArrayStats, ExtentAllocator};
+use teraio_layout::StripeMap;
+use teraio_layout::format::RecordBody;
+
+use crate::array::DeviceArray;
+use crate::migrate::{Budget, Handle, Priority, Queues, Slot, StoreStats};
+use crate::pool::{BufferPool, IoBuf, PoolConfig};
+use crate::tier::{MemoryTier, TensorMem};
+use crate::{Error, Result};
+
+pub use persist::{DeviceMeta, Persistence, StoreMeta, TensorMeta};
+
+/// A tensor's identifier, chosen by the caller.
+pub type TensorId = u64;
+
+/// Where an offload should put the tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
+pub enum Destination {
+    /// The SSD array.
+    #[default]
+    Ssd,
+    /// The host-memory tier (falls back to SSD when the tier is full or absent).
+    Host,
+}
+
+/// Where a tensor is now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Location {
+    /// In the caller's memory only (never offloaded, or prefetched back without a store copy).
+    Caller,
+    /// An offload is queued or running.
+    Offloading,
+    /// A prefetch is queued or running.
+    Prefetching,
+    /// On the SSD array.
+    OnSsd,
+    /// In the host tier.
+    InHost,
+    /// In memory held by the store: the source of a failed offload.
+    Held,
+}
+
+/// What an offload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum OffloadOutcome {
+    /// Written to the SSD array (durable when the store is persistent).
+    OnSsd,
+    /// Copied to the host tier.
+    InHost,
+    /// Cancelled by a later prefetch before it started; the data went straight to that prefetch.
+    Cancelled,
+}
+
+/// Options of one offload.
+#[derive(Debug, Clone, Default)]
+pub struct OffloadOptions {
+    /// SSD or host tier.
+    pub destination: Destination,
+    /// Queue priority.
+    pub priority: Priority,
+    /// A name recorded with the tensor (persistent stores look tensors up by name after reopen).
+    pub name: Option<String>,
+}
+
+/// What the store knows of one tensor.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorInfo {
+    /// Id.
+    pub id: TensorId,
+    /// Name, when one was given.
+    pub name: Option<String>,
+    /// Size in bytes.
+    pub size_bytes: u64,
+    /// Current location.
+    pub location: Location,
+    /// Where it lives on the array, when it has an SSD copy.
+    pub stripe_map: Option<StripeMap>,
+    /// Number of crc32c-checksummed chunks of the SSD copy.
+    pub checksummed_chunks: usize,
+    /// Whether the host tier holds a copy.
+    pub host_copy: bool,
+    /// Operations queued or running.
+    pub pending_ops: usize,
+}
+
+/// How a tensor store is set up.
+pub struct StoreConfig {
+    /// The SSD array.
+    pub array: Arc<DeviceArray>,
+    /// The host tier used as a second offload destination (None: SSD only).
+    pub host_tier: Option<Arc<dyn MemoryTier>>,
+    /// Compute and verify crc32c per chunk (turn off only for benchmarks).
+    pub checksums: bool,
+    /// Worker threads of the migration engine.
+    pub workers: usize,
+    /// Bytes that may be in flight (being read or written) at once.
+    pub inflight_bytes_max: u64,
+    /// Operations that may be queued at once; further calls block (backpressure).
+    pub queued_ops_max: u64,
+    /// Persistent mode: metadata journal + checkpoints, reopenable after a crash.
+    pub persistent: bool,
+    /// Allocation unit of the extent allocator (a power of two >= 4 KiB).
+    pub alloc_unit_bytes: u64,
+}
+
+impl StoreConfig {
+    /// Defaults for an array: checksums on, 4 workers, 1 GiB in flight, volatile.
+    pub fn new(array: Arc<DeviceArray>) -> Self {
+        Self {
+            array,
+            host_tier: None,
+            checksums: true,
+            workers: 4,
+            inflight_bytes_max: 1 << 30,
+            queued_ops_max: 1 << 16,
+            persistent: false,
+            alloc_unit_bytes: 1 << 20,
+        }
+    }
+}
+
+/// The durable copy of a tensor on the array.
+#[derive(Debug, Clone)]
+pub(crate) struct SsdCopy {
+    pub(crate) map: StripeMap,
+    pub(crate) chunk_bytes: u64,
+    pub(crate) checksums: Vec<u32>,
+}
+
+enum OpKind {
+    Offload { src: Option<TensorMem>, destination: Destination, name: Option<String> },
+    Prefetch { dst: Option<TensorMem> },
+    Free,
+}
+
+enum Done {
+    Offload(Arc<Slot<OffloadOutcome>>),
+    Prefetch(Arc<Slot<TensorMem>>),
+    Free(Arc<Slot<()>>),
+}
+
+struct Op {
+    kind: OpKind,
+    priority: Priority,
+    enqueued: Instant,
+    done: Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Active {
+    Idle,
+    Dispatched,
+    Running,
+}
+
+struct Entry {
+    size: u64,
+    name: Option<String>,
+    ssd: Option<SsdCopy>,
+    host: Option<TensorMem>,
+    held: Option<TensorMem>,
+    queue: VecDeque<Op>,
+    active: Active,
+}
+
+impl Entry {
+    fn new(size: u64) -> Self {
+        Self {
+            size,
+            name: None,
+            ssd: None,
+            host: None,
+            held: None,
+            queue: VecDeque::new(),
+            active: Active::Idle,
+        }
+    }
+
+    fn location(&self) -> Location {
+        match self.queue.front().map(|o| &o.kind) {
+            Some(OpKind::Offload { .. }) => Location::Offloading,
+            Some(OpKind::Prefetch { .. }) => Location::Prefetching,
+            _ if self.held.is_some() => Location::Held,
+            _ if self.host.is_some() => Location::InHost,
+            _ if self.ssd.is_some() => Location::OnSsd,
+            _ => Location::Caller,
+        }
+    }
+
+    fn has_copy(&self) -> bool {
+        self.ssd.is_some() || self.host.is_some() || self.held.is_some()
+    }
+}
+
+struct Inner {
+    array: Arc<DeviceArray>,
+    host_tier: Option<Arc<dyn MemoryTier>>,
+    checksums: bool,
+    table: Mutex<HashMap<TensorId, Entry>>,
+    alloc: Mutex<ArrayAllocator>,
+    queues: Queues,
+    inflight: Budget,
+    queued: Budget,
+    staging: Arc<BufferPool>,
+    stats: Mutex<StoreStats>,
+    persist: Option<Persistence>,
+}
+
+/// The tensor store. Cheap to share (`Arc`); dropping the last handle drains the queues, stops
+/// the workers and (in persistent mode) writes a checkpoint.
+pub struct TensorStore {
+    inner: Arc<Inner>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl TensorStore {
+    /// Open a store over `config.array`: a fresh one, or, in persistent mode, the one already on
+    /// the array (its tensors are readable again).
+    pub fn open(config: StoreConfig) -> Result<Self> {
+        if config.workers == 0 {
+            return Err(Error::InvalidArgument("a store needs at least one worker".into()));
+        }
+        let array = config.array;
+        let (persist, alloc, tensors) = if config.persistent {
+            let (p, alloc, tensors) = Persistence::open(&array, config.alloc_unit_bytes)?;
+            (Some(p), alloc, tensors)
+        } else {
+            let layout = persist::device_layouts(&array, config.alloc_unit_bytes)?;
+            let devices = layout
+                .iter()
+                .enumerate()
+                .map(|(i, l)| {
+                    ExtentAllocator::new(
+                        i as u32,
+                        l.data.offset,
+                        l.data.len,
+                        config.alloc_unit_bytes,
+                    )
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            (None, ArrayAllocator::new(array.geometry(), devices)?, Vec::new())
+        };
+        let mut table = HashMap::new();
+        for (id, name, copy) in tensors {
+            let mut e = Entry::new(copy.map.size_bytes());
+            e.name = name;
+            e.ssd = Some(copy);
+            table.insert(id, e);
+        }
+        let staging = BufferPool::new(PoolConfig {
+            capacity_bytes: config.inflight_bytes_max.max(64 << 20),
+            ..PoolConfig::default()
+        })?;
+        let inner = Arc::new(Inner {
+            array,
+            host_tier: config.host_tier,
+            checksums: config.checksums,
+            table: Mutex::new(table),
+            alloc: Mutex::new(alloc),
+            queues: Queues::new(),
+            inflight: Budget::new(config.inflight_bytes_max),
+            queued: Budget::new(config.queued_ops_max),
+            staging,
+            stats: Mutex::new(StoreStats::default()),
+            persist,
+        });
+        let workers = (0..config.workers)
+            .map(|i| {
+                let inner = inner.clone();
+                std::thread::Builder::new()
+                    .name(format!("teraio-migrate-{i}"))
+                    .spawn(move || inner.worker())
+                    .map_err(|e| Error::Os {
+                        context: "spawning a migration worker".into(),
+                        source: e,
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { inner, workers })
+    }
+
+    /// The array under the store.
+    pub fn array(&self) -> &Arc<DeviceArray> {
+        &self.inner.array
+    }
+
+    /// Offload tensor `id` from `src`. The store owns `src` until the write completed, then
+    /// releases it. Offloading an id that has an SSD copy replaces that copy.
+    pub fn offload(
+        &self,
+        id: TensorId,
+        src: TensorMem,
+        options: OffloadOptions,
+    ) -> Result<Handle<OffloadOutcome>> {
+        if src.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {id}: cannot offload an empty tensor"
+            )));
+        }
+        self.inner.queued.acquire(1);
+        let slot = Slot::new();
+        let mut table = self.inner.table.lock();
+        let entry = table.entry(id).or_insert_with(|| Entry::new(src.len()));
+        entry.size = src.len();
+        let op = Op {
+            kind: OpKind::Offload {
+                src: Some(src),
+                destination: options.destination,
+                name: options.name,
+            },
+            priority: options.priority,
+            enqueued: Instant::now(),
+            done: Done::Offload(slot.clone()),
+        };
+        self.inner.enqueue(id, entry, op);
+        Ok(Handle::new(slot))
+    }
+
+    /// Prefetch tensor `id` into `dst` (exactly the tensor's size). The handle returns `dst`
+    /// filled and verified.
+    pub fn prefetch(
+        &self,
+        id: TensorId,
+        mut dst: TensorMem,
+        priority: Priority,
+    ) -> Result<Handle<TensorMem>> {
+        let mut table = self.inner.table.lock();
+        let Some(entry) = table.get_mut(&id) else {
+            return Err(Error::UnknownTensor(id.to_string()));
+        };
+        if dst.len() != entry.size {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {id} has {} bytes, the prefetch destination {}",
+                entry.size,
+                dst.len()
+            )));
+        }
+        // Volatile stores: a queued (not yet running) offload at the tail is cancelled; its
+        // source has the data. (A persistent store writes it: durability was asked for.)
+        let tail_is_queued_offload = self.inner.persist.is_none()
+            && matches!(entry.queue.back(), Some(Op { kind: OpKind::Offload { .. }, .. }))
+            && !(entry.queue.len() == 1 && entry.active == Active::Running);
+        if tail_is_queued_offload {
+            let op = entry.queue.pop_back().expect("checked");
+            if entry.queue.is_empty() {
+                entry.active = Active::Idle;
+            }
+            let (OpKind::Offload { src: Some(src), .. }, Done::Offload(slot)) = (op.kind, op.done)
+            else {
+                unreachable!("a queued offload owns its source")
+            };
+            drop(table);
+            self.inner.queued.release(1);
+            self.inner.stats.lock().offloads_cancelled += 1;
+            slot.complete(Ok(OffloadOutcome::Cancelled));
+            let copied = src.copy_into(&mut dst).map(|()| dst);
+            return Ok(Handle::ready(copied));
+        }
+        if entry.queue.is_empty() && !entry.has_copy() {
+            return Err(Error::InvalidState {
+                tensor: id.to_string(),
+                detail: "it has no copy in the store to prefetch (never offloaded, or freed)"
+                    .into(),
+            });
+        }
+        drop(table);
+        self.inner.queued.acquire(1);
+        let mut table = self.inner.table.lock();
+        let entry = table.get_mut(&id).ok_or_else(|| Error::UnknownTensor(id.to_string()))?;
+        let slot = Slot::new();
+        let op = Op {
+            kind: OpKind::Prefetch { dst: Some(dst) },
+            priority,
+            enqueued: Instant::now(),
+            done: Done::Prefetch(slot.clone()),
+        };
+        self.inner.enqueue(id, entry, op);
+        Ok(Handle::new(slot))
+    }
+
+    /// Free tensor `id`: after the operations issued before it, release its SSD extents and
+    /// host copy and forget it.
+    pub fn free(&self, id: TensorId) -> Result<Handle<()>> {
+        self.inner.queued.acquire(1);
+        let mut table = self.inner.table.lock();
+        let Some(entry) = table.get_mut(&id) else {
+            drop(table);
+            self.inner.queued.release(1);
+            return Err(Error::UnknownTensor(id.to_string()));
+        };
+        let slot = Slot::new();
+        let op = Op {
+            kind: OpKind::Free,
+            priority: Priority::Background,
+            enqueued: Instant::now(),
+            done: Done::Free(slot.clone()),
+        };
+        self.inner.enqueue(id, entry, op);
+        Ok(Handle::new(slot))
+    }
+
+    /// Offload and wait.
+    pub fn offload_sync(
+        &self,
+        id: TensorId,
+        src: TensorMem,
+        options: OffloadOptions,
+    ) -> Result<OffloadOutcome> {
+        self.offload(id, src, options)?.wait()
+    }
+
+    /// Prefetch and wait.
+    pub fn prefetch_sync(&self, id: TensorId, dst: TensorMem) -> Result<TensorMem> {
+        self.prefetch(id, dst, Priority::Urgent)?.wait()
+    }
+
+    /// Take back the memory of a tensor held by the store after a failed offload.
+    pub fn take_held(&self, id: TensorId) -> Option<TensorMem> {
+        self.inner
+            .table
+            .lock()
+            .get_mut(&id)
+            .and_then(|e| if e.queue.is_empty() { e.held.take() } else { None })
+    }
+
+    /// What the store knows of tensor `id`.
+    pub fn info(&self, id: TensorId) -> Option<TensorInfo> {
+        self.inner.table.lock().get(&id).map(|e| info(id, e))
+    }
+
+    /// The id of the tensor named `name`.
+    pub fn lookup(&self, name: &str) -> Option<TensorId> {
+        self.inner
+            .table
+            .lock()
+            .iter()
+            .find(|(_, e)| e.name.as_deref() == Some(name))
+            .map(|(id, _)| *id)
+    }
+
+    /// Every tensor, sorted by id.
+    pub fn tensors(&self) -> Vec<TensorInfo> {
+        let table = self.inner.table.lock();
+        let mut v: Vec<_> = table.iter().map(|(id, e)| info(*id, e)).collect();
+        v.sort_by_key(|t| t.id);
+        v
+    }
+
+    /// Migration statistics so far.
+    pub fn stats(&self) -> StoreStats {
+        self.inner.stats.lock().clone()
+    }
+
+    /// Free space of the array.
+    pub fn space(&self) -> ArrayStats {
+        self.inner.alloc.lock().stats()
+    }
+
+    /// Wait until every queued operation has finished.
+    pub fn drain(&self) {
+        loop {
+            let busy = self.inner.table.lock().values().any(|e| !e.queue.is_empty());
+            if !busy {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// Persistent mode: write a checkpoint now (journal truncated; extents freed since the last
+    /// checkpoint become reusable).
+    pub fn checkpoint(&self) -> Result<()> {
+        self.inner.checkpoint()
+    }
+}
+
+impl Drop for TensorStore {
+    fn drop(&mut self) {
+        self.drain();
+        self.inner.queues.shutdown();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        if self.inner.persist.as_ref().is_some_and(|p| !p.failed())
+            && let Err(e) = self.inner.checkpoint()
+        {
+            eprintln!("teraio: checkpoint at close failed (the journal still has everything): {e}");
+        }
+    }
+}
+
+fn info(id: TensorId, e: &Entry) -> TensorInfo {
+    TensorInfo {
+        id,
+        name: e.name.clone(),
+        size_bytes: e.size,
+        location: e.location(),
+        stripe_map: e.ssd.as_ref().map(|c| c.map.clone()),
+        checksummed_chunks: e.ssd.as_ref().map_or(0, |c| c.checksums.len()),
+        host_copy: e.host.is_some(),
+        pending_ops: e.queue.len(),
+    }
+}
+
+/// crc32c of every `chunk`-sized piece of `bytes`.
+pub(crate) fn chunk_checksums(bytes: &[u8], chunk: u64) -> Vec<u32> {
+    bytes.chunks(chunk as usize).map(crc32c::crc32c).collect()
+}
+
+enum Outcome {
+    Offload(Result<OffloadOutcome>),
+    Prefetch(Result<TensorMem>),
+    Free(Result<()>),
+}
+
+impl Inner {
+    fn enqueue(&self, id: TensorId, entry: &mut Entry, op: Op) {
+        let priority = op.priority;
+        entry.queue.push_back(op);
+        if entry.active == Active::Idle {
+            entry.active = Active::Dispatched;
+            self.queues.push(priority, id);
+        }
+    }
+
+    fn worker(self: Arc<Self>) {
+        while let Some(id) = self.queues.pop() {
+            self.run_one(id);
+        }
+    }
+
+    /// Run the head operation of tensor `id`, if it is dispatched.
+    fn run_one(&self, id: TensorId) {
+        let (kind, priority, enqueued, ssd, host, held) = {
+            let mut table = self.table.lock();
+            let Some(entry) = table.get_mut(&id) else { return };
+            if entry.active != Active::Dispatched {
+                return; // stale token
+            }
+            let Some(op) = entry.queue.front_mut() else {
+                entry.active = Active::Idle;
+                return;
+            };
+            entry.active = Active::Running;
+            let kind = std::mem::replace(&mut op.kind, OpKind::Free);
+            // Put a marker back so location() still says what runs.
+            op.kind = match &kind {
+                OpKind::Offload { destination, .. } => {
+                    OpKind::Offload { src: None, destination: *destination, name: None }
+                }
+                OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None },
+                OpKind::Free => OpKind::Free,
+            };
+            let (ssd, host, held) = match &kind {
+                // A prefetch reads from whatever copy exists; take the memory copies out of the
+                // table while the worker uses them (they go back unless consumed).
+                OpKind::Prefetch { .. } => {
+                    (entry.ssd.clone(), entry.host.take(), entry.held.take())
+                }
+                OpKind::Free => (entry.ssd.take(), entry.host.take(), entry.held.take()),
+                OpKind::Offload { .. } => (None, None, entry.held.take()),
+            };
+            (kind, op.priority, op.enqueued, ssd, host, held)
+        };
+        self.stats.lock().queue_wait[priority as usize].record(enqueued.elapsed());
+        let (outcome, update) = match kind {
+            OpKind::Offload { src, destination, name } => {
+                drop(held); // a newer version replaces the memory of a failed offload
+                let src = src.expect("a dispatched offload owns its source");
+                // The entry's size is that of the newest offload issued; this one has its own.
+                let size = src.len();
+                self.run_offload(id, size, src, destination, name)
+            }
+            OpKind::Prefetch { dst } => {
+                let dst = dst.expect("a dispatched prefetch owns its destination");
+                self.run_prefetch(id, dst, ssd, host, held)
+            }
+            OpKind::Free => self.run_free(ssd, host, held),
+        };
+        let (outcome, update, gate) = self.commit(id, outcome, update);
+        // Apply the result to the table and dispatch the tensor's next operation.
+        let (done, release) = {
+            let mut table = self.table.lock();
+            let entry = table.get_mut(&id).expect("an entry with a running op stays in the table");
+            let release = update.apply(self, entry);
+            let op = entry.queue.pop_front().expect("the running op is at the head");
+            if let Some(next) = entry.queue.front() {
+                entry.active = Active::Dispatched;
+                self.queues.push(next.priority, id);
+            } else {
+                entry.active = Active::Idle;
+                if !entry.has_copy() && matches!(outcome, Outcome::Free(Ok(()))) {
+                    table.remove(&id);
+                }
+            }
+            (op.done, release)
+        };
+        drop(gate);
+        // Source memory of an offload is released only now: after the write and its journal
+        // record are durable and the table names the new copy.
+        drop(release);
+        self.queued.release(1);
+        match (done, outcome) {
+            (Done::Offload(s), Outcome::Offload(r)) => s.complete(r),
+            (Done::Prefetch(s), Outcome::Prefetch(r)) => s.complete(r),
+            (Done::Free(s), Outcome::Free(r)) => s.complete(r),
+            _ => unreachable!("an op's outcome matches its kind"),
+        }
+    }
+
+    /// Persistent mode: make the operation's effect on the tensor table durable (a journal
+    /// record) before it is applied. The returned guard is held until the table shows the
+    /// change, so a checkpoint never covers a record whose effect it does not contain. A failed
+    /// append turns a successful offload into a failure that keeps the source memory, and a
+    /// free into a failure that keeps the tensor.
+    fn commit(
+        &self,
+        id: TensorId,
+        outcome: Outcome,
+        update: Update,
+    ) -> (Outcome, Update, Option<RwLockReadGuard<'_, ()>>) {
+        let Some(p) = &self.persist else { return (outcome, update, None) };
+        let record = match &update {
+            Update::Ssd { copy, name, .. } => {
+                let name = name
+                    .clone()
+                    .or_else(|| self.table.lock().get(&id).and_then(|e| e.name.clone()));
+                Persistence::put_record(id, name.as_deref(), copy)
+            }
+            Update::Freed(Some(_)) => RecordBody::DeleteTensor { id },
+            _ => return (outcome, update, None),
+        };
+        loop {
+            let gate = p.commit_gate();
+            match p.append(&self.array, record.clone()) {
+                Ok(true) => return (outcome, update, Some(gate)),
+                Ok(false) => {
+                    drop(gate);
+                    if let Err(e) = self.checkpoint() {
+                        return self.fail_commit(e, update);
+                    }
+                }
+                Err(e) => {
+                    drop(gate);
+                    return self.fail_commit(e, update);
+                }
+            }
+        }
+    }
+
+    fn fail_commit(
+        &self,
+        e: Error,
+        update: Update,
+    ) -> (Outcome, Update, Option<RwLockReadGuard<'_, ()>>) {
+        match update {
+            Update::Ssd { copy, src, .. } => {
+                // The record may have reached the disk although the append failed: free the
+                // extents only after the next checkpoint, never now.
+                self.release_extents(&copy.map);
+                (Outcome::Offload(Err(e)), Update::Held(src), None)
+            }
+            Update::Freed(Some(copy)) => (Outcome::Free(Err(e)), Update::KeepSsd(copy), None),
+            other => unreachable!("only puts and deletes are journaled, not {}", other.name()),
+        }
+    }
+
+    fn checkpoint(&self) -> Result<()> {
+        let Some(p) = &self.persist else { return Ok(()) };
+        let _exclusive = p.exclusive_gate();
+        // A consistent cut of the tensor table: every journaled change is applied.
+        let table = self.table.lock();
+        let tensors: Vec<_> = table
+            .iter()
+            .filter_map(|(id, e)| e.ssd.as_ref().map(|c| (*id, e.name.clone(), c.clone())))
+            .collect();
+        let mut alloc = self.alloc.lock();
+        p.write_checkpoint(&self.array, &mut alloc, &tensors)
+    }
+}
+
+/// What a finished operation changes in its tensor's entry (applied under the table lock).
+enum Update {
+    None,
+    /// Offload succeeded to SSD: the new copy replaces any old one; host copy dropped; the
+    /// source memory is released after the table shows the copy.
+    Ssd {
+        copy: SsdCopy,
+        name: Option<String>,
+        src: TensorMem,
+    },
+    /// Offload succeeded to the host tier.
+    Host(TensorMem, Option<String>),
+    /// Offload failed: the store keeps the source memory.
+    Held(TensorMem),
+    /// Prefetch done: give back memory copies that were not consumed.
+    Restore {
+        host: Option<TensorMem>,
+        held: Option<TensorMem>,
+    },
+    /// Free done: the SSD copy (if any) is released.
+    Freed(Option<SsdCopy>),
+    /// Free failed: the SSD copy stays.
+    KeepSsd(SsdCopy),
+    /// A volatile prefetch read the SSD copy: release it.
+    ConsumedSsd,
+}
+
+impl Update {
+    fn name(&self) -> &'static str {
+        match self {
+            Update::None => "none",
+            Update::Ssd { .. } => "ssd",
+            Update::Host(..) => "host",
+            Update::Held(_) => "held",
+            Update::Restore { .. } => "restore",
+            Update::Freed(_) => "freed",
+            Update::KeepSsd(_) => "keep-ssd",
+            Update::ConsumedSsd => "consumed-ssd",
+        }
+    }
+
+    /// Apply to `entry`; returns memory to release once the table lock is dropped.
+    fn apply(self, inner: &Inner, entry: &mut Entry) -> Option<TensorMem> {
+        match self {
+            Update::None => None,
+            Update::Ssd { copy, name, src } => {
+                if let Some(old) = entry.ssd.replace(copy) {
+                    inner.release_extents(&old.map);
+                }
+                entry.host = None;
+                if name.is_some() {
+                    entry.name = name;
+                }
+                Some(src)
+            }
+            Update::Host(mem, name) => {
+                entry.host = Some(mem);
+                if let Some(old) = entry.ssd.take() {
+                    inner.release_extents(&old.map);
+                }
+                if name.is_some() {
+                    entry.name = name;
+                }
+                None
+            }
+            Update::Held(mem) => {
+                entry.held = Some(mem);
+                None
+            }
+            Update::Restore { host, held } => {
+                if host.is_some() {
+                    entry.host = host;
+                }
+                if held.is_some() {
+                    entry.held = held;
+                }
+                None
+            }
+            Update::Freed(copy) => {
+                if let Some(c) = copy {
+                    inner.release_extents(&c.map);
+                }
+                None
+            }
+            Update::KeepSsd(copy) => {
+                entry.ssd = Some(copy);
+                None
+            }
+            Update::ConsumedSsd => {
+                if let Some(c) = entry.ssd.take() {
+                    inner.release_extents(&c.map);
+                }
+                None
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Give extents back to the allocator: at once in volatile mode, at the next checkpoint in
+    /// persistent mode (a crash must never hand one tensor's blocks to another).
+    fn release_extents(&self, map: &StripeMap) {
+        match &self.persist {
+            Some(p) => p.defer_free(map.clone()),
+            None => {
+                if let Err(e) = self.alloc.lock().free_tensor(map) {
+                    // The table and the allocator disagree: a bug, never silently ignored.
+                    panic!("teraio: allocator rejected the extents of a live tensor: {e}");
+                }
+            }
+        }
+    }
+
+    fn run_offload(
+        &self,
+        id: TensorId,
+        size: u64,
+        src: TensorMem,
+        destination: Destination,
+        name: Option<String>,
+    ) -> (Outcome, Update) {
+        // The host tier is not durable: a persistent store offloads to SSD only.
+        if destination == Destination::Host && self.persist.is_none() {
+            if let Some(tier) = &self.host_tier {
+                let started = Instant::now();
+                self.stats.lock().host_write.start(started);
+                match tier.alloc(size) {
+                    Ok(mut mem) => {
+                        let r = src.copy_into(&mut mem);
+                        let ok = r.is_ok();
+                        self.stats.lock().host_write.finish(
+                            Instant::now(),
+                            started.elapsed(),
+                            size,
+                            ok,
+                        );
+                        return match r {
+                            Ok(()) => (
+                                Outcome::Offload(Ok(OffloadOutcome::InHost)),
+                                Update::Host(mem, name),
+                            ),
+                            Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
+                        };
+                    }
+                    Err(Error::NoSpace(_)) => {
+                        let mut st = self.stats.lock();
+                        st.host_write.finish(Instant::now(), started.elapsed(), 0, true);
+                        st.host_write.ops -= 1;
+                        st.host_fallbacks += 1;
+                    }
+                    Err(e) => {
+                        self.stats.lock().host_write.finish(
+                            Instant::now(),
+                            started.elapsed(),
+                            0,
+                            false,
+                        );
+                        return (Outcome::Offload(Err(e)), Update::Held(src));
+                    }
+                }
+            } else {
+                self.stats.lock().host_fallbacks += 1;
+            }
+        }
+        let budget = self.inflight.acquire(size);
+        let started = Instant::now();
+        self.stats.lock().ssd_write.start(started);
+        let result = self.write_to_ssd(id, size, src);
+        self.inflight.release(budget);
+        let ok = result.is_ok();
+        self.stats.lock().ssd_write.finish(Instant::now(), started.elapsed(), size, ok);
+        match result {
+            Ok((copy, src)) => {
+                (Outcome::Offload(Ok(OffloadOutcome::OnSsd)), Update::Ssd { copy, name, src })
+            }
+            Err((e, src)) => (Outcome::Offload(Err(e)), Update::Held(src)),
+        }
+    }
+
+    /// Allocate, checksum, write (and journal). On failure the source comes back.
+    fn write_to_ssd(
+        &self,
+        id: TensorId,
+        size: u64,
+        src: TensorMem,
+    ) -> std::result::Result<(SsdCopy, TensorMem), (Error, TensorMem)> {
+        let map = match self.alloc.lock().alloc_tensor(size) {
+            Ok(m) => m,
+            Err(e) => return Err((Error::from(e), src)),
+        };
+        let chunk = map.unit_bytes();
+        let padded = map.padded_bytes() as usize;
+        let fail = |e: Error, src: TensorMem| {
+            if let Err(fe) = self.alloc.lock().free_tensor(&map) {
+                panic!("teraio: could not return fresh extents of tensor {id}: {fe}");
+            }
+            Err((e, src))
+        };
+        // Host memory goes to the device directly; other memory through a staging buffer.
+        let (buf, src_back) = match src {
+            TensorMem::Host(mut b) => {
+                if b.capacity() < padded {
+                    let e = Error::InvalidArgument(format!(
+                        "tensor {id}: buffer capacity {} is below the padded size {padded}",
+                        b.capacity()
+                    ));
+                    return fail(e, TensorMem::Host(b));
+                }
+                b.set_len(padded);
+                (b, None)
+            }
+            staged @ TensorMem::Staged(_) => {
+                let mut b = match self.staging.alloc(padded) {
+                    Ok(b) => b,
+                    Err(e) => return fail(e, staged),
+                };
+                if let Err(e) = staged.copy_out(0, &mut b[..size as usize]) {
+                    return fail(e, staged);
+                }
+                (b, Some(staged))
+            }
+        };
+        let checksums =
+            if self.checksums { chunk_checksums(&buf[..size as usize], chunk) } else { Vec::new() };
+        let restore = |mut b: IoBuf, src_back: Option<TensorMem>| match src_back {
+            Some(s) => s,
+            None => {
+                b.set_len(size as usize);
+                TensorMem::Host(b)
+            }
+        };
+        let (buf, r) = self.array.write_tensor(&map, 0..size, buf).wait();
+        let src = restore(buf, src_back);
+        if let Err(e) = r {
+            return fail(e, src);
+        }
+        if self.persist.is_some() {
+            // Data durable before the journal record that names it.
+            if let Err(e) = self.array.sync() {
+                return fail(e, src);
+            }
+        }
+        Ok((SsdCopy { map, chunk_bytes: chunk, checksums }, src))
+    }
+
+    fn run_prefetch(
+        &self,
+        id: TensorId,
+        mut dst: TensorMem,
+        ssd: Option<SsdCopy>,
+        host: Option<TensorMem>,
+        held: Option<TensorMem>,
+    ) -> (Outcome, Update) {
+        let size = dst.len();
+        if let Some(mem) = held.as_ref().or(host.as_ref()) {
+            let from_host = held.is_none();
+            let started = Instant::now();
+            if from_host {
+                self.stats.lock().host_read.start(started);
+            }
+            let r = mem.copy_into(&mut dst).map(|()| dst);
+            if from_host {
+                self.stats.lock().host_read.finish(
+                    Instant::now(),
+                    started.elapsed(),
+                    size,
+                    r.is_ok(),
+                );
+            }
+            // Memory copies are consumed by a successful prefetch (the data lives in `dst` now);
+            // on failure they go back.
+            return match r {
+                Ok(d) => (Outcome::Prefetch(Ok(d)), Update::None),
+                Err(e) => (Outcome::Prefetch(Err(e)), Update::Restore { host, held }),
+            };
+        }
+        let Some(copy) = ssd else {
+            let e = Error::InvalidState {
+                tensor: id.to_string(),
+                detail: "no copy to prefetch from (freed?)".into(),
+            };
+            return (Outcome::Prefetch(Err(e)), Update::None);
+        };
+        let budget = self.inflight.acquire(size);
+        let started = Instant::now();
+        self.stats.lock().ssd_read.start(started);
+        let r = self.read_from_ssd(id, dst, &copy);
+        self.inflight.release(budget);
+        self.stats.lock().ssd_read.finish(Instant::now(), started.elapsed(), size, r.is_ok());
+        // A volatile store hands the tensor back and forgets it; a persistent one keeps it.
+        let update =
+            if r.is_ok() && self.persist.is_none() { Update::ConsumedSsd } else { Update::None };
+        (Outcome::Prefetch(r), update)
+    }
+
+    fn read_from_ssd(&self, id: TensorId, dst: TensorMem, copy: &SsdCopy) -> Result<TensorMem> {
+        let size = copy.map.size_bytes();
+        let padded = copy.map.padded_bytes() as usize;
+        let (buf, staged) = match dst {
+            TensorMem::Host(mut b) => {
+                if b.capacity() < padded {
+                    return Err(Error::InvalidArgument(format!(
+                        "tensor {id}: buffer capacity {} is below the padded size {padded}",
+                        b.capacity()
+                    )));
+                }
+                b.set_len(padded);
+                (b, None)
+            }
+            staged @ TensorMem::Staged(_) => (self.staging.alloc(padded)?, Some(staged)),
+        };
+        let (mut buf, r) = self.array.read_tensor(&copy.map, 0..size, buf).wait();
+        r?;
+        if self.checksums && !copy.checksums.is_empty() {
+            self.verify(id, &buf[..size as usize], copy)?;
+        }
+        match staged {
+            Some(mut s) => {
+                s.copy_in(0, &buf[..size as usize])?;
+                Ok(s)
+            }
+            None => {
+                buf.set_len(size as usize);
+                Ok(TensorMem::Host(buf))
+            }
+        }
+    }
+
+    fn verify(&self, id: TensorId, bytes: &[u8], copy: &SsdCopy) -> Result<()> {
+        let chunks = bytes.chunks(copy.chunk_bytes as usize);
+        if chunks.len() != copy.checksums.len() {
+            return Err(Error::Corruption(format!(
+                "tensor {id}: {} checksums recorded for {} chunks",
+                copy.checksums.len(),
+                chunks.len()
+            )));
+        }
+        for (i, (c, &stored)) in chunks.zip(&copy.checksums).enumerate() {
+            let computed = crc32c::crc32c(c);
+            if computed != stored {
+                return Err(Error::ChecksumMismatch {
+                    tensor: id.to_string(),
+                    offset: i as u64 * copy.chunk_bytes,
+                    stored,
+                    computed,
+                });
+            }
+        }
+        self.stats.lock().chunks_verified += copy.checksums.len() as u64;
+        Ok(())
+    }
+
+    fn run_free(
+        &self,
+        ssd: Option<SsdCopy>,
+        host: Option<TensorMem>,
+        held: Option<TensorMem>,
+    ) -> (Outcome, Update) {
+        drop(host);
+        drop(held);
+        (Outcome::Free(Ok(())), Update::Freed(ssd))
+    }
+}

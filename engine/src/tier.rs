@@ -1,0 +1,195 @@
+//! Memory tiers: where a tensor lives when it is not on SSD.
+//!
+//! A tier hands out [`TensorMem`], the memory that holds one tensor. Host memory (from the
+//! huge-page [`BufferPool`]) is the default tier and also what `teraio run` uses to emulate GPU
+//! memory; a CUDA tier arrives through the same trait. The store moves host memory to and from
+//! the SSD array directly (zero copy); memory the kernel cannot address directly (CUDA device
+//! memory without GPUDirect Storage) implements [`StagedMemory`] and is moved through pinned host
+//! staging buffers.
+
+use std::sync::Arc;
+
+use crate::pool::{BufferPool, IoBuf, PoolConfig};
+use crate::{Error, Result};
+
+/// Memory that cannot be handed to the I/O backend directly; the store copies it through host
+/// staging buffers.
+pub trait StagedMemory: Send {
+    /// Bytes of the tensor this memory holds.
+    fn len(&self) -> u64;
+    /// Whether the memory is empty (no bytes).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copy `dst.len()` bytes starting at `offset` out of this memory into `dst`.
+    fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<()>;
+    /// Copy `src` into this memory at `offset`.
+    fn copy_in(&mut self, offset: u64, src: &[u8]) -> Result<()>;
+}
+
+/// The memory holding one tensor in some tier. Dropping it returns the memory to its tier.
+pub enum TensorMem {
+    /// Host memory from a buffer pool: the I/O backends read and write it directly.
+    Host(IoBuf),
+    /// Memory moved through host staging buffers (e.g. CUDA device memory).
+    Staged(Box<dyn StagedMemory>),
+}
+
+impl std::fmt::Debug for TensorMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TensorMem::Host(b) => write!(f, "TensorMem::Host({} bytes)", b.len()),
+            TensorMem::Staged(m) => write!(f, "TensorMem::Staged({} bytes)", m.len()),
+        }
+    }
+}
+
+impl TensorMem {
+    /// Bytes of the tensor.
+    pub fn len(&self) -> u64 {
+        match self {
+            TensorMem::Host(b) => b.len() as u64,
+            TensorMem::Staged(m) => m.len(),
+        }
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, when the memory is host memory.
+    pub fn host(&self) -> Option<&[u8]> {
+        match self {
+            TensorMem::Host(b) => Some(&b[..]),
+            TensorMem::Staged(_) => None,
+        }
+    }
+
+    /// The bytes, mutable, when the memory is host memory.
+    pub fn host_mut(&mut self) -> Option<&mut [u8]> {
+        match self {
+            TensorMem::Host(b) => Some(&mut b[..]),
+            TensorMem::Staged(_) => None,
+        }
+    }
+
+    /// Copy `dst.len()` bytes at `offset` out of this memory.
+    pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        check_range(offset, dst.len(), self.len())?;
+        match self {
+            TensorMem::Host(b) => {
+                let o = offset as usize;
+                dst.copy_from_slice(&b[o..o + dst.len()]);
+                Ok(())
+            }
+            TensorMem::Staged(m) => m.copy_out(offset, dst),
+        }
+    }
+
+    /// Copy `src` into this memory at `offset`.
+    pub fn copy_in(&mut self, offset: u64, src: &[u8]) -> Result<()> {
+        check_range(offset, src.len(), self.len())?;
+        match self {
+            TensorMem::Host(b) => {
+                let o = offset as usize;
+                b[o..o + src.len()].copy_from_slice(src);
+                Ok(())
+            }
+            TensorMem::Staged(m) => m.copy_in(offset, src),
+        }
+    }
+
+    /// Copy the whole content of `self` into `dst` (same length), through a bounce buffer
+    /// when neither side is host memory.
+    pub fn copy_into(&self, dst: &mut TensorMem) -> Result<()> {
+        if self.len() != dst.len() {
+            return Err(Error::InvalidArgument(format!(
+                "copy between tensors of {} and {} bytes",
+                self.len(),
+                dst.len()
+            )));
+        }
+        if let Some(src) = self.host() {
+            return dst.copy_in(0, src);
+        }
+        if let Some(d) = dst.host_mut() {
+            return self.copy_out(0, d);
+        }
+        const CHUNK: usize = 8 << 20;
+        let mut bounce = vec![0u8; CHUNK.min(self.len() as usize)];
+        let mut off = 0u64;
+        while off < self.len() {
+            let n = ((self.len() - off) as usize).min(CHUNK);
+            self.copy_out(off, &mut bounce[..n])?;
+            dst.copy_in(off, &bounce[..n])?;
+            off += n as u64;
+        }
+        Ok(())
+    }
+}
+
+fn check_range(offset: u64, len: usize, size: u64) -> Result<()> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "range {offset}+{len} is outside a tensor of {size} bytes"
+        ))),
+    }
+}
+
+/// A kind of memory that holds tensors: host memory, emulated GPU memory, CUDA memory.
+pub trait MemoryTier: Send + Sync {
+    /// A short name for reports ("host", "emulated-gpu", "cuda:0").
+    fn name(&self) -> &str;
+    /// Allocate memory for a tensor of `bytes` bytes. `NoSpace` when the tier is full; never
+    /// blocks.
+    fn alloc(&self, bytes: u64) -> Result<TensorMem>;
+    /// The tier's byte cap.
+    fn capacity_bytes(&self) -> u64;
+    /// Bytes allocated now.
+    fn used_bytes(&self) -> u64;
+}
+
+/// Host memory with a byte cap, from its own huge-page buffer pool.
+pub struct HostTier {
+    name: String,
+    pool: Arc<BufferPool>,
+}
+
+impl HostTier {
+    /// A host tier named `name` holding at most `capacity_bytes`.
+    pub fn new(name: impl Into<String>, capacity_bytes: u64) -> Result<Arc<Self>> {
+        let pool = BufferPool::new(PoolConfig { capacity_bytes, ..PoolConfig::default() })?;
+        Ok(Arc::new(Self { name: name.into(), pool }))
+    }
+
+    /// The pool behind the tier (for registering its memory with io_uring or CUDA).
+    pub fn pool(&self) -> &Arc<BufferPool> {
+        &self.pool
+    }
+}
+
+impl MemoryTier for HostTier {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<TensorMem> {
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::InvalidArgument(format!("{bytes} bytes do not fit in memory")))?;
+        match self.pool.alloc(len) {
+            Ok(b) => Ok(TensorMem::Host(b)),
+            Err(Error::NoSpace(why)) => Err(Error::NoSpace(format!("tier {}: {why}", self.name))),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.pool.capacity_bytes()
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.pool.used_bytes()
+    }
+}

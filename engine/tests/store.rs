@@ -1,0 +1,440 @@
+//! Tensor store: ordering, cancellation, checksums, failures, host tier, persistence, crashes.
+
+mod store_common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use store_common::*;
+use teraio_engine::Error;
+use teraio_engine::backend::sim::{SimFault, SimOp};
+use teraio_engine::migrate::Priority;
+use teraio_engine::store::{
+    Destination, Location, OffloadOptions, OffloadOutcome, StoreConfig, TensorStore,
+};
+use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
+
+#[test]
+fn offload_then_prefetch_round_trips_odd_sizes() {
+    let disks = sim_disks(4, 256 * MIB, 1);
+    let store = store(&disks, false);
+    let pool = pool();
+    let sizes = [1u64, 4095, 4096, MIB - 1, MIB, MIB + 1, 5 * MIB + 12345];
+    for (id, &size) in sizes.iter().enumerate() {
+        let data = content(id as u64, 0, size as usize);
+        let out = store
+            .offload_sync(id as u64, host_mem(&pool, &data), OffloadOptions::default())
+            .unwrap();
+        assert_eq!(out, OffloadOutcome::OnSsd);
+        assert_eq!(store.info(id as u64).unwrap().location, Location::OnSsd);
+    }
+    for (id, &size) in sizes.iter().enumerate() {
+        let got = store.prefetch_sync(id as u64, host_zeroed(&pool, size as usize)).unwrap();
+        assert_same(
+            &bytes_of(&got),
+            &content(id as u64, 0, size as usize),
+            &format!("tensor {id} of {size} bytes"),
+        );
+    }
+    let st = store.stats();
+    assert_eq!(st.ssd_write.ops, sizes.len() as u64);
+    assert_eq!(st.ssd_read.ops, sizes.len() as u64);
+    assert!(st.chunks_verified >= sizes.len() as u64);
+}
+
+#[test]
+fn operations_on_one_tensor_apply_in_issue_order() {
+    let disks = sim_disks(2, 256 * MIB, 2);
+    let store = store(&disks, false);
+    let pool = pool();
+    let len = 3 * MIB as usize + 7;
+    let mut handles = Vec::new();
+    for v in 0..8 {
+        let h = store
+            .offload(9, host_mem(&pool, &content(9, v, len)), OffloadOptions::default())
+            .unwrap();
+        handles.push(h);
+        // Each prefetch must see exactly the version offloaded just before it.
+        let p = store.prefetch(9, host_zeroed(&pool, len), Priority::Normal).unwrap();
+        assert_same(&bytes_of(&p.wait().unwrap()), &content(9, v, len), &format!("version {v}"));
+    }
+    for h in handles {
+        let o = h.wait().unwrap();
+        assert!(matches!(o, OffloadOutcome::OnSsd | OffloadOutcome::Cancelled));
+    }
+}
+
+#[test]
+fn prefetch_cancels_a_queued_offload_and_completes_at_once() {
+    let disks = sim_disks(1, 256 * MIB, 3);
+    // Slow the disk down so the first offload is still running when we queue the second.
+    disks[0].inject(SimFault::Latency { min_us: 20_000, max_us: 20_000 });
+    let mut cfg = StoreConfig::new(sim_array(&disks));
+    cfg.workers = 1;
+    let store = TensorStore::open(cfg).unwrap();
+    let pool = pool();
+    let len = 2 * MIB as usize;
+    let busy =
+        store.offload(1, host_mem(&pool, &content(1, 0, len)), OffloadOptions::default()).unwrap();
+    let queued =
+        store.offload(2, host_mem(&pool, &content(2, 0, len)), OffloadOptions::default()).unwrap();
+    let p = store.prefetch(2, host_zeroed(&pool, len), Priority::Urgent).unwrap();
+    assert!(p.is_done(), "a prefetch of a queued offload completes at once");
+    assert_same(&bytes_of(&p.wait().unwrap()), &content(2, 0, len), "content");
+    assert_eq!(queued.wait().unwrap(), OffloadOutcome::Cancelled);
+    assert_eq!(busy.wait().unwrap(), OffloadOutcome::OnSsd);
+    assert_eq!(store.stats().offloads_cancelled, 1);
+    assert_eq!(store.stats().ssd_write.ops, 1);
+}
+
+#[test]
+fn urgent_work_overtakes_queued_normal_work() {
+    let disks = sim_disks(1, 512 * MIB, 4);
+    disks[0].inject(SimFault::Latency { min_us: 5_000, max_us: 5_000 });
+    let mut cfg = StoreConfig::new(sim_array(&disks));
+    cfg.workers = 1;
+    let store = TensorStore::open(cfg).unwrap();
+    let pool = pool();
+    let len = MIB as usize;
+    // Prepare every buffer first so the operations are issued back to back.
+    let mut mems: Vec<_> = (0..7).map(|i| host_mem(&pool, &content(i, 0, len))).collect();
+    let urgent_mem = mems.pop().unwrap();
+    let normal: Vec<_> = mems
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| store.offload(i as u64, m, OffloadOptions::default()).unwrap())
+        .collect();
+    let urgent = store
+        .offload(
+            100,
+            urgent_mem,
+            OffloadOptions { priority: Priority::Urgent, ..Default::default() },
+        )
+        .unwrap();
+    urgent.wait().unwrap();
+    let still_queued = normal.iter().filter(|h| !h.is_done()).count();
+    assert!(still_queued >= 3, "urgent finished after {} of 6 normal offloads", 6 - still_queued);
+    for h in normal {
+        h.wait().unwrap();
+    }
+    let st = store.stats();
+    assert_eq!(st.queue_wait[Priority::Urgent as usize].ops, 1);
+}
+
+#[test]
+fn corrupt_bytes_on_disk_are_a_checksum_mismatch_naming_the_tensor() {
+    let disks = sim_disks(1, 64 * MIB, 5);
+    let store = store(&disks, false);
+    let pool = pool();
+    let len = 3 * MIB as usize;
+    store
+        .offload_sync(77, host_mem(&pool, &content(77, 0, len)), OffloadOptions::default())
+        .unwrap();
+    let map = store.info(77).unwrap().stripe_map.unwrap();
+    let (dev, off) = map.locate(MIB + 10).unwrap();
+    let mut b = [0u8; 1];
+    disks[dev as usize].peek(off, &mut b);
+    disks[dev as usize].poke(off, &[b[0] ^ 0x40]);
+    let err = store.prefetch_sync(77, host_zeroed(&pool, len)).unwrap_err();
+    match err {
+        Error::ChecksumMismatch { tensor, offset, .. } => {
+            assert_eq!(tensor, "77");
+            assert_eq!(offset, MIB);
+        }
+        other => panic!("expected a checksum mismatch, got {other}"),
+    }
+}
+
+#[test]
+fn failed_offload_keeps_the_tensor_and_reports_the_device() {
+    let disks = sim_disks(2, 64 * MIB, 6);
+    let store = store(&disks, false);
+    let pool = pool();
+    let len = 4 * MIB as usize;
+    disks[1].inject(SimFault::Eio { op: SimOp::Write, after_ops: 0 });
+    let err = store
+        .offload_sync(5, host_mem(&pool, &content(5, 0, len)), OffloadOptions::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("device 1"), "error names the device: {err}");
+    assert_eq!(store.info(5).unwrap().location, Location::Held);
+    // Nothing leaked: all space is free again.
+    assert_eq!(store.space().total.used_bytes, 0);
+    // The data is not lost: a prefetch returns it from the held memory.
+    let got = store.prefetch_sync(5, host_zeroed(&pool, len)).unwrap();
+    assert_same(&bytes_of(&got), &content(5, 0, len), "content");
+    // Other tensors go on once the device recovers.
+    disks[1].clear_faults();
+    store.offload_sync(6, host_mem(&pool, &content(6, 0, len)), OffloadOptions::default()).unwrap();
+    assert_same(
+        &bytes_of(&store.prefetch_sync(6, host_zeroed(&pool, len)).unwrap()),
+        &content(6, 0, len),
+        "content",
+    );
+}
+
+#[test]
+fn no_space_is_an_error_that_loses_nothing() {
+    let disks = sim_disks(1, 32 * MIB, 7);
+    let store = store(&disks, false);
+    let pool = pool();
+    let free = store.space().total.free_bytes;
+    let too_big = (free + MIB) as usize;
+    let err = store
+        .offload_sync(1, host_mem(&pool, &content(1, 0, too_big)), OffloadOptions::default())
+        .unwrap_err();
+    assert!(matches!(err, Error::Alloc(_)), "{err}");
+    assert_eq!(store.space().total.free_bytes, free);
+    assert_same(&bytes_of(&store.take_held(1).unwrap()), &content(1, 0, too_big), "content");
+}
+
+#[test]
+fn host_tier_is_a_second_destination_with_a_cap() {
+    let disks = sim_disks(1, 64 * MIB, 8);
+    let tier: Arc<dyn MemoryTier> = HostTier::new("host", 4 * MIB).unwrap();
+    let mut cfg = StoreConfig::new(sim_array(&disks));
+    cfg.host_tier = Some(tier.clone());
+    let store = TensorStore::open(cfg).unwrap();
+    let pool = pool();
+    let len = 3 * MIB as usize;
+    let host = OffloadOptions { destination: Destination::Host, ..Default::default() };
+    assert_eq!(
+        store.offload_sync(1, host_mem(&pool, &content(1, 0, len)), host.clone()).unwrap(),
+        OffloadOutcome::InHost
+    );
+    assert_eq!(store.info(1).unwrap().location, Location::InHost);
+    assert!(tier.used_bytes() >= len as u64);
+    // The tier is full: the next one falls back to SSD.
+    assert_eq!(
+        store.offload_sync(2, host_mem(&pool, &content(2, 0, len)), host).unwrap(),
+        OffloadOutcome::OnSsd
+    );
+    assert_eq!(store.stats().host_fallbacks, 1);
+    assert_same(
+        &bytes_of(&store.prefetch_sync(1, host_zeroed(&pool, len)).unwrap()),
+        &content(1, 0, len),
+        "content",
+    );
+    assert_eq!(tier.used_bytes(), 0, "a prefetch from the host tier releases it");
+    assert_same(
+        &bytes_of(&store.prefetch_sync(2, host_zeroed(&pool, len)).unwrap()),
+        &content(2, 0, len),
+        "content",
+    );
+}
+
+#[test]
+fn free_releases_space_and_forgets_the_tensor() {
+    let disks = sim_disks(2, 64 * MIB, 9);
+    let store = store(&disks, false);
+    let pool = pool();
+    store
+        .offload_sync(
+            1,
+            host_mem(&pool, &content(1, 0, 5 * MIB as usize)),
+            OffloadOptions::default(),
+        )
+        .unwrap();
+    assert!(store.space().total.used_bytes >= 5 * MIB);
+    store.free(1).unwrap().wait().unwrap();
+    assert_eq!(store.space().total.used_bytes, 0);
+    assert!(store.info(1).is_none());
+    assert!(matches!(
+        store.prefetch(1, host_zeroed(&pool, 5 * MIB as usize), Priority::Normal),
+        Err(Error::UnknownTensor(_))
+    ));
+    assert!(matches!(store.free(1), Err(Error::UnknownTensor(_))));
+}
+
+#[test]
+fn prefetch_with_wrong_size_is_refused() {
+    let disks = sim_disks(1, 64 * MIB, 10);
+    let store = store(&disks, false);
+    let pool = pool();
+    store
+        .offload_sync(1, host_mem(&pool, &content(1, 0, 1000)), OffloadOptions::default())
+        .unwrap();
+    assert!(matches!(
+        store.prefetch(1, host_zeroed(&pool, 999), Priority::Normal),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn many_threads_hammering_distinct_tensors() {
+    let disks = sim_disks(4, 512 * MIB, 11);
+    let store = Arc::new(store(&disks, false));
+    let pool = pool();
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let store = store.clone();
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                for round in 0..12u64 {
+                    for k in 0..3u64 {
+                        let id = t * 100 + k;
+                        let len = ((round * 7919 + k * 104_729) % (3 * MIB) + 1) as usize;
+                        let data = content(id, round, len);
+                        let offload = store
+                            .offload(id, host_mem(&pool, &data), OffloadOptions::default())
+                            .unwrap();
+                        let got = store
+                            .prefetch(id, host_zeroed(&pool, len), Priority::Normal)
+                            .unwrap()
+                            .wait()
+                            .unwrap();
+                        assert_same(
+                            &bytes_of(&got),
+                            &data,
+                            &format!("thread {t} tensor {id} round {round}"),
+                        );
+                        // Either written, or cancelled by the prefetch that overtook it.
+                        offload.wait().unwrap();
+                    }
+                }
+                for k in 0..3u64 {
+                    store.free(t * 100 + k).unwrap().wait().unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    store.drain();
+    assert_eq!(store.space().total.used_bytes, 0);
+    assert!(store.tensors().is_empty());
+}
+
+#[derive(Debug, Clone)]
+enum ModelOp {
+    Offload { id: u64, len: usize },
+    Prefetch { id: u64 },
+    Free { id: u64 },
+    Drain,
+    Reopen,
+}
+
+fn arbitrary_op() -> impl Strategy<Value = ModelOp> {
+    prop_oneof![
+        4 => (0..5u64, 1..(2 * MIB as usize + 5000)).prop_map(|(id, len)| ModelOp::Offload { id, len }),
+        4 => (0..5u64).prop_map(|id| ModelOp::Prefetch { id }),
+        1 => (0..5u64).prop_map(|id| ModelOp::Free { id }),
+        1 => Just(ModelOp::Drain),
+        1 => Just(ModelOp::Reopen),
+    ]
+}
+
+/// Random sequences of asynchronous operations against a HashMap model. Prefetches must return
+/// exactly the last version offloaded before them; frees make later prefetches fail.
+fn run_model(ops: Vec<ModelOp>, persistent: bool) {
+    let disks = sim_disks(3, 128 * MIB, 12);
+    let pool = pool();
+    let mut store = Some(store(&disks, persistent));
+    // Content the store holds, and ids it knows (a volatile prefetch takes the content out).
+    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+    let mut known: std::collections::HashSet<u64> = Default::default();
+    let mut version = 0u64;
+    let mut pending = Vec::new();
+    for op in ops {
+        let s = store.as_ref().unwrap();
+        match op {
+            ModelOp::Offload { id, len } => {
+                version += 1;
+                let data = content(id, version, len);
+                let h = s.offload(id, host_mem(&pool, &data), OffloadOptions::default()).unwrap();
+                pending.push(h);
+                model.insert(id, data);
+                known.insert(id);
+            }
+            ModelOp::Prefetch { id } => match model.get(&id) {
+                Some(data) => {
+                    let got = s
+                        .prefetch(id, host_zeroed(&pool, data.len()), Priority::Normal)
+                        .unwrap()
+                        .wait()
+                        .unwrap();
+                    assert_same(&bytes_of(&got), data, &format!("tensor {id}"));
+                    if !persistent {
+                        model.remove(&id);
+                    }
+                }
+                None => {
+                    let r = s
+                        .prefetch(id, host_zeroed(&pool, 4096), Priority::Normal)
+                        .and_then(|h| h.wait());
+                    assert!(r.is_err(), "prefetch of absent tensor {id} must fail");
+                }
+            },
+            ModelOp::Free { id } => {
+                let r = s.free(id).and_then(|h| h.wait());
+                model.remove(&id);
+                assert_eq!(r.is_ok(), known.remove(&id), "free {id}: {r:?}");
+            }
+            ModelOp::Drain => s.drain(),
+            ModelOp::Reopen => {
+                for h in pending.drain(..) {
+                    h.wait().unwrap();
+                }
+                if persistent {
+                    drop(store.take());
+                    store = Some(self::store(&disks, true));
+                    known.retain(|id| model.contains_key(id));
+                }
+            }
+        }
+    }
+    for h in pending {
+        h.wait().unwrap();
+    }
+    let s = store.unwrap();
+    s.drain();
+    let mut ids: Vec<_> = s.tensors().iter().map(|t| t.id).collect();
+    ids.sort_unstable();
+    // After a reopen only tensors with content survive.
+    let mut want: Vec<_> =
+        if persistent { model.keys().copied().collect() } else { known.iter().copied().collect() };
+    want.sort_unstable();
+    assert_eq!(ids, want);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn model_volatile(ops in proptest::collection::vec(arbitrary_op(), 1..40)) {
+        run_model(ops, false);
+    }
+
+    #[test]
+    fn model_persistent(ops in proptest::collection::vec(arbitrary_op(), 1..30)) {
+        run_model(ops, true);
+    }
+}
+
+#[test]
+fn staged_memory_goes_through_staging_buffers() {
+    struct Vram(Vec<u8>);
+    impl teraio_engine::tier::StagedMemory for Vram {
+        fn len(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn copy_out(&self, offset: u64, dst: &mut [u8]) -> teraio_engine::Result<()> {
+            dst.copy_from_slice(&self.0[offset as usize..offset as usize + dst.len()]);
+            Ok(())
+        }
+        fn copy_in(&mut self, offset: u64, src: &[u8]) -> teraio_engine::Result<()> {
+            self.0[offset as usize..offset as usize + src.len()].copy_from_slice(src);
+            Ok(())
+        }
+    }
+    let disks = sim_disks(2, 64 * MIB, 13);
+    let store = store(&disks, false);
+    let len = 3 * MIB as usize + 3;
+    let data = content(3, 1, len);
+    store
+        .offload_sync(3, TensorMem::Staged(Box::new(Vram(data.clone()))), OffloadOptions::default())
+        .unwrap();
+    let got = store.prefetch_sync(3, TensorMem::Staged(Box::new(Vram(vec![0; len])))).unwrap();
+    assert_same(&bytes_of(&got), &data, "content");
+}
