@@ -27,6 +27,10 @@ pub struct ArrayStats {
 pub struct ArrayAllocator {
     geometry: ArrayGeometry,
     devices: Vec<ExtentAllocator>,
+    /// Reused buffers so the hot path does not allocate: device order, and (device, extent)
+    /// lists for roll-back and validation.
+    order: Vec<usize>,
+    scratch: Vec<(u32, Extent)>,
 }
 
 impl ArrayAllocator {
@@ -58,7 +62,7 @@ impl ArrayAllocator {
                 )));
             }
         }
-        Ok(Self { geometry, devices })
+        Ok(Self { geometry, devices, order: Vec::new(), scratch: Vec::new() })
     }
 
     /// The array's geometry.
@@ -88,22 +92,40 @@ impl ArrayAllocator {
         let g = self.geometry;
         let lanes = lane_count(size_bytes, g.stripe_unit_bytes, g.device_count);
         let needs = lane_bytes(size_bytes, g.stripe_unit_bytes, g.block_bytes, lanes);
-        let chosen = self.choose_devices(lanes as usize);
+        self.choose_devices(lanes as usize);
+        let chosen = std::mem::take(&mut self.order);
+        let result = self.alloc_lanes(size_bytes, &chosen, &needs);
+        self.order = chosen;
+        result
+    }
+
+    /// Allocate lane `i` of the tensor on device `chosen[i]`, all or nothing.
+    fn alloc_lanes(
+        &mut self,
+        size_bytes: u64,
+        chosen: &[usize],
+        needs: &[u64],
+    ) -> Result<StripeMap> {
+        let g = self.geometry;
         // Check every lane before touching anything: a device can serve a lane iff its free
         // bytes cover the lane rounded up to its unit (alloc may split into several extents).
         let fits = chosen
             .iter()
-            .zip(&needs)
+            .zip(needs)
             .all(|(&d, &need)| self.devices[d].round_up(need) <= self.devices[d].free_bytes());
         if !fits {
             return Err(self.no_space(size_bytes));
         }
+        self.scratch.clear();
         let mut done: Vec<Lane> = Vec::with_capacity(chosen.len());
-        for (&d, &need) in chosen.iter().zip(&needs) {
+        for (&d, &need) in chosen.iter().zip(needs) {
             match self.devices[d].alloc(need) {
-                Ok(extents) => done.push(Lane { device: d as u32, extents }),
+                Ok(extents) => {
+                    self.scratch.extend(extents.iter().map(|&e| (d as u32, e)));
+                    done.push(Lane { device: d as u32, extents });
+                }
                 Err(e) => {
-                    self.roll_back(&done);
+                    self.roll_back();
                     return Err(match e {
                         Error::NoSpace { .. } => self.no_space(size_bytes),
                         other => other,
@@ -111,23 +133,20 @@ impl ArrayAllocator {
                 }
             }
         }
-        match StripeMap::new(size_bytes, g.stripe_unit_bytes, g.block_bytes, done.clone()) {
-            Ok(map) => Ok(map),
-            Err(e) => {
-                self.roll_back(&done);
-                Err(e.into())
-            }
-        }
+        StripeMap::new(size_bytes, g.stripe_unit_bytes, g.block_bytes, done).map_err(|e| {
+            self.roll_back();
+            e.into()
+        })
     }
 
     /// Free every extent of a tensor. All-or-nothing: every extent is checked to be allocated
     /// (and no two to overlap) before any is freed.
     pub fn free_tensor(&mut self, map: &StripeMap) -> Result<()> {
-        let extents = self.validated_extents(map)?;
-        for &(d, e) in &extents {
+        self.validate_extents(map)?;
+        for &(d, e) in &self.scratch {
             self.devices[d as usize].check_allocated(e)?;
         }
-        for (d, e) in extents {
+        for &(d, e) in &self.scratch {
             self.devices[d as usize]
                 .free(e)
                 .expect("extent was checked to be allocated and not to overlap another");
@@ -138,11 +157,11 @@ impl ArrayAllocator {
     /// Mark a tensor's extents allocated, as when rebuilding from metadata on reopen.
     /// All-or-nothing: every extent is checked to be free before any is marked.
     pub fn mark_tensor(&mut self, map: &StripeMap) -> Result<()> {
-        let extents = self.validated_extents(map)?;
-        for &(d, e) in &extents {
+        self.validate_extents(map)?;
+        for &(d, e) in &self.scratch {
             self.devices[d as usize].check_free(e)?;
         }
-        for (d, e) in extents {
+        for &(d, e) in &self.scratch {
             self.devices[d as usize]
                 .mark_allocated(e)
                 .expect("extent was checked to be free and not to overlap another");
@@ -172,12 +191,14 @@ impl ArrayAllocator {
         self.devices.iter().try_for_each(ExtentAllocator::check_invariants)
     }
 
-    /// The `lanes` devices with the most free bytes, most free first (ties: lower index).
-    fn choose_devices(&self, lanes: usize) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.devices.len()).collect();
-        order.sort_unstable_by_key(|&d| (std::cmp::Reverse(self.devices[d].free_bytes()), d));
-        order.truncate(lanes);
-        order
+    /// Leave in `self.order` the `lanes` devices with the most free bytes, most free first
+    /// (ties: lower index).
+    fn choose_devices(&mut self, lanes: usize) {
+        let devices = &self.devices;
+        self.order.clear();
+        self.order.extend(0..devices.len());
+        self.order.sort_unstable_by_key(|&d| (std::cmp::Reverse(devices[d].free_bytes()), d));
+        self.order.truncate(lanes);
     }
 
     fn no_space(&self, size_bytes: u64) -> Error {
@@ -188,21 +209,23 @@ impl ArrayAllocator {
         }
     }
 
-    /// Free lanes allocated by a failing `alloc_tensor`.
-    fn roll_back(&mut self, lanes: &[Lane]) {
-        for lane in lanes {
-            for &e in &lane.extents {
-                self.devices[lane.device as usize]
-                    .free(e)
-                    .expect("rolling back an extent allocated by this very call");
-            }
+    /// Free what a failing `alloc_tensor` allocated so far (listed in `self.scratch`).
+    fn roll_back(&mut self) {
+        for &(d, e) in &self.scratch {
+            self.devices[d as usize]
+                .free(e)
+                .expect("rolling back an extent allocated by this very call");
         }
+        self.scratch.clear();
     }
 
-    /// The map's (device, extent) pairs, checked to name devices of the array and not to
-    /// overlap one another (a deserialized map has not been through `StripeMap::new`).
-    fn validated_extents(&self, map: &StripeMap) -> Result<Vec<(u32, Extent)>> {
-        let mut extents: Vec<(u32, Extent)> = map.extents().collect();
+    /// Leave in `self.scratch` the map's (device, extent) pairs, checked to name devices of the
+    /// array and not to overlap one another (a deserialized map has not been through
+    /// `StripeMap::new`).
+    fn validate_extents(&mut self, map: &StripeMap) -> Result<()> {
+        self.scratch.clear();
+        self.scratch.extend(map.extents());
+        let extents = &mut self.scratch;
         if let Some(&(d, _)) = extents.iter().find(|(d, _)| *d >= self.geometry.device_count) {
             return Err(Error::InvalidArgument(format!(
                 "the tensor names device {d}, the array has {}",
@@ -218,6 +241,6 @@ impl ArrayAllocator {
                 )));
             }
         }
-        Ok(extents)
+        Ok(())
     }
 }

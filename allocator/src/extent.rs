@@ -286,20 +286,21 @@ impl ExtentAllocator {
     pub fn free(&mut self, extent: Extent) -> Result<()> {
         let (start, len) = self.check_allocated_units(extent)?;
         self.bits[start as usize..(start + len) as usize].fill(false);
-        let mut free_start = start;
-        let mut free_len = len;
-        if let Some((&left, &left_len)) = self.by_offset.range(..start).next_back()
-            && left + left_len == start
-        {
-            self.remove_free(left, left_len);
-            free_start = left;
-            free_len += left_len;
+        let end = start + len;
+        let right_len = self.by_offset.remove(&end);
+        if let Some(right_len) = right_len {
+            self.by_size.remove(&size_key(right_len, end));
         }
-        if let Some(&right_len) = self.by_offset.get(&(start + len)) {
-            self.remove_free(start + len, right_len);
-            free_len += right_len;
+        let merged = len + right_len.unwrap_or(0);
+        // A left neighbour that ends at `start` grows in place (its key stays).
+        match self.by_offset.range_mut(..start).next_back() {
+            Some((&left, left_len)) if left + *left_len == start => {
+                self.by_size.remove(&size_key(*left_len, left));
+                *left_len += merged;
+                self.by_size.insert(size_key(*left_len, left));
+            }
+            _ => self.insert_free(start, merged),
         }
-        self.insert_free(free_start, free_len);
         self.free_units += len;
         Ok(())
     }
