@@ -69,17 +69,21 @@ fn operations_on_one_tensor_apply_in_issue_order() {
 fn prefetch_cancels_a_queued_offload_and_completes_at_once() {
     let disks = sim_disks(1, 256 * MIB, 3);
     // Slow the disk down so the first offload is still running when we queue the second.
-    disks[0].inject(SimFault::Latency { min_us: 20_000, max_us: 20_000 });
+    disks[0].inject(SimFault::Latency { min_us: 50_000, max_us: 50_000 });
     let mut cfg = StoreConfig::new(sim_array(&disks));
     cfg.workers = 1;
     let store = TensorStore::open(cfg).unwrap();
     let pool = pool();
     let len = 2 * MIB as usize;
-    let busy =
-        store.offload(1, host_mem(&pool, &content(1, 0, len)), OffloadOptions::default()).unwrap();
-    let queued =
-        store.offload(2, host_mem(&pool, &content(2, 0, len)), OffloadOptions::default()).unwrap();
-    let p = store.prefetch(2, host_zeroed(&pool, len), Priority::Urgent).unwrap();
+    // Prepare the buffers first so the operations are issued back to back.
+    let (m1, m2, dst) = (
+        host_mem(&pool, &content(1, 0, len)),
+        host_mem(&pool, &content(2, 0, len)),
+        host_zeroed(&pool, len),
+    );
+    let busy = store.offload(1, m1, OffloadOptions::default()).unwrap();
+    let queued = store.offload(2, m2, OffloadOptions::default()).unwrap();
+    let p = store.prefetch(2, dst, Priority::Urgent).unwrap();
     assert!(p.is_done(), "a prefetch of a queued offload completes at once");
     assert_same(&bytes_of(&p.wait().unwrap()), &content(2, 0, len), "content");
     assert_eq!(queued.wait().unwrap(), OffloadOutcome::Cancelled);
@@ -437,4 +441,27 @@ fn staged_memory_goes_through_staging_buffers() {
         .unwrap();
     let got = store.prefetch_sync(3, TensorMem::Staged(Box::new(Vram(vec![0; len])))).unwrap();
     assert_same(&bytes_of(&got), &data, "content");
+}
+
+#[test]
+fn offload_keep_hands_the_source_back_after_the_copy_is_stored() {
+    let disks = sim_disks(2, 64 * MIB, 14);
+    let store = store(&disks, false);
+    let pool = pool();
+    let len = 2 * MIB as usize + 99;
+    let data = content(8, 0, len);
+    let (outcome, src) = store
+        .offload_keep(8, host_mem(&pool, &data), OffloadOptions::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(outcome, OffloadOutcome::OnSsd);
+    assert_same(&bytes_of(&src), &data, "the source is intact");
+    assert_eq!(store.info(8).unwrap().location, Location::OnSsd);
+    // A prefetch does not cancel a queued offload_keep: the copy is written.
+    let h = store.offload_keep(8, src, OffloadOptions::default()).unwrap();
+    let got = store.prefetch(8, host_zeroed(&pool, len), Priority::Normal).unwrap().wait().unwrap();
+    assert_same(&bytes_of(&got), &data, "prefetched");
+    assert_eq!(h.wait().unwrap().0, OffloadOutcome::OnSsd);
+    assert_eq!(store.stats().offloads_cancelled, 0);
 }

@@ -169,6 +169,7 @@ enum OpKind {
 
 enum Done {
     Offload(Arc<Slot<OffloadOutcome>>),
+    OffloadKeep(Arc<Slot<(OffloadOutcome, TensorMem)>>),
     Prefetch(Arc<Slot<TensorMem>>),
     Free(Arc<Slot<()>>),
 }
@@ -326,13 +327,39 @@ impl TensorStore {
         src: TensorMem,
         options: OffloadOptions,
     ) -> Result<Handle<OffloadOutcome>> {
+        let slot = Slot::new();
+        self.enqueue_offload(id, src, options, Done::Offload(slot.clone()))?;
+        Ok(Handle::new(slot))
+    }
+
+    /// Like [`offload`](Self::offload), but the source memory comes back through the handle
+    /// once the copy is stored, instead of being released: the caller decides whether to keep
+    /// the tensor resident (a prefetch that arrived while the copy was being written) or drop it.
+    /// A queued `offload_keep` is never cancelled by a prefetch.
+    pub fn offload_keep(
+        &self,
+        id: TensorId,
+        src: TensorMem,
+        options: OffloadOptions,
+    ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
+        let slot = Slot::new();
+        self.enqueue_offload(id, src, options, Done::OffloadKeep(slot.clone()))?;
+        Ok(Handle::new(slot))
+    }
+
+    fn enqueue_offload(
+        &self,
+        id: TensorId,
+        src: TensorMem,
+        options: OffloadOptions,
+        done: Done,
+    ) -> Result<()> {
         if src.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "tensor {id}: cannot offload an empty tensor"
             )));
         }
         self.inner.queued.acquire(1);
-        let slot = Slot::new();
         let mut table = self.inner.table.lock();
         let entry = table.entry(id).or_insert_with(|| Entry::new(src.len()));
         entry.size = src.len();
@@ -344,10 +371,10 @@ impl TensorStore {
             },
             priority: options.priority,
             enqueued: Instant::now(),
-            done: Done::Offload(slot.clone()),
+            done,
         };
         self.inner.enqueue(id, entry, op);
-        Ok(Handle::new(slot))
+        Ok(())
     }
 
     /// Prefetch tensor `id` into `dst` (exactly the tensor's size). The handle returns `dst`
@@ -372,7 +399,10 @@ impl TensorStore {
         // Volatile stores: a queued (not yet running) offload at the tail is cancelled; its
         // source has the data. (A persistent store writes it: durability was asked for.)
         let tail_is_queued_offload = self.inner.persist.is_none()
-            && matches!(entry.queue.back(), Some(Op { kind: OpKind::Offload { .. }, .. }))
+            && matches!(
+                entry.queue.back(),
+                Some(Op { kind: OpKind::Offload { .. }, done: Done::Offload(_), .. })
+            )
             && !(entry.queue.len() == 1 && entry.active == Active::Running);
         if tail_is_queued_offload {
             let op = entry.queue.pop_back().expect("checked");
@@ -630,16 +660,21 @@ impl Inner {
             (op.done, release)
         };
         drop(gate);
-        // Source memory of an offload is released only now: after the write and its journal
-        // record are durable and the table names the new copy.
-        drop(release);
         self.queued.release(1);
+        let mut release = release;
         match (done, outcome) {
             (Done::Offload(s), Outcome::Offload(r)) => s.complete(r),
+            (Done::OffloadKeep(s), Outcome::Offload(r)) => {
+                let src = release.take();
+                s.complete(r.map(|o| (o, src.expect("a stored offload hands back its source"))))
+            }
             (Done::Prefetch(s), Outcome::Prefetch(r)) => s.complete(r),
             (Done::Free(s), Outcome::Free(r)) => s.complete(r),
             _ => unreachable!("an op's outcome matches its kind"),
         }
+        // Otherwise the source memory of an offload is released only now: after the write and
+        // its journal record are durable and the table names the new copy.
+        drop(release);
     }
 
     /// Persistent mode: make the operation's effect on the tensor table durable (a journal
@@ -723,8 +758,12 @@ enum Update {
         name: Option<String>,
         src: TensorMem,
     },
-    /// Offload succeeded to the host tier.
-    Host(TensorMem, Option<String>),
+    /// Offload succeeded to the host tier; the source is released after the table update.
+    Host {
+        mem: TensorMem,
+        name: Option<String>,
+        src: TensorMem,
+    },
     /// Offload failed: the store keeps the source memory.
     Held(TensorMem),
     /// Prefetch done: give back memory copies that were not consumed.
@@ -745,7 +784,7 @@ impl Update {
         match self {
             Update::None => "none",
             Update::Ssd { .. } => "ssd",
-            Update::Host(..) => "host",
+            Update::Host { .. } => "host",
             Update::Held(_) => "held",
             Update::Restore { .. } => "restore",
             Update::Freed(_) => "freed",
@@ -768,7 +807,7 @@ impl Update {
                 }
                 Some(src)
             }
-            Update::Host(mem, name) => {
+            Update::Host { mem, name, src } => {
                 entry.host = Some(mem);
                 if let Some(old) = entry.ssd.take() {
                     inner.release_extents(&old.map);
@@ -776,7 +815,7 @@ impl Update {
                 if name.is_some() {
                     entry.name = name;
                 }
-                None
+                Some(src)
             }
             Update::Held(mem) => {
                 entry.held = Some(mem);
@@ -852,7 +891,7 @@ impl Inner {
                         return match r {
                             Ok(()) => (
                                 Outcome::Offload(Ok(OffloadOutcome::InHost)),
-                                Update::Host(mem, name),
+                                Update::Host { mem, name, src },
                             ),
                             Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
                         };
