@@ -72,7 +72,11 @@ impl Checkpoint {
 
     /// Whether allocation unit `unit` is in use (false past `bitmap_bits`).
     pub fn unit_in_use(&self, unit: u64) -> bool {
-        unit < self.bitmap_bits && self.bitmap[(unit / 8) as usize] & (1 << (unit % 8)) != 0
+        unit < self.bitmap_bits
+            && usize::try_from(unit / 8)
+                .ok()
+                .and_then(|i| self.bitmap.get(i))
+                .is_some_and(|b| b & (1 << (unit % 8)) != 0)
     }
 
     /// Encode, padded with zeros to whole blocks of `block_bytes`; the crc covers every byte.
