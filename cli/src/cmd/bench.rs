@@ -9,8 +9,8 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -177,7 +177,7 @@ struct Job {
     span: u64,
     iodepth: u32,
     ops: Option<u64>,
-    deadline: Option<Instant>,
+    runtime: Option<Duration>,
     rwmixread: u32,
     seed: u64,
 }
@@ -188,23 +188,29 @@ fn drive(
     job: &Job,
     progress: &AtomicU64,
     stop: &AtomicBool,
-) -> Result<(DirStats, DirStats)> {
+    ready: &Barrier,
+) -> Result<(DirStats, DirStats, Instant)> {
     let (mut rd, mut wr) = (DirStats::new(), DirStats::new());
     let blocks = job.span / job.bs;
     let mut rng = SmallRng::seed_from_u64(job.seed ^ (u64::from(job.device) << 32));
-    let mut free: Vec<IoBuf> = Vec::new();
-    for _ in 0..job.iodepth {
-        let mut b = pool.alloc(job.bs as usize)?;
-        rng.fill(&mut b[..]);
-        free.push(b);
-    }
+    // Buffers are allocated and touched (faulting their pages in) before the clock starts.
+    let bufs: Result<Vec<IoBuf>> = (0..job.iodepth)
+        .map(|_| {
+            let mut b = pool.alloc(job.bs as usize)?;
+            rng.fill(&mut b[..]);
+            Ok(b)
+        })
+        .collect();
+    ready.wait();
+    let mut free = bufs?;
+    let deadline = job.runtime.map(|r| Instant::now() + r);
     let mut queue: VecDeque<InFlight> = VecDeque::with_capacity(job.iodepth as usize);
     let mut issued = 0u64;
     let mut next_block = 0u64;
     loop {
         let more = |issued: u64| {
             job.ops.is_none_or(|n| issued < n)
-                && job.deadline.is_none_or(|d| Instant::now() < d)
+                && deadline.is_none_or(|d| Instant::now() < d)
                 && !stop.load(Ordering::Relaxed)
         };
         while queue.len() < job.iodepth as usize && more(issued) {
@@ -246,7 +252,7 @@ fn drive(
         progress.fetch_add(job.bs, Ordering::Relaxed);
         free.push(buf);
     }
-    Ok((rd, wr))
+    Ok((rd, wr, Instant::now()))
 }
 
 fn human_bytes(b: f64) -> String {
@@ -405,7 +411,7 @@ fn execute(args: &Args) -> Result<Report> {
                 span: spans[d as usize],
                 iodepth: args.iodepth,
                 ops: Some(spans[d as usize] / args.bs),
-                deadline: None,
+                runtime: None,
                 rwmixread: 0,
                 seed: args.seed,
             })
@@ -414,7 +420,7 @@ fn execute(args: &Args) -> Result<Report> {
         array.sync()?;
     }
 
-    let deadline = args.runtime.map(|r| Instant::now() + Duration::from_secs_f64(r));
+    let runtime = args.runtime.map(Duration::from_secs_f64);
     let jobs: Vec<Job> = (0..n)
         .map(|d| Job {
             device: d,
@@ -422,13 +428,13 @@ fn execute(args: &Args) -> Result<Report> {
             bs: args.bs,
             span: spans[d as usize],
             iodepth: args.iodepth,
-            ops: if deadline.is_some() { None } else { Some(spans[d as usize] / args.bs) },
-            deadline,
+            ops: if runtime.is_some() { None } else { Some(spans[d as usize] / args.bs) },
+            runtime,
             rwmixread: args.rwmixread,
             seed: args.seed,
         })
         .collect();
-    let total = if deadline.is_some() { None } else { Some(spans.iter().sum::<u64>()) };
+    let total = if runtime.is_some() { None } else { Some(spans.iter().sum::<u64>()) };
     let (rd, wr) = run_jobs(&array, &pool, jobs, total.map(|t| (t, args.runtime)), args.json)?;
     if !args.rw.reads() {
         // Not part of the timing (as fio without --end_fsync), but leave the data durable.
@@ -529,14 +535,15 @@ fn run_jobs(
         );
         bar
     };
-    let started = Instant::now();
+    let ready = Barrier::new(jobs.len() + 1);
+    let mut started = Instant::now();
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = jobs
             .iter()
             .map(|job| {
-                let (array, pool, progress, stop) = (array, pool, &progress, &stop);
+                let (array, pool, progress, stop, ready) = (array, pool, &progress, &stop, &ready);
                 s.spawn(move || {
-                    let r = drive(array, pool, job, progress, stop);
+                    let r = drive(array, pool, job, progress, stop, ready);
                     if r.is_err() {
                         stop.store(true, Ordering::Relaxed);
                     }
@@ -544,20 +551,24 @@ fn run_jobs(
                 })
             })
             .collect();
+        ready.wait();
+        started = Instant::now();
         while !handles.iter().all(|h| h.is_finished()) {
             bar.set_position(progress.load(Ordering::Relaxed));
             std::thread::sleep(Duration::from_millis(100));
         }
         handles.into_iter().map(|h| h.join().expect("driver thread panicked")).collect::<Vec<_>>()
     });
-    let elapsed = started.elapsed();
     bar.finish_and_clear();
     let (mut rd, mut wr) = (DirStats::new(), DirStats::new());
+    let mut ended = started;
     for r in results {
-        let (a, b) = r?;
+        let (a, b, end) = r?;
         rd.merge(&a);
         wr.merge(&b);
+        ended = ended.max(end);
     }
+    let elapsed = ended - started;
     Ok(((rd, elapsed), (wr, elapsed)))
 }
 
