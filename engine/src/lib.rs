@@ -8,6 +8,7 @@
 //! - [`tier`]: memory tiers (host now, CUDA behind a feature later) behind one trait.
 //! - [`store`]: the tensor store (location table, checksums, persistent metadata).
 //! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
+//! - [`runtime`]: replays a training iteration under a scheduler plan on the real engine.
 
 pub mod array;
 pub mod backend;
@@ -15,6 +16,7 @@ pub mod device;
 mod error;
 pub mod migrate;
 pub mod pool;
+pub mod runtime;
 pub mod store;
 pub mod tier;
 
