@@ -3,6 +3,7 @@
 
 mod cmd;
 mod error;
+mod plot;
 
 use clap::{Parser, Subcommand};
 

@@ -1,6 +1,43 @@
 //! teraio's scheduler (pure): traces, lifetime analysis, planners and the simulator.
+//!
+//! Traces in, plans and reports out; no I/O. The pieces:
+//! - [`Trace`]: one training iteration (kernels = the clock, tensors with their accesses);
+//!   JSON schema in `docs/TRACE.md`. [`model::generate`] makes synthetic transformer traces.
+//! - [`analysis`]: active/inactive intervals and the paper's characterization.
+//! - [`planner::plan`]: policies `teraio` (the paper's Algorithm 1), `teraio-hybrid`, `g10`,
+//!   `zero-infinity`, `lru`, `ideal`, `none`, all producing a [`Plan`].
+//! - [`sim::simulate`]: discrete-event replay of a plan on a [`Hardware`] model.
+//! - [`advise`]: the fewest SSDs / least host memory that reach a target % of ideal.
+//!
+//! ```
+//! use teraio_scheduler::{Hardware, ModelConfig, Policy, SimOptions, generate, plan, simulate};
+//! let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+//! cfg.micro_batch = 2;
+//! let trace = generate(&cfg).unwrap();
+//! let mut hw = Hardware::paper();
+//! hw.gpu_memory_bytes = 2_500_000_000; // squeeze it so the planner has work to do
+//! let p = plan(&trace, &hw, Policy::Teraio).unwrap();
+//! p.validate(&trace).unwrap();
+//! let report = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
+//! assert!(report.peak_gpu_bytes <= hw.gpu_memory_bytes);
+//! assert!(report.percent_of_ideal > 0.0);
+//! ```
 #![forbid(unsafe_code)]
 
+pub mod advise;
+pub mod analysis;
 mod error;
+pub mod hardware;
+pub mod model;
+pub mod plan;
+pub mod planner;
+pub mod sim;
+pub mod trace;
 
 pub use error::{Error, Result};
+pub use hardware::{Hardware, Resource, Tier};
+pub use model::{Dtype, Gpu, ModelConfig, generate};
+pub use plan::{InitialPlacement, Instruction, Op, Plan, PlanStats};
+pub use planner::{Policy, plan};
+pub use sim::{Outcome, SimOptions, SimReport, simulate};
+pub use trace::{Kernel, Tensor, TensorId, TensorKind, Trace};

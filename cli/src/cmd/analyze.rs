@@ -1,12 +1,53 @@
-//! `teraio analyze` (being built).
+//! `teraio analyze`: lifetime analysis of a trace.
 
-use crate::{CliError, Result};
+use teraio_scheduler::analysis::summarize;
+
+use crate::Result;
+use crate::cmd::plan::gb;
 
 /// Options of `teraio analyze`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// Trace file, or `preset:NAME`.
+    pub trace: String,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Run `teraio analyze`.
-pub fn run(_args: Args) -> Result<()> {
-    Err(CliError::Usage("teraio analyze is not built yet".into()))
+pub fn run(args: Args) -> Result<()> {
+    let trace = crate::cmd::trace::load(&args.trace)?;
+    let s = summarize(&trace);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    println!("trace {}: {} kernels, {} tensors", s.name, s.kernels, s.tensors);
+    println!("ideal iteration          {:.3} s", s.iteration_time_us / 1e6);
+    println!("tensor bytes             {:.2} GB", gb(s.total_tensor_bytes));
+    println!("peak if nothing moves    {:.2} GB", gb(s.peak_resident_bytes));
+    println!(
+        "active memory            {:.2}% on average (time-weighted), {:.2}% at most",
+        100.0 * s.mean_active_fraction,
+        100.0 * s.max_active_fraction
+    );
+    println!(
+        "inactive intervals       {} ({:.1}% longer than 10 ms)",
+        s.inactive_intervals,
+        100.0 * s.inactive_over_10ms_fraction
+    );
+    println!("\ninactive period      count        GB");
+    for b in &s.inactive_period_histogram {
+        println!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
+    }
+    println!("\ntensor size         count        GB");
+    for b in &s.tensor_size_histogram {
+        println!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
+    }
+    println!("\nkind                count        GB");
+    for k in &s.by_kind {
+        println!("  {:<14} {:>9} {:>9.2}", k.kind.as_str(), k.count, gb(k.bytes));
+    }
+    Ok(())
 }

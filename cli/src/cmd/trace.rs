@@ -1,15 +1,175 @@
-//! `teraio trace` (being built).
+//! `teraio trace`: generate synthetic transformer training traces.
+
+use std::path::PathBuf;
+
+use teraio_scheduler::{Dtype, Gpu, ModelConfig, Trace, generate};
 
 use crate::{CliError, Result};
 
 /// Subcommands of `teraio trace`.
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
-    /// Generate a synthetic training trace.
-    Gen,
+    /// Generate a synthetic training trace (one iteration on one GPU).
+    Gen(GenArgs),
+}
+
+/// Options of `teraio trace gen`.
+#[derive(clap::Args, Debug)]
+pub struct GenArgs {
+    /// Model preset: llama3-8b, granite-8b, llama3-70b, gpt2-small, gpt2-medium, gpt2-large,
+    /// gpt2-xl, gpt2-replay (laptop-sized, 10 s iteration). Options below override it.
+    #[arg(long, default_value = "gpt2-small")]
+    pub model: String,
+    /// Transformer layers.
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// Hidden size.
+    #[arg(long)]
+    pub hidden: Option<u64>,
+    /// Attention heads.
+    #[arg(long)]
+    pub heads: Option<u32>,
+    /// Key/value heads.
+    #[arg(long)]
+    pub kv_heads: Option<u32>,
+    /// FFN intermediate size.
+    #[arg(long)]
+    pub ffn: Option<u64>,
+    /// Vocabulary size.
+    #[arg(long)]
+    pub vocab: Option<u64>,
+    /// Sequence length.
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Sequences per micro-batch.
+    #[arg(long)]
+    pub micro_batch: Option<u64>,
+    /// Micro-batches (gradient accumulation steps) per iteration.
+    #[arg(long)]
+    pub micro_batches: Option<u32>,
+    /// fp32 or bf16.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Tensor-parallel degree.
+    #[arg(long)]
+    pub tp: Option<u32>,
+    /// Pipeline-parallel degree.
+    #[arg(long)]
+    pub pp: Option<u32>,
+    /// Pipeline stage of this GPU.
+    #[arg(long)]
+    pub stage: Option<u32>,
+    /// GPU of the roofline: h100 (NVL), h100-sxm, h200, a100.
+    #[arg(long)]
+    pub gpu: Option<String>,
+    /// Scale kernel durations so the all-resident iteration takes this many seconds.
+    #[arg(long)]
+    pub iteration_s: Option<f64>,
+    /// Output file (default: standard output).
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+}
+
+/// Build the model configuration from a preset and overrides.
+pub fn config(a: &GenArgs) -> Result<ModelConfig> {
+    let mut c = ModelConfig::preset(&a.model)?;
+    if let Some(v) = a.layers {
+        c.layers = v;
+    }
+    if let Some(v) = a.hidden {
+        c.hidden = v;
+    }
+    if let Some(v) = a.heads {
+        c.heads = v;
+    }
+    if let Some(v) = a.kv_heads {
+        c.kv_heads = v;
+    }
+    if let Some(v) = a.ffn {
+        c.ffn = v;
+    }
+    if let Some(v) = a.vocab {
+        c.vocab = v;
+    }
+    if let Some(v) = a.seq {
+        c.seq_len = v;
+    }
+    if let Some(v) = a.micro_batch {
+        c.micro_batch = v;
+    }
+    if let Some(v) = a.micro_batches {
+        c.micro_batches = v;
+    }
+    if let Some(d) = &a.dtype {
+        c.dtype = match d.as_str() {
+            "fp32" => Dtype::Fp32,
+            "bf16" => Dtype::Bf16,
+            _ => return Err(CliError::Usage(format!("--dtype must be fp32 or bf16, got {d:?}"))),
+        };
+    }
+    if let Some(v) = a.tp {
+        c.tensor_parallel = v;
+    }
+    if let Some(v) = a.pp {
+        c.pipeline_parallel = v;
+    }
+    if let Some(v) = a.stage {
+        c.pipeline_stage = v;
+    }
+    if let Some(g) = &a.gpu {
+        c.gpu = Gpu::parse(g)?;
+    }
+    if let Some(s) = a.iteration_s {
+        c.target_iteration_us = Some(s * 1e6);
+    }
+    Ok(c)
+}
+
+/// Load a trace: a JSON file, or `preset:NAME` to generate a preset on the fly.
+pub fn load(spec: &str) -> Result<Trace> {
+    if let Some(name) = spec.strip_prefix("preset:") {
+        return Ok(generate(&ModelConfig::preset(name)?)?);
+    }
+    let text = std::fs::read_to_string(spec)
+        .map_err(|source| CliError::File { path: spec.into(), source })?;
+    Trace::from_json(&text).map_err(|e| match e {
+        teraio_scheduler::Error::InvalidTrace { path, detail } => {
+            CliError::Usage(format!("{spec}: invalid trace at {path}: {detail}"))
+        }
+        other => other.into(),
+    })
+}
+
+/// Write text to a file, or to standard output when `path` is `None`.
+pub fn write_out(path: Option<&std::path::Path>, text: &str) -> Result<()> {
+    match path {
+        Some(p) => {
+            std::fs::write(p, text).map_err(|source| CliError::File { path: p.into(), source })
+        }
+        None => {
+            println!("{text}");
+            Ok(())
+        }
+    }
 }
 
 /// Run `teraio trace`.
-pub fn run(_cmd: Command) -> Result<()> {
-    Err(CliError::Usage("teraio trace is not built yet".into()))
+pub fn run(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Gen(a) => {
+            let cfg = config(&a)?;
+            let trace = generate(&cfg)?;
+            write_out(a.output.as_deref(), &trace.to_json())?;
+            if a.output.is_some() {
+                eprintln!(
+                    "{}: {} kernels, {} tensors, {:.3} s ideal iteration",
+                    trace.name,
+                    trace.kernels.len(),
+                    trace.tensors.len(),
+                    trace.iteration_time_us() / 1e6
+                );
+            }
+            Ok(())
+        }
+    }
 }

@@ -1,0 +1,196 @@
+//! The hardware model shared by planners and the simulator (and built by the runtime from
+//! measured bandwidths).
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// One data-movement resource. Every migration uses a fixed set of them (its *path*).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resource {
+    /// The SSD array, reading (sum over SSDs).
+    SsdRead,
+    /// The SSD array, writing (sum over SSDs).
+    SsdWrite,
+    /// PCIe host-to-device (prefetches).
+    PcieH2d,
+    /// PCIe device-to-host (offloads).
+    PcieD2h,
+    /// Host DRAM bandwidth (host-tier copies; SSD copies too when GPUDirect is off).
+    HostMemory,
+}
+
+impl Resource {
+    /// All resources, in reporting order.
+    pub const ALL: [Resource; 5] = [
+        Resource::SsdRead,
+        Resource::SsdWrite,
+        Resource::PcieH2d,
+        Resource::PcieD2h,
+        Resource::HostMemory,
+    ];
+
+    /// Index into [`Resource::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Short name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resource::SsdRead => "ssd_read",
+            Resource::SsdWrite => "ssd_write",
+            Resource::PcieH2d => "pcie_h2d",
+            Resource::PcieD2h => "pcie_d2h",
+            Resource::HostMemory => "host_memory",
+        }
+    }
+}
+
+/// Where an offloaded tensor goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    /// The SSD array (striped by teraio's allocator).
+    Ssd,
+    /// Pinned host memory, bounded by [`Hardware::host_memory_cap_bytes`].
+    Host,
+}
+
+/// GPU memory, SSD array, PCIe and host memory of one GPU's share of a machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hardware {
+    /// GPU memory available to the training iteration's tensors, bytes.
+    pub gpu_memory_bytes: u64,
+    /// SSDs in this GPU's array.
+    pub ssd_count: u32,
+    /// Sequential read bandwidth of one SSD, bytes/s.
+    pub ssd_read_bytes_per_s: f64,
+    /// Sequential write bandwidth of one SSD, bytes/s.
+    pub ssd_write_bytes_per_s: f64,
+    /// Latency of one SSD I/O, microseconds (used by the G10 qualification rule only).
+    pub ssd_latency_us: f64,
+    /// PCIe host-to-device bandwidth, bytes/s.
+    pub pcie_h2d_bytes_per_s: f64,
+    /// PCIe device-to-host bandwidth, bytes/s.
+    pub pcie_d2h_bytes_per_s: f64,
+    /// Host memory usable as an offload tier, bytes (0: no host tier).
+    pub host_memory_cap_bytes: u64,
+    /// Host DRAM bandwidth available to migrations, bytes/s (reads and writes together).
+    pub host_memory_bytes_per_s: f64,
+    /// GPUDirect Storage: SSD transfers bypass host memory. Without it an SSD transfer also
+    /// uses [`Resource::HostMemory`] (bounce buffer).
+    pub gpudirect: bool,
+}
+
+impl Hardware {
+    /// The paper's machine, per GPU: H100 NVL (94 GB), 4 x Samsung 990 PRO (6.7 GB/s read,
+    /// 6.5 GB/s write each), PCIe Gen5 x16 (50 GB/s each way achieved), 128 GB of host
+    /// memory as a tier, GPUDirect Storage.
+    pub fn paper() -> Self {
+        Hardware {
+            gpu_memory_bytes: 94_000_000_000,
+            ssd_count: 4,
+            ssd_read_bytes_per_s: 6.7e9,
+            ssd_write_bytes_per_s: 6.5e9,
+            ssd_latency_us: 80.0,
+            pcie_h2d_bytes_per_s: 50e9,
+            pcie_d2h_bytes_per_s: 50e9,
+            host_memory_cap_bytes: 128_000_000_000,
+            host_memory_bytes_per_s: 100e9,
+            gpudirect: true,
+        }
+    }
+
+    /// A laptop-class replay target (this repository's dev machine): 1 GiB of emulated GPU
+    /// memory, 4 file-backed "SSDs" of 250 MB/s each (about 1 GB/s together), a 4 GB/s copy
+    /// path, 1 GiB of host tier.
+    pub fn dev() -> Self {
+        Hardware {
+            gpu_memory_bytes: 1 << 30,
+            ssd_count: 4,
+            ssd_read_bytes_per_s: 250e6,
+            ssd_write_bytes_per_s: 250e6,
+            ssd_latency_us: 200.0,
+            pcie_h2d_bytes_per_s: 4e9,
+            pcie_d2h_bytes_per_s: 4e9,
+            host_memory_cap_bytes: 1 << 30,
+            host_memory_bytes_per_s: 8e9,
+            gpudirect: true,
+        }
+    }
+
+    /// A named preset: `paper` or `dev`.
+    pub fn preset(name: &str) -> Result<Self> {
+        match name {
+            "paper" | "h100-nvl-4ssd" => Ok(Hardware::paper()),
+            "dev" | "laptop" => Ok(Hardware::dev()),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown hardware preset {name:?} (known: paper, dev)"
+            ))),
+        }
+    }
+
+    /// Bandwidth of one resource, bytes/s.
+    pub fn bandwidth(&self, r: Resource) -> f64 {
+        match r {
+            Resource::SsdRead => self.ssd_read_bytes_per_s * f64::from(self.ssd_count),
+            Resource::SsdWrite => self.ssd_write_bytes_per_s * f64::from(self.ssd_count),
+            Resource::PcieH2d => self.pcie_h2d_bytes_per_s,
+            Resource::PcieD2h => self.pcie_d2h_bytes_per_s,
+            Resource::HostMemory => self.host_memory_bytes_per_s,
+        }
+    }
+
+    /// Resources an offload to `tier` uses.
+    pub fn offload_path(&self, tier: Tier) -> Vec<Resource> {
+        match tier {
+            Tier::Ssd if self.gpudirect => vec![Resource::PcieD2h, Resource::SsdWrite],
+            Tier::Ssd => vec![Resource::PcieD2h, Resource::SsdWrite, Resource::HostMemory],
+            Tier::Host => vec![Resource::PcieD2h, Resource::HostMemory],
+        }
+    }
+
+    /// Resources a prefetch from `tier` uses.
+    pub fn prefetch_path(&self, tier: Tier) -> Vec<Resource> {
+        match tier {
+            Tier::Ssd if self.gpudirect => vec![Resource::SsdRead, Resource::PcieH2d],
+            Tier::Ssd => vec![Resource::SsdRead, Resource::PcieH2d, Resource::HostMemory],
+            Tier::Host => vec![Resource::HostMemory, Resource::PcieH2d],
+        }
+    }
+
+    /// Nominal bandwidth of a path (its slowest resource), bytes/s.
+    pub fn path_bandwidth(&self, path: &[Resource]) -> f64 {
+        path.iter().map(|&r| self.bandwidth(r)).fold(f64::INFINITY, f64::min)
+    }
+
+    /// Check that every bandwidth is positive and finite (an SSD count of 0 is allowed: no
+    /// SSD tier).
+    pub fn validate(&self) -> Result<()> {
+        let checks = [
+            ("ssd_read_bytes_per_s", self.ssd_read_bytes_per_s),
+            ("ssd_write_bytes_per_s", self.ssd_write_bytes_per_s),
+            ("pcie_h2d_bytes_per_s", self.pcie_h2d_bytes_per_s),
+            ("pcie_d2h_bytes_per_s", self.pcie_d2h_bytes_per_s),
+            ("host_memory_bytes_per_s", self.host_memory_bytes_per_s),
+        ];
+        for (name, v) in checks {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "hardware.{name} must be finite and > 0, got {v}"
+                )));
+            }
+        }
+        if !(self.ssd_latency_us.is_finite() && self.ssd_latency_us >= 0.0) {
+            return Err(Error::InvalidArgument("hardware.ssd_latency_us must be >= 0".into()));
+        }
+        Ok(())
+    }
+
+    /// Whether the SSD tier exists.
+    pub fn has_ssd(&self) -> bool {
+        self.ssd_count > 0
+    }
+}

@@ -1,0 +1,776 @@
+//! Synthetic traces of decoder-only transformer training, per GPU.
+//!
+//! One iteration = `micro_batches` forward+backward passes (gradient accumulation, GPipe
+//! order on a pipeline stage) followed by one AdamW step per parameter tensor. Kernel
+//! durations come from a roofline of a named GPU: `max(flops / (peak * 0.7), bytes / (hbm *
+//! 0.8)) + 4 us launch`, where `bytes` is the size of every tensor the kernel touches.
+//!
+//! Precision: `fp32` keeps weights, gradients and both AdamW moments in fp32 (16 B/param) and
+//! runs matmuls on CUDA cores (PyTorch's default: TF32 off); `bf16` keeps bf16 weights and
+//! gradients plus fp32 master weights and moments (16 B/param) and runs on tensor cores.
+
+use serde::{Deserialize, Serialize};
+
+use crate::trace::{Kernel, Tensor, TensorId, TensorKind, Trace};
+use crate::{Error, Result};
+
+/// Element type of weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dtype {
+    /// 4 bytes, CUDA-core FLOP/s.
+    Fp32,
+    /// 2 bytes, tensor-core FLOP/s, fp32 master weights.
+    Bf16,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Dtype::Fp32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// A GPU of the roofline model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Gpu {
+    /// H100 NVL, 94 GB (the paper's GPU).
+    H100Nvl,
+    /// H100 SXM, 80 GB.
+    H100Sxm,
+    /// H200 SXM, 141 GB.
+    H200,
+    /// A100 SXM, 80 GB.
+    A100,
+}
+
+impl Gpu {
+    /// Parse `h100` (= H100 NVL), `h100-nvl`, `h100-sxm`, `h200`, `a100`.
+    pub fn parse(s: &str) -> Result<Gpu> {
+        match s.to_ascii_lowercase().as_str() {
+            "h100" | "h100-nvl" => Ok(Gpu::H100Nvl),
+            "h100-sxm" => Ok(Gpu::H100Sxm),
+            "h200" => Ok(Gpu::H200),
+            "a100" => Ok(Gpu::A100),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown GPU {s:?} (known: h100, h100-nvl, h100-sxm, h200, a100)"
+            ))),
+        }
+    }
+
+    /// Dense peak FLOP/s for `dtype` (fp32: CUDA cores; bf16: tensor cores).
+    pub fn peak_flops(self, dtype: Dtype) -> f64 {
+        match (self, dtype) {
+            (Gpu::H100Nvl, Dtype::Fp32) => 60e12,
+            (Gpu::H100Nvl, Dtype::Bf16) => 835e12,
+            (Gpu::H100Sxm | Gpu::H200, Dtype::Fp32) => 67e12,
+            (Gpu::H100Sxm | Gpu::H200, Dtype::Bf16) => 989e12,
+            (Gpu::A100, Dtype::Fp32) => 19.5e12,
+            (Gpu::A100, Dtype::Bf16) => 312e12,
+        }
+    }
+
+    /// HBM bandwidth, bytes/s.
+    pub fn hbm_bytes_per_s(self) -> f64 {
+        match self {
+            Gpu::H100Nvl => 3.9e12,
+            Gpu::H100Sxm => 3.35e12,
+            Gpu::H200 => 4.8e12,
+            Gpu::A100 => 2.0e12,
+        }
+    }
+
+    /// GPU-to-GPU bandwidth used for tensor/pipeline-parallel communication, bytes/s.
+    pub fn link_bytes_per_s(self) -> f64 {
+        match self {
+            Gpu::A100 => 250e9,
+            _ => 350e9,
+        }
+    }
+
+    /// Memory capacity, bytes.
+    pub fn memory_bytes(self) -> u64 {
+        match self {
+            Gpu::H100Nvl => 94_000_000_000,
+            Gpu::H100Sxm | Gpu::A100 => 80_000_000_000,
+            Gpu::H200 => 141_000_000_000,
+        }
+    }
+}
+
+/// Shape and training setup of a decoder-only transformer, as seen by one GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Name written into the trace.
+    pub name: String,
+    /// Transformer layers (whole model; a pipeline stage gets `layers / pipeline_parallel`).
+    pub layers: u32,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Attention heads.
+    pub heads: u32,
+    /// Key/value heads (grouped-query attention; = heads for multi-head attention).
+    pub kv_heads: u32,
+    /// FFN intermediate size.
+    pub ffn: u64,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Sequence length.
+    pub seq_len: u64,
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    /// Micro-batches per iteration (gradient accumulation steps); global batch per GPU is
+    /// `micro_batch * micro_batches`.
+    pub micro_batches: u32,
+    /// Element type.
+    pub dtype: Dtype,
+    /// SwiGLU MLP (gate and up projections) instead of a GELU MLP.
+    pub gated_mlp: bool,
+    /// LM head shares the embedding matrix.
+    pub tied_embeddings: bool,
+    /// Tensor-parallel degree (heads, FFN and vocabulary split; two all-reduces per layer).
+    pub tensor_parallel: u32,
+    /// Pipeline-parallel degree.
+    pub pipeline_parallel: u32,
+    /// Which pipeline stage this GPU's trace is for (0-based).
+    pub pipeline_stage: u32,
+    /// GPU of the roofline.
+    pub gpu: Gpu,
+    /// If set, scale kernel durations so the all-resident iteration takes this long.
+    #[serde(default)]
+    pub target_iteration_us: Option<f64>,
+}
+
+impl ModelConfig {
+    fn llama_like(name: &str, layers: u32, hidden: u64, heads: u32, kv: u32, ffn: u64) -> Self {
+        ModelConfig {
+            name: name.into(),
+            layers,
+            hidden,
+            heads,
+            kv_heads: kv,
+            ffn,
+            vocab: 128_256,
+            seq_len: 4096,
+            micro_batch: 4,
+            micro_batches: 4,
+            dtype: Dtype::Fp32,
+            gated_mlp: true,
+            tied_embeddings: false,
+            tensor_parallel: 1,
+            pipeline_parallel: 1,
+            pipeline_stage: 0,
+            gpu: Gpu::H100Nvl,
+            target_iteration_us: None,
+        }
+    }
+
+    fn gpt2(name: &str, layers: u32, hidden: u64, heads: u32) -> Self {
+        ModelConfig {
+            name: name.into(),
+            layers,
+            hidden,
+            heads,
+            kv_heads: heads,
+            ffn: 4 * hidden,
+            vocab: 50_257,
+            seq_len: 1024,
+            micro_batch: 8,
+            micro_batches: 1,
+            dtype: Dtype::Fp32,
+            gated_mlp: false,
+            tied_embeddings: true,
+            tensor_parallel: 1,
+            pipeline_parallel: 1,
+            pipeline_stage: 0,
+            gpu: Gpu::H100Nvl,
+            target_iteration_us: None,
+        }
+    }
+
+    /// Names of the presets [`ModelConfig::preset`] knows.
+    pub const PRESETS: [&'static str; 8] = [
+        "llama3-8b",
+        "granite-8b",
+        "llama3-70b",
+        "gpt2-small",
+        "gpt2-medium",
+        "gpt2-large",
+        "gpt2-xl",
+        "gpt2-replay",
+    ];
+
+    /// The paper's evaluation cases (fp32, AdamW, H100 NVL) and GPT-2 sizes:
+    /// - `llama3-8b`: 32 layers, global batch 16 (4 x 4) of 4096 tokens.
+    /// - `granite-8b`: Granite-8B-code shape (36 layers, vocab 49152), batch 16 x 4096.
+    /// - `llama3-70b`: 80 layers, tensor-parallel 2 (one of the paper's two GPUs), global
+    ///   batch 16 (8 x 2) of 4096 tokens.
+    /// - `gpt2-small|medium|large|xl`: 1024 tokens x 8.
+    /// - `gpt2-replay`: a 6-layer GPT-2-small-like model, 4 x 256 tokens, about 1.8 GB of
+    ///   tensors, durations scaled to a 10 s iteration: sized for a real-time replay on a
+    ///   laptop-class machine against [`crate::Hardware::dev`].
+    pub fn preset(name: &str) -> Result<ModelConfig> {
+        let c = match name {
+            "llama3-8b" => Self::llama_like(name, 32, 4096, 32, 8, 14_336),
+            "granite-8b" => {
+                let mut c = Self::llama_like(name, 36, 4096, 32, 8, 14_336);
+                c.vocab = 49_152;
+                c
+            }
+            "llama3-70b" => {
+                let mut c = Self::llama_like(name, 80, 8192, 64, 8, 28_672);
+                c.tensor_parallel = 2;
+                c.micro_batch = 2;
+                c.micro_batches = 8;
+                c
+            }
+            "gpt2-small" => Self::gpt2(name, 12, 768, 12),
+            "gpt2-medium" => Self::gpt2(name, 24, 1024, 16),
+            "gpt2-large" => Self::gpt2(name, 36, 1280, 20),
+            "gpt2-xl" => Self::gpt2(name, 48, 1600, 25),
+            "gpt2-replay" => {
+                let mut c = Self::gpt2(name, 6, 768, 12);
+                c.seq_len = 256;
+                c.micro_batch = 4;
+                c.target_iteration_us = Some(10e6);
+                c
+            }
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown model preset {name:?} (known: {})",
+                    Self::PRESETS.join(", ")
+                )));
+            }
+        };
+        Ok(c)
+    }
+
+    /// Check the shape is consistent.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.layers == 0 || self.hidden == 0 || self.heads == 0 || self.kv_heads == 0 {
+            return bad("layers, hidden, heads and kv_heads must be > 0".into());
+        }
+        if self.ffn == 0 || self.vocab == 0 || self.seq_len == 0 || self.micro_batch == 0 {
+            return bad("ffn, vocab, seq_len and micro_batch must be > 0".into());
+        }
+        if self.micro_batches == 0 {
+            return bad("micro_batches must be > 0".into());
+        }
+        if !self.hidden.is_multiple_of(u64::from(self.heads)) {
+            return bad(format!("hidden {} not divisible by heads {}", self.hidden, self.heads));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(format!(
+                "heads {} not divisible by kv_heads {}",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.tensor_parallel == 0 || !self.heads.is_multiple_of(self.tensor_parallel) {
+            return bad(format!(
+                "tensor_parallel {} must be > 0 and divide heads {}",
+                self.tensor_parallel, self.heads
+            ));
+        }
+        if self.pipeline_parallel == 0 || !self.layers.is_multiple_of(self.pipeline_parallel) {
+            return bad(format!(
+                "pipeline_parallel {} must be > 0 and divide layers {}",
+                self.pipeline_parallel, self.layers
+            ));
+        }
+        if self.pipeline_stage >= self.pipeline_parallel {
+            return bad(format!(
+                "pipeline_stage {} out of range for pipeline_parallel {}",
+                self.pipeline_stage, self.pipeline_parallel
+            ));
+        }
+        if let Some(t) = self.target_iteration_us
+            && !(t.is_finite() && t > 0.0)
+        {
+            return bad(format!("target_iteration_us must be > 0, got {t}"));
+        }
+        Ok(())
+    }
+
+    /// Parameters held by this GPU (its tensor/pipeline shard).
+    pub fn parameters_per_gpu(&self) -> u64 {
+        self.layer_weights().iter().map(|w| w.1).sum::<u64>()
+            * u64::from(self.layers / self.pipeline_parallel)
+            + self.embedding_params()
+    }
+
+    fn tp(&self) -> u64 {
+        u64::from(self.tensor_parallel)
+    }
+
+    fn head_dim(&self) -> u64 {
+        self.hidden / u64::from(self.heads)
+    }
+
+    fn qkv_width(&self) -> u64 {
+        let kv = u64::from(self.kv_heads).div_ceil(self.tp());
+        (u64::from(self.heads) / self.tp() + 2 * kv) * self.head_dim()
+    }
+
+    fn up_width(&self) -> u64 {
+        self.ffn / self.tp() * if self.gated_mlp { 2 } else { 1 }
+    }
+
+    /// (name, elements) of one layer's parameter tensors on this GPU.
+    fn layer_weights(&self) -> Vec<(&'static str, u64)> {
+        let h = self.hidden;
+        vec![
+            ("norm1", h),
+            ("wqkv", h * self.qkv_width()),
+            ("wo", u64::from(self.heads) / self.tp() * self.head_dim() * h),
+            ("norm2", h),
+            ("wup", h * self.up_width()),
+            ("wdown", self.ffn / self.tp() * h),
+        ]
+    }
+
+    fn embedding_params(&self) -> u64 {
+        let v = self.vocab.div_ceil(self.tp()) * self.hidden;
+        let first = self.pipeline_stage == 0;
+        let last = self.pipeline_stage + 1 == self.pipeline_parallel;
+        let mut p = 0;
+        if first {
+            p += v;
+        }
+        if last {
+            p += self.hidden; // final norm
+            if !self.tied_embeddings || !first {
+                p += v;
+            }
+        }
+        p
+    }
+}
+
+/// Parameter tensors (and their gradient and optimizer-state companions).
+struct Param {
+    weight: TensorId,
+    grad: TensorId,
+    states: Vec<TensorId>,
+    elements: u64,
+}
+
+struct Builder {
+    trace: Trace,
+    cfg: ModelConfig,
+    params: Vec<Param>,
+    /// Per parameter index: kernels that used it during backward (for gradient accesses).
+    flops_div: f64,
+    hbm: f64,
+}
+
+const LAUNCH_US: f64 = 4.0;
+const MATMUL_EFFICIENCY: f64 = 0.7;
+const MEMORY_EFFICIENCY: f64 = 0.8;
+
+impl Builder {
+    fn tensor(&mut self, name: String, bytes: u64, kind: TensorKind, global: bool) -> TensorId {
+        let id = TensorId(self.trace.tensors.len() as u32);
+        self.trace.tensors.push(Tensor {
+            id,
+            name,
+            bytes: bytes.max(1),
+            kind,
+            global,
+            created_by: None,
+            accesses: Vec::new(),
+            dies_after: None,
+        });
+        id
+    }
+
+    fn act(&mut self, name: String, bytes: u64) -> TensorId {
+        self.tensor(name, bytes, TensorKind::Activation, false)
+    }
+
+    /// Add a kernel touching `uses` (existing tensors or ones created here). Duration from
+    /// the roofline unless `fixed_us` is given (communication).
+    fn kernel(
+        &mut self,
+        name: String,
+        layer: Option<u32>,
+        flops: f64,
+        uses: &[TensorId],
+        fixed_us: Option<f64>,
+    ) -> usize {
+        let k = self.trace.kernels.len();
+        let mut bytes = 0.0;
+        for &t in uses {
+            let tensor = &mut self.trace.tensors[t.index()];
+            if tensor.accesses.last() != Some(&k) {
+                tensor.accesses.push(k);
+                bytes += tensor.bytes as f64;
+            }
+        }
+        let duration_us = fixed_us.unwrap_or_else(|| {
+            let compute = flops / self.flops_div;
+            let memory = bytes / self.hbm;
+            compute.max(memory) * 1e6
+        }) + LAUNCH_US;
+        self.trace.kernels.push(Kernel { name, duration_us, layer });
+        k
+    }
+
+    fn comm_us(&self, bytes: u64) -> f64 {
+        // Ring all-reduce over `tp` GPUs moves 2 (tp-1)/tp of the data each way.
+        let tp = self.cfg.tp() as f64;
+        2.0 * (tp - 1.0) / tp * bytes as f64 / self.cfg.gpu.link_bytes_per_s() * 1e6
+    }
+
+    fn finish(mut self) -> Trace {
+        let n = self.trace.kernels.len();
+        for t in &mut self.trace.tensors {
+            if !t.global {
+                t.created_by = t.accesses.first().copied();
+                t.dies_after = t.accesses.last().copied();
+            }
+        }
+        debug_assert!(self.trace.tensors.iter().all(|t| !t.accesses.is_empty()));
+        let _ = n;
+        self.params.clear();
+        self.trace
+    }
+}
+
+/// Generate one iteration's trace for `cfg`.
+pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
+    cfg.validate()?;
+    let e = cfg.dtype.bytes();
+    let mut b = Builder {
+        trace: Trace::new(&cfg.name),
+        cfg: cfg.clone(),
+        params: Vec::new(),
+        flops_div: cfg.gpu.peak_flops(cfg.dtype) * MATMUL_EFFICIENCY,
+        hbm: cfg.gpu.hbm_bytes_per_s() * MEMORY_EFFICIENCY,
+    };
+    let tokens = cfg.seq_len * cfg.micro_batch;
+    let h = cfg.hidden;
+    let tp = cfg.tp();
+    let heads_p = u64::from(cfg.heads) / tp;
+    let layers_here = cfg.layers / cfg.pipeline_parallel;
+    let first_layer = cfg.pipeline_stage * layers_here;
+    let first_stage = cfg.pipeline_stage == 0;
+    let last_stage = cfg.pipeline_stage + 1 == cfg.pipeline_parallel;
+    let vocab_p = cfg.vocab.div_ceil(tp);
+
+    // Parameters, gradients (created at first backward use, die after the optimizer step)
+    // and AdamW states (global).
+    let new_param = |b: &mut Builder, name: String, elements: u64| -> usize {
+        let weight = b.tensor(format!("{name}.w"), elements * e, TensorKind::Weight, true);
+        let grad = b.tensor(format!("{name}.grad"), elements * e, TensorKind::Gradient, false);
+        let mut states = vec![
+            b.tensor(format!("{name}.adam_m"), elements * 4, TensorKind::OptimizerState, true),
+            b.tensor(format!("{name}.adam_v"), elements * 4, TensorKind::OptimizerState, true),
+        ];
+        if cfg.dtype != Dtype::Fp32 {
+            states.push(b.tensor(
+                format!("{name}.master"),
+                elements * 4,
+                TensorKind::OptimizerState,
+                true,
+            ));
+        }
+        b.params.push(Param { weight, grad, states, elements });
+        b.params.len() - 1
+    };
+    let emb = first_stage.then(|| new_param(&mut b, "embed".into(), vocab_p * h));
+    let mut layer_params = Vec::new();
+    for l in 0..layers_here {
+        let layer = first_layer + l;
+        let ids: Vec<usize> = cfg
+            .layer_weights()
+            .iter()
+            .map(|(n, el)| new_param(&mut b, format!("L{layer}.{n}"), *el))
+            .collect();
+        layer_params.push(ids);
+    }
+    let (norm_f, head) = if last_stage {
+        let nf = new_param(&mut b, "final_norm".into(), h);
+        let head = if cfg.tied_embeddings && first_stage {
+            emb.unwrap_or(nf)
+        } else {
+            new_param(&mut b, "lm_head".into(), vocab_p * h)
+        };
+        (Some(nf), Some(head))
+    } else {
+        (None, None)
+    };
+    let w = |b: &Builder, p: usize| b.params[p].weight;
+    let g = |b: &Builder, p: usize| b.params[p].grad;
+
+    let act_bytes = |width: u64| tokens * width * e;
+    for mb in 0..cfg.micro_batches {
+        // ---------------- forward ----------------
+        let mut x = b.act(format!("mb{mb}.x{first_layer}"), act_bytes(h));
+        if let Some(p) = emb {
+            let we = w(&b, p);
+            b.kernel(format!("mb{mb}.embed.fwd"), None, 0.0, &[we, x], None);
+        } else {
+            b.kernel(format!("mb{mb}.recv_act"), None, 0.0, &[x], Some(b.comm_us(act_bytes(h))));
+        }
+        struct Saved {
+            x: TensorId,
+            n1: TensorId,
+            qkv: TensorId,
+            ctx: TensorId,
+            lse: TensorId,
+            x2: TensorId,
+            n2: TensorId,
+            u: TensorId,
+            a: TensorId,
+        }
+        let mut saved = Vec::new();
+        for (l, ps) in layer_params.iter().enumerate() {
+            let layer = first_layer + l as u32;
+            let lo = Some(layer);
+            let nm = |s: &str| format!("mb{mb}.L{layer}.{s}");
+            let t = tokens as f64;
+            let n1 = b.act(nm("n1"), act_bytes(h));
+            let wn1 = w(&b, ps[0]);
+            b.kernel(nm("norm1.fwd"), lo, 5.0 * t * h as f64, &[x, wn1, n1], None);
+            let qkv = b.act(nm("qkv"), act_bytes(cfg.qkv_width()));
+            let wqkv = w(&b, ps[1]);
+            let f = 2.0 * t * (h * cfg.qkv_width()) as f64;
+            b.kernel(nm("qkv.fwd"), lo, f, &[n1, wqkv, qkv], None);
+            let ctx = b.act(nm("ctx"), act_bytes(heads_p * cfg.head_dim()));
+            let lse = b.act(nm("lse"), tokens * heads_p * 4);
+            let ws = b.tensor(nm("attn_ws"), 32 << 20, TensorKind::Workspace, false);
+            let attn_f = 2.0 * t * cfg.seq_len as f64 * (heads_p * cfg.head_dim()) as f64;
+            b.kernel(nm("attn.fwd"), lo, attn_f, &[qkv, ctx, lse, ws], None);
+            let o = b.act(nm("o"), act_bytes(h));
+            let wo = w(&b, ps[2]);
+            let f = 2.0 * t * (heads_p * cfg.head_dim() * h) as f64;
+            b.kernel(nm("o.fwd"), lo, f, &[ctx, wo, o], None);
+            if tp > 1 {
+                b.kernel(nm("o.allreduce"), lo, 0.0, &[o], Some(b.comm_us(act_bytes(h))));
+            }
+            let x2 = b.act(nm("x2"), act_bytes(h));
+            b.kernel(nm("add1.fwd"), lo, t * h as f64, &[x, o, x2], None);
+            let n2 = b.act(nm("n2"), act_bytes(h));
+            let wn2 = w(&b, ps[3]);
+            b.kernel(nm("norm2.fwd"), lo, 5.0 * t * h as f64, &[x2, wn2, n2], None);
+            let u = b.act(nm("u"), act_bytes(cfg.up_width()));
+            let wup = w(&b, ps[4]);
+            let f = 2.0 * t * (h * cfg.up_width()) as f64;
+            b.kernel(nm("up.fwd"), lo, f, &[n2, wup, u], None);
+            let a = b.act(nm("a"), act_bytes(cfg.ffn / tp));
+            b.kernel(nm("act.fwd"), lo, 8.0 * t * (cfg.ffn / tp) as f64, &[u, a], None);
+            let d = b.act(nm("d"), act_bytes(h));
+            let wd = w(&b, ps[5]);
+            let f = 2.0 * t * (cfg.ffn / tp * h) as f64;
+            b.kernel(nm("down.fwd"), lo, f, &[a, wd, d], None);
+            if tp > 1 {
+                b.kernel(nm("down.allreduce"), lo, 0.0, &[d], Some(b.comm_us(act_bytes(h))));
+            }
+            let xn = b.act(format!("mb{mb}.x{}", layer + 1), act_bytes(h));
+            b.kernel(nm("add2.fwd"), lo, t * h as f64, &[x2, d, xn], None);
+            saved.push(Saved { x, n1, qkv, ctx, lse, x2, n2, u, a });
+            x = xn;
+        }
+        // ---------------- head / loss ----------------
+        let mut dx;
+        if let (Some(nfp), Some(hp)) = (norm_f, head) {
+            let t = tokens as f64;
+            let nf = b.act(format!("mb{mb}.nf"), act_bytes(h));
+            let wnf = w(&b, nfp);
+            b.kernel(
+                format!("mb{mb}.final_norm.fwd"),
+                None,
+                5.0 * t * h as f64,
+                &[x, wnf, nf],
+                None,
+            );
+            let logits = b.act(format!("mb{mb}.logits"), tokens * vocab_p * 4);
+            let wh = w(&b, hp);
+            let f = 2.0 * t * (vocab_p * h) as f64;
+            b.kernel(format!("mb{mb}.lm_head.fwd"), None, f, &[nf, wh, logits], None);
+            let dlogits = b.act(format!("mb{mb}.dlogits"), tokens * vocab_p * 4);
+            b.kernel(
+                format!("mb{mb}.loss"),
+                None,
+                10.0 * t * vocab_p as f64,
+                &[logits, dlogits],
+                None,
+            );
+            let dnf = b.act(format!("mb{mb}.dnf"), act_bytes(h));
+            let gh = g(&b, hp);
+            b.kernel(
+                format!("mb{mb}.lm_head.bwd"),
+                None,
+                2.0 * f,
+                &[dlogits, nf, wh, gh, dnf],
+                None,
+            );
+            dx = b.act(format!("mb{mb}.dx_top"), act_bytes(h));
+            let gnf = g(&b, nfp);
+            b.kernel(
+                format!("mb{mb}.final_norm.bwd"),
+                None,
+                10.0 * t * h as f64,
+                &[dnf, x, wnf, gnf, dx],
+                None,
+            );
+        } else {
+            dx = b.act(format!("mb{mb}.dx_top"), act_bytes(h));
+            b.kernel(
+                format!("mb{mb}.recv_grad"),
+                None,
+                0.0,
+                &[x, dx],
+                Some(b.comm_us(act_bytes(h))),
+            );
+        }
+        // ---------------- backward ----------------
+        for (l, ps) in layer_params.iter().enumerate().rev() {
+            let s = &saved[l];
+            let layer = first_layer + l as u32;
+            let lo = Some(layer);
+            let nm = |s: &str| format!("mb{mb}.L{layer}.{s}");
+            let t = tokens as f64;
+            let da = b.act(nm("da"), act_bytes(cfg.ffn / tp));
+            let (wd, gd) = (w(&b, ps[5]), g(&b, ps[5]));
+            let f = 4.0 * t * (cfg.ffn / tp * h) as f64;
+            b.kernel(nm("down.bwd"), lo, f, &[dx, s.a, wd, gd, da], None);
+            let du = b.act(nm("du"), act_bytes(cfg.up_width()));
+            b.kernel(nm("act.bwd"), lo, 16.0 * t * (cfg.ffn / tp) as f64, &[da, s.u, du], None);
+            let dn2 = b.act(nm("dn2"), act_bytes(h));
+            let (wup, gup) = (w(&b, ps[4]), g(&b, ps[4]));
+            let f = 4.0 * t * (h * cfg.up_width()) as f64;
+            b.kernel(nm("up.bwd"), lo, f, &[du, s.n2, wup, gup, dn2], None);
+            if tp > 1 {
+                b.kernel(nm("up.bwd.allreduce"), lo, 0.0, &[dn2], Some(b.comm_us(act_bytes(h))));
+            }
+            let dx2 = b.act(nm("dx2"), act_bytes(h));
+            let (wn2, gn2) = (w(&b, ps[3]), g(&b, ps[3]));
+            b.kernel(
+                nm("norm2.bwd"),
+                lo,
+                10.0 * t * h as f64,
+                &[dn2, s.x2, wn2, gn2, dx, dx2],
+                None,
+            );
+            let dctx = b.act(nm("dctx"), act_bytes(heads_p * cfg.head_dim()));
+            let (wo, go) = (w(&b, ps[2]), g(&b, ps[2]));
+            let f = 4.0 * t * (heads_p * cfg.head_dim() * h) as f64;
+            b.kernel(nm("o.bwd"), lo, f, &[dx2, s.ctx, wo, go, dctx], None);
+            let dqkv = b.act(nm("dqkv"), act_bytes(cfg.qkv_width()));
+            let ws = b.tensor(nm("attn_bwd_ws"), 64 << 20, TensorKind::Workspace, false);
+            let attn_f = 5.0 * t * cfg.seq_len as f64 * (heads_p * cfg.head_dim()) as f64;
+            b.kernel(nm("attn.bwd"), lo, attn_f, &[dctx, s.qkv, s.ctx, s.lse, dqkv, ws], None);
+            let dn1 = b.act(nm("dn1"), act_bytes(h));
+            let (wqkv, gqkv) = (w(&b, ps[1]), g(&b, ps[1]));
+            let f = 4.0 * t * (h * cfg.qkv_width()) as f64;
+            b.kernel(nm("qkv.bwd"), lo, f, &[dqkv, s.n1, wqkv, gqkv, dn1], None);
+            if tp > 1 {
+                b.kernel(nm("qkv.bwd.allreduce"), lo, 0.0, &[dn1], Some(b.comm_us(act_bytes(h))));
+            }
+            let dxl = b.act(format!("mb{mb}.dx{layer}"), act_bytes(h));
+            let (wn1, gn1) = (w(&b, ps[0]), g(&b, ps[0]));
+            b.kernel(
+                nm("norm1.bwd"),
+                lo,
+                10.0 * t * h as f64,
+                &[dn1, s.x, wn1, gn1, dx2, dxl],
+                None,
+            );
+            dx = dxl;
+        }
+        if let Some(p) = emb {
+            let ge = g(&b, p);
+            b.kernel(format!("mb{mb}.embed.bwd"), None, 0.0, &[dx, ge], None);
+        } else {
+            b.kernel(format!("mb{mb}.send_grad"), None, 0.0, &[dx], Some(b.comm_us(act_bytes(h))));
+        }
+    }
+    // ---------------- optimizer ----------------
+    for pi in 0..b.params.len() {
+        let p = &b.params[pi];
+        let mut uses = vec![p.weight, p.grad];
+        uses.extend(p.states.iter().copied());
+        let flops = 12.0 * p.elements as f64;
+        let name = b.trace.tensors[p.weight.index()].name.trim_end_matches(".w").to_string();
+        let layer = layer_of(&name);
+        b.kernel(format!("{name}.adamw"), layer, flops, &uses, None);
+    }
+    let mut trace = b.finish();
+    if let Some(target) = cfg.target_iteration_us {
+        trace.scale_to_iteration_time(target)?;
+    }
+    trace.validate()?;
+    Ok(trace)
+}
+
+fn layer_of(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix('L')?;
+    rest.split('.').next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_small_is_consistent() {
+        let cfg = ModelConfig::preset("gpt2-small").unwrap();
+        let t = generate(&cfg).unwrap();
+        // GPT-2 small has 124M parameters (tied embeddings, no biases here: ~123.5M).
+        let params = cfg.parameters_per_gpu();
+        assert!((120_000_000..130_000_000).contains(&params), "{params}");
+        let weights: u64 =
+            t.tensors.iter().filter(|x| x.kind == TensorKind::Weight).map(|x| x.bytes).sum();
+        assert_eq!(weights, params * 4);
+        assert!(t.iteration_time_us() > 0.0);
+    }
+
+    #[test]
+    fn paper_presets_have_expected_scale() {
+        let cfg = ModelConfig::preset("llama3-8b").unwrap();
+        let p = cfg.parameters_per_gpu();
+        assert!((7_900_000_000..8_200_000_000).contains(&p), "{p}");
+        let cfg = ModelConfig::preset("llama3-70b").unwrap();
+        let p = cfg.parameters_per_gpu();
+        // Half of 70.6B with tensor parallel 2 (norm weights replicated).
+        assert!((34_500_000_000..35_800_000_000).contains(&p), "{p}");
+    }
+
+    #[test]
+    fn replay_preset_is_laptop_sized() {
+        let t = generate(&ModelConfig::preset("gpt2-replay").unwrap()).unwrap();
+        let peak = t.resident_memory_per_kernel().into_iter().max().unwrap();
+        assert!(peak > 300_000_000 && peak < 2_500_000_000, "{peak}");
+        assert!((t.iteration_time_us() - 10e6).abs() < 1.0);
+    }
+
+    #[test]
+    fn pipeline_and_tensor_split() {
+        let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+        cfg.pipeline_parallel = 2;
+        cfg.pipeline_stage = 1;
+        cfg.tensor_parallel = 2;
+        let t = generate(&cfg).unwrap();
+        assert!(t.kernels.iter().any(|k| k.name.contains("recv_act")));
+        assert!(t.kernels.iter().any(|k| k.name.contains("allreduce")));
+        assert!(!t.kernels.iter().any(|k| k.name.contains("embed.fwd")));
+        cfg.pipeline_stage = 2;
+        assert!(generate(&cfg).is_err());
+    }
+
+    #[test]
+    fn bf16_adds_master_weights() {
+        let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+        cfg.dtype = Dtype::Bf16;
+        let t = generate(&cfg).unwrap();
+        assert!(t.tensors.iter().any(|x| x.name.ends_with(".master")));
+        let fp32 = generate(&ModelConfig::preset("gpt2-small").unwrap()).unwrap();
+        assert!(t.iteration_time_us() < fp32.iteration_time_us());
+    }
+}

@@ -1,0 +1,571 @@
+//! Planners: from a trace and a hardware model to a [`Plan`].
+//!
+//! All bandwidth-aware policies (`teraio`, `g10`) share one planning state: the memory curve
+//! as an [`tree::ExcessTree`] over kernels (bytes above GPU capacity), a per-kernel-slot
+//! bandwidth budget for every [`Resource`] (bytes each slot can still carry, with skip lists
+//! over exhausted slots), and the host-tier occupancy as a second tree.
+
+mod g10;
+mod lru;
+mod teraio;
+pub(crate) mod tree;
+mod zero;
+
+use serde::{Deserialize, Serialize};
+
+use crate::analysis::{InactiveInterval, time_at};
+use crate::hardware::{Hardware, Resource, Tier};
+use crate::plan::{InitialPlacement, Instruction, Op, Plan, PlanStats};
+use crate::trace::{TensorId, Trace};
+use crate::{Error, Result};
+use tree::ExcessTree;
+
+/// A planning policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// The paper's Algorithm 1: lazy greedy benefit/cost over inactive intervals with
+    /// bandwidth-aware offload-end / prefetch-start times; SSD first, then host.
+    Teraio,
+    /// `teraio` extended: when an interval's SSD placement saves less than its host placement
+    /// would, and host memory is available, it takes the host tier (an improvement policy).
+    TeraioHybrid,
+    /// G10 (MICRO'23): static ranking by area (bytes x inactive time), per-slot bandwidth
+    /// budgets, SSD only for intervals longer than 2 x (latency + size/bw) x 1.5.
+    G10,
+    /// ZeRO-Infinity-like: parameters, gradients and optimizer states to NVMe, fetched one
+    /// layer ahead; activations saved for backward to host memory (SSD when host is full).
+    ZeroInfinity,
+    /// On-demand swapping: when memory is full, evict the least recently used tensors;
+    /// fetch them back when a kernel needs them.
+    Lru,
+    /// Unlimited GPU memory (the upper bound).
+    Ideal,
+    /// Move nothing (reports where it runs out of memory).
+    None,
+}
+
+impl Policy {
+    /// Every policy.
+    pub const ALL: [Policy; 7] = [
+        Policy::Teraio,
+        Policy::TeraioHybrid,
+        Policy::G10,
+        Policy::ZeroInfinity,
+        Policy::Lru,
+        Policy::Ideal,
+        Policy::None,
+    ];
+
+    /// Name as used on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Teraio => "teraio",
+            Policy::TeraioHybrid => "teraio-hybrid",
+            Policy::G10 => "g10",
+            Policy::ZeroInfinity => "zero-infinity",
+            Policy::Lru => "lru",
+            Policy::Ideal => "ideal",
+            Policy::None => "none",
+        }
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Policy> {
+        Policy::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| {
+            let names: Vec<_> = Policy::ALL.iter().map(|p| p.as_str()).collect();
+            Error::InvalidArgument(format!("unknown policy {s:?} (known: {})", names.join(", ")))
+        })
+    }
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Plan one iteration of `trace` on `hw` with `policy`.
+pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
+    trace.validate()?;
+    hw.validate()?;
+    let plan = match policy {
+        Policy::Teraio => teraio::plan(trace, hw, false),
+        Policy::TeraioHybrid => teraio::plan(trace, hw, true),
+        Policy::G10 => g10::plan(trace, hw),
+        Policy::ZeroInfinity => zero::plan(trace, hw),
+        Policy::Lru => lru::plan(trace, hw),
+        Policy::Ideal => {
+            let mut p = Plan::empty("ideal", trace);
+            p.unlimited_memory = true;
+            p
+        }
+        Policy::None => Plan::empty("none", trace),
+    };
+    debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
+    Ok(plan)
+}
+
+/// Where a chosen interval's transfers fall.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fit {
+    pub tier: Tier,
+    /// Last slot (unrolled kernel index) the offload uses.
+    pub offload_end: usize,
+    /// First slot (unrolled) the prefetch uses = its issue boundary.
+    pub prefetch_start: usize,
+    /// Offload time + prefetch time, microseconds.
+    pub cost_us: f64,
+    /// Area above capacity removed, byte-microseconds.
+    pub benefit: f64,
+}
+
+/// Skip list over slots whose budget is exhausted (monotone: budgets only shrink).
+struct Skip {
+    next: Vec<u32>,
+    prev: Vec<u32>,
+}
+
+impl Skip {
+    fn new(len: usize) -> Self {
+        Skip { next: (0..len as u32 + 1).collect(), prev: (0..len as u32 + 1).collect() }
+    }
+    /// First live slot >= s (len if none).
+    fn next_live(&mut self, s: usize) -> usize {
+        let mut r = s;
+        while self.next[r] as usize != r {
+            r = self.next[r] as usize;
+        }
+        let mut c = s;
+        while self.next[c] as usize != r {
+            let nx = self.next[c] as usize;
+            self.next[c] = r as u32;
+            c = nx;
+        }
+        r
+    }
+    /// Last live slot <= s, shifted by one (0 = none; slot i is stored at i+1).
+    fn prev_live(&mut self, s: usize) -> Option<usize> {
+        let s1 = s + 1;
+        let mut r = s1;
+        while self.prev[r] as usize != r {
+            r = self.prev[r] as usize;
+        }
+        let mut c = s1;
+        while self.prev[c] as usize != r {
+            let nx = self.prev[c] as usize;
+            self.prev[c] = r as u32;
+            c = nx;
+        }
+        if r == 0 { None } else { Some(r - 1) }
+    }
+    fn kill(&mut self, s: usize) {
+        self.next[s] = (s + 1) as u32;
+        self.prev[s + 1] = s as u32;
+    }
+}
+
+/// Shared planning state (see the module documentation).
+pub(crate) struct State<'a> {
+    pub trace: &'a Trace,
+    pub hw: &'a Hardware,
+    pub n: usize,
+    pub starts: Vec<f64>,
+    pub dur: Vec<f64>,
+    pub mem: ExcessTree,
+    pub host: ExcessTree,
+    /// Remaining bytes per resource per slot (length n).
+    budget: [Vec<f64>; 5],
+    /// Skip structure per resource over unrolled slots [0, 2n).
+    skip: Vec<Skip>,
+    pub chosen: Vec<(InactiveInterval, Fit)>,
+    pub evaluations: usize,
+    /// Second phase: place transfers at nominal bandwidth, ignoring what earlier choices
+    /// reserved (they will share bandwidth and stall), to resolve what the first phase could
+    /// not.
+    pub relaxed: bool,
+    retiming: bool,
+    pub peak_resident: u64,
+}
+
+const EXHAUSTED_BYTES: f64 = 1.0;
+
+impl<'a> State<'a> {
+    pub fn new(trace: &'a Trace, hw: &'a Hardware) -> Self {
+        let n = trace.kernel_count();
+        let starts = trace.kernel_starts_us();
+        let dur: Vec<f64> = trace.kernels.iter().map(|k| k.duration_us).collect();
+        let resident = trace.resident_memory_per_kernel();
+        let cap = hw.gpu_memory_bytes.min(i64::MAX as u64) as i64;
+        let excess: Vec<i64> = resident.iter().map(|&m| m as i64 - cap).collect();
+        let host_cap = hw.host_memory_cap_bytes.min(i64::MAX as u64 / 2) as i64;
+        let budget = Resource::ALL.map(|r| {
+            let bw = if matches!(r, Resource::SsdRead | Resource::SsdWrite) && !hw.has_ssd() {
+                0.0
+            } else {
+                hw.bandwidth(r)
+            };
+            dur.iter().map(|d| bw * d * 1e-6).collect::<Vec<f64>>()
+        });
+        let mut skip: Vec<Skip> = (0..5).map(|_| Skip::new(2 * n)).collect();
+        for (ri, b) in budget.iter().enumerate() {
+            for (s, &v) in b.iter().enumerate() {
+                if v < EXHAUSTED_BYTES {
+                    skip[ri].kill(s);
+                    skip[ri].kill(s + n);
+                }
+            }
+        }
+        State {
+            trace,
+            hw,
+            n,
+            mem: ExcessTree::new(&excess, &dur),
+            host: ExcessTree::new(&vec![-host_cap; n], &dur),
+            starts,
+            dur,
+            budget,
+            skip,
+            chosen: Vec::new(),
+            evaluations: 0,
+            relaxed: false,
+            retiming: false,
+            peak_resident: resident.iter().copied().max().unwrap_or(0),
+        }
+    }
+
+    fn avail(&self, path: &[Resource], slot: usize) -> f64 {
+        let s = slot % self.n;
+        if self.relaxed {
+            let bw = path.iter().map(|&r| self.hw.bandwidth(r)).fold(f64::INFINITY, f64::min);
+            return bw * self.dur[s] * 1e-6;
+        }
+        path.iter().map(|r| self.budget[r.index()][s]).fold(f64::INFINITY, f64::min)
+    }
+
+    /// First slot >= s where every resource of `path` has budget left.
+    fn next_live(&mut self, path: &[Resource], mut s: usize) -> usize {
+        if self.relaxed {
+            return s.min(2 * self.n);
+        }
+        loop {
+            let mut m = s;
+            for r in path {
+                m = m.max(self.skip[r.index()].next_live(s.min(2 * self.n)));
+            }
+            if m == s || m >= 2 * self.n {
+                return m;
+            }
+            s = m;
+        }
+    }
+
+    /// Last slot <= s where every resource of `path` has budget left.
+    fn prev_live(&mut self, path: &[Resource], mut s: usize) -> Option<usize> {
+        if self.relaxed {
+            return Some(s);
+        }
+        loop {
+            let mut m = s;
+            for r in path {
+                m = m.min(self.skip[r.index()].prev_live(s)?);
+            }
+            if m == s {
+                return Some(m);
+            }
+            s = m;
+        }
+    }
+
+    /// Split unrolled `[l, r)` into at most two ranges within `[0, n)`.
+    pub fn ranges(&self, l: usize, r: usize) -> [(usize, usize); 2] {
+        let n = self.n;
+        if r <= n {
+            [(l, r), (0, 0)]
+        } else if l >= n {
+            [(l - n, r - n), (0, 0)]
+        } else {
+            [(l, n), (0, r - n)]
+        }
+    }
+
+    /// Where an interval's offload and prefetch would go on `tier` given the budgets so far,
+    /// and the area it would remove; `None` if it does not fit or saves nothing.
+    pub fn fit(&mut self, iv: &InactiveInterval, tier: Tier) -> Option<Fit> {
+        self.evaluations += 1;
+        if tier == Tier::Ssd && !self.hw.has_ssd() {
+            return None;
+        }
+        let (a, b) = (iv.last_access, iv.next_access);
+        let size = iv.bytes as f64;
+        let off_path = self.hw.offload_path(tier);
+        let pre_path = self.hw.prefetch_path(tier);
+        // Offload: forward from slot a+1.
+        let mut left = size;
+        let mut s = a + 1;
+        let off_end_us;
+        loop {
+            s = self.next_live(&off_path, s);
+            if s + 1 >= b {
+                return None; // needs at least one slot for the prefetch and one saved kernel
+            }
+            let av = self.avail(&off_path, s);
+            if av >= left {
+                off_end_us = time_at(&self.starts, s) + self.dur[s % self.n] * (left / av);
+                break;
+            }
+            left -= av;
+            s += 1;
+        }
+        let e = s;
+        // Prefetch: backward from slot b-1, strictly after e+1 (one saved kernel at least).
+        left = size;
+        let mut p = b - 1;
+        let pre_start_us;
+        loop {
+            let q = self.prev_live(&pre_path, p)?;
+            if q <= e + 1 {
+                return None;
+            }
+            p = q;
+            let av = self.avail(&pre_path, p);
+            if av >= left {
+                pre_start_us = time_at(&self.starts, p + 1) - self.dur[p % self.n] * (left / av);
+                break;
+            }
+            left -= av;
+            p -= 1;
+        }
+        if tier == Tier::Host && !self.retiming {
+            let mut worst = i64::MIN;
+            for (l, r) in self.ranges(a + 1, b) {
+                worst = worst.max(self.host.range_max(l, r));
+            }
+            if worst + iv.bytes as i64 > 0 {
+                return None;
+            }
+        }
+        let mut benefit = 0.0;
+        for (l, r) in self.ranges(e + 1, p) {
+            benefit += self.mem.clamp_sum(l, r, iv.bytes as i64);
+        }
+        if benefit <= 0.0 {
+            return None;
+        }
+        let cost_us =
+            (off_end_us - time_at(&self.starts, a + 1)) + (time_at(&self.starts, b) - pre_start_us);
+        Some(Fit { tier, offload_end: e, prefetch_start: p, cost_us: cost_us.max(1e-3), benefit })
+    }
+
+    fn consume(
+        &mut self,
+        path: &[Resource],
+        from: usize,
+        to_incl: usize,
+        forward: bool,
+        bytes: f64,
+    ) {
+        let mut left = bytes;
+        let mut s = if forward { from } else { to_incl };
+        let n = self.n;
+        for _ in 0..=2 * n {
+            let live = if forward {
+                self.next_live(path, s)
+            } else {
+                match self.prev_live(path, s) {
+                    Some(x) => x,
+                    None => return,
+                }
+            };
+            if live > to_incl || live < from {
+                return;
+            }
+            s = live;
+            let take = self.avail(path, s).min(left);
+            for r in path {
+                let b = &mut self.budget[r.index()][s % n];
+                *b -= take;
+                if *b < EXHAUSTED_BYTES {
+                    *b = 0.0;
+                    self.skip[r.index()].kill(s % n);
+                    self.skip[r.index()].kill(s % n + n);
+                }
+            }
+            left -= take;
+            if left <= 0.0 {
+                return;
+            }
+            if forward {
+                s += 1;
+            } else if s == 0 {
+                return;
+            } else {
+                s -= 1;
+            }
+        }
+    }
+
+    /// Commit a fit: reserve bandwidth, lower the memory curve, raise host occupancy.
+    pub fn accept(&mut self, iv: InactiveInterval, fit: Fit) {
+        let off_path = self.hw.offload_path(fit.tier);
+        let pre_path = self.hw.prefetch_path(fit.tier);
+        let size = iv.bytes as f64;
+        if !self.relaxed {
+            self.consume(&off_path, iv.last_access + 1, fit.offload_end, true, size);
+            self.consume(&pre_path, fit.prefetch_start, iv.next_access - 1, false, size);
+        }
+        for (l, r) in self.ranges(fit.offload_end + 1, fit.prefetch_start) {
+            self.mem.add(l, r, -(iv.bytes as i64));
+        }
+        if fit.tier == Tier::Host {
+            for (l, r) in self.ranges(iv.last_access + 1, iv.next_access) {
+                self.host.add(l, r, iv.bytes as i64);
+            }
+        }
+        self.chosen.push((iv, fit));
+    }
+
+    /// Relaxed phase only: move chosen entry `ci`'s offload end earlier and its prefetch start
+    /// later, to where nominal bandwidth would put them. Returns the new fit and the extra
+    /// area it removes, or `None` if that removes nothing.
+    pub fn retime(&mut self, ci: usize) -> Option<(Fit, f64)> {
+        debug_assert!(self.relaxed);
+        let (iv, old) = self.chosen[ci];
+        // The interval already holds its host room: do not count it against itself.
+        self.retiming = true;
+        let new = self.fit(&iv, old.tier);
+        self.retiming = false;
+        let new = new?;
+        let (e, p) =
+            (new.offload_end.min(old.offload_end), new.prefetch_start.max(old.prefetch_start));
+        let mut extra = 0.0;
+        for (l, r) in self.ranges(e + 1, old.offload_end + 1) {
+            extra += self.mem.clamp_sum(l, r, iv.bytes as i64);
+        }
+        for (l, r) in self.ranges(old.prefetch_start, p) {
+            extra += self.mem.clamp_sum(l, r, iv.bytes as i64);
+        }
+        if extra <= 0.0 {
+            return None;
+        }
+        Some((Fit { offload_end: e, prefetch_start: p, benefit: extra, ..old }, extra))
+    }
+
+    /// Commit a [`State::retime`].
+    pub fn accept_retime(&mut self, ci: usize, fit: Fit) {
+        let (iv, old) = self.chosen[ci];
+        for (l, r) in self.ranges(fit.offload_end + 1, old.offload_end + 1) {
+            self.mem.add(l, r, -(iv.bytes as i64));
+        }
+        for (l, r) in self.ranges(old.prefetch_start, fit.prefetch_start) {
+            self.mem.add(l, r, -(iv.bytes as i64));
+        }
+        self.chosen[ci].1 = fit;
+    }
+
+    /// Turn the chosen intervals into a plan.
+    pub fn into_plan(mut self, policy: &str, candidates: usize) -> Plan {
+        let n = self.n;
+        let cap = self.hw.gpu_memory_bytes as i64;
+        let planned_peak = (self.mem.max() + cap).max(0) as u64;
+        let mut keyed: Vec<((usize, u8, usize), Instruction)> = Vec::new();
+        let mut initial = Vec::new();
+        let (mut ssd, mut host) = (0u64, 0u64);
+        for (iv, fit) in &self.chosen {
+            match fit.tier {
+                Tier::Ssd => ssd += iv.bytes,
+                Tier::Host => host += iv.bytes,
+            }
+            let off_at = iv.last_access + 1; // <= n
+            keyed.push((
+                (off_at, 0, iv.next_access),
+                Instruction {
+                    issue_before_kernel: off_at,
+                    tensor: iv.tensor,
+                    op: Op::Offload { dest: fit.tier },
+                    urgent: fit.offload_end == off_at,
+                },
+            ));
+            let mut pre_at = fit.prefetch_start;
+            if pre_at > n {
+                pre_at -= n;
+                initial.push(InitialPlacement { tensor: iv.tensor, tier: fit.tier });
+            }
+            let deadline = iv.next_access % n.max(1);
+            keyed.push((
+                (pre_at, 1, deadline),
+                Instruction {
+                    issue_before_kernel: pre_at,
+                    tensor: iv.tensor,
+                    op: Op::Prefetch,
+                    urgent: fit.prefetch_start + 1 == iv.next_access,
+                },
+            ));
+        }
+        keyed.sort_by_key(|(k, _)| *k);
+        initial.sort_by_key(|p| p.tensor);
+        let evaluations = std::mem::take(&mut self.evaluations);
+        Plan {
+            policy: policy.into(),
+            kernel_count: n,
+            tensor_count: self.trace.tensors.len(),
+            unlimited_memory: false,
+            initially_offloaded: initial,
+            instructions: keyed.into_iter().map(|(_, i)| i).collect(),
+            stats: PlanStats {
+                peak_resident_bytes: self.peak_resident,
+                planned_peak_bytes: planned_peak,
+                ssd_offload_bytes: ssd,
+                host_offload_bytes: host,
+                candidates,
+                evaluations,
+            },
+        }
+    }
+}
+
+/// Build a plan from explicit (tensor, offload boundary, prefetch boundary unrolled, tier)
+/// choices, for the non-bandwidth-aware policies. `prefetch_at` may exceed `n` (wrap).
+pub(crate) fn plan_from_moves(
+    trace: &Trace,
+    policy: &str,
+    moves: &[(TensorId, usize, usize, Tier, bool)],
+    stats: PlanStats,
+) -> Plan {
+    let n = trace.kernel_count();
+    let mut keyed = Vec::new();
+    let mut initial = Vec::new();
+    for (seq, &(tensor, off_at, pre_at, tier, urgent)) in moves.iter().enumerate() {
+        keyed.push((
+            (off_at, 0u8, seq),
+            Instruction {
+                issue_before_kernel: off_at,
+                tensor,
+                op: Op::Offload { dest: tier },
+                urgent,
+            },
+        ));
+        let mut p = pre_at;
+        if p > n {
+            p -= n;
+            initial.push(InitialPlacement { tensor, tier });
+        }
+        keyed.push((
+            (p, 1u8, seq),
+            Instruction { issue_before_kernel: p, tensor, op: Op::Prefetch, urgent },
+        ));
+    }
+    keyed.sort_by_key(|(k, _)| *k);
+    initial.sort_by_key(|p| p.tensor);
+    Plan {
+        policy: policy.into(),
+        kernel_count: n,
+        tensor_count: trace.tensors.len(),
+        unlimited_memory: false,
+        initially_offloaded: initial,
+        instructions: keyed.into_iter().map(|(_, i)| i).collect(),
+        stats,
+    }
+}

@@ -1,0 +1,654 @@
+//! Discrete-event replay of iterations under a plan and a hardware model.
+//!
+//! The semantics are those documented in [`crate::plan`]: kernels run one at a time; at each
+//! boundary the plan's instructions are issued in order; offloads release GPU memory when
+//! their copy completes; prefetches and tensor creations allocate GPU memory in issue order
+//! (FIFO), waiting while memory is full; a kernel starts once its creations are allocated and
+//! every tensor it accesses is resident. A prefetch issued while the same tensor's offload is
+//! still copying keeps the GPU copy: the offload completes (the tier copy is written) and the
+//! tensor is resident again without a read.
+//!
+//! Bandwidth: every active migration uses the resources of its path
+//! ([`Hardware::offload_path`], [`Hardware::prefetch_path`]); rates are max-min fair
+//! (water-filling) among urgent migrations first, then among the rest with what is left.
+//!
+//! The run replays `iterations` back-to-back iterations (default 2) starting from the plan's
+//! steady state and reports the last one, so the offloads issued at the end of one iteration
+//! compete with the next one as they would in training.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::hardware::{Hardware, Resource, Tier};
+use crate::plan::{Op, Plan};
+use crate::trace::{TensorId, Trace};
+use crate::{Error, Result};
+
+/// Options of a simulation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimOptions {
+    /// Iterations replayed; the last one is reported (>= 1).
+    pub iterations: usize,
+    /// Record memory and bandwidth over time of the reported iteration.
+    pub record_timeline: bool,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions { iterations: 2, record_timeline: false }
+    }
+}
+
+/// How a simulation ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    /// Every iteration ran.
+    Completed,
+    /// An allocation could never be granted: nothing in flight could free memory.
+    OutOfMemory {
+        /// Iteration (0-based).
+        iteration: usize,
+        /// Kernel about to start.
+        kernel: usize,
+        /// Bytes the blocked allocation needs.
+        needed_bytes: u64,
+        /// GPU bytes in use at that point.
+        used_bytes: u64,
+        /// GPU capacity.
+        capacity_bytes: u64,
+    },
+}
+
+/// Bytes a resource carried in the reported iteration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResourceBytes {
+    /// The resource.
+    pub resource: Resource,
+    /// Bytes carried.
+    pub bytes: u64,
+}
+
+/// Memory and bandwidth over time (reported iteration; time from its start).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timeline {
+    /// (time us, GPU bytes in use) at every change.
+    pub memory: Vec<(f64, u64)>,
+    /// (time us, bytes/s per resource in [`Resource::ALL`] order) at every rate change.
+    pub bandwidth: Vec<(f64, [f64; 5])>,
+    /// Start time of every kernel, us.
+    pub kernel_starts_us: Vec<f64>,
+}
+
+/// What a simulation reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimReport {
+    /// Policy of the plan.
+    pub policy: String,
+    /// Trace name.
+    pub trace: String,
+    /// Completed or out of memory.
+    pub outcome: Outcome,
+    /// Time of the reported iteration, us (0 if it did not complete).
+    pub iteration_time_us: f64,
+    /// All-resident iteration time, us.
+    pub ideal_time_us: f64,
+    /// `100 * ideal / iteration time` (0 if it did not complete).
+    pub percent_of_ideal: f64,
+    /// Time kernels waited (for tensors or memory) in the reported iteration, us.
+    pub stall_us: f64,
+    /// Peak GPU bytes in use in the reported iteration.
+    pub peak_gpu_bytes: u64,
+    /// GPU capacity used (u64::MAX for unlimited).
+    pub gpu_capacity_bytes: u64,
+    /// Peak host-tier bytes in the reported iteration.
+    pub peak_host_bytes: u64,
+    /// Whether the host tier ever held more than its cap.
+    pub host_cap_exceeded: bool,
+    /// Bytes carried per resource in the reported iteration.
+    pub bytes_moved: Vec<ResourceBytes>,
+    /// Offloads and prefetches completed in the reported iteration.
+    pub migrations: u64,
+    /// Memory and bandwidth over time, if requested.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum TState {
+    Absent,
+    Resident,
+    /// Offload copying; `keep`: a prefetch was issued meanwhile.
+    Offloading {
+        dest: Tier,
+        keep: bool,
+    },
+    Offloaded(Tier),
+    /// Prefetch waiting for its allocation.
+    Queued(Tier),
+    Prefetching,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Alloc {
+    Create(TensorId),
+    Prefetch(TensorId),
+}
+
+struct Transfer {
+    tensor: TensorId,
+    left: f64,
+    path: [bool; 5],
+    urgent: bool,
+    offload: Option<Tier>,
+    source: Tier,
+    rate: f64,
+}
+
+/// Replay `trace` under `plan` on `hw`.
+pub fn simulate(trace: &Trace, plan: &Plan, hw: &Hardware, opts: &SimOptions) -> Result<SimReport> {
+    trace.validate()?;
+    hw.validate()?;
+    plan.validate(trace)?;
+    if opts.iterations == 0 {
+        return Err(Error::InvalidArgument("iterations must be >= 1".into()));
+    }
+    Sim::new(trace, plan, hw, opts).run()
+}
+
+struct Sim<'a> {
+    trace: &'a Trace,
+    plan: &'a Plan,
+    hw: &'a Hardware,
+    opts: &'a SimOptions,
+    n: usize,
+    cap: u64,
+    per_kernel: Vec<Vec<TensorId>>,
+    created: Vec<Vec<TensorId>>,
+    dying: Vec<Vec<TensorId>>,
+    instr_at: Vec<(usize, usize)>,
+    state: Vec<TState>,
+    used: u64,
+    host_used: u64,
+    queue: VecDeque<Alloc>,
+    transfers: Vec<Transfer>,
+    rates_dirty: bool,
+    t: f64,
+    measuring: bool,
+    peak: u64,
+    peak_host: u64,
+    host_exceeded: bool,
+    moved: [f64; 5],
+    migrations: u64,
+    timeline: Option<Timeline>,
+    iter_start: f64,
+    urgent_prefetch: Vec<bool>,
+}
+
+impl<'a> Sim<'a> {
+    fn new(trace: &'a Trace, plan: &'a Plan, hw: &'a Hardware, opts: &'a SimOptions) -> Self {
+        let n = trace.kernel_count();
+        let mut created = vec![Vec::new(); n];
+        let mut dying = vec![Vec::new(); n];
+        for t in &trace.tensors {
+            if !t.global {
+                created[t.alloc_kernel()].push(t.id);
+                dying[t.free_kernel(n)].push(t.id);
+            }
+        }
+        let mut instr_at = vec![(0, 0); n + 1];
+        let mut i = 0;
+        for (b, slot) in instr_at.iter_mut().enumerate() {
+            let s = i;
+            while i < plan.instructions.len() && plan.instructions[i].issue_before_kernel == b {
+                i += 1;
+            }
+            *slot = (s, i);
+        }
+        Sim {
+            trace,
+            plan,
+            hw,
+            opts,
+            n,
+            cap: if plan.unlimited_memory { u64::MAX } else { hw.gpu_memory_bytes },
+            per_kernel: trace.accesses_per_kernel(),
+            created,
+            dying,
+            instr_at,
+            state: vec![TState::Absent; trace.tensors.len()],
+            used: 0,
+            host_used: 0,
+            queue: VecDeque::new(),
+            transfers: Vec::new(),
+            rates_dirty: false,
+            t: 0.0,
+            measuring: opts.iterations == 1,
+            peak: 0,
+            peak_host: 0,
+            host_exceeded: false,
+            moved: [0.0; 5],
+            migrations: 0,
+            timeline: None,
+            iter_start: 0.0,
+            urgent_prefetch: vec![false; trace.tensors.len()],
+        }
+    }
+
+    fn set_used(&mut self, used: u64) {
+        self.used = used;
+        if self.measuring {
+            self.peak = self.peak.max(used);
+            if let Some(tl) = &mut self.timeline {
+                tl.memory.push((self.t - self.iter_start, used));
+            }
+        }
+    }
+
+    fn set_host(&mut self, host: u64) {
+        self.host_used = host;
+        if host > self.hw.host_memory_cap_bytes {
+            self.host_exceeded = true;
+        }
+        if self.measuring {
+            self.peak_host = self.peak_host.max(host);
+        }
+    }
+
+    fn start_transfer(
+        &mut self,
+        tensor: TensorId,
+        offload: Option<Tier>,
+        source: Tier,
+        urgent: bool,
+    ) {
+        let path_list = match offload {
+            Some(dest) => self.hw.offload_path(dest),
+            None => self.hw.prefetch_path(source),
+        };
+        let mut path = [false; 5];
+        for r in path_list {
+            path[r.index()] = true;
+        }
+        let left = self.trace.tensor(tensor).bytes as f64;
+        self.transfers.push(Transfer { tensor, left, path, urgent, offload, source, rate: 0.0 });
+        self.rates_dirty = true;
+    }
+
+    fn issue(&mut self, boundary: usize) {
+        let (s, e) = self.instr_at[boundary];
+        for i in s..e {
+            let ins = self.plan.instructions[i];
+            let ti = ins.tensor.index();
+            let bytes = self.trace.tensor(ins.tensor).bytes;
+            match (ins.op, self.state[ti]) {
+                (Op::Offload { dest }, TState::Resident) => {
+                    self.state[ti] = TState::Offloading { dest, keep: false };
+                    if dest == Tier::Host {
+                        self.set_host(self.host_used + bytes);
+                    }
+                    self.start_transfer(ins.tensor, Some(dest), dest, ins.urgent);
+                }
+                (Op::Prefetch, TState::Offloading { dest, .. }) => {
+                    self.state[ti] = TState::Offloading { dest, keep: true };
+                }
+                (Op::Prefetch, TState::Offloaded(src)) => {
+                    self.state[ti] = TState::Queued(src);
+                    self.queue.push_back(Alloc::Prefetch(ins.tensor));
+                    // Urgency travels with the tensor through the queue.
+                    if ins.urgent {
+                        self.urgent_prefetch[ti] = true;
+                    }
+                }
+                // A validated plan never reaches these; keep going without moving anything.
+                _ => {}
+            }
+        }
+    }
+
+    fn grant(&mut self) {
+        while let Some(&a) = self.queue.front() {
+            let t = match a {
+                Alloc::Create(t) | Alloc::Prefetch(t) => t,
+            };
+            let bytes = self.trace.tensor(t).bytes;
+            if self.used.saturating_add(bytes) > self.cap {
+                return;
+            }
+            self.queue.pop_front();
+            self.set_used(self.used + bytes);
+            match a {
+                Alloc::Create(_) => self.state[t.index()] = TState::Resident,
+                Alloc::Prefetch(_) => {
+                    let TState::Queued(src) = self.state[t.index()] else { continue };
+                    self.state[t.index()] = TState::Prefetching;
+                    let urgent = std::mem::take(&mut self.urgent_prefetch[t.index()]);
+                    self.start_transfer(t, None, src, urgent);
+                }
+            }
+        }
+    }
+
+    fn recompute_rates(&mut self) {
+        let mut cap: [f64; 5] = Resource::ALL.map(|r| {
+            if matches!(r, Resource::SsdRead | Resource::SsdWrite) && !self.hw.has_ssd() {
+                0.0
+            } else {
+                self.hw.bandwidth(r)
+            }
+        });
+        let mut frozen = vec![false; self.transfers.len()];
+        for class in [true, false] {
+            for _round in 0..6 {
+                let mut count = [0usize; 5];
+                for (i, tr) in self.transfers.iter().enumerate() {
+                    if !frozen[i] && tr.urgent == class {
+                        for (c, &on) in count.iter_mut().zip(&tr.path) {
+                            *c += usize::from(on);
+                        }
+                    }
+                }
+                let mut best: Option<(usize, f64)> = None;
+                for r in 0..5 {
+                    if count[r] > 0 {
+                        let share = cap[r].max(0.0) / count[r] as f64;
+                        if best.is_none_or(|(_, s)| share < s) {
+                            best = Some((r, share));
+                        }
+                    }
+                }
+                let Some((rb, share)) = best else { break };
+                for (i, tr) in self.transfers.iter_mut().enumerate() {
+                    if !frozen[i] && tr.urgent == class && tr.path[rb] {
+                        tr.rate = share;
+                        frozen[i] = true;
+                        for (c, &on) in cap.iter_mut().zip(&tr.path) {
+                            if on {
+                                *c -= share;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        self.rates_dirty = false;
+        if self.measuring
+            && let Some(tl) = &mut self.timeline
+        {
+            let mut total = [0.0; 5];
+            for tr in &self.transfers {
+                for (r, tot) in total.iter_mut().enumerate() {
+                    if tr.path[r] {
+                        *tot += tr.rate;
+                    }
+                }
+            }
+            tl.bandwidth.push((self.t - self.iter_start, total));
+        }
+    }
+
+    fn complete(&mut self, idx: usize) {
+        let tr = self.transfers.swap_remove(idx);
+        self.rates_dirty = true;
+        if self.measuring {
+            self.migrations += 1;
+        }
+        let ti = tr.tensor.index();
+        let bytes = self.trace.tensor(tr.tensor).bytes;
+        match tr.offload {
+            Some(dest) => match self.state[ti] {
+                TState::Offloading { keep: true, .. } => {
+                    self.state[ti] = TState::Resident;
+                    if dest == Tier::Host {
+                        self.set_host(self.host_used - bytes);
+                    }
+                }
+                _ => {
+                    self.state[ti] = TState::Offloaded(dest);
+                    self.set_used(self.used - bytes);
+                }
+            },
+            None => {
+                self.state[ti] = TState::Resident;
+                if tr.source == Tier::Host {
+                    self.set_host(self.host_used - bytes);
+                }
+            }
+        }
+    }
+
+    fn begin_measuring(&mut self) {
+        self.measuring = true;
+        self.iter_start = self.t;
+        self.moved = [0.0; 5];
+        self.migrations = 0;
+        self.peak = self.used;
+        self.peak_host = self.host_used;
+        if self.opts.record_timeline {
+            self.timeline =
+                Some(Timeline { memory: vec![(0.0, self.used)], ..Timeline::default() });
+            self.rates_dirty = true;
+        }
+    }
+
+    fn report(&self, outcome: Outcome, iteration_time_us: f64, stall_us: f64) -> SimReport {
+        let ideal = self.trace.iteration_time_us();
+        let done = outcome == Outcome::Completed;
+        SimReport {
+            policy: self.plan.policy.clone(),
+            trace: self.trace.name.clone(),
+            outcome,
+            iteration_time_us: if done { iteration_time_us } else { 0.0 },
+            ideal_time_us: ideal,
+            percent_of_ideal: if done && iteration_time_us > 0.0 {
+                100.0 * ideal / iteration_time_us
+            } else {
+                0.0
+            },
+            stall_us,
+            peak_gpu_bytes: self.peak,
+            gpu_capacity_bytes: self.cap,
+            peak_host_bytes: self.peak_host,
+            host_cap_exceeded: self.host_exceeded,
+            bytes_moved: Resource::ALL
+                .iter()
+                .map(|&r| ResourceBytes {
+                    resource: r,
+                    bytes: self.moved[r.index()].round() as u64,
+                })
+                .collect(),
+            migrations: self.migrations,
+            timeline: self.timeline.clone(),
+        }
+    }
+
+    fn run(mut self) -> Result<SimReport> {
+        let n = self.n;
+        // Steady-state initial placement.
+        let mut initial = vec![None; self.trace.tensors.len()];
+        for p in &self.plan.initially_offloaded {
+            initial[p.tensor.index()] = Some(p.tier);
+        }
+        let mut used = 0u64;
+        let mut host = 0u64;
+        for t in self.trace.tensors.iter().filter(|t| t.global) {
+            match initial[t.id.index()] {
+                Some(tier) => {
+                    self.state[t.id.index()] = TState::Offloaded(tier);
+                    if tier == Tier::Host {
+                        host += t.bytes;
+                    }
+                }
+                None => {
+                    self.state[t.id.index()] = TState::Resident;
+                    used = used.saturating_add(t.bytes);
+                }
+            }
+        }
+        self.set_used(used);
+        self.set_host(host);
+        if self.measuring {
+            self.begin_measuring();
+        }
+        if used > self.cap {
+            return Ok(self.report(
+                Outcome::OutOfMemory {
+                    iteration: 0,
+                    kernel: 0,
+                    needed_bytes: used,
+                    used_bytes: 0,
+                    capacity_bytes: self.cap,
+                },
+                0.0,
+                0.0,
+            ));
+        }
+        let mut stall = 0.0;
+        let mut iteration = 0;
+        let mut k = 0;
+        let mut running_until: Option<f64> = None;
+        let mut issued = false;
+        let mut ready_t = 0.0;
+        let mut pending_creates = 0usize;
+        let mut create_marker: Vec<bool> = vec![false; self.trace.tensors.len()];
+        // Every loop pass either starts a kernel or advances time to an event; bound it.
+        let max_steps = 64 * self.opts.iterations * (n + 2 * self.plan.instructions.len() + 16);
+        for _ in 0..max_steps {
+            if !issued && running_until.is_none() {
+                self.issue(k);
+                for i in 0..self.created[k].len() {
+                    let t = self.created[k][i];
+                    self.queue.push_back(Alloc::Create(t));
+                    create_marker[t.index()] = true;
+                    pending_creates += 1;
+                }
+                issued = true;
+                ready_t = self.t;
+            }
+            self.grant();
+            if pending_creates > 0 {
+                pending_creates = self.created[k]
+                    .iter()
+                    .filter(|t| self.state[t.index()] != TState::Resident)
+                    .count();
+            }
+            if issued
+                && running_until.is_none()
+                && pending_creates == 0
+                && self.per_kernel[k].iter().all(|t| self.state[t.index()] == TState::Resident)
+            {
+                if self.measuring {
+                    stall += self.t - ready_t;
+                    if let Some(tl) = &mut self.timeline {
+                        tl.kernel_starts_us.push(self.t - self.iter_start);
+                    }
+                }
+                running_until = Some(self.t + self.trace.kernels[k].duration_us);
+            }
+            if self.rates_dirty {
+                self.recompute_rates();
+            }
+            // Next event.
+            let mut dt = running_until.map_or(f64::INFINITY, |e| (e - self.t).max(0.0));
+            let mut first: Option<usize> = None;
+            for (i, tr) in self.transfers.iter().enumerate() {
+                if tr.rate > 0.0 {
+                    let d = tr.left / tr.rate * 1e6;
+                    if d < dt {
+                        dt = d;
+                        first = Some(i);
+                    }
+                }
+            }
+            if !dt.is_finite() {
+                if let Some(&a) = self.queue.front() {
+                    let (Alloc::Create(t) | Alloc::Prefetch(t)) = a;
+                    return Ok(self.report(
+                        Outcome::OutOfMemory {
+                            iteration,
+                            kernel: k,
+                            needed_bytes: self.trace.tensor(t).bytes,
+                            used_bytes: self.used,
+                            capacity_bytes: self.cap,
+                        },
+                        0.0,
+                        stall,
+                    ));
+                }
+                let missing: Vec<String> = self.per_kernel[k]
+                    .iter()
+                    .filter(|t| self.state[t.index()] != TState::Resident)
+                    .map(|t| format!("{t} ({:?})", self.state[t.index()]))
+                    .collect();
+                return Err(Error::SimulationStuck {
+                    iteration,
+                    kernel: k,
+                    detail: format!(
+                        "waiting for {} with no migration able to progress ({} in flight)",
+                        missing.join(", "),
+                        self.transfers.len()
+                    ),
+                });
+            }
+            // Advance.
+            for tr in &mut self.transfers {
+                let d = tr.rate * dt * 1e-6;
+                tr.left -= d;
+                if self.measuring {
+                    for r in 0..5 {
+                        if tr.path[r] {
+                            self.moved[r] += d;
+                        }
+                    }
+                }
+            }
+            self.t += dt;
+            if let Some(i) = first {
+                self.transfers[i].left = 0.0;
+            }
+            let mut i = 0;
+            while i < self.transfers.len() {
+                if self.transfers[i].left <= 1e-3 {
+                    self.complete(i);
+                } else {
+                    i += 1;
+                }
+            }
+            if let Some(end) = running_until
+                && self.t >= end - 1e-9
+            {
+                self.t = self.t.max(end);
+                running_until = None;
+                issued = false;
+                for i in 0..self.dying[k].len() {
+                    let t = self.dying[k][i];
+                    if self.state[t.index()] == TState::Resident {
+                        self.state[t.index()] = TState::Absent;
+                        let b = self.trace.tensor(t).bytes;
+                        self.set_used(self.used - b);
+                    }
+                }
+                k += 1;
+                if k == n {
+                    self.issue(n);
+                    iteration += 1;
+                    k = 0;
+                    if iteration == self.opts.iterations {
+                        let time = self.t - self.iter_start;
+                        return Ok(self.report(Outcome::Completed, time, stall));
+                    }
+                    if iteration + 1 == self.opts.iterations {
+                        self.begin_measuring();
+                        stall = 0.0;
+                    }
+                }
+            }
+        }
+        Err(Error::SimulationStuck {
+            iteration,
+            kernel: k,
+            detail: "event budget exhausted (livelock)".into(),
+        })
+    }
+}

@@ -1,0 +1,533 @@
+//! One training iteration as data: kernels (the clock) and tensors (what occupies memory).
+//!
+//! The JSON schema is documented in `docs/TRACE.md`. [`Trace::from_json`] checks every field
+//! and names the bad one by its JSON path (`tensors[3].accesses[1]`); [`Trace::validate`]
+//! checks the cross-field rules (ids dense, accesses sorted and in range, lifetimes sane).
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::{Error, Result};
+
+/// Format tag written in every trace file.
+pub const TRACE_FORMAT: &str = "teraio-trace";
+/// Version of the trace schema this crate reads and writes.
+pub const TRACE_VERSION: u64 = 1;
+
+/// Identifier of a tensor: its index in [`Trace::tensors`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TensorId(pub u32);
+
+impl TensorId {
+    /// The index of this tensor in [`Trace::tensors`].
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl std::fmt::Display for TensorId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "t{}", self.0)
+    }
+}
+
+/// What a tensor holds. Only used for reporting and by policies that treat kinds differently
+/// (`zero-infinity`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorKind {
+    /// Model parameters.
+    Weight,
+    /// Gradients of parameters.
+    Gradient,
+    /// Optimizer states (AdamW first and second moments).
+    OptimizerState,
+    /// Activations saved for backward, and activation gradients.
+    Activation,
+    /// Scratch memory of one or a few kernels.
+    Workspace,
+}
+
+impl TensorKind {
+    /// All kinds, in reporting order.
+    pub const ALL: [TensorKind; 5] = [
+        TensorKind::Weight,
+        TensorKind::Gradient,
+        TensorKind::OptimizerState,
+        TensorKind::Activation,
+        TensorKind::Workspace,
+    ];
+
+    /// The JSON spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TensorKind::Weight => "weight",
+            TensorKind::Gradient => "gradient",
+            TensorKind::OptimizerState => "optimizer_state",
+            TensorKind::Activation => "activation",
+            TensorKind::Workspace => "workspace",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        TensorKind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+/// One GPU kernel (operator) of the iteration. Kernels run one after another; kernel `i`'s
+/// position in [`Trace::kernels`] is its id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Kernel {
+    /// Operator name, e.g. `mb0.L3.fwd.qkv`.
+    pub name: String,
+    /// Execution time on the GPU with every tensor resident, in microseconds.
+    pub duration_us: f64,
+    /// Transformer layer the kernel belongs to, if any (used by layer-granular policies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<u32>,
+}
+
+/// One tensor of the iteration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tensor {
+    /// Must equal the tensor's index in [`Trace::tensors`].
+    pub id: TensorId,
+    /// Human-readable name, e.g. `L3.wqkv`.
+    pub name: String,
+    /// Size in bytes (> 0).
+    pub bytes: u64,
+    /// What it holds.
+    pub kind: TensorKind,
+    /// Global tensors live across iterations: resident (or offloaded, per the plan) at
+    /// iteration start, never die. Non-global tensors live from `created_by` to `dies_after`.
+    pub global: bool,
+    /// Kernel that creates (allocates and first writes) the tensor; `None` for global tensors.
+    pub created_by: Option<usize>,
+    /// Every kernel that reads or writes the tensor, strictly ascending, at least one. For a
+    /// non-global tensor the first is `created_by`.
+    pub accesses: Vec<usize>,
+    /// Kernel after which the tensor is freed (>= its last access); `None` for global tensors.
+    pub dies_after: Option<usize>,
+}
+
+impl Tensor {
+    /// First kernel at which the tensor occupies memory in an all-resident run.
+    pub fn alloc_kernel(&self) -> usize {
+        self.created_by.unwrap_or(0)
+    }
+
+    /// Last kernel (inclusive) at which the tensor occupies memory in an all-resident run.
+    pub fn free_kernel(&self, kernel_count: usize) -> usize {
+        self.dies_after.unwrap_or(kernel_count.saturating_sub(1))
+    }
+}
+
+/// One training iteration on one GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trace {
+    /// Always [`TRACE_FORMAT`].
+    pub format: String,
+    /// Always [`TRACE_VERSION`].
+    pub version: u64,
+    /// Free-form name (model preset, source).
+    pub name: String,
+    /// Kernels in execution order.
+    pub kernels: Vec<Kernel>,
+    /// Tensors, `tensors[i].id == TensorId(i)`.
+    pub tensors: Vec<Tensor>,
+}
+
+impl Trace {
+    /// An empty trace with the given name (add kernels and tensors, then [`Trace::validate`]).
+    pub fn new(name: impl Into<String>) -> Self {
+        Trace {
+            format: TRACE_FORMAT.into(),
+            version: TRACE_VERSION,
+            name: name.into(),
+            kernels: Vec::new(),
+            tensors: Vec::new(),
+        }
+    }
+
+    /// Number of kernels.
+    pub fn kernel_count(&self) -> usize {
+        self.kernels.len()
+    }
+
+    /// The tensor with this id.
+    pub fn tensor(&self, id: TensorId) -> &Tensor {
+        &self.tensors[id.index()]
+    }
+
+    /// Iteration time with every tensor resident (the ideal), in microseconds.
+    pub fn iteration_time_us(&self) -> f64 {
+        self.kernels.iter().map(|k| k.duration_us).sum()
+    }
+
+    /// Start time of every kernel in an all-resident run, plus the iteration time at the end
+    /// (`kernel_count + 1` entries), in microseconds.
+    pub fn kernel_starts_us(&self) -> Vec<f64> {
+        let mut t = 0.0;
+        let mut v = Vec::with_capacity(self.kernels.len() + 1);
+        for k in &self.kernels {
+            v.push(t);
+            t += k.duration_us;
+        }
+        v.push(t);
+        v
+    }
+
+    /// Memory in use while each kernel runs if every tensor stays resident (bytes per kernel).
+    pub fn resident_memory_per_kernel(&self) -> Vec<u64> {
+        let n = self.kernels.len();
+        let mut diff = vec![0i128; n + 1];
+        for t in &self.tensors {
+            diff[t.alloc_kernel()] += i128::from(t.bytes);
+            diff[t.free_kernel(n) + 1] -= i128::from(t.bytes);
+        }
+        let mut acc = 0i128;
+        diff[..n]
+            .iter()
+            .map(|d| {
+                acc += d;
+                acc as u64
+            })
+            .collect()
+    }
+
+    /// Tensors accessed by each kernel (ids per kernel, ascending).
+    pub fn accesses_per_kernel(&self) -> Vec<Vec<TensorId>> {
+        let mut v = vec![Vec::new(); self.kernels.len()];
+        for t in &self.tensors {
+            for &k in &t.accesses {
+                v[k].push(t.id);
+            }
+        }
+        v
+    }
+
+    /// Multiply every kernel duration by `factor` (> 0, finite). Used to make a trace replay
+    /// in a chosen wall time on slower hardware.
+    pub fn scale_durations(&mut self, factor: f64) -> Result<()> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "duration scale factor must be finite and > 0, got {factor}"
+            )));
+        }
+        for k in &mut self.kernels {
+            k.duration_us *= factor;
+        }
+        Ok(())
+    }
+
+    /// Scale durations so the all-resident iteration takes `target_us` microseconds.
+    pub fn scale_to_iteration_time(&mut self, target_us: f64) -> Result<()> {
+        let now = self.iteration_time_us();
+        if now <= 0.0 {
+            return Err(Error::InvalidArgument("trace has zero total kernel time".into()));
+        }
+        self.scale_durations(target_us / now)
+    }
+
+    /// Check the cross-field rules. Errors name the field by its JSON path.
+    pub fn validate(&self) -> Result<()> {
+        if self.format != TRACE_FORMAT {
+            return Err(Error::trace("format", format!("expected {TRACE_FORMAT:?}")));
+        }
+        if self.version != TRACE_VERSION {
+            return Err(Error::trace(
+                "version",
+                format!("unsupported version {}, this build reads {TRACE_VERSION}", self.version),
+            ));
+        }
+        let n = self.kernels.len();
+        if n == 0 {
+            return Err(Error::trace("kernels", "a trace needs at least one kernel"));
+        }
+        for (i, k) in self.kernels.iter().enumerate() {
+            if !(k.duration_us.is_finite() && k.duration_us >= 0.0) {
+                return Err(Error::trace(
+                    format!("kernels[{i}].duration_us"),
+                    format!("must be finite and >= 0, got {}", k.duration_us),
+                ));
+            }
+        }
+        if self.tensors.len() > u32::MAX as usize {
+            return Err(Error::trace("tensors", "more than 2^32 tensors"));
+        }
+        for (i, t) in self.tensors.iter().enumerate() {
+            let p = |f: &str| format!("tensors[{i}].{f}");
+            if t.id.index() != i {
+                return Err(Error::trace(p("id"), format!("must equal its index {i}")));
+            }
+            if t.bytes == 0 {
+                return Err(Error::trace(p("bytes"), "must be > 0"));
+            }
+            if t.accesses.is_empty() {
+                return Err(Error::trace(p("accesses"), "a tensor needs at least one access"));
+            }
+            for (j, &a) in t.accesses.iter().enumerate() {
+                if a >= n {
+                    return Err(Error::trace(
+                        format!("tensors[{i}].accesses[{j}]"),
+                        format!("kernel {a} out of range (trace has {n} kernels)"),
+                    ));
+                }
+                if j > 0 && a <= t.accesses[j - 1] {
+                    return Err(Error::trace(
+                        format!("tensors[{i}].accesses[{j}]"),
+                        "accesses must be strictly ascending",
+                    ));
+                }
+            }
+            let last = *t.accesses.last().unwrap_or(&0);
+            if t.global {
+                if t.created_by.is_some() {
+                    return Err(Error::trace(p("created_by"), "must be null for a global tensor"));
+                }
+                if t.dies_after.is_some() {
+                    return Err(Error::trace(p("dies_after"), "must be null for a global tensor"));
+                }
+            } else {
+                let Some(c) = t.created_by else {
+                    return Err(Error::trace(p("created_by"), "required for a non-global tensor"));
+                };
+                if c != t.accesses[0] {
+                    return Err(Error::trace(
+                        p("created_by"),
+                        format!("must equal the first access {} (got {c})", t.accesses[0]),
+                    ));
+                }
+                let Some(d) = t.dies_after else {
+                    return Err(Error::trace(p("dies_after"), "required for a non-global tensor"));
+                };
+                if d < last || d >= n {
+                    return Err(Error::trace(
+                        p("dies_after"),
+                        format!(
+                            "must be in [{last}, {}] (last access .. last kernel), got {d}",
+                            n - 1
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Parse and validate a trace from JSON text. Errors name the bad field by JSON path.
+    pub fn from_json(text: &str) -> Result<Trace> {
+        let v: Value = serde_json::from_str(text)?;
+        let trace = decode_trace(&v)?;
+        trace.validate()?;
+        Ok(trace)
+    }
+
+    /// Serialize to pretty JSON (the documented schema).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(unreachable_json)
+    }
+}
+
+fn unreachable_json(e: serde_json::Error) -> String {
+    // Serializing plain structs of numbers and strings cannot fail; keep the message if it does.
+    format!("{{\"error\": {:?}}}", e.to_string())
+}
+
+fn obj<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>> {
+    v.as_object().ok_or_else(|| Error::trace(path, format!("expected an object, got {}", kind(v))))
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn field<'a>(o: &'a Map<String, Value>, path: &str, name: &str) -> Result<&'a Value> {
+    o.get(name).ok_or_else(|| Error::trace(format!("{path}.{name}"), "missing field"))
+}
+
+fn u64_of(v: &Value, path: &str) -> Result<u64> {
+    v.as_u64().ok_or_else(|| {
+        Error::trace(path, format!("expected a non-negative integer, got {}", show(v)))
+    })
+}
+
+fn usize_of(v: &Value, path: &str) -> Result<usize> {
+    usize::try_from(u64_of(v, path)?).map_err(|_| Error::trace(path, "integer too large"))
+}
+
+fn opt_usize_of(v: &Value, path: &str) -> Result<Option<usize>> {
+    if v.is_null() { Ok(None) } else { usize_of(v, path).map(Some) }
+}
+
+fn str_of<'a>(v: &'a Value, path: &str) -> Result<&'a str> {
+    v.as_str().ok_or_else(|| Error::trace(path, format!("expected a string, got {}", show(v))))
+}
+
+fn show(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 40 { format!("{} {}...", kind(v), &s[..s.floor_char_boundary(37)]) } else { s }
+}
+
+fn arr<'a>(v: &'a Value, path: &str) -> Result<&'a Vec<Value>> {
+    v.as_array().ok_or_else(|| Error::trace(path, format!("expected an array, got {}", kind(v))))
+}
+
+fn decode_trace(v: &Value) -> Result<Trace> {
+    let o = obj(v, "$")?;
+    let format = str_of(field(o, "$", "format")?, "format")?.to_string();
+    if format != TRACE_FORMAT {
+        return Err(Error::trace("format", format!("expected {TRACE_FORMAT:?}, got {format:?}")));
+    }
+    let version = u64_of(field(o, "$", "version")?, "version")?;
+    let name = match o.get("name") {
+        Some(v) => str_of(v, "name")?.to_string(),
+        None => String::new(),
+    };
+    let mut kernels = Vec::new();
+    for (i, kv) in arr(field(o, "$", "kernels")?, "kernels")?.iter().enumerate() {
+        let path = format!("kernels[{i}]");
+        let ko = obj(kv, &path)?;
+        let name = str_of(field(ko, &path, "name")?, &format!("{path}.name"))?.to_string();
+        let dv = field(ko, &path, "duration_us")?;
+        let duration_us = dv.as_f64().ok_or_else(|| {
+            Error::trace(
+                format!("{path}.duration_us"),
+                format!("expected a number, got {}", show(dv)),
+            )
+        })?;
+        let layer = match ko.get("layer") {
+            None | Some(Value::Null) => None,
+            Some(l) => Some(
+                u32::try_from(u64_of(l, &format!("{path}.layer"))?)
+                    .map_err(|_| Error::trace(format!("{path}.layer"), "integer too large"))?,
+            ),
+        };
+        kernels.push(Kernel { name, duration_us, layer });
+    }
+    let mut tensors = Vec::new();
+    for (i, tv) in arr(field(o, "$", "tensors")?, "tensors")?.iter().enumerate() {
+        let path = format!("tensors[{i}]");
+        let to = obj(tv, &path)?;
+        let f = |name: &str| field(to, &path, name);
+        let p = |name: &str| format!("{path}.{name}");
+        let id = u64_of(f("id")?, &p("id"))?;
+        let id = TensorId(u32::try_from(id).map_err(|_| Error::trace(p("id"), "id too large"))?);
+        let name = str_of(f("name")?, &p("name"))?.to_string();
+        let bytes = u64_of(f("bytes")?, &p("bytes"))?;
+        let ks = str_of(f("kind")?, &p("kind"))?;
+        let kind = TensorKind::parse(ks).ok_or_else(|| {
+            Error::trace(
+                p("kind"),
+                format!(
+                    "unknown kind {ks:?}, expected one of weight, gradient, optimizer_state, \
+                     activation, workspace"
+                ),
+            )
+        })?;
+        let gv = f("global")?;
+        let global = gv.as_bool().ok_or_else(|| {
+            Error::trace(p("global"), format!("expected a boolean, got {}", show(gv)))
+        })?;
+        let created_by = match to.get("created_by") {
+            None => None,
+            Some(v) => opt_usize_of(v, &p("created_by"))?,
+        };
+        let dies_after = match to.get("dies_after") {
+            None => None,
+            Some(v) => opt_usize_of(v, &p("dies_after"))?,
+        };
+        let mut accesses = Vec::new();
+        for (j, a) in arr(f("accesses")?, &p("accesses"))?.iter().enumerate() {
+            accesses.push(usize_of(a, &format!("{path}.accesses[{j}]"))?);
+        }
+        tensors.push(Tensor { id, name, bytes, kind, global, created_by, accesses, dies_after });
+    }
+    Ok(Trace { format, version, name, kernels, tensors })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> Trace {
+        let mut t = Trace::new("small");
+        for i in 0..4 {
+            t.kernels.push(Kernel { name: format!("k{i}"), duration_us: 10.0, layer: None });
+        }
+        t.tensors.push(Tensor {
+            id: TensorId(0),
+            name: "w".into(),
+            bytes: 100,
+            kind: TensorKind::Weight,
+            global: true,
+            created_by: None,
+            accesses: vec![0, 3],
+            dies_after: None,
+        });
+        t.tensors.push(Tensor {
+            id: TensorId(1),
+            name: "a".into(),
+            bytes: 50,
+            kind: TensorKind::Activation,
+            global: false,
+            created_by: Some(1),
+            accesses: vec![1, 2],
+            dies_after: Some(2),
+        });
+        t
+    }
+
+    #[test]
+    fn json_round_trip() {
+        let t = small();
+        t.validate().unwrap();
+        let back = Trace::from_json(&t.to_json()).unwrap();
+        assert_eq!(back, t);
+    }
+
+    #[test]
+    fn bad_field_is_named_by_path() {
+        let mut v: Value = serde_json::from_str(&small().to_json()).unwrap();
+        v["tensors"][1]["bytes"] = Value::String("lots".into());
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[1].bytes"), "{e}");
+
+        let mut v: Value = serde_json::from_str(&small().to_json()).unwrap();
+        v["tensors"][0]["accesses"] = serde_json::json!([3, 1]);
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[0].accesses[1]"), "{e}");
+
+        let mut v: Value = serde_json::from_str(&small().to_json()).unwrap();
+        v["kernels"][2].as_object_mut().unwrap().remove("duration_us");
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("kernels[2].duration_us"), "{e}");
+
+        let mut v: Value = serde_json::from_str(&small().to_json()).unwrap();
+        v["tensors"][1]["kind"] = Value::String("ram".into());
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[1].kind"), "{e}");
+
+        let mut v: Value = serde_json::from_str(&small().to_json()).unwrap();
+        v["tensors"][1]["dies_after"] = serde_json::json!(1);
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[1].dies_after"), "{e}");
+    }
+
+    #[test]
+    fn memory_curve_and_scaling() {
+        let mut t = small();
+        assert_eq!(t.resident_memory_per_kernel(), vec![100, 150, 150, 100]);
+        t.scale_to_iteration_time(80.0).unwrap();
+        assert!((t.iteration_time_us() - 80.0).abs() < 1e-9);
+        assert!(t.scale_durations(0.0).is_err());
+    }
+}

@@ -1,0 +1,226 @@
+//! Invariants of every policy's plans, on random small traces (property tests) and on the
+//! presets (golden tests).
+
+use proptest::prelude::*;
+use teraio_scheduler::{
+    Hardware, Kernel, ModelConfig, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId,
+    TensorKind, Trace, generate, plan, simulate,
+};
+
+/// Independent check of the per-tensor rules: every prefetch follows an offload of the same
+/// tensor (cyclically, from the initial placement), nothing is offloaded right before a kernel
+/// that accesses it, and no kernel accesses a tensor that is offloaded without a prefetch.
+fn check_plan(trace: &Trace, p: &Plan) {
+    p.validate(trace).unwrap();
+    let n = trace.kernel_count();
+    for t in &trace.tensors {
+        let mut offloaded = p.initially_offloaded.iter().any(|x| x.tensor == t.id);
+        let mut ins = p.instructions.iter().filter(|i| i.tensor == t.id).peekable();
+        for k in 0..=n {
+            while let Some(i) = ins.next_if(|i| i.issue_before_kernel == k) {
+                match i.op {
+                    Op::Offload { .. } => {
+                        assert!(!offloaded, "{} offloaded twice", t.id);
+                        assert!(!t.accesses.contains(&k), "{} offloaded while active at {k}", t.id);
+                        offloaded = true;
+                    }
+                    Op::Prefetch => {
+                        assert!(offloaded, "{} prefetched before any offload", t.id);
+                        offloaded = false;
+                    }
+                }
+            }
+            if k < n && t.accesses.contains(&k) {
+                assert!(!offloaded, "{} accessed at {k} while offloaded", t.id);
+            }
+        }
+    }
+}
+
+fn check_report(trace: &Trace, hw: &Hardware, p: &Plan) -> teraio_scheduler::SimReport {
+    let r = simulate(trace, p, hw, &SimOptions::default()).unwrap();
+    if !p.unlimited_memory {
+        assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes, "{} over capacity", p.policy);
+    }
+    if r.outcome == Outcome::Completed {
+        let ideal = trace.iteration_time_us();
+        assert!(r.iteration_time_us >= ideal * (1.0 - 1e-9), "{} faster than ideal", p.policy);
+        // Time = kernel time + stalls, exactly.
+        assert!((r.iteration_time_us - ideal - r.stall_us).abs() <= 1e-6 * ideal.max(1.0));
+        assert!(r.percent_of_ideal <= 100.0 + 1e-6);
+    }
+    r
+}
+
+fn arbitrary_trace() -> impl Strategy<Value = Trace> {
+    let kernels = proptest::collection::vec(1.0f64..1000.0, 3..40);
+    kernels
+        .prop_flat_map(|durs| {
+            let n = durs.len();
+            let tensor = (
+                1u64..200_000_000,
+                any::<bool>(),
+                proptest::collection::btree_set(0..n, 1..6),
+                0usize..3,
+            );
+            (Just(durs), proptest::collection::vec(tensor, 1..25))
+        })
+        .prop_map(|(durs, tensors)| {
+            let n = durs.len();
+            let mut t = Trace::new("random");
+            for (i, d) in durs.iter().enumerate() {
+                t.kernels.push(Kernel {
+                    name: format!("k{i}"),
+                    duration_us: *d,
+                    layer: Some(i as u32 / 4),
+                });
+            }
+            for (i, (bytes, global, acc, extra)) in tensors.into_iter().enumerate() {
+                let accesses: Vec<usize> = acc.into_iter().collect();
+                let last = *accesses.last().unwrap();
+                let kind = if global { TensorKind::Weight } else { TensorKind::Activation };
+                t.tensors.push(Tensor {
+                    id: TensorId(i as u32),
+                    name: format!("t{i}"),
+                    bytes,
+                    kind,
+                    global,
+                    created_by: (!global).then_some(accesses[0]),
+                    dies_after: (!global).then_some((last + extra).min(n - 1)),
+                    accesses,
+                });
+            }
+            t
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #[test]
+    fn every_policy_makes_valid_plans(trace in arbitrary_trace(), cap_frac in 0.3f64..1.2, ssds in 0u32..3, host_frac in 0.0f64..0.5) {
+        trace.validate().unwrap();
+        let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+        let mut hw = Hardware::paper();
+        hw.gpu_memory_bytes = (peak as f64 * cap_frac) as u64;
+        hw.ssd_count = ssds;
+        hw.host_memory_cap_bytes = (peak as f64 * host_frac) as u64;
+        for policy in Policy::ALL {
+            let p = plan(&trace, &hw, policy).unwrap();
+            check_plan(&trace, &p);
+            let r = check_report(&trace, &hw, &p);
+            if policy == Policy::Ideal {
+                prop_assert_eq!(&r.outcome, &Outcome::Completed);
+                prop_assert!((r.percent_of_ideal - 100.0).abs() < 1e-6);
+            }
+            if policy == Policy::None && cap_frac >= 1.0 {
+                prop_assert_eq!(&r.outcome, &Outcome::Completed);
+            }
+        }
+    }
+}
+
+/// One weight idle for most of a long iteration: offloading it and prefetching it back
+/// must be fully hidden, so teraio reaches 100% of ideal within capacity.
+#[test]
+fn idle_weight_is_hidden() {
+    let mut t = Trace::new("hand");
+    for i in 0..10 {
+        t.kernels.push(Kernel { name: format!("k{i}"), duration_us: 100_000.0, layer: None });
+    }
+    let gb = 1_000_000_000;
+    t.tensors.push(Tensor {
+        id: TensorId(0),
+        name: "w0".into(),
+        bytes: gb,
+        kind: TensorKind::Weight,
+        global: true,
+        created_by: None,
+        accesses: vec![0, 9],
+        dies_after: None,
+    });
+    t.tensors.push(Tensor {
+        id: TensorId(1),
+        name: "act".into(),
+        bytes: gb,
+        kind: TensorKind::Activation,
+        global: false,
+        created_by: Some(4),
+        accesses: vec![4, 5],
+        dies_after: Some(5),
+    });
+    let mut hw = Hardware::paper();
+    hw.gpu_memory_bytes = 1_500_000_000;
+    let none = simulate(&t, &plan(&t, &hw, Policy::None).unwrap(), &hw, &SimOptions::default());
+    assert!(matches!(none.unwrap().outcome, Outcome::OutOfMemory { kernel: 4, .. }));
+    let p = plan(&t, &hw, Policy::Teraio).unwrap();
+    check_plan(&t, &p);
+    assert_eq!(p.instructions.len(), 2);
+    assert_eq!(p.instructions[0].issue_before_kernel, 1);
+    let r = check_report(&t, &hw, &p);
+    assert_eq!(r.outcome, Outcome::Completed);
+    assert!((r.percent_of_ideal - 100.0).abs() < 1e-6, "{}", r.percent_of_ideal);
+    let written = r.bytes_moved.iter().find(|b| b.resource == teraio_scheduler::Resource::SsdWrite);
+    assert_eq!(written.unwrap().bytes, gb);
+}
+
+fn preset_row(name: &str, policy: Policy) -> teraio_scheduler::SimReport {
+    let trace = generate(&ModelConfig::preset(name).unwrap()).unwrap();
+    let hw = Hardware::paper();
+    let p = plan(&trace, &hw, policy).unwrap();
+    check_plan(&trace, &p);
+    check_report(&trace, &hw, &p)
+}
+
+/// Golden: the paper's 8B cases on the paper's hardware.
+#[test]
+fn golden_llama3_8b_and_granite_8b() {
+    for name in ["llama3-8b", "granite-8b"] {
+        let none = preset_row(name, Policy::None);
+        assert!(matches!(none.outcome, Outcome::OutOfMemory { .. }), "{name}: none must not fit");
+        let t = preset_row(name, Policy::Teraio);
+        assert_eq!(t.outcome, Outcome::Completed, "{name}");
+        assert!(t.percent_of_ideal >= 90.0, "{name}: teraio {:.1}%", t.percent_of_ideal);
+        let lru = preset_row(name, Policy::Lru);
+        assert!(t.percent_of_ideal > lru.percent_of_ideal, "{name}: teraio must beat lru");
+    }
+}
+
+/// Golden: the 70B case completes within memory with teraio.
+#[test]
+fn golden_llama3_70b() {
+    let t = preset_row("llama3-70b", Policy::Teraio);
+    assert_eq!(t.outcome, Outcome::Completed);
+    assert!(t.percent_of_ideal >= 80.0, "teraio {:.1}%", t.percent_of_ideal);
+}
+
+/// The laptop replay preset against the dev hardware: teraio completes within memory.
+#[test]
+fn replay_preset_on_dev_hardware() {
+    let trace = generate(&ModelConfig::preset("gpt2-replay").unwrap()).unwrap();
+    let hw = Hardware::dev();
+    let p = plan(&trace, &hw, Policy::Teraio).unwrap();
+    check_plan(&trace, &p);
+    let r = check_report(&trace, &hw, &p);
+    assert_eq!(r.outcome, Outcome::Completed);
+    assert!(r.iteration_time_us > 5e6 && r.iteration_time_us < 30e6, "{}", r.iteration_time_us);
+}
+
+#[test]
+fn plan_json_round_trip_and_rejects_bad_plans() {
+    let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+    cfg.micro_batch = 2;
+    let trace = generate(&cfg).unwrap();
+    let mut hw = Hardware::paper();
+    hw.gpu_memory_bytes = 2_500_000_000;
+    let p = plan(&trace, &hw, Policy::Teraio).unwrap();
+    assert!(!p.instructions.is_empty());
+    let back = Plan::from_json(&p.to_json()).unwrap();
+    assert_eq!(back, p);
+    // Drop the first prefetch: the tensor is then accessed while offloaded.
+    let mut bad = p.clone();
+    let i = bad.instructions.iter().position(|i| i.op == Op::Prefetch).unwrap();
+    bad.instructions.remove(i);
+    let e = bad.validate(&trace).unwrap_err().to_string();
+    assert!(e.contains("invalid plan"), "{e}");
+    assert!(simulate(&trace, &bad, &hw, &SimOptions::default()).is_err());
+}
