@@ -38,7 +38,7 @@ use crate::backend::sim::{SimBackend, SimDisk};
 use crate::backend::uring::{self, UringBackend};
 use crate::backend::{Backend, IoFailure, IoRequest, IoVec, OpKind};
 use crate::device::{self, DEFAULT_MAX_IO_BYTES, PROBE_BYTES};
-use crate::pool::IoBuf;
+use crate::pool::{IoBuf, Registration};
 use crate::{Error, Result};
 
 /// One device of an array.
@@ -111,6 +111,7 @@ impl ArrayConfig {
 
 #[derive(Debug)]
 struct Slot {
+    index: u32,
     name: String,
     path: PathBuf,
     capacity_bytes: u64,
@@ -174,6 +175,7 @@ impl DeviceArray {
                 d.peek(0, &mut head);
                 check_existing(config.existing, Path::new(&name), &head)?;
                 slots.push(Slot {
+                    index: slots.len() as u32,
                     path: PathBuf::from(&name),
                     name,
                     capacity_bytes: d.capacity_bytes(),
@@ -212,6 +214,7 @@ impl DeviceArray {
                 ids.push(id);
                 check_existing(config.existing, path, &device::read_head(path)?)?;
                 slots.push(Slot {
+                    index: slots.len() as u32,
                     name: path.display().to_string(),
                     path: path.clone(),
                     capacity_bytes: opened.capacity_bytes,
@@ -378,6 +381,7 @@ impl DeviceArray {
         }
         let mut buf = holder.take().expect("checked above");
         let base = buf.as_mut_ptr();
+        let registration = buf.registration();
         let state = TicketState::new(buf, segments.len());
         for (s, slot) in segments.iter().zip(planned) {
             let iovecs = s
@@ -389,7 +393,7 @@ impl DeviceArray {
                     len: p.len as usize,
                 })
                 .collect();
-            self.submit_one(kind, s.device, s.device_offset, iovecs, &state, slot);
+            self.submit_one(kind, s.device_offset, iovecs, &state, slot, registration);
         }
         Ok(IoTicket { state })
     }
@@ -397,12 +401,13 @@ impl DeviceArray {
     fn submit_one(
         &self,
         kind: OpKind,
-        device: u32,
         offset: u64,
         iovecs: Vec<IoVec>,
         state: &Arc<TicketState>,
         slot: Arc<Slot>,
+        registration: Option<Registration>,
     ) {
+        let device = slot.index;
         let st = Arc::clone(state);
         let completion = Box::new(move |r: Result<(), IoFailure>| {
             let err = r.err().map(|f| match f {
@@ -416,7 +421,9 @@ impl DeviceArray {
         // SAFETY: the iovecs point into the IoBuf owned by `state`, which the completion keeps
         // alive (Arc) until it has run; nobody touches the buffer until every completion ran
         // (IoTicket::wait hands it out only when `pending` reaches 0).
-        let req = unsafe { IoRequest::new(kind, device as usize, offset, iovecs, completion) };
+        let mut req = unsafe { IoRequest::new(kind, device as usize, offset, iovecs, completion) };
+        // SAFETY: the registration is the one of the mapping holding that same IoBuf.
+        unsafe { req.set_registration(registration) };
         self.backend.submit(req);
     }
 
@@ -472,6 +479,7 @@ impl DeviceArray {
         let slot = Arc::clone(self.check_extent(device, offset, buf.len() as u64)?);
         let max = self.max_io_bytes as usize;
         let base = buf.as_mut_ptr();
+        let registration = buf.registration();
         let len = buf.len();
         let chunks = len.div_ceil(max);
         let state = TicketState::new(buf, chunks);
@@ -480,7 +488,8 @@ impl DeviceArray {
             let n = max.min(len - start);
             // SAFETY: `start + n <= len <= capacity` of the buffer owned by `state`.
             let iov = vec![IoVec { ptr: unsafe { base.add(start) }, len: n }];
-            self.submit_one(kind, device, offset + start as u64, iov, &state, Arc::clone(&slot));
+            let slot = Arc::clone(&slot);
+            self.submit_one(kind, offset + start as u64, iov, &state, slot, registration);
         }
         Ok(IoTicket { state })
     }

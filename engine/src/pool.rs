@@ -68,9 +68,11 @@ struct Region {
     ptr: NonNull<u8>,
     /// Usable bytes from `ptr`.
     capacity: usize,
-    /// Start and length of the whole mapping (for munmap).
+    /// Start and length of the whole mapping (for munmap); 0 for a piece of a slab.
     map_ptr: *mut libc::c_void,
     map_len: usize,
+    /// The io_uring registration slot of the mapping this memory lies in.
+    reg: Option<Registration>,
 }
 
 // SAFETY: a Region is an exclusively owned anonymous mapping; moving it between threads is fine.
@@ -82,6 +84,59 @@ impl Region {
         // any more (the IoBuf using it was dropped, or it was never handed out).
         let rc = unsafe { libc::munmap(self.map_ptr, self.map_len) };
         debug_assert_eq!(rc, 0, "munmap of a pool region failed");
+        if let Some(r) = self.reg {
+            registry_release(r.index);
+        }
+    }
+}
+
+/// Registration slots shared by every pool: the size of each io_uring ring's sparse buffer
+/// table. Mappings beyond this many simply do not get registered (plain I/O is used).
+pub const REGISTRATION_SLOTS: u32 = 1024;
+
+/// Where a buffer's memory lies for io_uring buffer registration: slot `index` of every ring's
+/// buffer table describes `[base, base + len)` while `generation` matches. A slot is reused by
+/// a later mapping with a new generation; rings re-register on a mismatch, so a stale entry
+/// (whose pages the kernel keeps pinned until then) is never used for I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registration {
+    /// Slot in the rings' buffer tables.
+    pub index: u16,
+    /// Unique per mapping, never 0.
+    pub generation: u64,
+    /// Start of the mapping.
+    pub base: *mut u8,
+    /// Length of the mapping.
+    pub len: usize,
+}
+
+// SAFETY: plain data describing a mapping; it grants no access by itself.
+unsafe impl Send for Registration {}
+// SAFETY: as above.
+unsafe impl Sync for Registration {}
+
+struct Registry {
+    free: Vec<u16>,
+    next_generation: u64,
+}
+
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+fn registry_acquire(base: *mut u8, len: usize) -> Option<Registration> {
+    let mut g = REGISTRY.lock();
+    let r = g.get_or_insert_with(|| Registry {
+        free: (0..REGISTRATION_SLOTS as u16).rev().collect(),
+        next_generation: 1,
+    });
+    let index = r.free.pop()?;
+    let generation = r.next_generation;
+    r.next_generation += 1;
+    Some(Registration { index, generation, base, len })
+}
+
+fn registry_release(index: u16) {
+    if let Some(r) = REGISTRY.lock().as_mut() {
+        r.free.push(index);
     }
 }
 
@@ -262,9 +317,21 @@ impl BufferPool {
             // SAFETY: `i * capacity < HUGE_PAGE_BYTES`: inside the slab just mapped.
             let p = unsafe { region.ptr.as_ptr().add(i * capacity) };
             let ptr = NonNull::new(p).expect("inside a mapping");
-            free.push(Region { ptr, capacity, map_ptr: std::ptr::null_mut(), map_len: 0 });
+            free.push(Region {
+                ptr,
+                capacity,
+                map_ptr: std::ptr::null_mut(),
+                map_len: 0,
+                reg: region.reg,
+            });
         }
-        let first = Region { ptr: region.ptr, capacity, map_ptr: std::ptr::null_mut(), map_len: 0 };
+        let first = Region {
+            ptr: region.ptr,
+            capacity,
+            map_ptr: std::ptr::null_mut(),
+            map_len: 0,
+            reg: region.reg,
+        };
         st.slabs.push(region);
         Ok(IoBuf { pool: Arc::clone(self), region: Some(first), len })
     }
@@ -280,7 +347,8 @@ impl BufferPool {
             };
             if p != libc::MAP_FAILED {
                 let ptr = NonNull::new(p.cast::<u8>()).expect("mmap returned a non-null pointer");
-                return Ok(Region { ptr, capacity, map_ptr: p, map_len: capacity });
+                let reg = registry_acquire(ptr.as_ptr(), capacity);
+                return Ok(Region { ptr, capacity, map_ptr: p, map_len: capacity, reg });
             }
             // The reserve is used up: fall back to transparent huge pages for this region.
         }
@@ -303,7 +371,8 @@ impl BufferPool {
             unsafe { libc::madvise(start as *mut libc::c_void, capacity, libc::MADV_HUGEPAGE) };
         }
         let ptr = NonNull::new(start as *mut u8).expect("aligned address inside a mapping");
-        Ok(Region { ptr, capacity, map_ptr: p, map_len })
+        let reg = registry_acquire(ptr.as_ptr(), capacity);
+        Ok(Region { ptr, capacity, map_ptr: p, map_len, reg })
     }
 
     fn release(&self, region: Region) {
@@ -392,6 +461,12 @@ impl IoBuf {
         let cap = self.capacity();
         // SAFETY: the region is `cap` bytes of mapped, exclusively owned memory.
         unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), cap) }
+    }
+
+    /// The registration slot of the mapping holding this buffer (for io_uring fixed buffers),
+    /// if it got one.
+    pub fn registration(&self) -> Option<Registration> {
+        self.region().reg
     }
 
     /// The pool this buffer returns to.

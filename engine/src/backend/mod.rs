@@ -20,6 +20,8 @@ pub mod uring;
 
 use std::fmt;
 
+use crate::pool::Registration;
+
 /// Direction of a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OpKind {
@@ -82,6 +84,7 @@ pub struct IoRequest {
     offset: u64,
     iovecs: Vec<IoVec>,
     completion: Completion,
+    registration: Option<Registration>,
 }
 
 // SAFETY: the raw pointers name memory whose owner is kept alive by `completion` (contract of
@@ -114,7 +117,21 @@ impl IoRequest {
         iovecs: Vec<IoVec>,
         completion: Completion,
     ) -> Self {
-        Self { kind, device, offset, iovecs, completion }
+        Self { kind, device, offset, iovecs, completion, registration: None }
+    }
+
+    /// Name the registered mapping every iovec lies in (lets io_uring use fixed buffers).
+    ///
+    /// # Safety
+    /// Every iovec must lie inside `[registration.base, registration.base + registration.len)`,
+    /// a mapping that stays valid as long as the iovecs' memory (contract of [`Self::new`]).
+    pub unsafe fn set_registration(&mut self, registration: Option<Registration>) {
+        self.registration = registration;
+    }
+
+    /// The registered mapping the iovecs lie in, if known.
+    pub fn registration(&self) -> Option<Registration> {
+        self.registration
     }
 
     /// Direction.

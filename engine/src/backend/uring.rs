@@ -4,8 +4,12 @@
 //! its device, with the device's file registered (fixed file 0) and at most `queue_depth`
 //! requests in flight. Requests reach a thread through a channel; a thread that sleeps in
 //! `io_uring_enter` is woken by an eventfd whose read is kept armed in the ring, so new work is
-//! picked up without waiting for an I/O to finish. Multi-piece requests use `READV`/`WRITEV`,
-//! single-piece ones `READ`/`WRITE`; short transfers are resubmitted for the remainder.
+//! picked up without waiting for an I/O to finish. Multi-piece requests use `READV`/`WRITEV`;
+//! single-piece ones use `READ_FIXED`/`WRITE_FIXED` when their buffer comes from the
+//! [`BufferPool`](crate::pool::BufferPool) (each pool mapping is registered in the ring's
+//! sparse buffer table on first use; see [`Registration`](crate::pool::Registration)), else
+//! `READ`/`WRITE`. `TERAIO_FIXED_BUFFERS=0` turns fixed buffers off (for comparisons). Short
+//! transfers are resubmitted for the remainder.
 //!
 //! Memory safety: a request's context (its [`IoRequest`], which owns the buffer through its
 //! completion) stays in the thread's slot table until its completion entry arrives; a thread
@@ -23,6 +27,7 @@ use io_uring::{IoUring, opcode, squeue, types};
 
 use super::psync::fdatasync;
 use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, advance_iovecs, bad_device};
+use crate::pool::REGISTRATION_SLOTS;
 
 /// Largest iovec count one READV/WRITEV takes (Linux IOV_MAX).
 const IOV_MAX: usize = 1024;
@@ -39,6 +44,8 @@ pub fn probe() -> io::Result<()> {
 struct WorkerShared {
     eventfd: OwnedFd,
     sleeping: AtomicBool,
+    /// Submissions that used a registered (fixed) buffer.
+    fixed_ops: std::sync::atomic::AtomicU64,
 }
 
 impl WorkerShared {
@@ -102,16 +109,25 @@ impl UringBackend {
                 }
                 // SAFETY: `efd` is a fresh descriptor nobody else owns.
                 let eventfd = unsafe { OwnedFd::from_raw_fd(efd) };
-                let shared = Arc::new(WorkerShared { eventfd, sleeping: AtomicBool::new(false) });
+                let shared = Arc::new(WorkerShared {
+                    eventfd,
+                    sleeping: AtomicBool::new(false),
+                    fixed_ops: Default::default(),
+                });
                 let ring = IoUring::builder().build(queue_depth + 1)?;
                 ring.submitter().register_files(&[file.as_raw_fd()])?;
+                // Fixed buffers: a sparse table filled lazily with the pool's mappings. Without
+                // it (old kernel, or TERAIO_FIXED_BUFFERS=0) plain READ/WRITE are used.
+                let fixed = std::env::var("TERAIO_FIXED_BUFFERS").map_or(true, |v| v != "0")
+                    && ring.submitter().register_buffers_sparse(REGISTRATION_SLOTS).is_ok();
                 let (tx, rx) = crossbeam_channel::unbounded::<IoRequest>();
                 let thread_shared = Arc::clone(&shared);
                 let file = Arc::clone(file);
                 let join = std::thread::Builder::new()
                     .name(format!("teraio-uring-{d}.{t}"))
                     .spawn(move || {
-                        let mut w = RingThread::new(ring, rx, thread_shared, queue_depth as usize);
+                        let mut w =
+                            RingThread::new(ring, rx, thread_shared, queue_depth as usize, fixed);
                         w.run();
                         drop(file);
                     })?;
@@ -121,6 +137,17 @@ impl UringBackend {
             backend.devices.push(DeviceWorkers { workers, next: AtomicUsize::new(0) });
         }
         Ok(backend)
+    }
+}
+
+impl UringBackend {
+    /// Submissions so far that used registered (fixed) buffers, over all rings.
+    pub fn fixed_buffer_ops(&self) -> u64 {
+        self.devices
+            .iter()
+            .flat_map(|d| d.workers.iter())
+            .map(|w| w.shared.fixed_ops.load(Ordering::Relaxed))
+            .sum()
     }
 }
 
@@ -204,6 +231,10 @@ struct RingThread {
     wake_buf: Box<u64>,
     wake_armed: bool,
     disconnected: bool,
+    /// Whether the ring has a sparse buffer table.
+    fixed: bool,
+    /// Generation registered in each slot of the buffer table (0: none).
+    registered: Vec<u64>,
 }
 
 impl RingThread {
@@ -212,6 +243,7 @@ impl RingThread {
         rx: Receiver<IoRequest>,
         shared: Arc<WorkerShared>,
         depth: usize,
+        fixed: bool,
     ) -> Self {
         Self {
             ring,
@@ -223,7 +255,38 @@ impl RingThread {
             wake_buf: Box::new(0),
             wake_armed: false,
             disconnected: false,
+            fixed,
+            registered: if fixed { vec![0; REGISTRATION_SLOTS as usize] } else { Vec::new() },
         }
+    }
+
+    /// The fixed-buffer slot to use for `piece` of slot `i`'s request, registering the
+    /// request's mapping in this ring first if needed.
+    fn fixed_slot(&mut self, i: usize, piece: IoVec) -> Option<u16> {
+        if !self.fixed {
+            return None;
+        }
+        let r = self.slots[i].as_ref()?.req.registration()?;
+        let (start, end) = (r.base as usize, r.base as usize + r.len);
+        if (piece.ptr as usize) < start || piece.ptr as usize + piece.len > end {
+            return None;
+        }
+        let idx = usize::from(r.index);
+        if self.registered.get(idx) != Some(&r.generation) {
+            let iov = libc::iovec { iov_base: r.base.cast(), iov_len: r.len };
+            // SAFETY: the mapping is valid now (the request's buffer lies in it and is kept
+            // alive); it is used for I/O only while the generation matches, i.e. while the
+            // pool has not unmapped it (the kernel pins the pages anyway).
+            let ok = unsafe {
+                self.ring.submitter().register_buffers_update(r.index.into(), &[iov], None)
+            };
+            if ok.is_err() {
+                return None;
+            }
+            *self.registered.get_mut(idx)? = r.generation;
+        }
+        self.shared.fixed_ops.fetch_add(1, Ordering::Relaxed);
+        Some(r.index)
     }
 
     fn push(&mut self, entry: squeue::Entry) {
@@ -257,15 +320,24 @@ impl RingThread {
 
     /// Queue the SQE for slot `i`'s remaining bytes.
     fn issue(&mut self, i: usize) {
+        let first = self.slots[i].as_ref().expect("issued slot is occupied").iov[0];
+        let single = self.slots[i].as_ref().is_some_and(|f| f.iov.len() == 1);
+        let buf_index = if single { self.fixed_slot(i, first) } else { None };
         let f = self.slots[i].as_mut().expect("issued slot is occupied");
         let off = f.req.offset() + f.done;
         let fixed = types::Fixed(0);
-        let entry = if f.iov.len() == 1 {
-            let v = f.iov[0];
+        let entry = if single {
+            let v = first;
             let len = v.len.min(u32::MAX as usize & !4095) as u32;
-            match f.req.kind() {
-                OpKind::Read => opcode::Read::new(fixed, v.ptr, len).offset(off).build(),
-                OpKind::Write => opcode::Write::new(fixed, v.ptr, len).offset(off).build(),
+            match (f.req.kind(), buf_index) {
+                (OpKind::Read, Some(b)) => {
+                    opcode::ReadFixed::new(fixed, v.ptr, len, b).offset(off).build()
+                }
+                (OpKind::Write, Some(b)) => {
+                    opcode::WriteFixed::new(fixed, v.ptr, len, b).offset(off).build()
+                }
+                (OpKind::Read, None) => opcode::Read::new(fixed, v.ptr, len).offset(off).build(),
+                (OpKind::Write, None) => opcode::Write::new(fixed, v.ptr, len).offset(off).build(),
             }
         } else {
             f.raw.clear();
@@ -391,6 +463,59 @@ impl RingThread {
             }
             for (ud, res) in batch {
                 self.on_completion(ud, res);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::pool::{BufferPool, IoBuf, PoolConfig};
+
+    fn submit(b: &UringBackend, kind: OpKind, offset: u64, mut buf: IoBuf) -> (IoBuf, bool) {
+        let (tx, rx) = mpsc::channel();
+        let iov = vec![IoVec { ptr: buf.as_mut_ptr(), len: buf.len() }];
+        let reg = buf.registration();
+        let holder = Mutex::new(Some(buf));
+        let done = Box::new(move |r: Result<(), IoFailure>| {
+            let buf = holder.lock().take().expect("completed once");
+            tx.send((buf, r.is_ok())).expect("receiver alive");
+        });
+        // SAFETY: the iovec points into `buf`, owned by the completion until it runs.
+        let mut req = unsafe { IoRequest::new(kind, 0, offset, iov, done) };
+        // SAFETY: the registration is the one of the mapping holding `buf`.
+        unsafe { req.set_registration(reg) };
+        b.submit(req);
+        rx.recv().expect("completion arrives")
+    }
+
+    use parking_lot::Mutex;
+
+    #[test]
+    fn pool_buffers_use_fixed_slots_and_survive_slot_reuse() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = crate::device::open_path(&dir.path().join("f"), 8 << 20).unwrap();
+        let b = UringBackend::new(vec![dev.fd], 4, 1).unwrap();
+        for round in 0..3u8 {
+            // A new pool each round: its mapping may reuse a slot index with a new generation.
+            let pool =
+                BufferPool::new(PoolConfig { capacity_bytes: 8 << 20, prefer_huge_pages: true })
+                    .unwrap();
+            let mut buf = pool.alloc(1 << 20).unwrap();
+            buf.fill(round + 1);
+            let before = b.fixed_buffer_ops();
+            let (buf, ok) = submit(&b, OpKind::Write, 0, buf);
+            assert!(ok);
+            let mut buf = buf;
+            buf.fill(0);
+            let (buf, ok) = submit(&b, OpKind::Read, 0, buf);
+            assert!(ok);
+            assert!(buf.iter().all(|&x| x == round + 1), "round {round}: data came back");
+            if std::env::var("TERAIO_FIXED_BUFFERS").as_deref() != Ok("0") {
+                assert_eq!(b.fixed_buffer_ops(), before + 2, "both requests used a fixed buffer");
             }
         }
     }
