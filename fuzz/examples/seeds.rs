@@ -41,13 +41,15 @@ fn write(target: &str, name: &str, bytes: &[u8]) {
 }
 
 fn main() {
-    let tensors = [tensor(1, 3 * MIB + 5, 3, MIB), tensor(2, 4096, 1, 0), tensor(9, 7 * MIB, 2, 4096)];
+    let tensors =
+        [tensor(1, 3 * MIB + 5, 3, MIB), tensor(2, 4096, 1, 0), tensor(9, 7 * MIB, 2, 4096)];
     for (i, t) in tensors.iter().enumerate() {
         write("tensor_record", &format!("seed-{i}"), &t.encode().expect("encode tensor"));
     }
-    for (i, (cap, block, unit)) in [(1 << 30, 512, 64 << 10), (64 * MIB, 4096, MIB), (1 << 40, 65536, 4 * MIB)]
-        .into_iter()
-        .enumerate()
+    for (i, (cap, block, unit)) in
+        [(1 << 30, 512, 64 << 10), (64 * MIB, 4096, MIB), (1 << 40, 65536, 4 * MIB)]
+            .into_iter()
+            .enumerate()
     {
         let layout = DeviceLayout::with_defaults(cap, block, unit).expect("layout");
         let sb = Superblock::new([i as u8 + 1; 16], i as u32, 3, unit, layout, 7, 1_700_000_000)

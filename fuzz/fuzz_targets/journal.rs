@@ -3,7 +3,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use teraio_layout::format::{JOURNAL_BATCH_HEADER_BYTES, JOURNAL_BATCH_MAGIC, decode_journal_batch, encode_journal_batch, scan_journal};
+use teraio_layout::format::{
+    JOURNAL_BATCH_HEADER_BYTES, JOURNAL_BATCH_MAGIC, decode_journal_batch, encode_journal_batch,
+    scan_journal,
+};
 
 #[path = "common.rs"]
 mod common;
