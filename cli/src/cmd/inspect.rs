@@ -1,12 +1,117 @@
-//! `teraio inspect` (being built).
+//! `teraio inspect`: print the superblock, the tensors and the free space of a teraio array,
+//! without writing a byte.
 
-use crate::{CliError, Result};
+use std::path::PathBuf;
+
+use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use teraio_engine::store::Persistence;
+
+use crate::Result;
 
 /// Options of `teraio inspect`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+#[command(
+    after_help = "Examples:\n  teraio inspect teraio-data/dev0 teraio-data/dev1 teraio-data/dev2 teraio-data/dev3\n  \
+teraio inspect --json /dev/nvme1n1 /dev/nvme2n1"
+)]
+pub struct Args {
+    /// The array's devices or files, in array order (as given when it was created).
+    #[arg(required = true, value_name = "DEVICE")]
+    pub devices: Vec<PathBuf>,
+    /// List every tensor (default: the first 20).
+    #[arg(long)]
+    pub all: bool,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[u]) }
+}
 
 /// Run `teraio inspect`.
-pub fn run(_args: Args) -> Result<()> {
-    Err(CliError::Usage("teraio inspect is not built yet".into()))
+pub fn run(args: Args) -> Result<()> {
+    for d in &args.devices {
+        if !d.exists() {
+            return Err(crate::CliError::Usage(format!("{}: no such file or device", d.display())));
+        }
+    }
+    let mut cfg = ArrayConfig::new(args.devices.iter().cloned().map(Target::Path).collect());
+    cfg.existing = ExistingData::AllowTeraio;
+    cfg.backend = BackendKind::Psync;
+    let array = DeviceArray::open(cfg)?;
+    let meta = Persistence::inspect(&array)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&meta)?);
+        return Ok(());
+    }
+    println!("array {}", meta.array_uuid);
+    println!(
+        "checkpoint generation {}, {} journal records after it ({} used; scan stopped: {})",
+        meta.checkpoint_generation,
+        meta.journal_records,
+        human(meta.journal_used_bytes),
+        meta.journal_stop
+    );
+    println!();
+    println!(
+        "{:>3}  {:<32} {:>10} {:>10} {:>10} {:>12} {:>8}",
+        "dev", "path", "capacity", "data", "used", "largest free", "free ext"
+    );
+    for d in &meta.devices {
+        println!(
+            "{:>3}  {:<32} {:>10} {:>10} {:>10} {:>12} {:>8}",
+            d.index,
+            d.name,
+            human(d.capacity_bytes),
+            human(d.data_bytes),
+            human(d.used_bytes),
+            human(d.largest_free_bytes),
+            d.free_extents
+        );
+        if let Some(note) = &d.superblock_note {
+            println!("     warning: {note}");
+        }
+    }
+    if let Some(d) = meta.devices.first() {
+        println!(
+            "block {} B, stripe unit {}, allocation unit {}",
+            d.block_bytes,
+            human(d.stripe_unit_bytes),
+            human(d.alloc_unit_bytes)
+        );
+    }
+    let total: u64 = meta.tensors.iter().map(|t| t.size_bytes).sum();
+    println!();
+    println!("{} tensors, {}", meta.tensors.len(), human(total));
+    if !meta.tensors.is_empty() {
+        println!(
+            "{:>10}  {:<32} {:>10} {:>6} {:>8} {:>9}",
+            "id", "name", "size", "lanes", "extents", "checksums"
+        );
+        let shown = if args.all { meta.tensors.len() } else { meta.tensors.len().min(20) };
+        for t in &meta.tensors[..shown] {
+            println!(
+                "{:>10}  {:<32} {:>10} {:>6} {:>8} {:>9}",
+                t.id,
+                t.name,
+                human(t.size_bytes),
+                t.lanes,
+                t.extents,
+                t.checksums
+            );
+        }
+        if shown < meta.tensors.len() {
+            println!("... {} more (--all lists them)", meta.tensors.len() - shown);
+        }
+    }
+    Ok(())
 }

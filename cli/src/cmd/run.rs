@@ -1,12 +1,471 @@
-//! `teraio run` (being built).
+//! `teraio run`: the main job. A training iteration that does not fit in (emulated) GPU memory,
+//! planned with the `teraio` policy and replayed in real time with real bytes moving to and from
+//! an SSD array, compared with the simulator's prediction and with ideal.
 
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use teraio_engine::migrate::Priority;
+use teraio_engine::pool::{BufferPool, PoolConfig};
+use teraio_engine::runtime::{ReplayConfig, ReplayReport, replay};
+use teraio_engine::store::{OffloadOptions, StoreConfig, TensorStore};
+use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
+use teraio_scheduler::{
+    Hardware, ModelConfig, Policy, SimOptions, SimReport, Trace, generate, plan, simulate,
+};
+
+use super::bench::{BackendArg, parse_size};
 use crate::{CliError, Result};
 
 /// Options of `teraio run`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+#[command(after_help = "\
+What it does:
+  1. builds the trace of one training iteration (a model preset, or --trace FILE),
+  2. opens the SSD array (4 files in ./teraio-data by default, or --device ...),
+  3. measures the array's write and read bandwidth through the tensor store,
+  4. plans offloads and prefetches with --policy for an emulated GPU memory smaller than
+     the iteration needs, and simulates the plan on the measured hardware,
+  5. replays the iteration in real time: kernels wait their duration, tensors are real
+     buffers, every planned migration runs on the real engine, every tensor that comes
+     back is verified; then prints real vs simulated vs ideal.
+
+Examples:
+  teraio run                                   # gpt2-replay, 60% of its peak memory
+  teraio run --gpu-memory 900M --time-scale 0.5
+  teraio run --device /dev/nvme1n1 --device /dev/nvme2n1 --force
+  teraio run --json > run.json --plot run.svg")]
+pub struct Args {
+    /// Model preset of the trace (see `teraio trace gen --help`).
+    #[arg(long, default_value = "gpt2-replay")]
+    pub model: String,
+    /// Replay this trace (JSON, docs/TRACE.md) instead of a preset.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Emulated GPU memory for the iteration's tensors (e.g. 1G). Default: 60% of the peak
+    /// the iteration needs with every tensor resident.
+    #[arg(long, value_parser = parse_size)]
+    pub gpu_memory: Option<u64>,
+    /// Host memory the planner may use as a second tier (0: SSD only).
+    #[arg(long, default_value = "0", value_parser = parse_size_or_zero)]
+    pub host_memory: u64,
+    /// Planning policy.
+    #[arg(long, default_value = "teraio")]
+    pub policy: String,
+    /// A file or raw block device of the array; repeat for several. Default: --files files
+    /// in --dir.
+    #[arg(long = "device", value_name = "PATH")]
+    pub devices: Vec<PathBuf>,
+    /// Folder of the default array files (`dev0`, `dev1`, ...), created if missing.
+    #[arg(long, default_value = "./teraio-data")]
+    pub dir: PathBuf,
+    /// Number of files in --dir.
+    #[arg(long, default_value_t = 4)]
+    pub files: u32,
+    /// Size of each file of the default array.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    pub file_size: u64,
+    /// I/O backend.
+    #[arg(long, value_enum, default_value = "uring")]
+    pub backend: BackendArg,
+    /// Multiply kernel durations (0.5: a twice faster GPU, so twice the bandwidth pressure).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Iterations replayed back to back; the last is reported.
+    #[arg(long, default_value_t = 2)]
+    pub iterations: usize,
+    /// Bytes written and read back to measure the array before planning.
+    #[arg(long, default_value = "512M", value_parser = parse_size)]
+    pub probe_size: u64,
+    /// Skip filling and verifying tensor contents (and the store's checksums).
+    #[arg(long)]
+    pub no_verify: bool,
+    /// Use targets that hold a filesystem, partition table or teraio array.
+    #[arg(long)]
+    pub force: bool,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+    /// Write an SVG: GPU memory over time (replayed, simulated, all resident) and capacity.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+fn parse_size_or_zero(s: &str) -> std::result::Result<u64, String> {
+    if s.trim() == "0" { Ok(0) } else { parse_size(s) }
+}
+
+fn gb(b: f64) -> String {
+    format!("{:.2} GB", b / 1e9)
+}
+
+fn gbps(b: f64) -> String {
+    format!("{:.2} GB/s", b / 1e9)
+}
+
+fn load_trace(args: &Args) -> Result<Trace> {
+    match &args.trace {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|source| CliError::File { path: path.clone(), source })?;
+            Ok(Trace::from_json(&text)?)
+        }
+        None => Ok(generate(&ModelConfig::preset(&args.model)?)?),
+    }
+}
+
+fn open_array(args: &Args) -> Result<(Arc<DeviceArray>, String)> {
+    let (targets, what) = if args.devices.is_empty() {
+        std::fs::create_dir_all(&args.dir)
+            .map_err(|source| CliError::File { path: args.dir.clone(), source })?;
+        let t: Vec<_> = (0..args.files).map(|i| args.dir.join(format!("dev{i}"))).collect();
+        (t, format!("{} files in {}", args.files, args.dir.display()))
+    } else {
+        (args.devices.clone(), format!("{} devices", args.devices.len()))
+    };
+    let mut cfg = ArrayConfig::new(targets.into_iter().map(Target::Path).collect());
+    cfg.file_size_bytes = if args.devices.is_empty() { args.file_size } else { 0 };
+    cfg.backend = match args.backend {
+        BackendArg::Uring => BackendKind::Uring,
+        BackendArg::Psync => BackendKind::Psync,
+    };
+    cfg.existing = if args.force { ExistingData::AllowAnything } else { ExistingData::Refuse };
+    let array = DeviceArray::open(cfg)?;
+    let what = format!("{what} ({})", array.backend_name());
+    Ok((array, what))
+}
+
+/// Write then read `total` bytes of 32 MiB tensors through the store; bytes/s each way.
+fn measure(store: &TensorStore, total: u64) -> Result<(f64, f64)> {
+    const TENSOR: u64 = 32 << 20;
+    let count = total.div_ceil(TENSOR).max(4);
+    let pool = BufferPool::new(PoolConfig {
+        capacity_bytes: (count + 1) * TENSOR,
+        ..PoolConfig::default()
+    })?;
+    let mut mems = Vec::new();
+    for i in 0..count {
+        let mut b = pool.alloc(TENSOR as usize)?;
+        b.fill(i as u8 ^ 0x5a);
+        mems.push(TensorMem::Host(b));
+    }
+    const BASE: u64 = u64::MAX - (1 << 20);
+    let start = Instant::now();
+    let handles = mems
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| store.offload(BASE + i as u64, m, OffloadOptions::default()))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    for h in handles {
+        h.wait()?;
+    }
+    let write = (count * TENSOR) as f64 / start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let handles = (0..count)
+        .map(|i| {
+            let dst = TensorMem::Host(pool.alloc(TENSOR as usize)?);
+            store.prefetch(BASE + i, dst, Priority::Normal)
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    for h in handles {
+        h.wait()?;
+    }
+    let read = (count * TENSOR) as f64 / start.elapsed().as_secs_f64();
+    for i in 0..count {
+        store.free(BASE + i)?.wait()?;
+    }
+    Ok((write, read))
+}
 
 /// Run `teraio run`.
-pub fn run(_args: Args) -> Result<()> {
-    Err(CliError::Usage("teraio run is not built yet".into()))
+pub fn run(args: Args) -> Result<()> {
+    if args.iterations == 0 {
+        return Err(CliError::Usage("--iterations must be at least 1".into()));
+    }
+    let mut trace = load_trace(&args)?;
+    if args.time_scale != 1.0 {
+        trace.scale_durations(args.time_scale)?;
+    }
+    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap_or(0);
+    let capacity = args.gpu_memory.unwrap_or(peak * 6 / 10);
+    let policy: Policy = args.policy.parse()?;
+    let say = |s: String| {
+        if !args.json {
+            eprintln!("{s}");
+        }
+    };
+    say(format!(
+        "teraio run: {} ({} kernels, {} tensors, {} peak with everything resident), emulated GPU memory {}",
+        trace.name,
+        trace.kernels.len(),
+        trace.tensors.len(),
+        gb(peak as f64),
+        gb(capacity as f64)
+    ));
+
+    let (array, array_what) = open_array(&args)?;
+    let host_tier: Option<Arc<dyn MemoryTier>> =
+        if args.host_memory > 0 { Some(HostTier::new("host", args.host_memory)?) } else { None };
+    let mut scfg = StoreConfig::new(array.clone());
+    scfg.host_tier = host_tier;
+    scfg.checksums = !args.no_verify;
+    let store = TensorStore::open(scfg)?;
+    say(format!("array: {array_what}; measuring it with {} ...", gb(args.probe_size as f64)));
+    let (write_bw, read_bw) = measure(&store, args.probe_size)?;
+    say(format!("array: write {}, read {}", gbps(write_bw), gbps(read_bw)));
+
+    let n = f64::from(array.device_count());
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = capacity;
+    hw.ssd_count = array.device_count();
+    hw.ssd_write_bytes_per_s = write_bw / n;
+    hw.ssd_read_bytes_per_s = read_bw / n;
+    // The emulated GPU memory is host memory: there is no PCIe hop and I/O goes to it directly.
+    hw.pcie_h2d_bytes_per_s = 50e9;
+    hw.pcie_d2h_bytes_per_s = 50e9;
+    hw.host_memory_bytes_per_s = 50e9;
+    hw.host_memory_cap_bytes = args.host_memory;
+    hw.gpudirect = true;
+
+    let started = Instant::now();
+    let p = plan(&trace, &hw, policy)?;
+    let plan_s = started.elapsed().as_secs_f64();
+    let sim = simulate(&trace, &p, &hw, &SimOptions { iterations: 2, record_timeline: true })?;
+    say(format!(
+        "plan: {} migrations by `{}` in {:.2} s; simulated iteration {:.2} s ({:.1}% of ideal)",
+        p.instructions.len(),
+        p.policy,
+        plan_s,
+        sim.iteration_time_us * 1e-6,
+        sim.percent_of_ideal
+    ));
+    if let teraio_scheduler::Outcome::OutOfMemory { kernel, needed_bytes, used_bytes, .. } =
+        sim.outcome
+    {
+        return Err(CliError::Usage(format!(
+            "the plan runs out of memory at kernel {kernel} ({needed_bytes} bytes needed, {used_bytes} in use): \
+             raise --gpu-memory or pick another --policy"
+        )));
+    }
+
+    // Emulated GPU memory: exact-byte accounting in the runtime, real buffers from a pool with
+    // room for rounding and for copies still being released.
+    let gpu = HostTier::new("emulated-gpu", capacity + capacity / 4 + (256 << 20))?;
+    let kernels = trace.kernels.len() as u64;
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::new(kernels * args.iterations as u64);
+        b.set_style(
+            ProgressStyle::with_template(
+                "{spinner} {msg} [{bar:40}] {pos}/{len} kernels {elapsed}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
+        );
+        b.enable_steady_tick(Duration::from_millis(120));
+        b
+    };
+    let cfg = ReplayConfig {
+        gpu_capacity_bytes: capacity,
+        time_scale: 1.0,
+        iterations: args.iterations,
+        verify: !args.no_verify,
+    };
+    let report = replay(&trace, &p, &store, gpu.as_ref(), &cfg, &mut |pr| {
+        bar.set_message(format!("iteration {}/{}", pr.iteration + 1, args.iterations));
+        bar.set_position((pr.iteration * pr.kernels + pr.kernel) as u64);
+    });
+    bar.finish_and_clear();
+    let report = report?;
+
+    if let Some(path) = &args.plot {
+        plot(path, &trace, &sim, &report, capacity)?;
+        say(format!("plot written to {}", path.display()));
+    }
+    let ideal_s = sim.ideal_time_us * 1e-6;
+    let sim_s = sim.iteration_time_us * 1e-6;
+    let real_s = report.iteration_time_s;
+    let sim_stall_s = sim.stall_us * 1e-6;
+    if args.json {
+        let out = json!({
+            "trace": trace.name,
+            "kernels": trace.kernels.len(),
+            "tensors": trace.tensors.len(),
+            "policy": p.policy,
+            "peak_resident_bytes": peak,
+            "gpu_capacity_bytes": capacity,
+            "array": {
+                "what": array_what,
+                "devices": array.device_count(),
+                "write_bytes_per_s": write_bw,
+                "read_bytes_per_s": read_bw,
+            },
+            "plan": { "migrations": p.instructions.len(), "plan_time_s": plan_s },
+            "ideal_time_s": ideal_s,
+            "simulated": {
+                "iteration_time_s": sim_s,
+                "stall_s": sim_stall_s,
+                "percent_of_ideal": sim.percent_of_ideal,
+                "peak_gpu_bytes": sim.peak_gpu_bytes,
+                "bytes_moved": sim.bytes_moved,
+            },
+            "replay": {
+                "iteration_time_s": real_s,
+                "iteration_times_s": report.iteration_times_s,
+                "stall_s": report.stall_s,
+                "overrun_s": report.overrun_s,
+                "percent_of_ideal": 100.0 * ideal_s / real_s,
+                "peak_gpu_bytes": report.peak_gpu_bytes,
+                "offloads": report.offloads,
+                "prefetches": report.prefetches,
+                "kept_copies": report.kept_copies,
+                "verified_tensors": report.verified_tensors,
+                "verified_bytes": report.verified_bytes,
+                "store": report.store,
+            },
+            "agreement": {
+                "iteration_time_ratio": real_s / sim_s,
+                "stall_difference_s": report.stall_s - sim_stall_s,
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    let st = &report.store;
+    println!();
+    println!("{:<24} {:>12} {:>12} {:>12}", "", "replayed", "simulated", "ideal");
+    println!("{:<24} {:>10.2} s {:>10.2} s {:>10.2} s", "iteration time", real_s, sim_s, ideal_s);
+    println!(
+        "{:<24} {:>11.1}% {:>11.1}% {:>11}",
+        "% of ideal",
+        100.0 * ideal_s / real_s,
+        sim.percent_of_ideal,
+        "100.0%"
+    );
+    println!("{:<24} {:>10.2} s {:>10.2} s {:>12}", "stall time", report.stall_s, sim_stall_s, "0");
+    println!(
+        "{:<24} {:>12} {:>12} {:>12}",
+        "peak GPU memory",
+        gb(report.peak_gpu_bytes as f64),
+        gb(sim.peak_gpu_bytes as f64),
+        gb(peak as f64)
+    );
+    println!("{:<24} {:>12}", "GPU memory capacity", gb(capacity as f64));
+    println!();
+    for (name, d) in [
+        ("offload  GPU -> SSD", &st.ssd_write),
+        ("prefetch SSD -> GPU", &st.ssd_read),
+        ("offload  GPU -> host", &st.host_write),
+        ("prefetch host -> GPU", &st.host_read),
+    ] {
+        if d.ops > 0 {
+            println!(
+                "{name:<24} {:>12} in {:>5} ops, {:>12} while busy",
+                gb(d.bytes as f64),
+                d.ops,
+                gbps(d.bandwidth_bytes_per_s())
+            );
+        }
+    }
+    println!(
+        "verified {} tensors ({}) after they came back; {} store checksum chunks; 0 mismatches",
+        report.verified_tensors,
+        gb(report.verified_bytes as f64),
+        st.chunks_verified
+    );
+    if report.overrun_s > 0.05 * real_s {
+        println!(
+            "note: the emulation itself ran {:.2} s over kernel durations (filling and verifying buffers on this CPU)",
+            report.overrun_s
+        );
+    }
+    println!(
+        "replay vs simulator: iteration time x{:.3}, stall {:+.2} s",
+        real_s / sim_s,
+        report.stall_s - sim_stall_s
+    );
+    Ok(())
+}
+
+fn plot(
+    path: &Path,
+    trace: &Trace,
+    sim: &SimReport,
+    report: &ReplayReport,
+    capacity: u64,
+) -> Result<()> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| CliError::Usage(format!("plot: {e}"));
+    let gib = 1024.0 * 1024.0 * 1024.0;
+    let real: Vec<(f64, f64)> =
+        report.memory_timeline.iter().map(|&(t, b)| (t, b as f64 / gib)).collect();
+    let simulated: Vec<(f64, f64)> = sim
+        .timeline
+        .as_ref()
+        .map(|tl| tl.memory.iter().map(|&(t, b)| (t * 1e-6, b as f64 / gib)).collect())
+        .unwrap_or_default();
+    let starts = trace.kernel_starts_us();
+    let resident = trace.resident_memory_per_kernel();
+    let all: Vec<(f64, f64)> = resident
+        .iter()
+        .enumerate()
+        .flat_map(|(k, &b)| {
+            [(starts[k] * 1e-6, b as f64 / gib), (starts[k + 1] * 1e-6, b as f64 / gib)]
+        })
+        .collect();
+    let t_end = real.last().map_or(0.0, |p| p.0).max(sim.iteration_time_us * 1e-6).max(1e-3);
+    let y_max = all.iter().chain(&real).map(|p| p.1).fold(capacity as f64 / gib, f64::max) * 1.1;
+    let root = SVGBackend::new(path, (1200, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("{}: GPU memory over one iteration", trace.name), ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..t_end, 0.0..y_max)
+        .map_err(|e| err(&e))?;
+    chart.configure_mesh().x_desc("time (s)").y_desc("GiB").draw().map_err(|e| err(&e))?;
+    let step = |v: &[(f64, f64)]| -> Vec<(f64, f64)> {
+        let mut out = Vec::with_capacity(v.len() * 2);
+        for w in v.windows(2) {
+            out.push(w[0]);
+            out.push((w[1].0, w[0].1));
+        }
+        out.extend(v.last());
+        out
+    };
+    chart
+        .draw_series(LineSeries::new(all, RGBColor(150, 150, 150)))
+        .map_err(|e| err(&e))?
+        .label("every tensor resident (no plan)")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], RGBColor(150, 150, 150)));
+    chart
+        .draw_series(LineSeries::new(step(&simulated), BLUE))
+        .map_err(|e| err(&e))?
+        .label("with plan, simulated")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLUE));
+    chart
+        .draw_series(LineSeries::new(step(&real), RED))
+        .map_err(|e| err(&e))?
+        .label("with plan, replayed on the engine")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], RED));
+    let cap = capacity as f64 / gib;
+    chart
+        .draw_series(LineSeries::new([(0.0, cap), (t_end, cap)], BLACK.stroke_width(2)))
+        .map_err(|e| err(&e))?
+        .label("emulated GPU capacity")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK));
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
 }
