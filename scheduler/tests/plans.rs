@@ -42,6 +42,7 @@ fn check_report(trace: &Trace, hw: &Hardware, p: &Plan) -> teraio_scheduler::Sim
     if !p.unlimited_memory {
         assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes, "{} over capacity", p.policy);
     }
+    assert!(!r.host_cap_exceeded, "{} over the host cap", p.policy);
     if r.outcome == Outcome::Completed {
         let ideal = trace.iteration_time_us();
         assert!(r.iteration_time_us >= ideal * (1.0 - 1e-9), "{} faster than ideal", p.policy);
@@ -95,7 +96,7 @@ fn arbitrary_trace() -> impl Strategy<Value = Trace> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
     #[test]
     fn every_policy_makes_valid_plans(trace in arbitrary_trace(), cap_frac in 0.3f64..1.2, ssds in 0u32..3, host_frac in 0.0f64..0.5) {
         trace.validate().unwrap();

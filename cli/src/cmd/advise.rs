@@ -44,7 +44,7 @@ pub fn run(args: Args) -> Result<()> {
     let advice: Advice = match args.what.as_str() {
         "ssds" => fewest_ssds(&trace, &hw, policy, args.target, args.max_ssds)?,
         "host" => {
-            if !(args.host_step_gb > 0.0) {
+            if args.host_step_gb.is_nan() || args.host_step_gb <= 0.0 {
                 return Err(CliError::Usage("--host-step-gb must be > 0".into()));
             }
             least_host_memory(

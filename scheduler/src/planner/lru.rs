@@ -18,6 +18,8 @@ struct Pass {
     last_use: Vec<usize>,
     lru: BTreeSet<(usize, u32)>,
     used: u64,
+    /// Host-tier bytes held (only when the tier is host).
+    host_used: u64,
 }
 
 pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
@@ -38,6 +40,7 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
         last_use: vec![0; trace.tensors.len()],
         lru: BTreeSet::new(),
         used: 0,
+        host_used: 0,
     };
     for t in trace.tensors.iter().filter(|t| t.global) {
         pass.used += t.bytes;
@@ -69,12 +72,17 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
                 // Keep tensors this kernel uses, and non-global ones with no access left
                 // (they are only waiting to be freed; an offload would never come back).
                 let done = !t.global && t.accesses.last().is_some_and(|&l| l < k);
-                if done || per_kernel[k].binary_search(&tid).is_ok() {
+                let no_room =
+                    tier == Tier::Host && pass.host_used + t.bytes > hw.host_memory_cap_bytes;
+                if done || no_room || per_kernel[k].binary_search(&tid).is_ok() {
                     skipped.push((lu, id));
                     continue;
                 }
                 pass.resident[tid.index()] = false;
-                pass.used -= trace.tensor(tid).bytes;
+                pass.used -= t.bytes;
+                if tier == Tier::Host {
+                    pass.host_used += t.bytes;
+                }
                 instructions.push(Instruction {
                     issue_before_kernel: k,
                     tensor: tid,
@@ -90,6 +98,11 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
                     op: Op::Prefetch,
                     urgent: true,
                 });
+            }
+            for &t in &need_fetch {
+                if tier == Tier::Host {
+                    pass.host_used -= trace.tensor(t).bytes;
+                }
             }
             for &t in need_fetch.iter().chain(created[k].iter()) {
                 if !pass.resident[t.index()] {

@@ -340,7 +340,9 @@ impl<'a> State<'a> {
         }
         if tier == Tier::Host && !self.retiming {
             let mut worst = i64::MIN;
-            for (l, r) in self.ranges(a + 1, b) {
+            // Held from offload issue until the prefetch completes, which may be after
+            // boundary `b` issues (while kernel `b` waits): count kernel `b` too.
+            for (l, r) in self.ranges(a + 1, b + 1) {
                 worst = worst.max(self.host.range_max(l, r));
             }
             if worst + iv.bytes as i64 > 0 {
@@ -420,7 +422,7 @@ impl<'a> State<'a> {
             self.mem.add(l, r, -(iv.bytes as i64));
         }
         if fit.tier == Tier::Host {
-            for (l, r) in self.ranges(iv.last_access + 1, iv.next_access) {
+            for (l, r) in self.ranges(iv.last_access + 1, iv.next_access + 1) {
                 self.host.add(l, r, iv.bytes as i64);
             }
         }

@@ -53,7 +53,7 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
         let mut tier = Tier::Ssd;
         if !state_like || !hw.has_ssd() {
             let ranges: Vec<(usize, usize)> =
-                if b <= n { vec![(a + 1, b)] } else { vec![(a + 1, n), (0, b - n)] };
+                if b < n { vec![(a + 1, b + 1)] } else { vec![(a + 1, n), (0, b + 1 - n)] };
             let worst = ranges.iter().map(|&(l, r)| host.range_max(l, r)).max().unwrap_or(i64::MIN);
             if worst + t.bytes as i64 <= 0 {
                 tier = Tier::Host;
