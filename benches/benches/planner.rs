@@ -1,6 +1,7 @@
 //! Plan time of the `teraio` policy (and the simulator) on the paper's presets.
 //!
 //! `cargo bench -p teraio-benches --bench planner`
+#![expect(missing_docs, reason = "criterion_group! generates an undocumented pub fn")]
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use teraio_scheduler::{Hardware, ModelConfig, Policy, SimOptions, generate, plan, simulate};
