@@ -75,19 +75,32 @@ fio_job() { # $1 rw  $2 bs  $3 engine  $4 iomem  $5 runtime(0 = size based)
     fio --output-format=json "$f"
 }
 
+# Other processes on the machine may take reserved huge pages: top the reserve up so that one
+# run's buffers (FILES * QD * BS, plus slack) are free before each run.
+ensure_free_hugepages() {
+    local want=$(( (FILES * QD * bs_bytes) / (2 * 1024 * 1024) + 32 ))
+    local free total
+    free=$(awk '/HugePages_Free/ {print $2}' /proc/meminfo)
+    if [ "$free" -lt "$want" ]; then
+        total=$(cat /proc/sys/vm/nr_hugepages)
+        echo $(( total + want - free )) > /proc/sys/vm/nr_hugepages
+    fi
+}
+
 run_one() { # $1 tool  $2 rw  $3 bs  $4 runtime  -> prints bw_bytes and iops of the main direction
+    ensure_free_hugepages
     local dirn=read
     case "$2" in write|randwrite) dirn=write ;; esac
     local json
     case "$1" in
-        fio-uring-huge)  json=$(fio_job "$2" "$3" io_uring shmhuge "$4") ;;
-        fio-libaio-huge) json=$(fio_job "$2" "$3" libaio shmhuge "$4") ;;
-        fio-uring)       json=$(fio_job "$2" "$3" io_uring malloc "$4") ;;
+        fio-uring-huge)  json=$(fio_job "$2" "$3" io_uring shmhuge "$4") || return 1 ;;
+        fio-libaio-huge) json=$(fio_job "$2" "$3" libaio shmhuge "$4") || return 1 ;;
+        fio-uring)       json=$(fio_job "$2" "$3" io_uring malloc "$4") || return 1 ;;
         teraio)
             local rt=()
             [ "$4" != 0 ] && rt=(--runtime "$4")
             json=$("$TERAIO" bench --dir "$DIR" --files "$FILES" --size "$SIZE" --bs "$3" \
-                --iodepth "$QD" --rw "$2" "${rt[@]}" --json) ;;
+                --iodepth "$QD" --rw "$2" "${rt[@]}" --json) || return 1 ;;
     esac
     echo "$json" | jq -r ".jobs[0].$dirn | \"\(.bw_bytes) \(.iops) \(.clat_ns.percentile[\"99.000000\"] // 0)\""
 }
@@ -102,7 +115,11 @@ for wl in $WORKLOADS; do
         order=("${tools[@]}")
         if [ $((r % 2)) = 0 ]; then order=(); for ((i=${#tools[@]}-1; i>=0; i--)); do order+=("${tools[$i]}"); done; fi
         for t in "${order[@]}"; do
-            read -r bw iops p99 < <(run_one "$t" "$wl" "$bs" "$rt")
+            if ! out=$(run_one "$t" "$wl" "$bs" "$rt") || [ -z "$out" ]; then
+                echo "$wl $t $r: run failed, left out" >&2
+                continue
+            fi
+            read -r bw iops p99 <<< "$out"
             echo "$wl $t $r $bw $iops $p99" | tee -a "$results" >&2
         done
     done

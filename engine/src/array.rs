@@ -588,12 +588,20 @@ impl IoTicket {
     /// first error (naming its device) if any request failed. The other devices' requests ran
     /// to completion regardless.
     pub fn wait(self) -> (IoBuf, Result<()>) {
+        let (buf, result, _) = self.wait_timed();
+        (buf, result)
+    }
+
+    /// [`wait`](Self::wait), also returning when the last request completed (for latency
+    /// measurements that do not wait in completion order).
+    pub fn wait_timed(self) -> (IoBuf, Result<()>, Instant) {
         let mut g = self.state.inner.lock();
         while g.pending > 0 {
             self.state.cv.wait(&mut g);
         }
         let buf = g.buf.take().expect("the buffer is handed out once, by wait(self)");
-        (buf, g.error.take().map_or(Ok(()), Err))
+        let at = g.completed_at.expect("set when pending reached 0");
+        (buf, g.error.take().map_or(Ok(()), Err), at)
     }
 
     /// Whether every request has completed.

@@ -237,20 +237,27 @@ fn drive(
             queue.push_back(InFlight { ticket, read, submitted: t0, slat });
             issued += 1;
         }
+        // Wait for the oldest request, then take every other finished one before refilling, so
+        // submissions go out in batches.
         let Some(f) = queue.pop_front() else { break };
-        let (buf, result) = f.ticket.wait();
-        result?;
-        let done = Instant::now();
-        let lat = done.saturating_duration_since(f.submitted);
-        let s = if f.read { &mut rd } else { &mut wr };
-        s.ios += 1;
-        s.bytes += job.bs;
-        let ns = |d: Duration| (d.as_nanos() as u64).max(1);
-        s.slat.saturating_record(ns(f.slat));
-        s.clat.saturating_record(ns(lat.saturating_sub(f.slat)));
-        s.lat.saturating_record(ns(lat));
-        progress.fetch_add(job.bs, Ordering::Relaxed);
-        free.push(buf);
+        let mut finished = vec![f];
+        while queue.front().is_some_and(|f| f.ticket.is_done()) {
+            finished.extend(queue.pop_front());
+        }
+        for f in finished {
+            let (buf, result, done) = f.ticket.wait_timed();
+            result?;
+            let lat = done.saturating_duration_since(f.submitted);
+            let s = if f.read { &mut rd } else { &mut wr };
+            s.ios += 1;
+            s.bytes += job.bs;
+            let ns = |d: Duration| (d.as_nanos() as u64).max(1);
+            s.slat.saturating_record(ns(f.slat));
+            s.clat.saturating_record(ns(lat.saturating_sub(f.slat)));
+            s.lat.saturating_record(ns(lat));
+            progress.fetch_add(job.bs, Ordering::Relaxed);
+            free.push(buf);
+        }
     }
     Ok((rd, wr, Instant::now()))
 }

@@ -114,7 +114,11 @@ impl UringBackend {
                     sleeping: AtomicBool::new(false),
                     fixed_ops: Default::default(),
                 });
-                let ring = IoUring::builder().build(queue_depth + 1)?;
+                // COOP_TASKRUN (5.19+): no interrupt of the I/O thread for each completion.
+                let ring = match IoUring::builder().setup_coop_taskrun().build(queue_depth + 1) {
+                    Ok(r) => r,
+                    Err(_) => IoUring::builder().build(queue_depth + 1)?,
+                };
                 ring.submitter().register_files(&[file.as_raw_fd()])?;
                 // Fixed buffers: a sparse table filled lazily with the pool's mappings. Without
                 // it (old kernel, or TERAIO_FIXED_BUFFERS=0) plain READ/WRITE are used.
@@ -209,6 +213,19 @@ impl Drop for Worker {
     }
 }
 
+/// Errors of io_uring_enter that only mean "try again".
+fn benign(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY | libc::EAGAIN))
+}
+
+/// io_uring_enter failed for a reason that cannot be retried (a bug: EBADF, EFAULT...). The
+/// kernel may still write into the buffers of requests in flight, so unwinding (which would
+/// free them) is not safe: stop the process with the reason.
+fn enter_failed(e: &io::Error) -> ! {
+    eprintln!("teraio: fatal: io_uring_enter failed with requests in flight: {e}");
+    std::process::abort()
+}
+
 /// A request in flight in a ring.
 struct InFlight {
     req: IoRequest,
@@ -299,9 +316,9 @@ impl RingThread {
             }
             // Submission queue full: hand what is queued to the kernel and retry.
             if let Err(e) = self.ring.submit()
-                && !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY))
+                && !benign(&e)
             {
-                panic!("io_uring_enter failed while flushing the submission queue: {e}");
+                enter_failed(&e);
             }
         }
     }
@@ -425,9 +442,10 @@ impl RingThread {
                 self.shared.sleeping.store(true, Ordering::SeqCst);
                 if !self.rx.is_empty() {
                     self.shared.sleeping.store(false, Ordering::SeqCst);
-                    if let Err(e) = self.ring.submit() {
-                        let benign = matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY));
-                        assert!(benign, "io_uring_enter failed: {e}");
+                    if let Err(e) = self.ring.submit()
+                        && !benign(&e)
+                    {
+                        enter_failed(&e);
                     }
                     self.reap();
                     continue;
@@ -435,8 +453,8 @@ impl RingThread {
             }
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY)) => {}
-                Err(e) => panic!("io_uring_enter failed: {e}"),
+                Err(e) if benign(&e) => {}
+                Err(e) => enter_failed(&e),
             }
             self.shared.sleeping.store(false, Ordering::SeqCst);
             self.reap();
@@ -447,8 +465,8 @@ impl RingThread {
             self.shared.wake();
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY)) => {}
-                Err(e) => panic!("io_uring_enter failed: {e}"),
+                Err(e) if benign(&e) => {}
+                Err(e) => enter_failed(&e),
             }
             self.reap();
         }
