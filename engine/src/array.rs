@@ -530,6 +530,7 @@ struct TicketInner {
     error: Option<Error>,
     failed_devices: Vec<u32>,
     completed_at: Option<Instant>,
+    signal: Option<Arc<CompletionSignal>>,
 }
 
 struct TicketState {
@@ -547,6 +548,7 @@ impl TicketState {
                 error: None,
                 failed_devices: Vec::new(),
                 completed_at: done.then(Instant::now),
+                signal: None,
             }),
             cv: Condvar::new(),
         })
@@ -565,8 +567,12 @@ impl TicketState {
         g.pending -= 1;
         if g.pending == 0 {
             g.completed_at = Some(Instant::now());
+            let signal = g.signal.take();
             drop(g);
             self.cv.notify_all();
+            if let Some(s) = signal {
+                s.notify();
+            }
         }
     }
 }
@@ -614,8 +620,54 @@ impl IoTicket {
         self.state.inner.lock().completed_at
     }
 
+    /// Have `signal` notified when the operation completes (at once if it already has). Lets one
+    /// thread wait for whichever of many tickets finishes first.
+    pub fn notify_on_completion(&self, signal: &Arc<CompletionSignal>) {
+        let mut g = self.state.inner.lock();
+        if g.pending == 0 {
+            drop(g);
+            signal.notify();
+        } else {
+            g.signal = Some(Arc::clone(signal));
+        }
+    }
+
     /// Devices whose requests failed so far, in order of failure.
     pub fn failed_devices(&self) -> Vec<u32> {
         self.state.inner.lock().failed_devices.clone()
+    }
+}
+
+/// A counter of completions that one thread can wait on, shared by many tickets (see
+/// [`IoTicket::notify_on_completion`]).
+#[derive(Debug, Default)]
+pub struct CompletionSignal {
+    count: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl CompletionSignal {
+    /// A signal with no completions yet.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn notify(&self) {
+        *self.count.lock() += 1;
+        self.cv.notify_all();
+    }
+
+    /// Completions signalled so far.
+    pub fn count(&self) -> u64 {
+        *self.count.lock()
+    }
+
+    /// Wait until more than `seen` completions were signalled; returns the new count.
+    pub fn wait_beyond(&self, seen: u64) -> u64 {
+        let mut g = self.count.lock();
+        while *g <= seen {
+            self.cv.wait(&mut g);
+        }
+        *g
     }
 }

@@ -249,3 +249,32 @@ fn dropping_the_array_with_io_in_flight_completes_it() {
         drop((sims, dir));
     }
 }
+
+#[test]
+fn completion_signal_counts_every_ticket() {
+    for kind in ALL {
+        let fx = open(kind, 2, 8 * MIB, 8);
+        let p = pool(16 * MIB);
+        let signal = teraio_engine::array::CompletionSignal::new();
+        let tickets: Vec<_> = (0..10u64)
+            .map(|i| {
+                let t = fx
+                    .array
+                    .write_at((i % 2) as u32, (i / 2) * 65536, p.alloc(65536).unwrap())
+                    .unwrap();
+                t.notify_on_completion(&signal);
+                t
+            })
+            .collect();
+        let mut seen = 0;
+        while seen < 10 {
+            seen = signal.wait_beyond(seen);
+        }
+        assert_eq!(signal.count(), 10, "{kind:?}: one signal per ticket");
+        assert!(tickets.iter().all(|t| t.is_done()));
+        // A ticket that already completed signals at once.
+        let t = tickets.into_iter().next().unwrap();
+        t.notify_on_completion(&signal);
+        assert_eq!(signal.count(), 11);
+    }
+}

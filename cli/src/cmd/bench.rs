@@ -17,7 +17,9 @@ use hdrhistogram::Histogram;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Map, Value, json};
-use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, IoTicket, Target};
+use teraio_engine::array::{
+    ArrayConfig, BackendKind, CompletionSignal, DeviceArray, ExistingData, IoTicket, Target,
+};
 use teraio_engine::pool::{BufferPool, IoBuf, PoolConfig};
 
 use crate::{CliError, Result};
@@ -205,6 +207,7 @@ fn drive(
     let mut free = bufs?;
     let deadline = job.runtime.map(|r| Instant::now() + r);
     let mut queue: VecDeque<InFlight> = VecDeque::with_capacity(job.iodepth as usize);
+    let signal = CompletionSignal::new();
     let mut issued = 0u64;
     let mut next_block = 0u64;
     loop {
@@ -234,15 +237,30 @@ fn drive(
                 array.write_at(job.device, block * job.bs, buf)?
             };
             let slat = t0.elapsed();
+            ticket.notify_on_completion(&signal);
             queue.push_back(InFlight { ticket, read, submitted: t0, slat });
             issued += 1;
         }
-        // Wait for the oldest request, then take every other finished one before refilling, so
-        // submissions go out in batches.
-        let Some(f) = queue.pop_front() else { break };
-        let mut finished = vec![f];
-        while queue.front().is_some_and(|f| f.ticket.is_done()) {
-            finished.extend(queue.pop_front());
+        // Take every finished request (in any order, so one slow request does not hold back
+        // the others' slots), waiting for the next completion when none has finished.
+        if queue.is_empty() {
+            break;
+        }
+        let mut finished = Vec::new();
+        loop {
+            let seen = signal.count();
+            let mut i = 0;
+            while i < queue.len() {
+                if queue[i].ticket.is_done() {
+                    finished.extend(queue.swap_remove_back(i));
+                } else {
+                    i += 1;
+                }
+            }
+            if !finished.is_empty() {
+                break;
+            }
+            signal.wait_beyond(seen);
         }
         for f in finished {
             let (buf, result, done) = f.ticket.wait_timed();
