@@ -92,9 +92,23 @@ pub struct ReplayReport {
     pub store: StoreStats,
 }
 
+/// Work the emulation owes a resident tensor, done inside the next kernel that uses it (so it
+/// costs kernel time, as the real kernel's reads and writes would, not stall time).
+///
+/// The work is done in steps while the main thread would otherwise sleep (during kernels), and
+/// whatever is left when a kernel needs the tensor is finished at that kernel's start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Check {
+    None,
+    /// Just created: the kernel writes it (fill with checkable data); bytes done so far.
+    Fill(u64),
+    /// Just came back: verify its bytes; bytes done so far.
+    Verify(u64),
+}
+
 enum State {
     Absent,
-    Resident(TensorMem),
+    Resident(TensorMem, Check),
     Offloading { handle: Handle<(OffloadOutcome, TensorMem)>, keep: bool },
     Offloaded,
     QueuedPrefetch,
@@ -112,39 +126,83 @@ fn word(t: usize, i: usize) -> u64 {
     ((t as u64) << 40) ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-fn fill(t: usize, mem: &mut TensorMem) -> Result<()> {
-    let len = mem.len() as usize;
-    let mut chunk = vec![0u8; len.min(4 << 20)];
-    let mut off = 0usize;
-    while off < len {
-        let n = (len - off).min(chunk.len());
-        for (k, w) in chunk[..n].chunks_mut(8).enumerate() {
-            let bytes = word(t, off / 8 + k).to_le_bytes();
-            w.copy_from_slice(&bytes[..w.len()]);
+/// Overwrite one word in every 512 bytes (the smallest block a device reads) so that bytes a
+/// prefetch failed to read cannot pass verification with stale content.
+fn poison(mem: &mut TensorMem) -> Result<()> {
+    const MARK: [u8; 8] = *b"poisoned";
+    let len = mem.len();
+    if let Some(h) = mem.host_mut() {
+        for c in h.chunks_mut(512) {
+            let n = c.len().min(8);
+            c[..n].copy_from_slice(&MARK[..n]);
         }
-        mem.copy_in(off as u64, &chunk[..n])?;
-        off += n;
+        return Ok(());
+    }
+    let mut off = 0;
+    while off < len {
+        let n = (len - off).min(8) as usize;
+        mem.copy_in(off, &MARK[..n])?;
+        off += 512;
     }
     Ok(())
 }
 
-fn verify(t: usize, name: &str, mem: &TensorMem) -> Result<()> {
-    let len = mem.len() as usize;
-    let mut chunk = vec![0u8; len.min(4 << 20)];
-    let mut off = 0usize;
-    while off < len {
-        let n = (len - off).min(chunk.len());
-        mem.copy_out(off as u64, &mut chunk[..n])?;
-        for (k, w) in chunk[..n].chunks(8).enumerate() {
-            let bytes = word(t, off / 8 + k).to_le_bytes();
-            if w != &bytes[..w.len()] {
-                return Err(Error::Corruption(format!(
-                    "tensor {t} ({name}) came back with wrong bytes near offset {}",
-                    off + k * 8
-                )));
-            }
+/// Bytes filled or verified per step of the emulation's background work.
+const CHECK_STEP_BYTES: u64 = 8 << 20;
+
+/// Fill bytes `[from, to)` of tensor `t` (offsets multiples of 8) with its checkable content.
+fn fill_range(t: usize, mem: &mut TensorMem, from: u64, to: u64) -> Result<()> {
+    let write = |bytes: &mut [u8], first_word: usize| {
+        let mut words = bytes.chunks_exact_mut(8);
+        for (k, w) in (&mut words).enumerate() {
+            w.copy_from_slice(&word(t, first_word + k).to_le_bytes());
         }
-        off += n;
+        let n = bytes.len() / 8;
+        let rest = &mut bytes[n * 8..];
+        let len = rest.len();
+        rest.copy_from_slice(&word(t, first_word + n).to_le_bytes()[..len]);
+    };
+    if let Some(host) = mem.host_mut() {
+        write(&mut host[from as usize..to as usize], from as usize / 8);
+        return Ok(());
+    }
+    let mut chunk = vec![0u8; (to - from) as usize];
+    write(&mut chunk, from as usize / 8);
+    mem.copy_in(from, &chunk)
+}
+
+/// Check bytes `[from, to)` of tensor `t` against its content.
+fn verify_range(t: usize, name: &str, mem: &TensorMem, from: u64, to: u64) -> Result<()> {
+    let owned;
+    let bytes = match mem.host() {
+        Some(h) => &h[from as usize..to as usize],
+        None => {
+            let mut v = vec![0u8; (to - from) as usize];
+            mem.copy_out(from, &mut v)?;
+            owned = v;
+            &owned[..]
+        }
+    };
+    let first = from as usize / 8;
+    let n = bytes.len() / 8;
+    // Compare word by word without branching per word; locate the first bad word only on a
+    // mismatch.
+    let mut bad = 0u64;
+    for (k, w) in bytes.chunks_exact(8).enumerate() {
+        bad |= u64::from_le_bytes(w.try_into().expect("8 bytes")) ^ word(t, first + k);
+    }
+    let tail = &bytes[n * 8..];
+    let tail_ok = tail == &word(t, first + n).to_le_bytes()[..tail.len()];
+    if bad != 0 || !tail_ok {
+        let at = bytes
+            .chunks(8)
+            .enumerate()
+            .find(|(k, w)| *w != &word(t, first + k).to_le_bytes()[..w.len()])
+            .map_or(0, |(k, _)| k * 8);
+        return Err(Error::Corruption(format!(
+            "tensor {t} ({name}) came back with wrong bytes near offset {}",
+            from as usize + at
+        )));
     }
     Ok(())
 }
@@ -157,6 +215,12 @@ struct Replayer<'a> {
     cfg: &'a ReplayConfig,
     states: Vec<State>,
     allocs: VecDeque<Alloc>,
+    /// Tensors owed a fill or verification, oldest first.
+    pending: VecDeque<usize>,
+    /// Each tensor keeps its own buffer between uses, so the emulation does not pay page
+    /// faults on fresh memory inside the timed iterations (the accounting of emulated GPU
+    /// memory is separate, in `used`).
+    spare: Vec<Option<TensorMem>>,
     used: u64,
     peak: u64,
     in_flight: usize,
@@ -181,7 +245,11 @@ impl<'a> Replayer<'a> {
         self.timeline.push((at, used));
     }
 
-    fn alloc_mem(&self, t: usize) -> Result<TensorMem> {
+    /// Memory for tensor `t`: its own buffer from earlier (already faulted in), else a new one.
+    fn alloc_mem(&mut self, t: usize) -> Result<TensorMem> {
+        if let Some(m) = self.spare[t].take() {
+            return Ok(m);
+        }
         self.gpu.alloc(self.bytes(t)).map_err(|e| match e {
             Error::NoSpace(why) => Error::NoSpace(format!(
                 "the emulated GPU memory's backing ran out for tensor {t} ({why}); \
@@ -210,21 +278,17 @@ impl<'a> Replayer<'a> {
                 State::Offloading { handle, keep } => {
                     let (_, mem) = handle.wait()?;
                     if keep {
-                        self.states[t] = State::Resident(mem);
+                        self.states[t] = State::Resident(mem, Check::None);
                     } else {
-                        drop(mem);
+                        self.spare[t] = Some(mem);
                         self.set_used(self.used - self.bytes(t));
                         self.states[t] = State::Offloaded;
                     }
                 }
                 State::Prefetching(h) => {
                     let mem = h.wait()?;
-                    if self.cfg.verify {
-                        verify(t, &self.trace.tensors[t].name, &mem)?;
-                        self.verified_tensors += 1;
-                        self.verified_bytes += mem.len();
-                    }
-                    self.states[t] = State::Resident(mem);
+                    self.states[t] = State::Resident(mem, Check::Verify(0));
+                    self.pending.push_back(t);
                 }
                 _ => unreachable!("checked above"),
             }
@@ -242,13 +306,14 @@ impl<'a> Replayer<'a> {
             changed = true;
             match a {
                 Alloc::Create(t) => {
-                    let mut mem = mem;
-                    if self.cfg.verify {
-                        fill(t, &mut mem)?;
-                    }
-                    self.states[t] = State::Resident(mem);
+                    self.states[t] = State::Resident(mem, Check::Fill(0));
+                    self.pending.push_back(t);
                 }
                 Alloc::Prefetch(t, priority) => {
+                    let mut mem = mem;
+                    if self.cfg.verify {
+                        poison(&mut mem)?;
+                    }
                     let h = self.store.prefetch(t as u64, mem, priority)?;
                     self.in_flight += 1;
                     self.states[t] = State::Prefetching(h);
@@ -267,7 +332,7 @@ impl<'a> Replayer<'a> {
             let priority = if ins.urgent { Priority::Urgent } else { Priority::Normal };
             match ins.op {
                 Op::Offload { dest } => {
-                    let State::Resident(mem) =
+                    let State::Resident(mem, _) =
                         std::mem::replace(&mut self.states[t], State::Absent)
                     else {
                         return Err(Error::InvalidArgument(format!(
@@ -310,6 +375,49 @@ impl<'a> Replayer<'a> {
         Ok(())
     }
 
+    /// Advance the fill or verification tensor `t` is owed by at most `budget` bytes (all of it
+    /// with `u64::MAX`). Returns whether nothing is left.
+    fn check(&mut self, t: usize, budget: u64) -> Result<bool> {
+        if !self.cfg.verify {
+            return Ok(true);
+        }
+        let name = &self.trace.tensors[t].name;
+        let State::Resident(mem, check) = &mut self.states[t] else { return Ok(true) };
+        let len = mem.len();
+        match *check {
+            Check::None => return Ok(true),
+            Check::Fill(done) => {
+                let to = done.saturating_add(budget).min(len);
+                fill_range(t, mem, done, to)?;
+                *check = if to == len { Check::None } else { Check::Fill(to) };
+            }
+            Check::Verify(done) => {
+                let to = done.saturating_add(budget).min(len);
+                verify_range(t, name, mem, done, to)?;
+                if to == len {
+                    *check = Check::None;
+                    self.verified_tensors += 1;
+                    self.verified_bytes += len;
+                } else {
+                    *check = Check::Verify(to);
+                }
+            }
+        }
+        Ok(matches!(self.states[t], State::Resident(_, Check::None)))
+    }
+
+    /// One step of pending fills and verifications; false when none is left.
+    fn background_step(&mut self) -> Result<bool> {
+        while let Some(&t) = self.pending.front() {
+            if self.check(t, CHECK_STEP_BYTES)? {
+                self.pending.pop_front();
+                continue;
+            }
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Wait until `ready` holds, processing events; error if nothing can make progress.
     fn wait_until(&mut self, kernel: usize, ready: impl Fn(&Self) -> bool) -> Result<()> {
         loop {
@@ -331,6 +439,12 @@ impl<'a> Replayer<'a> {
             std::thread::sleep(Duration::from_micros(50));
         }
     }
+}
+
+/// `TERAIO_DEBUG_STALLS=1` prints every stall longer than 20 ms.
+fn debug_stalls() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TERAIO_DEBUG_STALLS").is_some_and(|v| v != "0"))
 }
 
 /// Replay `trace` under `plan` on `store`, with tensors in `gpu` memory.
@@ -375,6 +489,8 @@ pub fn replay(
         cfg,
         states: (0..trace.tensors.len()).map(|_| State::Absent).collect(),
         allocs: VecDeque::new(),
+        pending: VecDeque::new(),
+        spare: (0..trace.tensors.len()).map(|_| None).collect(),
         used: 0,
         peak: 0,
         in_flight: 0,
@@ -386,21 +502,27 @@ pub fn replay(
         verified_tensors: 0,
         verified_bytes: 0,
     };
+    // Every tensor's buffer is allocated and faulted in before the clock starts.
+    for (i, t) in trace.tensors.iter().enumerate() {
+        if !t.global {
+            let mut mem = r.alloc_mem(i)?;
+            fill_range(i, &mut mem, 0, t.bytes)?;
+            r.spare[i] = Some(mem);
+        }
+    }
     // Steady state: every global tensor exists; those the plan starts offloaded are on their
     // tier.
     for (i, t) in trace.tensors.iter().enumerate() {
         if t.global {
-            let mut mem = r.alloc_mem(i)?;
-            if cfg.verify {
-                fill(i, &mut mem)?;
-            }
-            r.states[i] = State::Resident(mem);
+            let mem = r.alloc_mem(i)?;
+            r.states[i] = State::Resident(mem, Check::Fill(0));
+            r.check(i, u64::MAX)?;
         }
     }
     let mut setup = Vec::new();
     for p in &plan.initially_offloaded {
         let t = p.tensor.index();
-        let State::Resident(mem) = std::mem::replace(&mut r.states[t], State::Absent) else {
+        let State::Resident(mem, _) = std::mem::replace(&mut r.states[t], State::Absent) else {
             return Err(Error::InvalidArgument(format!(
                 "initially offloaded tensor {t} is not global"
             )));
@@ -421,7 +543,7 @@ pub fn replay(
         .tensors
         .iter()
         .enumerate()
-        .filter(|(i, _)| matches!(r.states[*i], State::Resident(_)))
+        .filter(|(i, _)| matches!(r.states[*i], State::Resident(..)))
         .map(|(_, t)| t.bytes)
         .sum();
     if resident > cfg.gpu_capacity_bytes {
@@ -454,12 +576,38 @@ pub fn replay(
             }
             let wait_start = Instant::now();
             r.wait_until(k, |r| {
-                creations[k].iter().all(|&t| matches!(r.states[t], State::Resident(_)))
-                    && accesses[k].iter().all(|t| matches!(r.states[t.index()], State::Resident(_)))
+                creations[k].iter().all(|&t| matches!(r.states[t], State::Resident(..)))
+                    && accesses[k]
+                        .iter()
+                        .all(|t| matches!(r.states[t.index()], State::Resident(..)))
             })?;
-            stall += wait_start.elapsed();
+            let waited = wait_start.elapsed();
+            stall += waited;
+            if debug_stalls() && waited > Duration::from_millis(20) {
+                eprintln!(
+                    "teraio: stall {:.1} ms before kernel {k} ({}) at {:.3} s; GPU {} of {} bytes in use, {} migrations in flight",
+                    waited.as_secs_f64() * 1e3,
+                    trace.kernels[k].name,
+                    r.iteration_start.elapsed().as_secs_f64(),
+                    r.used,
+                    cfg.gpu_capacity_bytes,
+                    r.in_flight
+                );
+            }
             // The kernel runs: its duration passes while migrations go on.
             let start = Instant::now();
+            for t in &accesses[k] {
+                let t0 = Instant::now();
+                r.check(t.index(), u64::MAX)?;
+                if debug_stalls() && t0.elapsed() > Duration::from_millis(20) {
+                    eprintln!(
+                        "teraio: kernel {k}: checking tensor {} ({} bytes) took {:.1} ms",
+                        t.index(),
+                        trace.tensors[t.index()].bytes,
+                        t0.elapsed().as_secs_f64() * 1e3
+                    );
+                }
+            }
             let deadline = start
                 + Duration::from_secs_f64(trace.kernels[k].duration_us * 1e-6 * cfg.time_scale);
             loop {
@@ -468,12 +616,25 @@ pub fn replay(
                 if now >= deadline {
                     break;
                 }
-                std::thread::sleep((deadline - now).min(Duration::from_micros(200)));
+                // Idle time: the emulation's own work (fills, verifications) goes here.
+                if !r.background_step()? {
+                    std::thread::sleep((deadline - now).min(Duration::from_micros(200)));
+                }
             }
-            overrun += start.elapsed().saturating_sub(deadline - start);
+            let over = start.elapsed().saturating_sub(deadline - start);
+            overrun += over;
+            if debug_stalls() && over > Duration::from_millis(20) {
+                eprintln!(
+                    "teraio: kernel {k} ({}) ran {:.1} ms over its {:.1} ms",
+                    trace.kernels[k].name,
+                    over.as_secs_f64() * 1e3,
+                    trace.kernels[k].duration_us * 1e-3 * cfg.time_scale
+                );
+            }
             for &t in &deaths[k] {
-                if let State::Resident(mem) = std::mem::replace(&mut r.states[t], State::Absent) {
-                    drop(mem);
+                if let State::Resident(mem, _) = std::mem::replace(&mut r.states[t], State::Absent)
+                {
+                    r.spare[t] = Some(mem);
                     r.set_used(r.used - trace.tensors[t].bytes);
                 } else {
                     return Err(Error::InvalidArgument(format!(

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use teraio_engine::array::{ArrayConfig, DeviceArray, Target};
 use teraio_engine::backend::sim::SimDisk;
+use teraio_engine::pool::BufferPool;
 use teraio_engine::runtime::{ReplayConfig, replay};
 use teraio_engine::store::{StoreConfig, TensorStore};
 use teraio_engine::tier::HostTier;
@@ -39,7 +40,9 @@ fn replay_executes_the_plan_and_verifies_every_tensor_that_comes_back() {
         DeviceArray::open(ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect()))
             .unwrap();
     let store = TensorStore::open(StoreConfig::new(array)).unwrap();
-    let gpu = HostTier::new("emulated-gpu", hw.gpu_memory_bytes * 2 + (64 << 20)).unwrap();
+    let backing: u64 =
+        trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
+    let gpu = HostTier::new("emulated-gpu", backing + (64 << 20)).unwrap();
     let cfg = ReplayConfig { gpu_capacity_bytes: hw.gpu_memory_bytes, ..ReplayConfig::default() };
     let mut calls = 0usize;
     let report = replay(&trace, &p, &store, gpu.as_ref(), &cfg, &mut |_| calls += 1).unwrap();

@@ -139,46 +139,79 @@ fn open_array(args: &Args) -> Result<(Arc<DeviceArray>, String)> {
     Ok((array, what))
 }
 
-/// Write then read `total` bytes of 32 MiB tensors through the store; bytes/s each way.
-fn measure(store: &TensorStore, total: u64) -> Result<(f64, f64)> {
+/// The array's bandwidth through the store, bytes/s: writing alone, reading alone, and the
+/// sum of both directions when they run at the same time (one disk serves both).
+struct Measured {
+    write: f64,
+    read: f64,
+    mixed: f64,
+}
+
+/// Write, read, then write and read at once `total` bytes of 32 MiB tensors through the store.
+fn measure(store: &TensorStore, total: u64) -> Result<Measured> {
     const TENSOR: u64 = 32 << 20;
+    const BASE: u64 = u64::MAX - (1 << 20);
     let count = total.div_ceil(TENSOR).max(4);
     let pool = BufferPool::new(PoolConfig {
-        capacity_bytes: (count + 1) * TENSOR,
+        capacity_bytes: (2 * count + 2) * TENSOR,
         ..PoolConfig::default()
     })?;
-    let mut mems = Vec::new();
-    for i in 0..count {
+    let mem = |i: u64| -> Result<TensorMem> {
         let mut b = pool.alloc(TENSOR as usize)?;
         b.fill(i as u8 ^ 0x5a);
-        mems.push(TensorMem::Host(b));
-    }
-    const BASE: u64 = u64::MAX - (1 << 20);
+        Ok(TensorMem::Host(b))
+    };
+    let offload_all = |first: u64, mems: Vec<TensorMem>| {
+        mems.into_iter()
+            .enumerate()
+            .map(|(i, m)| store.offload(first + i as u64, m, OffloadOptions::default()))
+            .collect::<std::result::Result<Vec<_>, _>>()
+    };
+    let prefetch_all = |first: u64| {
+        (0..count)
+            .map(|i| {
+                let dst = TensorMem::Host(pool.alloc(TENSOR as usize)?);
+                store.prefetch(first + i, dst, Priority::Normal)
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+    };
+    let bytes = (count * TENSOR) as f64;
+    // Writing alone.
+    let mems = (0..count).map(mem).collect::<Result<Vec<_>>>()?;
     let start = Instant::now();
-    let handles = mems
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| store.offload(BASE + i as u64, m, OffloadOptions::default()))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
-    for h in handles {
+    for h in offload_all(BASE, mems)? {
         h.wait()?;
     }
-    let write = (count * TENSOR) as f64 / start.elapsed().as_secs_f64();
+    let write = bytes / start.elapsed().as_secs_f64();
+    // Reading alone (a volatile store forgets what it hands back, so write again after).
     let start = Instant::now();
-    let handles = (0..count)
-        .map(|i| {
-            let dst = TensorMem::Host(pool.alloc(TENSOR as usize)?);
-            store.prefetch(BASE + i, dst, Priority::Normal)
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()?;
-    for h in handles {
+    let back: Vec<_> =
+        prefetch_all(BASE)?.into_iter().map(|h| h.wait()).collect::<std::result::Result<_, _>>()?;
+    let read = bytes / start.elapsed().as_secs_f64();
+    for h in offload_all(BASE, back)? {
         h.wait()?;
     }
-    let read = (count * TENSOR) as f64 / start.elapsed().as_secs_f64();
+    // Both at once: read the first set while writing a second one, issued interleaved.
+    let mems = (0..count).map(mem).collect::<Result<Vec<_>>>()?;
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for (i, m) in mems.into_iter().enumerate() {
+        let i = i as u64;
+        let w = store.offload(BASE - count + i, m, OffloadOptions::default())?;
+        let dst = TensorMem::Host(pool.alloc(TENSOR as usize)?);
+        let r = store.prefetch(BASE + i, dst, Priority::Normal)?;
+        handles.push((w, r));
+    }
+    for (w, r) in handles {
+        w.wait()?;
+        r.wait()?;
+    }
+    let mixed = 2.0 * bytes / start.elapsed().as_secs_f64();
     for i in 0..count {
+        store.free(BASE - count + i)?.wait()?;
         store.free(BASE + i)?.wait()?;
     }
-    Ok((write, read))
+    Ok(Measured { write, read, mixed })
 }
 
 /// Run `teraio run`.
@@ -215,8 +248,14 @@ pub fn run(args: Args) -> Result<()> {
     scfg.checksums = !args.no_verify;
     let store = TensorStore::open(scfg)?;
     say(format!("array: {array_what}; measuring it with {} ...", gb(args.probe_size as f64)));
-    let (write_bw, read_bw) = measure(&store, args.probe_size)?;
-    say(format!("array: write {}, read {}", gbps(write_bw), gbps(read_bw)));
+    let m = measure(&store, args.probe_size)?;
+    let (write_bw, read_bw) = (m.write, m.read);
+    say(format!(
+        "array: write {}, read {}, both at once {} in total",
+        gbps(m.write),
+        gbps(m.read),
+        gbps(m.mixed)
+    ));
 
     let n = f64::from(array.device_count());
     let mut hw = Hardware::dev();
@@ -224,12 +263,14 @@ pub fn run(args: Args) -> Result<()> {
     hw.ssd_count = array.device_count();
     hw.ssd_write_bytes_per_s = write_bw / n;
     hw.ssd_read_bytes_per_s = read_bw / n;
-    // The emulated GPU memory is host memory: there is no PCIe hop and I/O goes to it directly.
+    // The emulated GPU memory is host memory: there is no PCIe hop. Every SSD transfer moves
+    // through host memory (the model's non-GPUDirect path), and that shared resource is given
+    // the array's measured two-way bandwidth: reads and writes compete for one disk.
     hw.pcie_h2d_bytes_per_s = 50e9;
     hw.pcie_d2h_bytes_per_s = 50e9;
-    hw.host_memory_bytes_per_s = 50e9;
+    hw.host_memory_bytes_per_s = m.mixed;
     hw.host_memory_cap_bytes = args.host_memory;
-    hw.gpudirect = true;
+    hw.gpudirect = false;
 
     let started = Instant::now();
     let p = plan(&trace, &hw, policy)?;
@@ -252,9 +293,11 @@ pub fn run(args: Args) -> Result<()> {
         )));
     }
 
-    // Emulated GPU memory: exact-byte accounting in the runtime, real buffers from a pool with
-    // room for rounding and for copies still being released.
-    let gpu = HostTier::new("emulated-gpu", capacity + capacity / 4 + (256 << 20))?;
+    // Emulated GPU memory: exact-byte accounting in the runtime; real buffers from a pool big
+    // enough for every tensor to keep its own, faulted-in buffer (see `engine::runtime`).
+    let backing: u64 =
+        trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
+    let gpu = HostTier::new("emulated-gpu", backing + (64 << 20))?;
     let kernels = trace.kernels.len() as u64;
     let bar = if args.json {
         ProgressBar::hidden()
@@ -304,6 +347,7 @@ pub fn run(args: Args) -> Result<()> {
                 "devices": array.device_count(),
                 "write_bytes_per_s": write_bw,
                 "read_bytes_per_s": read_bw,
+                "mixed_bytes_per_s": m.mixed,
             },
             "plan": { "migrations": p.instructions.len(), "plan_time_s": plan_s },
             "ideal_time_s": ideal_s,
