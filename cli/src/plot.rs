@@ -133,7 +133,8 @@ pub fn memory_and_bandwidth(
         .draw()
         .map_err(plot_err)?;
 
-    let colors = [GREEN, MAGENTA, CYAN, RGBColor(230, 140, 0), RGBColor(90, 90, 90)];
+    let colors: [RGBColor; Resource::COUNT] =
+        [GREEN, MAGENTA, CYAN, RGBColor(230, 140, 0), RGBColor(90, 90, 90), RED];
     let series: Vec<(Resource, Vec<(f64, f64)>)> = Resource::ALL
         .iter()
         .map(|&res| {

@@ -19,21 +19,34 @@ pub enum Resource {
     PcieD2h,
     /// Host DRAM bandwidth (host-tier copies; SSD copies too when GPUDirect is off).
     HostMemory,
+    /// The SSD array, reads and writes together (sum over SSDs): real drives share one
+    /// budget between the two directions ([`Hardware::ssd_duplex_bytes_per_s`]). Every SSD
+    /// transfer uses it besides [`Resource::SsdRead`] or [`Resource::SsdWrite`].
+    SsdDuplex,
 }
 
 impl Resource {
-    /// All resources, in reporting order.
-    pub const ALL: [Resource; 5] = [
+    /// Number of resources.
+    pub const COUNT: usize = 6;
+
+    /// All resources, in reporting order (`ALL[r.index()] == r`).
+    pub const ALL: [Resource; Resource::COUNT] = [
         Resource::SsdRead,
         Resource::SsdWrite,
         Resource::PcieH2d,
         Resource::PcieD2h,
         Resource::HostMemory,
+        Resource::SsdDuplex,
     ];
 
     /// Index into [`Resource::ALL`].
     pub fn index(self) -> usize {
         self as usize
+    }
+
+    /// Whether this is one of the SSD array's resources (zero bandwidth without SSDs).
+    pub fn is_ssd(self) -> bool {
+        matches!(self, Resource::SsdRead | Resource::SsdWrite | Resource::SsdDuplex)
     }
 
     /// Short name.
@@ -44,6 +57,7 @@ impl Resource {
             Resource::PcieH2d => "pcie_h2d",
             Resource::PcieD2h => "pcie_d2h",
             Resource::HostMemory => "host_memory",
+            Resource::SsdDuplex => "ssd_duplex",
         }
     }
 }
@@ -82,6 +96,36 @@ pub struct Hardware {
     /// GPUDirect Storage: SSD transfers bypass host memory. Without it an SSD transfer also
     /// uses [`Resource::HostMemory`] (bounce buffer).
     pub gpudirect: bool,
+    /// Bandwidth of one SSD when reading and writing at once, bytes/s, reads and writes
+    /// together ([`Resource::SsdDuplex`]). `None` (the JSON default): no limit beyond the
+    /// separate read and write bandwidths, i.e. `read + write`. Flash drives and virtual disks
+    /// usually serve much less than `read + write` in total under a mixed load (this
+    /// repository's dev machine: about 1.8 GB/s either way alone, 1.0-1.5 GB/s in total mixed).
+    #[serde(default)]
+    pub ssd_duplex_bytes_per_s: Option<f64>,
+    /// Optimizer throughput of the host CPU share of this GPU, parameters per second of an
+    /// AdamW step (DeepSpeed CPU-Adam), used by policies that run the optimizer step on the
+    /// CPU (`zero-infinity`). The JSON default is [`DEFAULT_CPU_ADAM_PARAMS_PER_S`].
+    #[serde(default = "default_cpu_adam")]
+    pub cpu_adam_params_per_s: f64,
+}
+
+/// Default [`Hardware::cpu_adam_params_per_s`]: 4e9 parameters/s.
+///
+/// Source: the ZeRO-Offload paper (Ren et al., USENIX ATC'21), which measured its CPU-Adam
+/// on a two-socket Xeon Platinum 8168 host (48 cores, AVX-512) at about 0.22 s per 10^9
+/// parameters for a 1B-parameter step and about 2.4-2.6 s for 8-10B parameters, i.e. roughly
+/// 4e9 parameters/s (figures recalled from the paper's CPU-Adam latency table; DeepSpeed's
+/// tutorial states only "5X-7X faster than the standard PyTorch implementation"). The
+/// step is memory-bandwidth bound (about 28 bytes of DRAM traffic per fp32 parameter). We give
+/// the whole host's figure to one GPU, which favours ZeRO-Infinity on a machine whose GPUs
+/// step at the same time (data parallel) and disfavours it on newer hosts with more DRAM
+/// bandwidth; the paper's host CPU is not stated in our sources, so the measured figure is
+/// taken as is.
+pub const DEFAULT_CPU_ADAM_PARAMS_PER_S: f64 = 4e9;
+
+fn default_cpu_adam() -> f64 {
+    DEFAULT_CPU_ADAM_PARAMS_PER_S
 }
 
 impl Hardware {
@@ -100,6 +144,8 @@ impl Hardware {
             host_memory_cap_bytes: 128_000_000_000,
             host_memory_bytes_per_s: 100e9,
             gpudirect: true,
+            ssd_duplex_bytes_per_s: None,
+            cpu_adam_params_per_s: DEFAULT_CPU_ADAM_PARAMS_PER_S,
         }
     }
 
@@ -118,6 +164,8 @@ impl Hardware {
             host_memory_cap_bytes: 1 << 30,
             host_memory_bytes_per_s: 8e9,
             gpudirect: true,
+            ssd_duplex_bytes_per_s: None,
+            cpu_adam_params_per_s: DEFAULT_CPU_ADAM_PARAMS_PER_S,
         }
     }
 
@@ -140,14 +188,26 @@ impl Hardware {
             Resource::PcieH2d => self.pcie_h2d_bytes_per_s,
             Resource::PcieD2h => self.pcie_d2h_bytes_per_s,
             Resource::HostMemory => self.host_memory_bytes_per_s,
+            Resource::SsdDuplex => {
+                self.ssd_duplex_bytes_per_s
+                    .unwrap_or(self.ssd_read_bytes_per_s + self.ssd_write_bytes_per_s)
+                    * f64::from(self.ssd_count)
+            }
         }
     }
 
     /// Resources an offload to `tier` uses.
     pub fn offload_path(&self, tier: Tier) -> Vec<Resource> {
         match tier {
-            Tier::Ssd if self.gpudirect => vec![Resource::PcieD2h, Resource::SsdWrite],
-            Tier::Ssd => vec![Resource::PcieD2h, Resource::SsdWrite, Resource::HostMemory],
+            Tier::Ssd if self.gpudirect => {
+                vec![Resource::PcieD2h, Resource::SsdWrite, Resource::SsdDuplex]
+            }
+            Tier::Ssd => vec![
+                Resource::PcieD2h,
+                Resource::SsdWrite,
+                Resource::SsdDuplex,
+                Resource::HostMemory,
+            ],
             Tier::Host => vec![Resource::PcieD2h, Resource::HostMemory],
         }
     }
@@ -155,10 +215,28 @@ impl Hardware {
     /// Resources a prefetch from `tier` uses.
     pub fn prefetch_path(&self, tier: Tier) -> Vec<Resource> {
         match tier {
-            Tier::Ssd if self.gpudirect => vec![Resource::SsdRead, Resource::PcieH2d],
-            Tier::Ssd => vec![Resource::SsdRead, Resource::PcieH2d, Resource::HostMemory],
+            Tier::Ssd if self.gpudirect => {
+                vec![Resource::SsdRead, Resource::SsdDuplex, Resource::PcieH2d]
+            }
+            Tier::Ssd => vec![
+                Resource::SsdRead,
+                Resource::SsdDuplex,
+                Resource::PcieH2d,
+                Resource::HostMemory,
+            ],
             Tier::Host => vec![Resource::HostMemory, Resource::PcieH2d],
         }
+    }
+
+    /// Resources a host-side stream from the SSD array into host memory uses (the CPU
+    /// optimizer step of `zero-infinity` reading its states).
+    pub fn ssd_to_host_path(&self) -> Vec<Resource> {
+        vec![Resource::SsdRead, Resource::SsdDuplex, Resource::HostMemory]
+    }
+
+    /// Resources a host-side stream from host memory to the SSD array uses.
+    pub fn host_to_ssd_path(&self) -> Vec<Resource> {
+        vec![Resource::SsdWrite, Resource::SsdDuplex, Resource::HostMemory]
     }
 
     /// Nominal bandwidth of a path (its slowest resource), bytes/s.
@@ -175,6 +253,8 @@ impl Hardware {
             ("pcie_h2d_bytes_per_s", self.pcie_h2d_bytes_per_s),
             ("pcie_d2h_bytes_per_s", self.pcie_d2h_bytes_per_s),
             ("host_memory_bytes_per_s", self.host_memory_bytes_per_s),
+            ("ssd_duplex_bytes_per_s", self.ssd_duplex_bytes_per_s.unwrap_or(1.0)),
+            ("cpu_adam_params_per_s", self.cpu_adam_params_per_s),
         ];
         for (name, v) in checks {
             if !(v.is_finite() && v > 0.0) {

@@ -37,7 +37,7 @@ pub mod trace;
 pub use error::{Error, Result};
 pub use hardware::{Hardware, Resource, Tier};
 pub use model::{Dtype, Gpu, ModelConfig, generate};
-pub use plan::{InitialPlacement, Instruction, Op, Plan, PlanStats};
+pub use plan::{HostKernel, InitialPlacement, Instruction, Op, Plan, PlanStats};
 pub use planner::{Policy, plan};
 pub use sim::{Outcome, SimOptions, SimReport, simulate};
 pub use trace::{Kernel, Tensor, TensorId, TensorKind, Trace};

@@ -13,6 +13,11 @@
 //! - A kernel starts when the allocations of the tensors it creates are granted (queued
 //!   after the prefetches issued at its boundary) and every tensor it accesses is resident.
 //! - Urgent migrations take bandwidth before non-urgent ones.
+//! - A kernel listed in [`Plan::host_kernels`] runs on the host CPU instead of the GPU (the
+//!   `zero-infinity` baseline's optimizer step): every tensor it accesses must be offloaded
+//!   (the CPU works on the tier copy), it streams its SSD bytes through host memory while it
+//!   computes, and the GPU waits for it like for any kernel. A non-global tensor whose last
+//!   access is a host kernel may die offloaded (its tier copy is dropped at death).
 //! - Steady state: global tensors listed in [`Plan::initially_offloaded`] are on their tier,
 //!   not in GPU memory, when an iteration starts (they were offloaded at the end of the
 //!   previous iteration and are prefetched before their first access in this one); every
@@ -63,6 +68,19 @@ pub struct InitialPlacement {
     pub tier: Tier,
 }
 
+/// A kernel the plan runs on the host CPU instead of the GPU (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct HostKernel {
+    /// The kernel (index into the trace's kernels).
+    pub kernel: usize,
+    /// CPU compute time, microseconds (the kernel takes at least this long).
+    pub duration_us: f64,
+    /// Bytes it reads from the SSD array into host memory while it runs.
+    pub ssd_read_bytes: u64,
+    /// Bytes it writes from host memory to the SSD array while it runs.
+    pub ssd_write_bytes: u64,
+}
+
 /// Planner-side figures, for reporting.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PlanStats {
@@ -96,6 +114,10 @@ pub struct Plan {
     pub initially_offloaded: Vec<InitialPlacement>,
     /// Instructions, sorted by `issue_before_kernel`; order within a boundary is issue order.
     pub instructions: Vec<Instruction>,
+    /// Kernels run on the host CPU, sorted by kernel, each at most once (empty for every
+    /// policy but `zero-infinity`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_kernels: Vec<HostKernel>,
     /// Planner figures.
     #[serde(default)]
     pub stats: PlanStats,
@@ -111,6 +133,7 @@ impl Plan {
             unlimited_memory: false,
             initially_offloaded: Vec::new(),
             instructions: Vec::new(),
+            host_kernels: Vec::new(),
             stats: PlanStats {
                 peak_resident_bytes: trace
                     .resident_memory_per_kernel()
@@ -158,6 +181,20 @@ impl Plan {
                 return Err(Error::plan(path, format!("{} listed twice", p.tensor)));
             }
         }
+        let mut on_host = vec![false; n];
+        for (i, h) in self.host_kernels.iter().enumerate() {
+            let path = format!("host_kernels[{i}]");
+            if h.kernel >= n {
+                return Err(Error::plan(path, format!("no kernel {}", h.kernel)));
+            }
+            if i > 0 && h.kernel <= self.host_kernels[i - 1].kernel {
+                return Err(Error::plan(path, "host kernels not sorted and unique"));
+            }
+            if !(h.duration_us.is_finite() && h.duration_us >= 0.0) {
+                return Err(Error::plan(path, format!("duration_us {} invalid", h.duration_us)));
+            }
+            on_host[h.kernel] = true;
+        }
         // Per tensor: its instructions in plan order.
         let mut per: HashMap<TensorId, Vec<usize>> = HashMap::new();
         for (i, ins) in self.instructions.iter().enumerate() {
@@ -176,28 +213,38 @@ impl Plan {
             }
             per.entry(ins.tensor).or_default().push(i);
         }
-        for (&tid, list) in &per {
-            let t = trace.tensor(tid);
+        let none: Vec<usize> = Vec::new();
+        for t in &trace.tensors {
+            let tid = t.id;
+            let list = per.get(&tid).unwrap_or(&none);
             // State: None = resident, Some(tier) = offloaded (prefetch pending counts as resident
             // for the "accessed while offloaded" rule since the kernel waits for it).
             let mut state: Option<Tier> = initial.get(&tid).copied();
             let alive =
                 |b: usize| -> bool { t.global || (t.alloc_kernel() < b && b <= t.free_kernel(n)) };
+            // A GPU kernel needs the tensor resident, a host kernel needs it offloaded.
+            let check = |k: usize, state: Option<Tier>, path: &str| -> Result<()> {
+                match (on_host[k], state) {
+                    (false, Some(_)) => Err(Error::plan(
+                        path,
+                        format!(
+                            "{tid} accessed by kernel {k} while offloaded (no prefetch issued)"
+                        ),
+                    )),
+                    (true, None) => Err(Error::plan(
+                        path,
+                        format!("{tid} accessed by host kernel {k} while in GPU memory"),
+                    )),
+                    _ => Ok(()),
+                }
+            };
             let mut ai = 0; // next access index
             for &ii in list {
                 let ins = self.instructions[ii];
                 let path = format!("instructions[{ii}]");
                 // Accesses of kernels before this boundary happen first.
                 while ai < t.accesses.len() && t.accesses[ai] < ins.issue_before_kernel {
-                    if state.is_some() {
-                        return Err(Error::plan(
-                            path,
-                            format!(
-                                "{tid} accessed by kernel {} while offloaded (no prefetch issued)",
-                                t.accesses[ai]
-                            ),
-                        ));
-                    }
+                    check(t.accesses[ai], state, &path)?;
                     ai += 1;
                 }
                 match ins.op {
@@ -211,7 +258,9 @@ impl Plan {
                                 format!("{tid} offloaded outside its lifetime"),
                             ));
                         }
-                        if t.accesses.get(ai) == Some(&ins.issue_before_kernel) {
+                        if t.accesses.get(ai) == Some(&ins.issue_before_kernel)
+                            && !on_host[ins.issue_before_kernel]
+                        {
                             return Err(Error::plan(
                                 path,
                                 format!(
@@ -233,25 +282,16 @@ impl Plan {
                     }
                 }
             }
-            if state.is_some() && ai < t.accesses.len() {
-                return Err(Error::plan(
-                    "instructions",
-                    format!("{tid} accessed by kernel {} while offloaded", t.accesses[ai]),
-                ));
+            while ai < t.accesses.len() {
+                check(t.accesses[ai], state, "instructions")?;
+                ai += 1;
             }
-            if state != initial.get(&tid).copied() {
+            // A non-global tensor last used by a host kernel may die on its tier.
+            let dies_on_tier = !t.global && t.accesses.last().is_some_and(|&k| on_host[k]);
+            if state != initial.get(&tid).copied() && !(dies_on_tier && state.is_some()) {
                 return Err(Error::plan(
                     "initially_offloaded",
                     format!("{tid} ends the iteration in a different state than it began"),
-                ));
-            }
-        }
-        // Tensors with an initial placement but no instructions would never come back.
-        for tid in initial.keys() {
-            if !per.contains_key(tid) {
-                return Err(Error::plan(
-                    "initially_offloaded",
-                    format!("{tid} starts offloaded but is never prefetched"),
                 ));
             }
         }

@@ -11,6 +11,13 @@
 //! Bandwidth: every active migration uses the resources of its path
 //! ([`Hardware::offload_path`], [`Hardware::prefetch_path`]); rates are max-min fair
 //! (water-filling) among urgent migrations first, then among the rest with what is left.
+//! SSD reads and writes both draw on [`Resource::SsdDuplex`] besides their own direction, so
+//! a combined limit ([`Hardware::ssd_duplex_bytes_per_s`]) is shared fairly between them.
+//!
+//! Host kernels ([`crate::plan::HostKernel`]): the kernel starts once every tensor it accesses
+//! is offloaded (offload complete), runs its CPU time and, at the same time, its SSD-to-host
+//! and host-to-SSD streams as urgent transfers (perfect pipelining of read, compute and
+//! write); it ends when all three are done. The GPU runs nothing meanwhile.
 //!
 //! The run replays `iterations` back-to-back iterations (default 2) starting from the plan's
 //! steady state and reports the last one, so the offloads issued at the end of one iteration
@@ -21,7 +28,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::hardware::{Hardware, Resource, Tier};
-use crate::plan::{Op, Plan};
+use crate::plan::{HostKernel, Op, Plan};
 use crate::trace::{TensorId, Trace};
 use crate::{Error, Result};
 
@@ -76,7 +83,7 @@ pub struct Timeline {
     /// (time us, GPU bytes in use) at every change.
     pub memory: Vec<(f64, u64)>,
     /// (time us, bytes/s per resource in [`Resource::ALL`] order) at every rate change.
-    pub bandwidth: Vec<(f64, [f64; 5])>,
+    pub bandwidth: Vec<(f64, [f64; Resource::COUNT])>,
     /// Start time of every kernel, us.
     pub kernel_starts_us: Vec<f64>,
 }
@@ -98,6 +105,11 @@ pub struct SimReport {
     pub percent_of_ideal: f64,
     /// Time kernels waited (for tensors or memory) in the reported iteration, us.
     pub stall_us: f64,
+    /// Time host kernels ran (CPU compute and their SSD streams) in the reported iteration,
+    /// us; their GPU durations in the trace are not spent. Iteration time = ideal time - GPU
+    /// time of host kernels + `host_step_us` + `stall_us`.
+    #[serde(default)]
+    pub host_step_us: f64,
     /// Peak GPU bytes in use in the reported iteration.
     pub peak_gpu_bytes: u64,
     /// GPU capacity used (u64::MAX for unlimited).
@@ -138,12 +150,24 @@ enum Alloc {
 
 struct Transfer {
     tensor: TensorId,
+    /// A host kernel's SSD stream (no tensor state changes when it completes).
+    stream: bool,
     left: f64,
-    path: [bool; 5],
+    path: [bool; Resource::COUNT],
     urgent: bool,
     offload: Option<Tier>,
     source: Tier,
     rate: f64,
+}
+
+/// `100 * ideal / time`, rounded to 1e-9 and never above 100 (a time within rounding error of
+/// ideal reads 100, not 100.0000000004); 0 if the run did not complete.
+fn percent_of_ideal(done: bool, ideal_us: f64, time_us: f64) -> f64 {
+    if !done || time_us <= 0.0 {
+        return 0.0;
+    }
+    let p = 100.0 * ideal_us / time_us;
+    ((p * 1e9).round() / 1e9).min(100.0)
 }
 
 /// Replay `trace` under `plan` on `hw`.
@@ -179,11 +203,15 @@ struct Sim<'a> {
     peak: u64,
     peak_host: u64,
     host_exceeded: bool,
-    moved: [f64; 5],
+    moved: [f64; Resource::COUNT],
     migrations: u64,
     timeline: Option<Timeline>,
     iter_start: f64,
     urgent_prefetch: Vec<bool>,
+    /// Per kernel: its host-kernel entry, if the plan runs it on the CPU.
+    host_kernel: Vec<Option<HostKernel>>,
+    /// Host-kernel streams still in flight.
+    streams_left: usize,
 }
 
 impl<'a> Sim<'a> {
@@ -228,11 +256,19 @@ impl<'a> Sim<'a> {
             peak: 0,
             peak_host: 0,
             host_exceeded: false,
-            moved: [0.0; 5],
+            moved: [0.0; Resource::COUNT],
             migrations: 0,
             timeline: None,
             iter_start: 0.0,
             urgent_prefetch: vec![false; trace.tensors.len()],
+            host_kernel: {
+                let mut h = vec![None; n];
+                for hk in &plan.host_kernels {
+                    h[hk.kernel] = Some(*hk);
+                }
+                h
+            },
+            streams_left: 0,
         }
     }
 
@@ -267,13 +303,45 @@ impl<'a> Sim<'a> {
             Some(dest) => self.hw.offload_path(dest),
             None => self.hw.prefetch_path(source),
         };
-        let mut path = [false; 5];
+        let mut path = [false; Resource::COUNT];
         for r in path_list {
             path[r.index()] = true;
         }
         let left = self.trace.tensor(tensor).bytes as f64;
-        self.transfers.push(Transfer { tensor, left, path, urgent, offload, source, rate: 0.0 });
+        self.transfers.push(Transfer {
+            tensor,
+            stream: false,
+            left,
+            path,
+            urgent,
+            offload,
+            source,
+            rate: 0.0,
+        });
         self.rates_dirty = true;
+    }
+
+    /// Start a host kernel's stream of `bytes` over `path_list` (urgent: the GPU waits).
+    fn start_stream(&mut self, path_list: &[Resource], bytes: u64) -> bool {
+        if bytes == 0 {
+            return false;
+        }
+        let mut path = [false; Resource::COUNT];
+        for r in path_list {
+            path[r.index()] = true;
+        }
+        self.transfers.push(Transfer {
+            tensor: TensorId(0),
+            stream: true,
+            left: bytes as f64,
+            path,
+            urgent: true,
+            offload: None,
+            source: Tier::Host,
+            rate: 0.0,
+        });
+        self.rates_dirty = true;
+        true
     }
 
     fn issue(&mut self, boundary: usize) {
@@ -331,17 +399,13 @@ impl<'a> Sim<'a> {
     }
 
     fn recompute_rates(&mut self) {
-        let mut cap: [f64; 5] = Resource::ALL.map(|r| {
-            if matches!(r, Resource::SsdRead | Resource::SsdWrite) && !self.hw.has_ssd() {
-                0.0
-            } else {
-                self.hw.bandwidth(r)
-            }
-        });
+        let mut cap: [f64; Resource::COUNT] = Resource::ALL
+            .map(|r| if r.is_ssd() && !self.hw.has_ssd() { 0.0 } else { self.hw.bandwidth(r) });
         let mut frozen = vec![false; self.transfers.len()];
         for class in [true, false] {
-            for _round in 0..6 {
-                let mut count = [0usize; 5];
+            // Each round freezes every transfer on one resource: at most COUNT rounds.
+            for _round in 0..=Resource::COUNT {
+                let mut count = [0usize; Resource::COUNT];
                 for (i, tr) in self.transfers.iter().enumerate() {
                     if !frozen[i] && tr.urgent == class {
                         for (c, &on) in count.iter_mut().zip(&tr.path) {
@@ -350,7 +414,7 @@ impl<'a> Sim<'a> {
                     }
                 }
                 let mut best: Option<(usize, f64)> = None;
-                for r in 0..5 {
+                for r in 0..Resource::COUNT {
                     if count[r] > 0 {
                         let share = cap[r].max(0.0) / count[r] as f64;
                         if best.is_none_or(|(_, s)| share < s) {
@@ -376,7 +440,7 @@ impl<'a> Sim<'a> {
         if self.measuring
             && let Some(tl) = &mut self.timeline
         {
-            let mut total = [0.0; 5];
+            let mut total = [0.0; Resource::COUNT];
             for tr in &self.transfers {
                 for (r, tot) in total.iter_mut().enumerate() {
                     if tr.path[r] {
@@ -391,6 +455,10 @@ impl<'a> Sim<'a> {
     fn complete(&mut self, idx: usize) {
         let tr = self.transfers.swap_remove(idx);
         self.rates_dirty = true;
+        if tr.stream {
+            self.streams_left -= 1;
+            return;
+        }
         if self.measuring {
             self.migrations += 1;
         }
@@ -421,7 +489,7 @@ impl<'a> Sim<'a> {
     fn begin_measuring(&mut self) {
         self.measuring = true;
         self.iter_start = self.t;
-        self.moved = [0.0; 5];
+        self.moved = [0.0; Resource::COUNT];
         self.migrations = 0;
         self.peak = self.used;
         self.peak_host = self.host_used;
@@ -432,7 +500,13 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn report(&self, outcome: Outcome, iteration_time_us: f64, stall_us: f64) -> SimReport {
+    fn report(
+        &self,
+        outcome: Outcome,
+        iteration_time_us: f64,
+        stall_us: f64,
+        host_step_us: f64,
+    ) -> SimReport {
         let ideal = self.trace.iteration_time_us();
         let done = outcome == Outcome::Completed;
         SimReport {
@@ -441,12 +515,9 @@ impl<'a> Sim<'a> {
             outcome,
             iteration_time_us: if done { iteration_time_us } else { 0.0 },
             ideal_time_us: ideal,
-            percent_of_ideal: if done && iteration_time_us > 0.0 {
-                100.0 * ideal / iteration_time_us
-            } else {
-                0.0
-            },
+            percent_of_ideal: percent_of_ideal(done, ideal, iteration_time_us),
             stall_us,
+            host_step_us,
             peak_gpu_bytes: self.peak,
             gpu_capacity_bytes: self.cap,
             peak_host_bytes: self.peak_host,
@@ -502,9 +573,12 @@ impl<'a> Sim<'a> {
                 },
                 0.0,
                 0.0,
+                0.0,
             ));
         }
         let mut stall = 0.0;
+        let mut host_step = 0.0;
+        let mut started_at = 0.0;
         let mut iteration = 0;
         let mut k = 0;
         let mut running_until: Option<f64> = None;
@@ -533,10 +607,16 @@ impl<'a> Sim<'a> {
                     .filter(|t| self.state[t.index()] != TState::Resident)
                     .count();
             }
+            let host = self.host_kernel[k];
+            // A GPU kernel needs its tensors resident; a host kernel needs them on their tier.
+            let ready = |s: TState| match host {
+                None => s == TState::Resident,
+                Some(_) => matches!(s, TState::Offloaded(_)),
+            };
             if issued
                 && running_until.is_none()
                 && pending_creates == 0
-                && self.per_kernel[k].iter().all(|t| self.state[t.index()] == TState::Resident)
+                && self.per_kernel[k].iter().all(|t| ready(self.state[t.index()]))
             {
                 if self.measuring {
                     stall += self.t - ready_t;
@@ -544,13 +624,25 @@ impl<'a> Sim<'a> {
                         tl.kernel_starts_us.push(self.t - self.iter_start);
                     }
                 }
-                running_until = Some(self.t + self.trace.kernels[k].duration_us);
+                started_at = self.t;
+                running_until = Some(match host {
+                    None => self.t + self.trace.kernels[k].duration_us,
+                    Some(h) => {
+                        let (rd, wr) = (self.hw.ssd_to_host_path(), self.hw.host_to_ssd_path());
+                        self.streams_left = usize::from(self.start_stream(&rd, h.ssd_read_bytes))
+                            + usize::from(self.start_stream(&wr, h.ssd_write_bytes));
+                        self.t + h.duration_us
+                    }
+                });
             }
             if self.rates_dirty {
                 self.recompute_rates();
             }
             // Next event.
-            let mut dt = running_until.map_or(f64::INFINITY, |e| (e - self.t).max(0.0));
+            // A host kernel past its CPU time waits for its streams: no timer event then.
+            let mut dt = running_until
+                .filter(|&e| self.t < e - 1e-9)
+                .map_or(f64::INFINITY, |e| (e - self.t).max(0.0));
             let mut first: Option<usize> = None;
             for (i, tr) in self.transfers.iter().enumerate() {
                 if tr.rate > 0.0 {
@@ -574,6 +666,7 @@ impl<'a> Sim<'a> {
                         },
                         0.0,
                         stall,
+                        host_step,
                     ));
                 }
                 let missing: Vec<String> = self.per_kernel[k]
@@ -596,7 +689,7 @@ impl<'a> Sim<'a> {
                 let d = tr.rate * dt * 1e-6;
                 tr.left -= d;
                 if self.measuring {
-                    for r in 0..5 {
+                    for r in 0..Resource::COUNT {
                         if tr.path[r] {
                             self.moved[r] += d;
                         }
@@ -617,16 +710,30 @@ impl<'a> Sim<'a> {
             }
             if let Some(end) = running_until
                 && self.t >= end - 1e-9
+                && self.streams_left == 0
             {
                 self.t = self.t.max(end);
+                if self.measuring && host.is_some() {
+                    host_step += self.t - started_at;
+                }
                 running_until = None;
                 issued = false;
                 for i in 0..self.dying[k].len() {
                     let t = self.dying[k][i];
-                    if self.state[t.index()] == TState::Resident {
-                        self.state[t.index()] = TState::Absent;
-                        let b = self.trace.tensor(t).bytes;
-                        self.set_used(self.used - b);
+                    let b = self.trace.tensor(t).bytes;
+                    match self.state[t.index()] {
+                        TState::Resident => {
+                            self.state[t.index()] = TState::Absent;
+                            self.set_used(self.used - b);
+                        }
+                        // Last used by a host kernel: its tier copy is dropped.
+                        TState::Offloaded(tier) => {
+                            self.state[t.index()] = TState::Absent;
+                            if tier == Tier::Host {
+                                self.set_host(self.host_used - b);
+                            }
+                        }
+                        _ => {}
                     }
                 }
                 k += 1;
@@ -636,11 +743,12 @@ impl<'a> Sim<'a> {
                     k = 0;
                     if iteration == self.opts.iterations {
                         let time = self.t - self.iter_start;
-                        return Ok(self.report(Outcome::Completed, time, stall));
+                        return Ok(self.report(Outcome::Completed, time, stall, host_step));
                     }
                     if iteration + 1 == self.opts.iterations {
                         self.begin_measuring();
                         stall = 0.0;
+                        host_step = 0.0;
                     }
                 }
             }

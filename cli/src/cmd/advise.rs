@@ -3,7 +3,7 @@
 use teraio_scheduler::Policy;
 use teraio_scheduler::advise::{Advice, fewest_ssds, least_host_memory};
 
-use crate::cmd::plan::{HwArgs, gb};
+use crate::cmd::plan::{HwArgs, gb, outln};
 use crate::{CliError, Result};
 
 /// Options of `teraio advise`.
@@ -59,7 +59,7 @@ pub fn run(args: Args) -> Result<()> {
         w => return Err(CliError::Usage(format!("--what must be ssds or host, got {w:?}"))),
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&advice)?);
+        outln!("{}", serde_json::to_string_pretty(&advice)?);
         return Ok(());
     }
     for p in &advice.probes {
@@ -68,14 +68,17 @@ pub fn run(args: Args) -> Result<()> {
         } else {
             format!("{:.0} GB host", gb(p.value))
         };
-        println!("  {v:>14}: {:.1}% of ideal", p.percent_of_ideal);
+        outln!("  {v:>14}: {:.1}% of ideal", p.percent_of_ideal);
     }
     match (advice.value, &advice.report) {
-        (Some(v), Some(r)) if advice.resource == "ssd_count" => println!(
+        (Some(v), Some(r)) if advice.resource == "ssd_count" => outln!(
             "{}: {v} SSDs reach {:.1}% of ideal (target {:.1}%) with {}",
-            trace.name, r.percent_of_ideal, args.target, policy
+            trace.name,
+            r.percent_of_ideal,
+            args.target,
+            policy
         ),
-        (Some(v), Some(r)) => println!(
+        (Some(v), Some(r)) => outln!(
             "{}: {:.0} GB of host memory reach {:.1}% of ideal (target {:.1}%) with {}",
             trace.name,
             gb(v),
@@ -83,9 +86,11 @@ pub fn run(args: Args) -> Result<()> {
             args.target,
             policy
         ),
-        _ => println!(
+        _ => outln!(
             "{}: target {:.1}% not reached within the search range with {}",
-            trace.name, args.target, policy
+            trace.name,
+            args.target,
+            policy
         ),
     }
     Ok(())

@@ -3,7 +3,7 @@
 use teraio_scheduler::analysis::summarize;
 
 use crate::Result;
-use crate::cmd::plan::gb;
+use crate::cmd::plan::{gb, outln};
 
 /// Options of `teraio analyze`.
 #[derive(clap::Args, Debug)]
@@ -20,34 +20,34 @@ pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
     let s = summarize(&trace);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        outln!("{}", serde_json::to_string_pretty(&s)?);
         return Ok(());
     }
-    println!("trace {}: {} kernels, {} tensors", s.name, s.kernels, s.tensors);
-    println!("ideal iteration          {:.3} s", s.iteration_time_us / 1e6);
-    println!("tensor bytes             {:.2} GB", gb(s.total_tensor_bytes));
-    println!("peak if nothing moves    {:.2} GB", gb(s.peak_resident_bytes));
-    println!(
+    outln!("trace {}: {} kernels, {} tensors", s.name, s.kernels, s.tensors);
+    outln!("ideal iteration          {:.3} s", s.iteration_time_us / 1e6);
+    outln!("tensor bytes             {:.2} GB", gb(s.total_tensor_bytes));
+    outln!("peak if nothing moves    {:.2} GB", gb(s.peak_resident_bytes));
+    outln!(
         "active memory            {:.2}% on average (time-weighted), {:.2}% at most",
         100.0 * s.mean_active_fraction,
         100.0 * s.max_active_fraction
     );
-    println!(
+    outln!(
         "inactive intervals       {} ({:.1}% longer than 10 ms)",
         s.inactive_intervals,
         100.0 * s.inactive_over_10ms_fraction
     );
-    println!("\ninactive period      count        GB");
+    outln!("\ninactive period      count        GB");
     for b in &s.inactive_period_histogram {
-        println!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
+        outln!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
     }
-    println!("\ntensor size         count        GB");
+    outln!("\ntensor size         count        GB");
     for b in &s.tensor_size_histogram {
-        println!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
+        outln!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
     }
-    println!("\nkind                count        GB");
+    outln!("\nkind                count        GB");
     for k in &s.by_kind {
-        println!("  {:<14} {:>9} {:>9.2}", k.kind.as_str(), k.count, gb(k.bytes));
+        outln!("  {:<14} {:>9} {:>9.2}", k.kind.as_str(), k.count, gb(k.bytes));
     }
     Ok(())
 }

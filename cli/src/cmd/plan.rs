@@ -7,6 +7,32 @@ use teraio_scheduler::{Hardware, Op, Policy, plan};
 
 use crate::{CliError, Result};
 
+/// `println!` for command output: when standard output is a pipe whose reader has gone
+/// (`teraio ... | head`), exit quietly with status 0 (as ripgrep does) instead of panicking
+/// with "Broken pipe".
+macro_rules! outln {
+    () => {
+        $crate::cmd::plan::write_stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::cmd::plan::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use outln;
+
+/// Write to standard output; see [`outln`]. Any other write error ends the process with
+/// status 1 and the error on standard error.
+pub fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    if let Err(e) = std::io::stdout().lock().write_fmt(args) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing to standard output: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// Bytes as decimal gigabytes.
 pub fn gb(bytes: u64) -> f64 {
     bytes as f64 / 1e9
@@ -86,32 +112,35 @@ pub fn run(args: Args) -> Result<()> {
             .map_err(|source| CliError::File { path: out.clone(), source })?;
     }
     if args.json {
-        println!("{text}");
+        outln!("{text}");
         return Ok(());
     }
     let offloads = p.instructions.iter().filter(|i| matches!(i.op, Op::Offload { .. })).count();
     let urgent = p.instructions.iter().filter(|i| i.urgent).count();
-    println!(
+    outln!(
         "policy {} on {} ({} kernels, {} tensors)",
-        p.policy, trace.name, p.kernel_count, p.tensor_count
+        p.policy,
+        trace.name,
+        p.kernel_count,
+        p.tensor_count
     );
-    println!("plan time                {:.3} s", elapsed.as_secs_f64());
-    println!(
+    outln!("plan time                {:.3} s", elapsed.as_secs_f64());
+    outln!(
         "instructions             {} ({offloads} offloads, {urgent} urgent)",
         p.instructions.len()
     );
-    println!("initially offloaded      {}", p.initially_offloaded.len());
-    println!("peak if nothing moves    {:.2} GB", gb(p.stats.peak_resident_bytes));
-    println!(
+    outln!("initially offloaded      {}", p.initially_offloaded.len());
+    outln!("peak if nothing moves    {:.2} GB", gb(p.stats.peak_resident_bytes));
+    outln!(
         "planned peak             {:.2} GB (capacity {:.2} GB)",
         gb(p.stats.planned_peak_bytes),
         gb(hw.gpu_memory_bytes)
     );
-    println!(
+    outln!(
         "offloaded per iteration  {:.2} GB to SSD, {:.2} GB to host",
         gb(p.stats.ssd_offload_bytes),
         gb(p.stats.host_offload_bytes)
     );
-    println!("candidates / evaluations {} / {}", p.stats.candidates, p.stats.evaluations);
+    outln!("candidates / evaluations {} / {}", p.stats.candidates, p.stats.evaluations);
     Ok(())
 }

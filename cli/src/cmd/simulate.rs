@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use teraio_scheduler::{Outcome, Plan, Policy, Resource, SimOptions, SimReport, plan, simulate};
 
-use crate::cmd::plan::{HwArgs, gb};
+use crate::cmd::plan::{HwArgs, gb, outln};
 use crate::{CliError, Result};
 
 /// Options of `teraio simulate`.
@@ -46,7 +46,7 @@ fn moved(r: &SimReport, res: Resource) -> u64 {
 
 /// Print a comparison table.
 pub fn print_table(rows: &[Row]) {
-    println!(
+    outln!(
         "{:<14} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "policy",
         "iter s",
@@ -61,7 +61,7 @@ pub fn print_table(rows: &[Row]) {
     for row in rows {
         let r = &row.report;
         match &r.outcome {
-            Outcome::Completed => println!(
+            Outcome::Completed => outln!(
                 "{:<14} {:>10.3} {:>8.1} {:>9.3} {:>9.2} {:>9.1} {:>9.1} {:>9.1} {:>8.3}",
                 r.policy,
                 r.iteration_time_us / 1e6,
@@ -80,7 +80,7 @@ pub fn print_table(rows: &[Row]) {
                 used_bytes,
                 capacity_bytes,
             } => {
-                println!(
+                outln!(
                     "{:<14} out of memory at iteration {iteration}, kernel {kernel}: needs {:.2} GB, \
                      {:.2} of {:.2} GB in use",
                     r.policy,
@@ -130,13 +130,13 @@ pub fn run(args: Args) -> Result<()> {
     if args.json {
         let reports: Vec<&SimReport> = rows.iter().map(|r| &r.report).collect();
         if reports.len() == 1 {
-            println!("{}", serde_json::to_string_pretty(reports[0])?);
+            outln!("{}", serde_json::to_string_pretty(reports[0])?);
         } else {
-            println!("{}", serde_json::to_string_pretty(&reports)?);
+            outln!("{}", serde_json::to_string_pretty(&reports)?);
         }
         return Ok(());
     }
-    println!(
+    outln!(
         "{} on {:.0} GB GPU, {} SSDs x {:.1}/{:.1} GB/s, PCIe {:.0}/{:.0} GB/s, host tier {:.0} GB; \
          ideal iteration {:.3} s",
         trace.name,
@@ -149,6 +149,9 @@ pub fn run(args: Args) -> Result<()> {
         gb(hw.host_memory_cap_bytes),
         trace.iteration_time_us() / 1e6
     );
+    if let Some(d) = hw.ssd_duplex_bytes_per_s {
+        outln!("SSD reads and writes share {:.1} GB/s per SSD", d / 1e9);
+    }
     print_table(&rows);
     Ok(())
 }

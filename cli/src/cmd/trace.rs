@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use teraio_scheduler::{Dtype, Gpu, ModelConfig, Trace, generate};
 
+use crate::cmd::plan::outln;
 use crate::{CliError, Result};
 
 /// Subcommands of `teraio trace`.
@@ -147,7 +148,7 @@ pub fn write_out(path: Option<&std::path::Path>, text: &str) -> Result<()> {
             std::fs::write(p, text).map_err(|source| CliError::File { path: p.into(), source })
         }
         None => {
-            println!("{text}");
+            outln!("{text}");
             Ok(())
         }
     }

@@ -3,7 +3,9 @@
 //! All bandwidth-aware policies (`teraio`, `g10`) share one planning state: the memory curve
 //! as an [`tree::ExcessTree`] over kernels (bytes above GPU capacity), a per-kernel-slot
 //! bandwidth budget for every [`Resource`] (bytes each slot can still carry, with skip lists
-//! over exhausted slots), and the host-tier occupancy as a second tree.
+//! over exhausted slots), and the host-tier occupancy as a second tree. SSD transfers draw on
+//! both their direction's budget and [`Resource::SsdDuplex`]'s, so reads and writes planned
+//! in the same slots share a combined SSD limit when the hardware has one.
 
 mod g10;
 mod lru;
@@ -15,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::analysis::{InactiveInterval, time_at};
 use crate::hardware::{Hardware, Resource, Tier};
-use crate::plan::{InitialPlacement, Instruction, Op, Plan, PlanStats};
+use crate::plan::{HostKernel, InitialPlacement, Instruction, Op, Plan, PlanStats};
 use crate::trace::{TensorId, Trace};
 use crate::{Error, Result};
 use tree::ExcessTree;
@@ -33,8 +35,11 @@ pub enum Policy {
     /// G10 (MICRO'23): static ranking by area (bytes x inactive time), per-slot bandwidth
     /// budgets, SSD only for intervals longer than 2 x (latency + size/bw) x 1.5.
     G10,
-    /// ZeRO-Infinity-like: parameters, gradients and optimizer states to NVMe, fetched one
-    /// layer ahead; activations saved for backward to host memory (SSD when host is full).
+    /// ZeRO-Infinity-like: parameters on NVMe, fetched one layer ahead and released after
+    /// use; gradients to host memory (NVMe when full); optimizer states always on NVMe and
+    /// the optimizer step on the CPU (CPU-Adam at [`Hardware::cpu_adam_params_per_s`],
+    /// streaming its states NVMe -> host -> NVMe) while the GPU waits; activations saved for
+    /// backward to host memory (NVMe when full).
     ZeroInfinity,
     /// On-demand swapping: when memory is full, evict the least recently used tensors;
     /// fetch them back when a kernel needs them.
@@ -177,7 +182,7 @@ pub(crate) struct State<'a> {
     pub mem: ExcessTree,
     pub host: ExcessTree,
     /// Remaining bytes per resource per slot (length n).
-    budget: [Vec<f64>; 5],
+    budget: [Vec<f64>; Resource::COUNT],
     /// Skip structure per resource over unrolled slots [0, 2n).
     skip: Vec<Skip>,
     pub chosen: Vec<(InactiveInterval, Fit)>,
@@ -202,14 +207,10 @@ impl<'a> State<'a> {
         let excess: Vec<i64> = resident.iter().map(|&m| m as i64 - cap).collect();
         let host_cap = hw.host_memory_cap_bytes.min(i64::MAX as u64 / 2) as i64;
         let budget = Resource::ALL.map(|r| {
-            let bw = if matches!(r, Resource::SsdRead | Resource::SsdWrite) && !hw.has_ssd() {
-                0.0
-            } else {
-                hw.bandwidth(r)
-            };
+            let bw = if r.is_ssd() && !hw.has_ssd() { 0.0 } else { hw.bandwidth(r) };
             dur.iter().map(|d| bw * d * 1e-6).collect::<Vec<f64>>()
         });
-        let mut skip: Vec<Skip> = (0..5).map(|_| Skip::new(2 * n)).collect();
+        let mut skip: Vec<Skip> = (0..Resource::COUNT).map(|_| Skip::new(2 * n)).collect();
         for (ri, b) in budget.iter().enumerate() {
             for (s, &v) in b.iter().enumerate() {
                 if v < EXHAUSTED_BYTES {
@@ -516,6 +517,7 @@ impl<'a> State<'a> {
             unlimited_memory: false,
             initially_offloaded: initial,
             instructions: keyed.into_iter().map(|(_, i)| i).collect(),
+            host_kernels: Vec::new(),
             stats: PlanStats {
                 peak_resident_bytes: self.peak_resident,
                 planned_peak_bytes: planned_peak,
@@ -528,35 +530,53 @@ impl<'a> State<'a> {
     }
 }
 
-/// Build a plan from explicit (tensor, offload boundary, prefetch boundary unrolled, tier)
-/// choices, for the non-bandwidth-aware policies. `prefetch_at` may exceed `n` (wrap).
+/// A migration chosen by a non-bandwidth-aware policy: offload `tensor` to `tier` at boundary
+/// `offload_at` and prefetch it at unrolled boundary `prefetch_at` (may exceed the kernel
+/// count: wraps into the next iteration), or never (`None`: it dies on its tier).
+pub(crate) struct Move {
+    pub tensor: TensorId,
+    pub offload_at: usize,
+    pub prefetch_at: Option<usize>,
+    pub tier: Tier,
+    pub urgent: bool,
+}
+
+/// Build a plan from explicit moves, global tensors that never enter GPU memory
+/// (`always_offloaded`) and host kernels, for the non-bandwidth-aware policies.
 pub(crate) fn plan_from_moves(
     trace: &Trace,
     policy: &str,
-    moves: &[(TensorId, usize, usize, Tier, bool)],
+    moves: &[Move],
+    always_offloaded: &[InitialPlacement],
+    host_kernels: Vec<HostKernel>,
     stats: PlanStats,
 ) -> Plan {
     let n = trace.kernel_count();
     let mut keyed = Vec::new();
-    let mut initial = Vec::new();
-    for (seq, &(tensor, off_at, pre_at, tier, urgent)) in moves.iter().enumerate() {
+    let mut initial = always_offloaded.to_vec();
+    for (seq, m) in moves.iter().enumerate() {
         keyed.push((
-            (off_at, 0u8, seq),
+            (m.offload_at, 0u8, seq),
             Instruction {
-                issue_before_kernel: off_at,
-                tensor,
-                op: Op::Offload { dest: tier },
-                urgent,
+                issue_before_kernel: m.offload_at,
+                tensor: m.tensor,
+                op: Op::Offload { dest: m.tier },
+                urgent: m.urgent,
             },
         ));
-        let mut p = pre_at;
+        let Some(mut p) = m.prefetch_at else { continue };
         if p > n {
             p -= n;
-            initial.push(InitialPlacement { tensor, tier });
+            initial.push(InitialPlacement { tensor: m.tensor, tier: m.tier });
         }
         keyed.push((
             (p, 1u8, seq),
-            Instruction { issue_before_kernel: p, tensor, op: Op::Prefetch, urgent },
+            Instruction {
+                issue_before_kernel: p,
+                tensor: m.tensor,
+                op: Op::Prefetch,
+                urgent: m.urgent,
+            },
         ));
     }
     keyed.sort_by_key(|(k, _)| *k);
@@ -568,6 +588,58 @@ pub(crate) fn plan_from_moves(
         unlimited_memory: false,
         initially_offloaded: initial,
         instructions: keyed.into_iter().map(|(_, i)| i).collect(),
+        host_kernels,
         stats,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::inactive_intervals;
+    use crate::trace::{Kernel, Tensor, TensorKind};
+
+    /// Six 1 s kernels; A (1 GB) used by kernels 0 and 5, B (1 GB) by kernel 3 only. One SSD
+    /// of 1 GB/s each way: A's offload fills slot 1's write budget and its prefetch slot 4's
+    /// read budget. B's offload (from slot 4) fits in slot 4 unless reads and writes share
+    /// 1 GB/s, in which case A's prefetch took it and B's offload moves to slot 5.
+    fn b_offload_end(duplex: Option<f64>) -> usize {
+        let mut t = Trace::new("budget");
+        for i in 0..6 {
+            t.kernels.push(Kernel { name: format!("k{i}"), duration_us: 1e6, layer: None });
+        }
+        for (i, acc) in [vec![0, 5], vec![3]].into_iter().enumerate() {
+            t.tensors.push(Tensor {
+                id: TensorId(i as u32),
+                name: format!("t{i}"),
+                bytes: 1_000_000_000,
+                kind: TensorKind::Weight,
+                global: true,
+                created_by: None,
+                accesses: acc,
+                dies_after: None,
+            });
+        }
+        let mut hw = Hardware::paper();
+        hw.gpu_memory_bytes = 1_000_000_000;
+        hw.ssd_count = 1;
+        hw.ssd_read_bytes_per_s = 1e9;
+        hw.ssd_write_bytes_per_s = 1e9;
+        hw.ssd_duplex_bytes_per_s = duplex;
+        let ivs = inactive_intervals(&t);
+        let a = *ivs.iter().find(|iv| iv.tensor == TensorId(0) && iv.next_access == 5).unwrap();
+        let b = *ivs.iter().find(|iv| iv.tensor == TensorId(1)).unwrap();
+        let mut st = State::new(&t, &hw);
+        let fa = st.fit(&a, Tier::Ssd).unwrap();
+        assert_eq!((fa.offload_end, fa.prefetch_start), (1, 4));
+        st.accept(a, fa);
+        st.fit(&b, Tier::Ssd).unwrap().offload_end
+    }
+
+    #[test]
+    fn combined_ssd_budget_is_shared_by_reads_and_writes() {
+        assert_eq!(b_offload_end(None), 4);
+        assert_eq!(b_offload_end(Some(2e9)), 4);
+        assert_eq!(b_offload_end(Some(1e9)), 5);
     }
 }

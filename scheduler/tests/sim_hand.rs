@@ -1,0 +1,251 @@
+//! Simulator cases computed by hand: the combined SSD read+write limit and host kernels.
+
+use teraio_scheduler::{
+    Hardware, HostKernel, InitialPlacement, Instruction, Kernel, ModelConfig, Op, Outcome, Plan,
+    Policy, Resource, SimOptions, Tensor, TensorId, TensorKind, Tier, Trace, generate, plan,
+    simulate,
+};
+
+const GB: u64 = 1_000_000_000;
+
+fn weight(id: u32, bytes: u64, kind: TensorKind, accesses: Vec<usize>) -> Tensor {
+    Tensor {
+        id: TensorId(id),
+        name: format!("t{id}"),
+        bytes,
+        kind,
+        global: true,
+        created_by: None,
+        accesses,
+        dies_after: None,
+    }
+}
+
+fn kernels(durations: &[f64]) -> Vec<Kernel> {
+    durations
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| Kernel { name: format!("k{i}"), duration_us: d, layer: None })
+        .collect()
+}
+
+/// One SSD of 2 GB/s read and 2 GB/s write, PCIe and memory far from limiting.
+fn one_ssd(duplex: Option<f64>) -> Hardware {
+    Hardware {
+        gpu_memory_bytes: 10 * GB,
+        ssd_count: 1,
+        ssd_read_bytes_per_s: 2e9,
+        ssd_write_bytes_per_s: 2e9,
+        ssd_latency_us: 0.0,
+        pcie_h2d_bytes_per_s: 50e9,
+        pcie_d2h_bytes_per_s: 50e9,
+        host_memory_cap_bytes: 0,
+        host_memory_bytes_per_s: 100e9,
+        gpudirect: true,
+        ssd_duplex_bytes_per_s: duplex,
+        cpu_adam_params_per_s: 1e9,
+    }
+}
+
+fn ins(at: usize, t: u32, op: Op, urgent: bool) -> Instruction {
+    Instruction { issue_before_kernel: at, tensor: TensorId(t), op, urgent }
+}
+
+/// Kernels 0..4 of 1000, 1, 1000, 1 us. A (1 GB) is used by kernel 0, B (1 GB) by kernel 2.
+/// At boundary 1, A is offloaded while B is prefetched: one write and one read of 1 GB at once;
+/// kernel 2 waits for B.
+fn overlap_case(urgent_prefetch: bool) -> (Trace, Plan) {
+    let mut t = Trace::new("overlap");
+    t.kernels = kernels(&[1000.0, 1.0, 1000.0, 1.0]);
+    t.tensors.push(weight(0, GB, TensorKind::Weight, vec![0]));
+    t.tensors.push(weight(1, GB, TensorKind::Weight, vec![2]));
+    let ssd = Op::Offload { dest: Tier::Ssd };
+    let p = Plan {
+        policy: "hand".into(),
+        kernel_count: 4,
+        tensor_count: 2,
+        unlimited_memory: false,
+        initially_offloaded: vec![InitialPlacement { tensor: TensorId(1), tier: Tier::Ssd }],
+        instructions: vec![
+            ins(1, 0, ssd, false),
+            ins(1, 1, Op::Prefetch, urgent_prefetch),
+            ins(3, 1, ssd, false),
+            ins(3, 0, Op::Prefetch, false),
+        ],
+        host_kernels: Vec::new(),
+        stats: Default::default(),
+    };
+    p.validate(&t).unwrap();
+    (t, p)
+}
+
+fn one_iteration(t: &Trace, p: &Plan, hw: &Hardware) -> teraio_scheduler::SimReport {
+    let opts = SimOptions { iterations: 1, record_timeline: true };
+    let r = simulate(t, p, hw, &opts).unwrap();
+    assert_eq!(r.outcome, Outcome::Completed);
+    r
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-6 * b.abs().max(1.0)
+}
+
+#[test]
+fn combined_ssd_limit_slows_overlapping_reads_and_writes() {
+    let (t, p) = overlap_case(false);
+    // Without a combined limit: read and write at 2 GB/s each; B arrives 0.5 s after
+    // boundary 1 (t = 1000 us), kernel 2 starts at 501 000 us, the iteration ends 1001 us later.
+    let free = one_iteration(&t, &p, &one_ssd(None));
+    assert!(close(free.iteration_time_us, 502_001.0), "{}", free.iteration_time_us);
+    assert!(close(free.stall_us, 499_999.0), "{}", free.stall_us);
+    // 3 GB/s in total: max-min fair, 1.5 GB/s each; B arrives after 1e9 / 1.5e9 s.
+    let shared = one_iteration(&t, &p, &one_ssd(Some(3e9)));
+    let arrive = 1000.0 + 1e6 / 1.5;
+    assert!(close(shared.iteration_time_us, arrive + 1001.0), "{}", shared.iteration_time_us);
+    assert!(close(shared.stall_us, arrive - 1001.0), "{}", shared.stall_us);
+    assert!(shared.iteration_time_us > free.iteration_time_us);
+    // The recorded rates never exceed the limit; while both run they split it evenly.
+    let tl = shared.timeline.unwrap();
+    let (rd, wr, dx) =
+        (Resource::SsdRead.index(), Resource::SsdWrite.index(), Resource::SsdDuplex.index());
+    for (_, v) in &tl.bandwidth {
+        assert!(v[rd] + v[wr] <= 3e9 * (1.0 + 1e-9), "{v:?}");
+        assert!(close(v[dx], v[rd] + v[wr]), "{v:?}");
+    }
+    assert!(tl.bandwidth.iter().any(|(_, v)| close(v[rd], 1.5e9) && close(v[wr], 1.5e9)));
+}
+
+#[test]
+fn urgent_prefetch_takes_the_combined_budget_first() {
+    // Urgent B reads at its full 2 GB/s; A's write gets the remaining 1 GB/s: kernel 2 waits
+    // exactly as long as without the limit.
+    let (t, p) = overlap_case(true);
+    let r = one_iteration(&t, &p, &one_ssd(Some(3e9)));
+    assert!(close(r.iteration_time_us, 502_001.0), "{}", r.iteration_time_us);
+    let tl = r.timeline.unwrap();
+    let (rd, wr) = (Resource::SsdRead.index(), Resource::SsdWrite.index());
+    assert!(tl.bandwidth.iter().any(|(_, v)| close(v[rd], 2e9) && close(v[wr], 1e9)));
+}
+
+#[test]
+fn json_without_the_new_fields_still_parses() {
+    let mut v = serde_json::to_value(Hardware::paper()).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("ssd_duplex_bytes_per_s");
+    o.remove("cpu_adam_params_per_s");
+    let hw: Hardware = serde_json::from_value(v).unwrap();
+    assert_eq!(hw, Hardware::paper());
+    let mut bad = Hardware::paper();
+    bad.ssd_duplex_bytes_per_s = Some(0.0);
+    assert!(bad.validate().unwrap_err().to_string().contains("ssd_duplex_bytes_per_s"));
+}
+
+/// Kernel 0 (GPU, 100 us) uses W (1 GB); kernel 1 runs on the host over W and S (a 2 GB
+/// optimizer state that never enters GPU memory), streaming 2 GB in and 2 GB out.
+fn host_case() -> (Trace, Plan) {
+    let mut t = Trace::new("host");
+    t.kernels = kernels(&[100.0, 50.0]);
+    t.tensors.push(weight(0, GB, TensorKind::Weight, vec![0, 1]));
+    t.tensors.push(weight(1, 2 * GB, TensorKind::OptimizerState, vec![1]));
+    let p = Plan {
+        policy: "hand".into(),
+        kernel_count: 2,
+        tensor_count: 2,
+        unlimited_memory: false,
+        initially_offloaded: vec![InitialPlacement { tensor: TensorId(1), tier: Tier::Ssd }],
+        instructions: vec![
+            ins(1, 0, Op::Offload { dest: Tier::Ssd }, false),
+            ins(2, 0, Op::Prefetch, false),
+        ],
+        host_kernels: vec![HostKernel {
+            kernel: 1,
+            duration_us: 100.0,
+            ssd_read_bytes: 2 * GB,
+            ssd_write_bytes: 2 * GB,
+        }],
+        stats: Default::default(),
+    };
+    p.validate(&t).unwrap();
+    (t, p)
+}
+
+#[test]
+fn host_kernel_waits_for_offload_and_its_streams() {
+    let (t, p) = host_case();
+    let mut hw = one_ssd(None);
+    hw.ssd_write_bytes_per_s = 1e9;
+    // W's offload at 1 GB/s: kernel 1 starts at 100 + 1e6 us; its streams take 1 s (read at
+    // 2 GB/s) and 2 s (write at 1 GB/s), longer than its 100 us of CPU time.
+    let r = one_iteration(&t, &p, &hw);
+    assert!(close(r.stall_us, 1e6), "{}", r.stall_us);
+    assert!(close(r.host_step_us, 2e6), "{}", r.host_step_us);
+    assert!(close(r.iteration_time_us, 100.0 + 1e6 + 2e6), "{}", r.iteration_time_us);
+    // Identity: ideal - GPU time of host kernels + host step + stall.
+    let ideal = t.iteration_time_us();
+    assert!(close(r.iteration_time_us, ideal - 50.0 + r.host_step_us + r.stall_us));
+    // With 1.5 GB/s in total the two 2 GB streams share it: 0.75 GB/s each, 2/0.75 s.
+    hw.ssd_duplex_bytes_per_s = Some(1.5e9);
+    let r = one_iteration(&t, &p, &hw);
+    assert!(close(r.host_step_us, 2e6 / 0.75), "{}", r.host_step_us);
+    // CPU-bound: 10 s of compute hides the streams.
+    let mut slow = p.clone();
+    slow.host_kernels[0].duration_us = 10e6;
+    let r = one_iteration(&t, &slow, &one_ssd(None));
+    assert!(close(r.host_step_us, 10e6), "{}", r.host_step_us);
+}
+
+#[test]
+fn host_kernel_rules_are_validated() {
+    let (t, p) = host_case();
+    // W resident while the host kernel runs.
+    let mut bad = p.clone();
+    bad.instructions.clear();
+    let e = bad.validate(&t).unwrap_err().to_string();
+    assert!(e.contains("host kernel 1 while in GPU memory"), "{e}");
+    // Without the host kernel, kernel 1 is a GPU kernel: W may not leave right before it.
+    let mut bad = p.clone();
+    bad.host_kernels.clear();
+    let e = bad.validate(&t).unwrap_err().to_string();
+    assert!(e.contains("offloaded right before kernel 1"), "{e}");
+    let mut bad = p;
+    bad.host_kernels[0].kernel = 2;
+    assert!(bad.validate(&t).unwrap_err().to_string().contains("no kernel 2"));
+}
+
+/// zero-infinity on a small model: every AdamW kernel runs on the CPU, for exactly its
+/// CPU-Adam time when the CPU is the bottleneck.
+#[test]
+fn zero_infinity_runs_the_optimizer_on_the_cpu() {
+    let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+    cfg.micro_batch = 2;
+    let t = generate(&cfg).unwrap();
+    let mut hw = Hardware::paper();
+    hw.gpu_memory_bytes = 2_500_000_000;
+    hw.cpu_adam_params_per_s = 1e8; // slow CPU: streams (26 GB/s) are hidden behind compute
+    let p = plan(&t, &hw, Policy::ZeroInfinity).unwrap();
+    p.validate(&t).unwrap();
+    let adamw: Vec<usize> =
+        (0..t.kernel_count()).filter(|&k| t.kernels[k].name.ends_with(".adamw")).collect();
+    let hosted: Vec<usize> = p.host_kernels.iter().map(|h| h.kernel).collect();
+    assert_eq!(hosted, adamw);
+    let params: u64 = cfg.parameters_per_gpu();
+    let cpu_us: f64 = p.host_kernels.iter().map(|h| h.duration_us).sum();
+    assert!(close(cpu_us, params as f64 / 1e8 * 1e6), "{cpu_us} for {params} parameters");
+    // fp32: 12 bytes read and written per parameter (weight, two moments).
+    let read: u64 = p.host_kernels.iter().map(|h| h.ssd_read_bytes).sum();
+    let written: u64 = p.host_kernels.iter().map(|h| h.ssd_write_bytes).sum();
+    assert_eq!((read, written), (12 * params, 12 * params));
+    // The optimizer states never enter GPU memory.
+    for tn in t.tensors.iter().filter(|x| x.kind == TensorKind::OptimizerState) {
+        assert!(p.initially_offloaded.iter().any(|i| i.tensor == tn.id));
+        assert!(!p.instructions.iter().any(|i| i.tensor == tn.id));
+    }
+    let r = simulate(&t, &p, &hw, &SimOptions::default()).unwrap();
+    assert_eq!(r.outcome, Outcome::Completed);
+    assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes);
+    assert!(!r.host_cap_exceeded);
+    assert!(close(r.host_step_us, cpu_us), "{} vs {cpu_us}", r.host_step_us);
+    let gpu_adamw: f64 = adamw.iter().map(|&k| t.kernels[k].duration_us).sum();
+    let ideal = t.iteration_time_us();
+    assert!(close(r.iteration_time_us, ideal - gpu_adamw + r.host_step_us + r.stall_us));
+}
