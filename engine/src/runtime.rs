@@ -462,6 +462,14 @@ pub fn replay(
 ) -> Result<ReplayReport> {
     plan.validate(trace)
         .map_err(|e| Error::InvalidArgument(format!("the plan does not fit the trace: {e}")))?;
+    if !plan.host_kernels.is_empty() {
+        return Err(Error::Unsupported(format!(
+            "the `{}` plan runs {} kernels on the CPU (host kernels); the runtime replays GPU \
+             kernels only, so simulate this policy with `teraio simulate`",
+            plan.policy,
+            plan.host_kernels.len()
+        )));
+    }
     if cfg.iterations == 0 || !(cfg.time_scale > 0.0 && cfg.time_scale.is_finite()) {
         return Err(Error::InvalidArgument(
             "iterations must be >= 1 and the time scale a positive number".into(),

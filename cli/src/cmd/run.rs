@@ -263,14 +263,15 @@ pub fn run(args: Args) -> Result<()> {
     hw.ssd_count = array.device_count();
     hw.ssd_write_bytes_per_s = write_bw / n;
     hw.ssd_read_bytes_per_s = read_bw / n;
-    // The emulated GPU memory is host memory: there is no PCIe hop. Every SSD transfer moves
-    // through host memory (the model's non-GPUDirect path), and that shared resource is given
-    // the array's measured two-way bandwidth: reads and writes compete for one disk.
+    // The emulated GPU memory is host memory: there is no PCIe hop, and I/O goes to it
+    // directly. Reads and writes compete for the same drives: the measured two-way figure is
+    // the array's combined limit.
+    hw.ssd_duplex_bytes_per_s = Some(m.mixed / n);
     hw.pcie_h2d_bytes_per_s = 50e9;
     hw.pcie_d2h_bytes_per_s = 50e9;
-    hw.host_memory_bytes_per_s = m.mixed;
+    hw.host_memory_bytes_per_s = 50e9;
     hw.host_memory_cap_bytes = args.host_memory;
-    hw.gpudirect = false;
+    hw.gpudirect = true;
 
     let started = Instant::now();
     let p = plan(&trace, &hw, policy)?;
