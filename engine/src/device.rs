@@ -180,6 +180,13 @@ pub fn open_path(path: &Path, file_size_bytes: u64) -> Result<OpenedDevice> {
             );
             (open(false).map_err(|e| os_err(format!("opening {}", path.display()), e))?, false)
         }
+        Err(e) if is_block && e.raw_os_error() == Some(libc::EBUSY) => {
+            return Err(Error::OverwriteRefused {
+                path: path.to_path_buf(),
+                found: "a device in use (mounted, or held open exclusively by another program)"
+                    .into(),
+            });
+        }
         Err(e) => return Err(os_err(format!("opening {}", path.display()), e)),
     };
     let fd = file.as_raw_fd();
