@@ -38,7 +38,7 @@ use crate::backend::sim::{SimBackend, SimDisk};
 use crate::backend::uring::{self, UringBackend};
 use crate::backend::{Backend, IoFailure, IoRequest, IoVec, OpKind};
 use crate::device::{self, DEFAULT_MAX_IO_BYTES, PROBE_BYTES};
-use crate::pool::{IoBuf, Registration};
+use crate::pool::{IoBuf, PageBacking, Registration};
 use crate::{Error, Result};
 
 /// One device of an array.
@@ -117,6 +117,9 @@ struct Slot {
     capacity_bytes: u64,
     block_bytes: u32,
     max_io_bytes: u64,
+    /// Largest request from ordinary (scattered 4 KiB) pages that the device takes whole:
+    /// `max_segments` pages, rounded down to a power of two.
+    max_io_scattered_bytes: u64,
 }
 
 /// N devices behind one backend. `Send + Sync`; share it as `Arc<DeviceArray>`.
@@ -125,6 +128,7 @@ pub struct DeviceArray {
     backend: Box<dyn Backend>,
     geometry: ArrayGeometry,
     max_io_bytes: u64,
+    max_io_scattered_bytes: u64,
 }
 
 impl std::fmt::Debug for DeviceArray {
@@ -181,6 +185,8 @@ impl DeviceArray {
                     capacity_bytes: d.capacity_bytes(),
                     block_bytes: d.block_bytes(),
                     max_io_bytes: DEFAULT_MAX_IO_BYTES,
+                    // As a virtio disk with 254 segments: 1016 KiB, rounded down to 512 KiB.
+                    max_io_scattered_bytes: 512 << 10,
                 });
             }
             let backend = SimBackend::new(sims)
@@ -220,6 +226,10 @@ impl DeviceArray {
                     capacity_bytes: opened.capacity_bytes,
                     block_bytes: opened.block_bytes,
                     max_io_bytes: opened.max_io_bytes,
+                    max_io_scattered_bytes: opened.max_segments.map_or(opened.max_io_bytes, |n| {
+                        let bytes = u64::from(n) * 4096;
+                        (1u64 << bytes.ilog2()).min(opened.max_io_bytes)
+                    }),
                 });
                 fds.push(opened.fd);
             }
@@ -254,11 +264,15 @@ impl DeviceArray {
         let max_io_bytes = slots.iter().map(|s| s.max_io_bytes).min().expect("at least one target");
         let max_io_bytes =
             (max_io_bytes / u64::from(block) * u64::from(block)).max(u64::from(block));
+        let scattered = slots.iter().map(|s| s.max_io_scattered_bytes).min().expect("a target");
+        let max_io_scattered_bytes =
+            (scattered / u64::from(block) * u64::from(block)).clamp(u64::from(block), max_io_bytes);
         Ok(Arc::new(DeviceArray {
             slots: slots.into_iter().map(Arc::new).collect(),
             backend,
             geometry,
             max_io_bytes,
+            max_io_scattered_bytes,
         }))
     }
 
@@ -286,6 +300,23 @@ impl DeviceArray {
     /// 4 MiB), rounded down to the block size.
     pub fn max_io_bytes(&self) -> u64 {
         self.max_io_bytes
+    }
+
+    /// The largest single I/O issued from a buffer on ordinary pages: the devices'
+    /// `max_segments` x 4 KiB rounded down to a power of two (512 KiB for 254 segments), so a
+    /// scattered buffer is cut into equal requests the device takes whole instead of being split
+    /// by the kernel into a full and a tiny one.
+    pub fn max_io_scattered_bytes(&self) -> u64 {
+        self.max_io_scattered_bytes
+    }
+
+    /// The request size limit for a buffer: [`max_io_bytes`](Self::max_io_bytes) for huge-page
+    /// memory, [`max_io_scattered_bytes`](Self::max_io_scattered_bytes) for ordinary pages.
+    fn max_io_for(&self, buf: &IoBuf) -> u64 {
+        match buf.pool().backing() {
+            PageBacking::Normal => self.max_io_scattered_bytes,
+            PageBacking::HugeTlb | PageBacking::TransparentHuge => self.max_io_bytes,
+        }
     }
 
     /// "uring", "psync" or "sim".
@@ -361,7 +392,7 @@ impl DeviceArray {
             });
         }
         self.check_buf_address(buf)?;
-        let segments = map.segments(range.clone(), self.max_io_bytes)?;
+        let segments = map.segments(range.clone(), self.max_io_for(buf))?;
         let need = segments
             .iter()
             .flat_map(|s| s.pieces.iter())
@@ -477,7 +508,7 @@ impl DeviceArray {
         }
         self.check_buf_address(&buf)?;
         let slot = Arc::clone(self.check_extent(device, offset, buf.len() as u64)?);
-        let max = self.max_io_bytes as usize;
+        let max = self.max_io_for(&buf) as usize;
         let base = buf.as_mut_ptr();
         let registration = buf.registration();
         let len = buf.len();

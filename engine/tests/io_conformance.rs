@@ -278,3 +278,38 @@ fn completion_signal_counts_every_ticket() {
         assert_eq!(signal.count(), 11);
     }
 }
+
+#[test]
+fn ordinary_page_buffers_use_the_scattered_request_limit() {
+    for kind in ALL {
+        let fx = open(kind, 2, 16 * MIB, 8);
+        let a = &fx.array;
+        assert!(
+            a.max_io_scattered_bytes().is_power_of_two()
+                || a.max_io_scattered_bytes() == a.max_io_bytes()
+        );
+        assert!(a.max_io_scattered_bytes() <= a.max_io_bytes());
+        let p = teraio_engine::pool::BufferPool::new(teraio_engine::pool::PoolConfig {
+            capacity_bytes: 16 * MIB,
+            prefer_huge_pages: false,
+        })
+        .unwrap();
+        assert_eq!(p.backing(), teraio_engine::pool::PageBacking::Normal);
+        let size = 3 * MIB + 4096;
+        let m = map(size, MIB, 2, 0, 0);
+        let data = pattern(size as usize, 8);
+        let mut b = p.alloc(size as usize).unwrap();
+        b.copy_from_slice(&data);
+        a.submit_write(&m, 0..size, b).unwrap().wait().1.unwrap();
+        let (back, r) = a.submit_read(&m, 0..size, p.alloc(size as usize).unwrap()).unwrap().wait();
+        r.unwrap();
+        assert!(back[..] == data[..], "{kind:?}");
+        if let [d0, d1] = &fx.sims[..] {
+            // Units 0 and 2 (2 MiB) on device 0, unit 1 and the 4 KiB tail on device 1, in
+            // requests of at most the scattered limit.
+            let lim = a.max_io_scattered_bytes();
+            assert_eq!(d0.stats().writes, (2 * MIB).div_ceil(lim), "{kind:?}");
+            assert_eq!(d1.stats().writes, MIB.div_ceil(lim) + 1, "{kind:?}");
+        }
+    }
+}

@@ -114,6 +114,9 @@ pub struct Args {
     /// preallocated file do not touch the disk).
     #[arg(long)]
     pub no_prefill: bool,
+    /// Use ordinary pages for the I/O buffers (to see what huge pages buy).
+    #[arg(long)]
+    pub no_huge_pages: bool,
     /// Seed of the random offsets.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -420,7 +423,7 @@ fn execute(args: &Args) -> Result<Report> {
     let per_buf = BufferPool::capacity_for(args.bs as usize) as u64;
     let pool = BufferPool::new(PoolConfig {
         capacity_bytes: (slots * per_buf + (4 << 20)).next_multiple_of(2 << 20),
-        prefer_huge_pages: true,
+        prefer_huge_pages: !args.no_huge_pages,
     })?;
 
     if args.rw.reads() && !args.no_prefill && needs_prefill.iter().any(|&b| b) {
@@ -646,6 +649,7 @@ mod tests {
             json: true,
             force: false,
             no_prefill: false,
+            no_huge_pages: false,
             seed: 1,
         };
         let r = execute(&args).unwrap();
