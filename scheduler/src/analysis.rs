@@ -48,6 +48,14 @@ pub struct InactiveInterval {
     pub span: Span,
     /// Whether the gap crosses the iteration boundary.
     pub wraps: bool,
+    /// The tensor's latest writing kernel at or before `last_access` (cyclically for a
+    /// global tensor: in the previous iteration if it comes before the first write of this
+    /// one); `None` if nothing ever writes it. Intervals with the same `last_write` form one
+    /// *epoch*: an SSD copy made in one of them is still valid in the later ones (clean drops).
+    pub last_write: Option<usize>,
+    /// Accesses after `last_write` up to and including `last_access` (0: `last_access`
+    /// itself writes). Orders the intervals of one epoch.
+    pub reads_since_write: usize,
 }
 
 /// Active and inactive spans of one tensor.
@@ -74,8 +82,26 @@ pub fn inactive_intervals(trace: &Trace) -> Vec<InactiveInterval> {
     let mut out = Vec::new();
     for t in &trace.tensors {
         let acc = &t.accesses;
-        let mut push = |a: usize, b: usize, wraps: bool| {
+        let m = acc.len();
+        // Index of the latest writing access at or before each access (cyclic for globals).
+        let mut last_w: Vec<Option<usize>> = Vec::with_capacity(m);
+        let mut cur = if t.global { (0..m).rev().find(|&j| t.writes_at(acc[j])) } else { None };
+        for (j, &k) in acc.iter().enumerate() {
+            if t.writes_at(k) {
+                cur = Some(j);
+            }
+            last_w.push(cur);
+        }
+        let epoch = |j: usize| -> (Option<usize>, usize) {
+            match last_w[j] {
+                None => (None, 0),
+                Some(w) if w <= j => (Some(acc[w]), j - w),
+                Some(w) => (Some(acc[w]), j + m - w), // written in the previous iteration
+            }
+        };
+        let mut push = |j: usize, a: usize, b: usize, wraps: bool| {
             if b > a + 1 {
+                let (last_write, reads_since_write) = epoch(j);
                 out.push(InactiveInterval {
                     tensor: t.id,
                     bytes: t.bytes,
@@ -88,16 +114,18 @@ pub fn inactive_intervals(trace: &Trace) -> Vec<InactiveInterval> {
                         end_us: time_at(&starts, b),
                     },
                     wraps,
+                    last_write,
+                    reads_since_write,
                 });
             }
         };
-        for w in acc.windows(2) {
-            push(w[0], w[1], false);
+        for (j, w) in acc.windows(2).enumerate() {
+            push(j, w[0], w[1], false);
         }
         if t.global
             && let (Some(&first), Some(&last)) = (acc.first(), acc.last())
         {
-            push(last, first + n, true);
+            push(m - 1, last, first + n, true);
         }
     }
     out
@@ -288,6 +316,7 @@ mod tests {
             created_by: None,
             accesses: vec![1, 2, 4],
             dies_after: None,
+            writes: None,
         });
         t.validate().unwrap();
         let iv = inactive_intervals(&t);
@@ -301,5 +330,65 @@ mod tests {
         let s = summarize(&t);
         assert_eq!(s.inactive_intervals, 2);
         assert!((s.mean_active_fraction - 0.5).abs() < 1e-9);
+        // Every access writes (no `writes`): each interval is an epoch of its own.
+        assert_eq!((iv[0].last_write, iv[0].reads_since_write), (Some(2), 0));
+        assert_eq!((iv[1].last_write, iv[1].reads_since_write), (Some(4), 0));
+    }
+
+    #[test]
+    fn epochs_follow_writes_cyclically() {
+        let mut t = Trace::new("w");
+        for i in 0..8 {
+            t.kernels.push(Kernel { name: format!("k{i}"), duration_us: 1.0, layer: None });
+        }
+        // Read at 1, 3, 5; written at 7 (an optimizer step): one epoch from the write at 7 of
+        // the previous iteration over the wrap gap (7, 9) and the gaps (1, 3), (3, 5).
+        t.tensors.push(Tensor {
+            id: TensorId(0),
+            name: "w".into(),
+            bytes: 8,
+            kind: TensorKind::Weight,
+            global: true,
+            created_by: None,
+            accesses: vec![1, 3, 5, 7],
+            dies_after: None,
+            writes: Some(vec![7]),
+        });
+        // Created (written) at 0, read at 2, written at 4, read at 6.
+        t.tensors.push(Tensor {
+            id: TensorId(1),
+            name: "g".into(),
+            bytes: 8,
+            kind: TensorKind::Gradient,
+            global: false,
+            created_by: Some(0),
+            accesses: vec![0, 2, 4, 6],
+            dies_after: Some(6),
+            writes: Some(vec![0, 4]),
+        });
+        t.validate().unwrap();
+        let got: Vec<(u32, usize, Option<usize>, usize)> = inactive_intervals(&t)
+            .iter()
+            .map(|iv| (iv.tensor.0, iv.last_access, iv.last_write, iv.reads_since_write))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 1, Some(7), 1),
+                (0, 3, Some(7), 2),
+                (0, 5, Some(7), 3),
+                (0, 7, Some(7), 0),
+                (1, 0, Some(0), 0),
+                (1, 2, Some(0), 1),
+                (1, 4, Some(4), 0),
+            ]
+        );
+        t.tensors[0].writes = Some(Vec::new());
+        assert!(
+            inactive_intervals(&t)
+                .iter()
+                .filter(|iv| iv.tensor.0 == 0)
+                .all(|iv| iv.last_write.is_none())
+        );
     }
 }

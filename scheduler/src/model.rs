@@ -384,6 +384,7 @@ impl Builder {
             created_by: None,
             accesses: Vec::new(),
             dies_after: None,
+            writes: Some(Vec::new()),
         });
         id
     }
@@ -392,8 +393,9 @@ impl Builder {
         self.tensor(name, bytes, TensorKind::Activation, false)
     }
 
-    /// Add a kernel touching `uses` (existing tensors or ones created here). Duration from
-    /// the roofline unless `fixed_us` is given (communication).
+    /// Add a kernel touching `uses` (existing tensors or ones created here) that writes only
+    /// the tensors it creates. Duration from the roofline unless `fixed_us` is given
+    /// (communication).
     fn kernel(
         &mut self,
         name: String,
@@ -402,15 +404,36 @@ impl Builder {
         uses: &[TensorId],
         fixed_us: Option<f64>,
     ) -> usize {
+        self.kernel_writing(name, layer, flops, uses, &[], fixed_us)
+    }
+
+    /// [`Builder::kernel`] that also modifies the existing tensors `modifies` (each in `uses`
+    /// too): gradients accumulated by a backward kernel, parameters and optimizer states
+    /// updated by the optimizer step. A non-global tensor is written by the kernel that
+    /// creates it (its first access); every other access reads.
+    fn kernel_writing(
+        &mut self,
+        name: String,
+        layer: Option<u32>,
+        flops: f64,
+        uses: &[TensorId],
+        modifies: &[TensorId],
+        fixed_us: Option<f64>,
+    ) -> usize {
         let k = self.trace.kernels.len();
         let mut bytes = 0.0;
         for &t in uses {
             let tensor = &mut self.trace.tensors[t.index()];
             if tensor.accesses.last() != Some(&k) {
+                let creates = !tensor.global && tensor.accesses.is_empty();
                 tensor.accesses.push(k);
                 bytes += tensor.bytes as f64;
+                if creates || modifies.contains(&t) {
+                    tensor.writes.get_or_insert_with(Vec::new).push(k);
+                }
             }
         }
+        debug_assert!(modifies.iter().all(|t| uses.contains(t)), "{name}: modifies not in uses");
         let duration_us = fixed_us.unwrap_or_else(|| {
             let compute = flops / self.flops_div;
             let memory = bytes / self.hbm;
@@ -603,20 +626,22 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             );
             let dnf = b.act(format!("mb{mb}.dnf"), act_bytes(h));
             let gh = g(&b, hp);
-            b.kernel(
+            b.kernel_writing(
                 format!("mb{mb}.lm_head.bwd"),
                 None,
                 2.0 * f,
                 &[dlogits, nf, wh, gh, dnf],
+                &[gh],
                 None,
             );
             dx = b.act(format!("mb{mb}.dx_top"), act_bytes(h));
             let gnf = g(&b, nfp);
-            b.kernel(
+            b.kernel_writing(
                 format!("mb{mb}.final_norm.bwd"),
                 None,
                 10.0 * t * h as f64,
                 &[dnf, x, wnf, gnf, dx],
+                &[gnf],
                 None,
             );
         } else {
@@ -639,29 +664,30 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             let da = b.act(nm("da"), act_bytes(cfg.ffn / tp));
             let (wd, gd) = (w(&b, ps[5]), g(&b, ps[5]));
             let f = 4.0 * t * (cfg.ffn / tp * h) as f64;
-            b.kernel(nm("down.bwd"), lo, f, &[dx, s.a, wd, gd, da], None);
+            b.kernel_writing(nm("down.bwd"), lo, f, &[dx, s.a, wd, gd, da], &[gd], None);
             let du = b.act(nm("du"), act_bytes(cfg.up_width()));
             b.kernel(nm("act.bwd"), lo, 16.0 * t * (cfg.ffn / tp) as f64, &[da, s.u, du], None);
             let dn2 = b.act(nm("dn2"), act_bytes(h));
             let (wup, gup) = (w(&b, ps[4]), g(&b, ps[4]));
             let f = 4.0 * t * (h * cfg.up_width()) as f64;
-            b.kernel(nm("up.bwd"), lo, f, &[du, s.n2, wup, gup, dn2], None);
+            b.kernel_writing(nm("up.bwd"), lo, f, &[du, s.n2, wup, gup, dn2], &[gup], None);
             if tp > 1 {
                 b.kernel(nm("up.bwd.allreduce"), lo, 0.0, &[dn2], Some(b.comm_us(act_bytes(h))));
             }
             let dx2 = b.act(nm("dx2"), act_bytes(h));
             let (wn2, gn2) = (w(&b, ps[3]), g(&b, ps[3]));
-            b.kernel(
+            b.kernel_writing(
                 nm("norm2.bwd"),
                 lo,
                 10.0 * t * h as f64,
                 &[dn2, s.x2, wn2, gn2, dx, dx2],
+                &[gn2],
                 None,
             );
             let dctx = b.act(nm("dctx"), act_bytes(heads_p * cfg.head_dim()));
             let (wo, go) = (w(&b, ps[2]), g(&b, ps[2]));
             let f = 4.0 * t * (heads_p * cfg.head_dim() * h) as f64;
-            b.kernel(nm("o.bwd"), lo, f, &[dx2, s.ctx, wo, go, dctx], None);
+            b.kernel_writing(nm("o.bwd"), lo, f, &[dx2, s.ctx, wo, go, dctx], &[go], None);
             let dqkv = b.act(nm("dqkv"), act_bytes(cfg.qkv_width()));
             let ws = b.tensor(nm("attn_bwd_ws"), 64 << 20, TensorKind::Workspace, false);
             let attn_f = 5.0 * t * cfg.seq_len as f64 * (heads_p * cfg.head_dim()) as f64;
@@ -669,24 +695,25 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             let dn1 = b.act(nm("dn1"), act_bytes(h));
             let (wqkv, gqkv) = (w(&b, ps[1]), g(&b, ps[1]));
             let f = 4.0 * t * (h * cfg.qkv_width()) as f64;
-            b.kernel(nm("qkv.bwd"), lo, f, &[dqkv, s.n1, wqkv, gqkv, dn1], None);
+            b.kernel_writing(nm("qkv.bwd"), lo, f, &[dqkv, s.n1, wqkv, gqkv, dn1], &[gqkv], None);
             if tp > 1 {
                 b.kernel(nm("qkv.bwd.allreduce"), lo, 0.0, &[dn1], Some(b.comm_us(act_bytes(h))));
             }
             let dxl = b.act(format!("mb{mb}.dx{layer}"), act_bytes(h));
             let (wn1, gn1) = (w(&b, ps[0]), g(&b, ps[0]));
-            b.kernel(
+            b.kernel_writing(
                 nm("norm1.bwd"),
                 lo,
                 10.0 * t * h as f64,
                 &[dn1, s.x, wn1, gn1, dx2, dxl],
+                &[gn1],
                 None,
             );
             dx = dxl;
         }
         if let Some(p) = emb {
             let ge = g(&b, p);
-            b.kernel(format!("mb{mb}.embed.bwd"), None, 0.0, &[dx, ge], None);
+            b.kernel_writing(format!("mb{mb}.embed.bwd"), None, 0.0, &[dx, ge], &[ge], None);
         } else {
             b.kernel(format!("mb{mb}.send_grad"), None, 0.0, &[dx], Some(b.comm_us(act_bytes(h))));
         }
@@ -696,10 +723,13 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         let p = &b.params[pi];
         let mut uses = vec![p.weight, p.grad];
         uses.extend(p.states.iter().copied());
+        // AdamW reads the gradient and updates the parameter and every state in place.
+        let mut modifies = vec![p.weight];
+        modifies.extend(p.states.iter().copied());
         let flops = 12.0 * p.elements as f64;
         let name = b.trace.tensors[p.weight.index()].name.trim_end_matches(".w").to_string();
         let layer = layer_of(&name);
-        b.kernel(format!("{name}.adamw"), layer, flops, &uses, None);
+        b.kernel_writing(format!("{name}.adamw"), layer, flops, &uses, &modifies, None);
     }
     let mut trace = b.finish();
     if let Some(target) = cfg.target_iteration_us {
@@ -762,6 +792,41 @@ mod tests {
         assert!(!t.kernels.iter().any(|k| k.name.contains("embed.fwd")));
         cfg.pipeline_stage = 2;
         assert!(generate(&cfg).is_err());
+    }
+
+    /// Which accesses write, per kind: weights and optimizer states only in their AdamW
+    /// kernel, gradients in every backward kernel (created, then accumulated), never in the
+    /// AdamW kernel that reads them; activations and workspaces only where created.
+    #[test]
+    fn writes_are_marked_truthfully() {
+        for dtype in [Dtype::Fp32, Dtype::Bf16] {
+            let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+            cfg.micro_batches = 3;
+            cfg.dtype = dtype;
+            let t = generate(&cfg).unwrap();
+            let is = |k: usize, s: &str| t.kernels[k].name.ends_with(s);
+            for x in &t.tensors {
+                let w = x.writes.as_ref().expect("generated traces say which accesses write");
+                match x.kind {
+                    TensorKind::Weight | TensorKind::OptimizerState => {
+                        assert_eq!(w.len(), 1, "{}", x.name);
+                        assert!(is(w[0], ".adamw"), "{}", x.name);
+                        assert_eq!(Some(&w[0]), x.accesses.last());
+                    }
+                    TensorKind::Gradient => {
+                        let (last, bwd) = x.accesses.split_last().unwrap();
+                        assert!(is(*last, ".adamw") && !x.writes_at(*last), "{}", x.name);
+                        assert_eq!(w, bwd, "{}", x.name);
+                        assert!(bwd.iter().all(|&k| t.kernels[k].name.contains(".bwd")));
+                        // Tied embeddings: lm_head.bwd and embed.bwd, per micro-batch.
+                        assert!(w.len() >= 3, "{}: one per micro-batch", x.name);
+                    }
+                    TensorKind::Activation | TensorKind::Workspace => {
+                        assert_eq!(w, &vec![x.created_by.unwrap()], "{}", x.name);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

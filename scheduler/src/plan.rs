@@ -22,6 +22,34 @@
 //!   not in GPU memory, when an iteration starts (they were offloaded at the end of the
 //!   previous iteration and are prefetched before their first access in this one); every
 //!   other global tensor is resident. A valid plan ends each iteration in the state it began.
+//!
+//! # Clean drops
+//! An offload with [`Instruction::clean`] set is a *clean drop*: the tensor's SSD copy is
+//! still valid, so its GPU memory is released at once, without writing, and the tensor is
+//! offloaded on the SSD; a later prefetch reads that copy. It moves no bytes and takes no
+//! bandwidth. The tensor is resident when dropped: a GPU kernel used it since its last
+//! prefetch (a rule of [`Plan::validate`]), and that kernel waited for any earlier offload of
+//! it to complete, so the copy is durable.
+//!
+//! The SSD copy is *valid* from the moment an offload to the SSD is issued (it becomes durable
+//! before the GPU memory goes) until the tensor is next *written* ([`crate::Tensor::writes`]):
+//! - a GPU kernel that writes the tensor (it is resident then) invalidates the copy;
+//! - a host kernel that writes the tensor while it is offloaded to the SSD updates the copy
+//!   itself: it stays valid (offloaded to the host tier: the SSD copy, if any, is stale);
+//! - a prefetch from the SSD reads the copy and keeps it (the store does not free it); a
+//!   prefetch from the host tier releases the host copy (host memory is bounded), so only SSD
+//!   copies outlive a prefetch and `dest` of a clean drop must be `ssd`;
+//! - a non-global tensor has no copy when created (creation writes it) and its copy is
+//!   discarded when it dies.
+//!
+//! Validity is part of the steady state: a global tensor resident at iteration start has a
+//! valid SSD copy iff it has one at iteration end (e.g. a weight offloaded after the optimizer
+//! step and prefetched before the end of the iteration). [`Plan::validate`] rejects a clean
+//! drop of a tensor whose copy is not valid, and one issued after a prefetch of the same tensor
+//! before any GPU kernel used it (that would discard the read in flight). In the very first
+//! iteration of a run no copy exists yet: a runtime executes a clean drop of a tensor it holds
+//! no tier copy of as a plain offload (a write). [`Plan::mark_clean_drops`] turns every
+//! offload where a drop is valid into one; every policy's plan goes through it.
 
 use std::collections::HashMap;
 
@@ -35,7 +63,9 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Op {
-    /// Copy the tensor to `dest` and release its GPU memory once the copy is durable.
+    /// Copy the tensor to `dest` and release its GPU memory once the copy is durable; with
+    /// [`Instruction::clean`], release it without copying (a clean drop, see the module
+    /// documentation).
     Offload {
         /// Where the copy goes.
         dest: Tier,
@@ -57,6 +87,51 @@ pub struct Instruction {
     pub op: Op,
     /// Must finish before the next kernel can run: executed ahead of non-urgent migrations.
     pub urgent: bool,
+    /// Only on an offload to the SSD: a *clean drop*. The tensor's SSD copy is still valid
+    /// (not written since it was made or read back), so the GPU memory is released at once
+    /// without writing (see the module documentation). JSON: `"clean": true`, absent = false.
+    /// A runtime that ignores it stays correct: it rewrites an identical copy.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub clean: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+impl Instruction {
+    /// An offload of `tensor` to `dest` at boundary `at` (a write, `clean` false).
+    pub fn offload(at: usize, tensor: TensorId, dest: Tier, urgent: bool) -> Self {
+        Instruction {
+            issue_before_kernel: at,
+            tensor,
+            op: Op::Offload { dest },
+            urgent,
+            clean: false,
+        }
+    }
+
+    /// A clean drop of `tensor` at boundary `at`: its SSD copy is valid, release the GPU
+    /// memory without writing.
+    pub fn drop_clean(at: usize, tensor: TensorId) -> Self {
+        Instruction {
+            issue_before_kernel: at,
+            tensor,
+            op: Op::Offload { dest: Tier::Ssd },
+            urgent: false,
+            clean: true,
+        }
+    }
+
+    /// A prefetch of `tensor` at boundary `at`.
+    pub fn prefetch(at: usize, tensor: TensorId, urgent: bool) -> Self {
+        Instruction { issue_before_kernel: at, tensor, op: Op::Prefetch, urgent, clean: false }
+    }
+
+    /// Whether this is a clean drop (an offload that writes nothing).
+    pub fn is_clean_drop(&self) -> bool {
+        self.clean && matches!(self.op, Op::Offload { .. })
+    }
 }
 
 /// A global tensor that is on a tier (not in GPU memory) at iteration start.
@@ -88,8 +163,11 @@ pub struct PlanStats {
     pub peak_resident_bytes: u64,
     /// Peak of the memory curve the planner expects with its plan, bytes.
     pub planned_peak_bytes: u64,
-    /// Offload bytes to SSD per iteration.
+    /// Offload bytes written to SSD per iteration (clean drops not counted).
     pub ssd_offload_bytes: u64,
+    /// Bytes released by clean drops per iteration (no write).
+    #[serde(default)]
+    pub clean_drop_bytes: u64,
     /// Offload bytes to host memory per iteration.
     pub host_offload_bytes: u64,
     /// Inactive intervals considered.
@@ -152,9 +230,40 @@ impl Plan {
 
     /// Check the plan against its trace: instructions sorted and in range; per tensor,
     /// offloads only of resident tensors, prefetches only of offloaded ones, no tensor
-    /// accessed while offloaded without a prefetch issued, and the iteration ends in the
-    /// state it began (steady state). Errors name the instruction by its JSON path.
+    /// accessed while offloaded without a prefetch issued, clean drops only of tensors whose
+    /// SSD copy is valid (module documentation), and the iteration ends in the state it began
+    /// (steady state). Errors name the instruction by its JSON path.
     pub fn validate(&self, trace: &Trace) -> Result<()> {
+        self.walk(trace, |_, _| {})
+    }
+
+    /// Turn every offload to the SSD where a clean drop is valid into one (and every other
+    /// offload into a write), so that no policy writes back a tensor that did not change since
+    /// its SSD copy was made or read back. Updates `stats.ssd_offload_bytes` and
+    /// `stats.clean_drop_bytes`. The plan must be valid for `trace` apart from its clean flags.
+    pub fn mark_clean_drops(&mut self, trace: &Trace) -> Result<()> {
+        for ins in &mut self.instructions {
+            ins.clean = false;
+        }
+        let mut droppable = Vec::new();
+        self.walk(trace, |i, ok| {
+            if ok {
+                droppable.push(i);
+            }
+        })?;
+        let mut bytes = 0u64;
+        for i in droppable {
+            self.instructions[i].clean = true;
+            bytes += trace.tensor(self.instructions[i].tensor).bytes;
+        }
+        self.stats.ssd_offload_bytes = self.stats.ssd_offload_bytes.saturating_sub(bytes);
+        self.stats.clean_drop_bytes += bytes;
+        Ok(())
+    }
+
+    /// Every rule of [`Plan::validate`]; reports for every offload to the SSD (instruction
+    /// index) whether a clean drop would be valid there, in the steady state.
+    fn walk(&self, trace: &Trace, mut droppable: impl FnMut(usize, bool)) -> Result<()> {
         let n = trace.kernel_count();
         if self.kernel_count != n || self.tensor_count != trace.tensors.len() {
             return Err(Error::plan(
@@ -211,95 +320,182 @@ impl Plan {
             if ins.tensor.index() >= trace.tensors.len() {
                 return Err(Error::plan(path, format!("no tensor {}", ins.tensor)));
             }
+            if ins.clean && ins.op != (Op::Offload { dest: Tier::Ssd }) {
+                return Err(Error::plan(
+                    format!("{path}.clean"),
+                    "only an offload to the ssd can be a clean drop (host copies do not \
+                     outlive a prefetch)",
+                ));
+            }
             per.entry(ins.tensor).or_default().push(i);
         }
         let none: Vec<usize> = Vec::new();
         for t in &trace.tensors {
-            let tid = t.id;
-            let list = per.get(&tid).unwrap_or(&none);
-            // State: None = resident, Some(tier) = offloaded (prefetch pending counts as resident
-            // for the "accessed while offloaded" rule since the kernel waits for it).
-            let mut state: Option<Tier> = initial.get(&tid).copied();
-            let alive =
-                |b: usize| -> bool { t.global || (t.alloc_kernel() < b && b <= t.free_kernel(n)) };
-            // A GPU kernel needs the tensor resident, a host kernel needs it offloaded.
-            let check = |k: usize, state: Option<Tier>, path: &str| -> Result<()> {
-                match (on_host[k], state) {
-                    (false, Some(_)) => Err(Error::plan(
-                        path,
-                        format!(
-                            "{tid} accessed by kernel {k} while offloaded (no prefetch issued)"
-                        ),
-                    )),
-                    (true, None) => Err(Error::plan(
-                        path,
-                        format!("{tid} accessed by host kernel {k} while in GPU memory"),
-                    )),
-                    _ => Ok(()),
-                }
-            };
-            let mut ai = 0; // next access index
-            for &ii in list {
-                let ins = self.instructions[ii];
-                let path = format!("instructions[{ii}]");
-                // Accesses of kernels before this boundary happen first.
-                while ai < t.accesses.len() && t.accesses[ai] < ins.issue_before_kernel {
-                    check(t.accesses[ai], state, &path)?;
-                    ai += 1;
-                }
-                match ins.op {
-                    Op::Offload { dest } => {
-                        if state.is_some() {
-                            return Err(Error::plan(path, format!("{tid} offloaded twice")));
-                        }
-                        if !alive(ins.issue_before_kernel) {
-                            return Err(Error::plan(
-                                path,
-                                format!("{tid} offloaded outside its lifetime"),
-                            ));
-                        }
-                        if t.accesses.get(ai) == Some(&ins.issue_before_kernel)
-                            && !on_host[ins.issue_before_kernel]
-                        {
-                            return Err(Error::plan(
-                                path,
-                                format!(
-                                    "{tid} offloaded right before kernel {} that accesses it",
-                                    ins.issue_before_kernel
-                                ),
-                            ));
-                        }
-                        state = Some(dest);
-                    }
-                    Op::Prefetch => {
-                        if state.is_none() {
-                            return Err(Error::plan(
-                                path,
-                                format!("{tid} prefetched while resident"),
-                            ));
-                        }
-                        state = None;
-                    }
-                }
-            }
-            while ai < t.accesses.len() {
-                check(t.accesses[ai], state, "instructions")?;
-                ai += 1;
-            }
-            // A non-global tensor last used by a host kernel may die on its tier.
-            let dies_on_tier = !t.global && t.accesses.last().is_some_and(|&k| on_host[k]);
-            if state != initial.get(&tid).copied() && !(dies_on_tier && state.is_some()) {
-                return Err(Error::plan(
-                    "initially_offloaded",
-                    format!("{tid} ends the iteration in a different state than it began"),
-                ));
+            let list = per.get(&t.id).unwrap_or(&none);
+            let init = initial.get(&t.id).copied();
+            let walk = TensorWalk { plan: self, trace, t, list, initial: init, on_host: &on_host };
+            if t.global {
+                // Steady state: the SSD copy's validity at iteration start is what the
+                // iteration leaves behind. A first pass from "no copy" (or, offloaded to the
+                // SSD, "the copy is the tensor") finds it; the second pass checks from it.
+                let start = init == Some(Tier::Ssd);
+                let end = walk.run(start, None)?;
+                let start = start || end;
+                let end = walk.run(start, Some(&mut droppable))?;
+                debug_assert_eq!(start, end || init == Some(Tier::Ssd));
+            } else {
+                walk.run(false, Some(&mut droppable))?;
             }
         }
         Ok(())
     }
-
     /// Serialize to pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// One tensor's instructions and accesses replayed in logical order (see [`Plan::walk`]).
+struct TensorWalk<'a> {
+    plan: &'a Plan,
+    trace: &'a Trace,
+    t: &'a crate::trace::Tensor,
+    list: &'a [usize],
+    initial: Option<Tier>,
+    on_host: &'a [bool],
+}
+
+impl TensorWalk<'_> {
+    /// Replay from `ssd_valid` (whether the SSD copy is valid at iteration start); returns
+    /// whether it is valid at the end. With `report` (the checking pass), clean drops are
+    /// checked and every SSD offload is reported with whether a drop would be valid there.
+    fn run(
+        &self,
+        mut ssd_valid: bool,
+        mut report: Option<&mut dyn FnMut(usize, bool)>,
+    ) -> Result<bool> {
+        let (t, n, on_host) = (self.t, self.trace.kernel_count(), self.on_host);
+        let tid = t.id;
+        // None = resident, Some(tier) = offloaded (a pending prefetch counts as resident for
+        // the "accessed while offloaded" rule since the kernel waits for it).
+        let mut state: Option<Tier> = self.initial;
+        // A prefetch was issued and no GPU kernel has used the tensor since.
+        let mut unused_prefetch = false;
+        let alive =
+            |b: usize| -> bool { t.global || (t.alloc_kernel() < b && b <= t.free_kernel(n)) };
+        // A GPU kernel needs the tensor resident, a host kernel needs it offloaded.
+        let access = |k: usize,
+                      state: Option<Tier>,
+                      ssd_valid: &mut bool,
+                      unused_prefetch: &mut bool,
+                      path: &str|
+         -> Result<()> {
+            match (on_host[k], state) {
+                (false, Some(_)) => {
+                    return Err(Error::plan(
+                        path,
+                        format!(
+                            "{tid} accessed by kernel {k} while offloaded (no prefetch issued)"
+                        ),
+                    ));
+                }
+                (true, None) => {
+                    return Err(Error::plan(
+                        path,
+                        format!("{tid} accessed by host kernel {k} while in GPU memory"),
+                    ));
+                }
+                _ => {}
+            }
+            if !on_host[k] {
+                *unused_prefetch = false;
+            }
+            if t.writes_at(k) {
+                // On the GPU the SSD copy goes stale; a host kernel updates the copy it works
+                // on, which is the SSD copy only if the tensor is offloaded there.
+                *ssd_valid = on_host[k] && state == Some(Tier::Ssd);
+            }
+            Ok(())
+        };
+        let mut ai = 0; // next access index
+        for &ii in self.list {
+            let ins = self.plan.instructions[ii];
+            let path = format!("instructions[{ii}]");
+            // Accesses of kernels before this boundary happen first.
+            while ai < t.accesses.len() && t.accesses[ai] < ins.issue_before_kernel {
+                access(t.accesses[ai], state, &mut ssd_valid, &mut unused_prefetch, &path)?;
+                ai += 1;
+            }
+            match ins.op {
+                Op::Offload { dest } => {
+                    if state.is_some() {
+                        return Err(Error::plan(path, format!("{tid} offloaded twice")));
+                    }
+                    if !alive(ins.issue_before_kernel) {
+                        return Err(Error::plan(
+                            path,
+                            format!("{tid} offloaded outside its lifetime"),
+                        ));
+                    }
+                    if t.accesses.get(ai) == Some(&ins.issue_before_kernel)
+                        && !on_host[ins.issue_before_kernel]
+                    {
+                        return Err(Error::plan(
+                            path,
+                            format!(
+                                "{tid} offloaded right before kernel {} that accesses it",
+                                ins.issue_before_kernel
+                            ),
+                        ));
+                    }
+                    if dest == Tier::Ssd {
+                        let ok = ssd_valid && !unused_prefetch;
+                        if let Some(report) = report.as_deref_mut() {
+                            if ins.clean && !ssd_valid {
+                                return Err(Error::plan(
+                                    format!("{path}.clean"),
+                                    format!(
+                                        "clean drop of {tid}, but its SSD copy is not valid \
+                                         (never made, or written since)"
+                                    ),
+                                ));
+                            }
+                            if ins.clean && unused_prefetch {
+                                return Err(Error::plan(
+                                    format!("{path}.clean"),
+                                    format!(
+                                        "clean drop of {tid} before any kernel used its \
+                                         prefetch (the read would be discarded)"
+                                    ),
+                                ));
+                            }
+                            report(ii, ok);
+                        }
+                        ssd_valid = true;
+                    }
+                    state = Some(dest);
+                }
+                Op::Prefetch => {
+                    if state.is_none() {
+                        return Err(Error::plan(path, format!("{tid} prefetched while resident")));
+                    }
+                    state = None;
+                    unused_prefetch = true;
+                }
+            }
+        }
+        while ai < t.accesses.len() {
+            access(t.accesses[ai], state, &mut ssd_valid, &mut unused_prefetch, "instructions")?;
+            ai += 1;
+        }
+        // A non-global tensor last used by a host kernel may die on its tier.
+        let dies_on_tier = !t.global && t.accesses.last().is_some_and(|&k| on_host[k]);
+        if state != self.initial && !(dies_on_tier && state.is_some()) {
+            return Err(Error::plan(
+                "initially_offloaded",
+                format!("{tid} ends the iteration in a different state than it began"),
+            ));
+        }
+        Ok(ssd_valid)
     }
 }

@@ -6,7 +6,9 @@
 //! (FIFO), waiting while memory is full; a kernel starts once its creations are allocated and
 //! every tensor it accesses is resident. A prefetch issued while the same tensor's offload is
 //! still copying keeps the GPU copy: the offload completes (the tier copy is written) and the
-//! tensor is resident again without a read.
+//! tensor is resident again without a read. A clean drop ([`crate::Instruction::clean`])
+//! releases the GPU memory when issued and moves nothing (a valid plan drops only resident
+//! tensors).
 //!
 //! Bandwidth: every active migration uses the resources of its path
 //! ([`Hardware::offload_path`], [`Hardware::prefetch_path`]); rates are max-min fair
@@ -120,8 +122,11 @@ pub struct SimReport {
     pub host_cap_exceeded: bool,
     /// Bytes carried per resource in the reported iteration.
     pub bytes_moved: Vec<ResourceBytes>,
-    /// Offloads and prefetches completed in the reported iteration.
+    /// Offloads and prefetches completed in the reported iteration (clean drops not counted).
     pub migrations: u64,
+    /// Clean drops issued in the reported iteration (GPU memory released without a write).
+    #[serde(default)]
+    pub clean_drops: u64,
     /// Memory and bandwidth over time, if requested.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeline: Option<Timeline>,
@@ -205,6 +210,7 @@ struct Sim<'a> {
     host_exceeded: bool,
     moved: [f64; Resource::COUNT],
     migrations: u64,
+    clean_drops: u64,
     timeline: Option<Timeline>,
     iter_start: f64,
     urgent_prefetch: Vec<bool>,
@@ -258,6 +264,7 @@ impl<'a> Sim<'a> {
             host_exceeded: false,
             moved: [0.0; Resource::COUNT],
             migrations: 0,
+            clean_drops: 0,
             timeline: None,
             iter_start: 0.0,
             urgent_prefetch: vec![false; trace.tensors.len()],
@@ -351,6 +358,14 @@ impl<'a> Sim<'a> {
             let ti = ins.tensor.index();
             let bytes = self.trace.tensor(ins.tensor).bytes;
             match (ins.op, self.state[ti]) {
+                // A clean drop: the SSD copy is valid, release the memory without writing.
+                (Op::Offload { dest }, TState::Resident) if ins.clean => {
+                    self.state[ti] = TState::Offloaded(dest);
+                    self.set_used(self.used - bytes);
+                    if self.measuring {
+                        self.clean_drops += 1;
+                    }
+                }
                 (Op::Offload { dest }, TState::Resident) => {
                     self.state[ti] = TState::Offloading { dest, keep: false };
                     if dest == Tier::Host {
@@ -491,6 +506,7 @@ impl<'a> Sim<'a> {
         self.iter_start = self.t;
         self.moved = [0.0; Resource::COUNT];
         self.migrations = 0;
+        self.clean_drops = 0;
         self.peak = self.used;
         self.peak_host = self.host_used;
         if self.opts.record_timeline {
@@ -530,6 +546,7 @@ impl<'a> Sim<'a> {
                 })
                 .collect(),
             migrations: self.migrations,
+            clean_drops: self.clean_drops,
             timeline: self.timeline.clone(),
         }
     }

@@ -109,6 +109,14 @@ pub struct Tensor {
     pub accesses: Vec<usize>,
     /// Kernel after which the tensor is freed (>= its last access); `None` for global tensors.
     pub dies_after: Option<usize>,
+    /// The accesses that write (modify) the tensor, a strictly ascending subset of
+    /// `accesses`; the others only read it. `None` (JSON: field absent, as in traces made
+    /// before the field existed) means every access writes, the conservative reading: no copy
+    /// of the tensor is ever known to be up to date after an access. For a non-global tensor
+    /// it must contain `created_by`. Written accesses decide when a tier copy stays valid
+    /// (see [`crate::plan`]: clean drops).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writes: Option<Vec<usize>>,
 }
 
 impl Tensor {
@@ -120,6 +128,19 @@ impl Tensor {
     /// Last kernel (inclusive) at which the tensor occupies memory in an all-resident run.
     pub fn free_kernel(&self, kernel_count: usize) -> usize {
         self.dies_after.unwrap_or(kernel_count.saturating_sub(1))
+    }
+
+    /// Whether kernel `k` writes the tensor (false if `k` does not access it at all).
+    pub fn writes_at(&self, k: usize) -> bool {
+        match &self.writes {
+            None => self.accesses.binary_search(&k).is_ok(),
+            Some(w) => w.binary_search(&k).is_ok(),
+        }
+    }
+
+    /// Whether any access writes the tensor.
+    pub fn is_ever_written(&self) -> bool {
+        self.writes.as_ref().is_none_or(|w| !w.is_empty())
     }
 }
 
@@ -278,6 +299,28 @@ impl Trace {
                     return Err(Error::trace(
                         format!("tensors[{i}].accesses[{j}]"),
                         "accesses must be strictly ascending",
+                    ));
+                }
+            }
+            if let Some(w) = &t.writes {
+                for (j, &k) in w.iter().enumerate() {
+                    let path = format!("tensors[{i}].writes[{j}]");
+                    if j > 0 && k <= w[j - 1] {
+                        return Err(Error::trace(path, "writes must be strictly ascending"));
+                    }
+                    if t.accesses.binary_search(&k).is_err() {
+                        return Err(Error::trace(
+                            path,
+                            format!("kernel {k} writes the tensor but is not one of its accesses"),
+                        ));
+                    }
+                }
+                if let Some(c) = t.created_by
+                    && w.binary_search(&c).is_err()
+                {
+                    return Err(Error::trace(
+                        p("writes"),
+                        format!("must contain created_by {c}: the creating kernel writes it"),
                     ));
                 }
             }
@@ -449,7 +492,27 @@ fn decode_trace(v: &Value) -> Result<Trace> {
         for (j, a) in arr(f("accesses")?, &p("accesses"))?.iter().enumerate() {
             accesses.push(usize_of(a, &format!("{path}.accesses[{j}]"))?);
         }
-        tensors.push(Tensor { id, name, bytes, kind, global, created_by, accesses, dies_after });
+        let writes = match to.get("writes") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                let mut w = Vec::new();
+                for (j, a) in arr(v, &p("writes"))?.iter().enumerate() {
+                    w.push(usize_of(a, &format!("{path}.writes[{j}]"))?);
+                }
+                Some(w)
+            }
+        };
+        tensors.push(Tensor {
+            id,
+            name,
+            bytes,
+            kind,
+            global,
+            created_by,
+            accesses,
+            dies_after,
+            writes,
+        });
     }
     Ok(Trace { format, version, name, kernels, tensors })
 }
@@ -472,6 +535,7 @@ mod tests {
             created_by: None,
             accesses: vec![0, 3],
             dies_after: None,
+            writes: Some(vec![3]),
         });
         t.tensors.push(Tensor {
             id: TensorId(1),
@@ -482,6 +546,7 @@ mod tests {
             created_by: Some(1),
             accesses: vec![1, 2],
             dies_after: Some(2),
+            writes: None,
         });
         t
     }
@@ -520,6 +585,35 @@ mod tests {
         v["tensors"][1]["dies_after"] = serde_json::json!(1);
         let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
         assert!(e.contains("tensors[1].dies_after"), "{e}");
+    }
+
+    #[test]
+    fn writes_default_to_every_access_and_are_checked() {
+        let mut v: Value = serde_json::from_str(&small().to_json()).unwrap();
+        assert!(v["tensors"][1].get("writes").is_none(), "None is not written out");
+        assert_eq!(v["tensors"][0]["writes"], serde_json::json!([3]));
+        let t = Trace::from_json(&v.to_string()).unwrap();
+        assert!(t.tensors[1].writes_at(1) && t.tensors[1].writes_at(2));
+        assert!(!t.tensors[0].writes_at(0) && t.tensors[0].writes_at(3));
+        assert!(!t.tensors[0].writes_at(1), "not an access");
+
+        v["tensors"][0]["writes"] = serde_json::json!([3, 1]);
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[0].writes[1]") && e.contains("ascending"), "{e}");
+        v["tensors"][0]["writes"] = serde_json::json!([2]);
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[0].writes[0]") && e.contains("not one of"), "{e}");
+        v["tensors"][0]["writes"] = serde_json::json!("all");
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[0].writes"), "{e}");
+        v["tensors"][0]["writes"] = serde_json::json!([]);
+        v["tensors"][1]["writes"] = serde_json::json!([2]);
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[1].writes") && e.contains("created_by 1"), "{e}");
+        v["tensors"][1]["writes"] = serde_json::json!([1]);
+        let t = Trace::from_json(&v.to_string()).unwrap();
+        assert!(!t.tensors[0].is_ever_written());
+        assert_eq!(Trace::from_json(&t.to_json()).unwrap(), t);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use teraio_scheduler::{
     Hardware, Kernel, ModelConfig, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId,
-    TensorKind, Trace, generate, plan, simulate,
+    TensorKind, Tier, Trace, generate, plan, simulate,
 };
 
 /// Independent check of the per-tensor rules: every prefetch follows an offload of the same
@@ -13,6 +13,7 @@ use teraio_scheduler::{
 /// prefetch, and a host kernel (CPU) only accesses offloaded tensors.
 fn check_plan(trace: &Trace, p: &Plan) {
     p.validate(trace).unwrap();
+    check_drops(trace, p);
     let n = trace.kernel_count();
     let on_host = |k: usize| p.host_kernels.iter().any(|h| h.kernel == k);
     for t in &trace.tensors {
@@ -43,6 +44,67 @@ fn check_plan(trace: &Trace, p: &Plan) {
                     assert!(!offloaded, "{} accessed at {k} while offloaded", t.id);
                 }
             }
+        }
+    }
+}
+
+/// Independent check of clean drops: walking back from a drop (cyclically for a global
+/// tensor), an offload to the SSD comes before any GPU kernel that writes the tensor, before
+/// any host-kernel write made while it sat on the host tier, and before any prefetch that no
+/// GPU kernel used. Also: every SSD offload where that holds is a drop.
+fn check_drops(trace: &Trace, p: &Plan) {
+    enum Ev {
+        Off(Tier, bool),
+        Pre,
+        Acc { write: bool, host: bool },
+    }
+    let n = trace.kernel_count();
+    let on_host = |k: usize| p.host_kernels.iter().any(|h| h.kernel == k);
+    for t in &trace.tensors {
+        let mut evs = Vec::new();
+        let mut ins = p.instructions.iter().filter(|i| i.tensor == t.id).peekable();
+        for k in 0..=n {
+            while let Some(i) = ins.next_if(|i| i.issue_before_kernel == k) {
+                evs.push(match i.op {
+                    Op::Offload { dest } => Ev::Off(dest, i.clean),
+                    Op::Prefetch => Ev::Pre,
+                });
+            }
+            if k < n && t.accesses.contains(&k) {
+                evs.push(Ev::Acc { write: t.writes_at(k), host: on_host(k) });
+            }
+        }
+        for (i, e) in evs.iter().enumerate() {
+            let Ev::Off(dest, clean) = *e else { continue };
+            if dest != Tier::Ssd {
+                assert!(!clean, "{}: clean drop to the host tier", t.id);
+                continue;
+            }
+            let (mut host_write, mut used) = (false, false);
+            let mut valid = false;
+            for step in 1..=evs.len() {
+                if !t.global && step > i {
+                    break; // back to creation: no copy
+                }
+                match evs[(i + evs.len() - step) % evs.len()] {
+                    Ev::Acc { write, host: false } => {
+                        used = true;
+                        if write {
+                            break;
+                        }
+                    }
+                    Ev::Acc { write, host: true } => host_write |= write,
+                    Ev::Pre if !used => break,
+                    Ev::Pre => {}
+                    Ev::Off(Tier::Ssd, _) => {
+                        valid = true;
+                        break;
+                    }
+                    Ev::Off(Tier::Host, _) if host_write => break,
+                    Ev::Off(Tier::Host, _) => {}
+                }
+            }
+            assert_eq!(clean, valid, "{}: drop flag of event {i} of {}", p.policy, t.id);
         }
     }
 }
@@ -78,6 +140,7 @@ fn arbitrary_trace() -> impl Strategy<Value = Trace> {
                 proptest::collection::btree_set(0..n, 1..6),
                 0usize..3,
                 any::<bool>(),
+                proptest::option::of(any::<u8>()),
             );
             (Just(durs), proptest::collection::vec(tensor, 1..25))
         })
@@ -91,8 +154,18 @@ fn arbitrary_trace() -> impl Strategy<Value = Trace> {
                     layer: Some(i as u32 / 4),
                 });
             }
-            for (i, (bytes, global, acc, extra, other)) in tensors.into_iter().enumerate() {
+            for (i, (bytes, global, acc, extra, other, mask)) in tensors.into_iter().enumerate() {
                 let accesses: Vec<usize> = acc.into_iter().collect();
+                // Which accesses write: all (`None`, an old trace) or a random subset that
+                // contains the creating access of a non-global tensor.
+                let writes = mask.map(|m| {
+                    accesses
+                        .iter()
+                        .enumerate()
+                        .filter(|&(j, _)| m & (1 << j) != 0 || (j == 0 && !global))
+                        .map(|(_, &k)| k)
+                        .collect::<Vec<usize>>()
+                });
                 let last = *accesses.last().unwrap();
                 // Optimizer states and gradients too, so that zero-infinity's CPU step (host
                 // kernels) is exercised.
@@ -111,6 +184,7 @@ fn arbitrary_trace() -> impl Strategy<Value = Trace> {
                     created_by: (!global).then_some(accesses[0]),
                     dies_after: (!global).then_some((last + extra).min(n - 1)),
                     accesses,
+                    writes,
                 });
             }
             t
@@ -160,6 +234,7 @@ fn idle_weight_is_hidden() {
         created_by: None,
         accesses: vec![0, 9],
         dies_after: None,
+        writes: None,
     });
     t.tensors.push(Tensor {
         id: TensorId(1),
@@ -170,6 +245,7 @@ fn idle_weight_is_hidden() {
         created_by: Some(4),
         accesses: vec![4, 5],
         dies_after: Some(5),
+        writes: None,
     });
     let mut hw = Hardware::paper();
     hw.gpu_memory_bytes = 1_500_000_000;

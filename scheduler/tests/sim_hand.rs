@@ -18,6 +18,7 @@ fn weight(id: u32, bytes: u64, kind: TensorKind, accesses: Vec<usize>) -> Tensor
         created_by: None,
         accesses,
         dies_after: None,
+        writes: None,
     }
 }
 
@@ -48,7 +49,7 @@ fn one_ssd(duplex: Option<f64>) -> Hardware {
 }
 
 fn ins(at: usize, t: u32, op: Op, urgent: bool) -> Instruction {
-    Instruction { issue_before_kernel: at, tensor: TensorId(t), op, urgent }
+    Instruction { issue_before_kernel: at, tensor: TensorId(t), op, urgent, clean: false }
 }
 
 /// Kernels 0..4 of 1000, 1, 1000, 1 us. A (1 GB) is used by kernel 0, B (1 GB) by kernel 2.
@@ -248,4 +249,147 @@ fn zero_infinity_runs_the_optimizer_on_the_cpu() {
     let gpu_adamw: f64 = adamw.iter().map(|&k| t.kernels[k].duration_us).sum();
     let ideal = t.iteration_time_us();
     assert!(close(r.iteration_time_us, ideal - gpu_adamw + r.host_step_us + r.stall_us));
+}
+
+/// The overlap case with clean drops: A (read at kernel 0) and B (read at kernel 2) are never
+/// written, so their SSD copies stay valid and both offloads can be drops. One SSD of 2 GB/s
+/// read, 2 GB/s write and 2 GB/s in total.
+fn drop_case() -> (Trace, Plan) {
+    let (mut t, p) = overlap_case(false);
+    for x in &mut t.tensors {
+        x.writes = Some(Vec::new());
+    }
+    t.validate().unwrap();
+    (t, p)
+}
+
+#[test]
+fn clean_drop_frees_the_ssd_for_the_read() {
+    let (t, dirty) = drop_case();
+    let mut clean = dirty.clone();
+    clean.mark_clean_drops(&t).unwrap();
+    // Both offloads become drops; nothing else changes.
+    let flags: Vec<bool> = clean.instructions.iter().map(|i| i.clean).collect();
+    assert_eq!(flags, vec![true, false, true, false]);
+    assert_eq!(clean.stats.clean_drop_bytes, 2 * GB);
+    let hw = one_ssd(Some(2e9));
+    // Written: A's write and B's read share 2 GB/s, 1 GB/s each: B arrives 1 s after
+    // boundary 1 (t = 1000 us); kernels 2 and 3 take 1001 us more.
+    let w = one_iteration(&t, &dirty, &hw);
+    assert!(close(w.iteration_time_us, 1000.0 + 1e6 + 1001.0), "{}", w.iteration_time_us);
+    assert_eq!(w.clean_drops, 0);
+    // Dropped: A's memory goes at once, B reads alone at 2 GB/s: 0.5 s.
+    let d = one_iteration(&t, &clean, &hw);
+    assert!(close(d.iteration_time_us, 1000.0 + 5e5 + 1001.0), "{}", d.iteration_time_us);
+    assert!(close(d.stall_us, 5e5 - 1.0), "{}", d.stall_us);
+    assert_eq!(d.clean_drops, 2, "A's at boundary 1, B's at boundary 3");
+    let bytes = |r: &teraio_scheduler::SimReport, res: Resource| {
+        r.bytes_moved.iter().find(|b| b.resource == res).unwrap().bytes
+    };
+    assert_eq!(bytes(&d, Resource::SsdWrite), 0);
+    // B, and 1 us of A's prefetch (issued at boundary 3) at 2 GB/s before the iteration ends.
+    assert_eq!(bytes(&d, Resource::SsdRead), GB + 2000);
+    // A, and 1 us of B's write at boundary 3 (sharing 2 GB/s with A's read: 1 GB/s).
+    assert_eq!(bytes(&w, Resource::SsdWrite), GB + 1000);
+    // A drop releases memory at once: B's allocation comes after A's release (peak 1 GB);
+    // while A's write runs, both are allocated (2 GB).
+    assert_eq!(d.peak_gpu_bytes, GB);
+    assert_eq!(w.peak_gpu_bytes, 2 * GB);
+}
+
+#[test]
+fn dirty_drops_are_rejected() {
+    let (mut t, p) = drop_case();
+    let mut clean = p.clone();
+    clean.mark_clean_drops(&t).unwrap();
+    clean.validate(&t).unwrap();
+    // Kernel 0 writes A: its SSD copy (made at boundary 1 of the previous iteration) is stale
+    // by boundary 1, so A's drop is invalid; B's stays valid.
+    t.tensors[0].writes = Some(vec![0]);
+    let e = clean.validate(&t).unwrap_err().to_string();
+    assert!(e.contains("instructions[0].clean") && e.contains("not valid"), "{e}");
+    let mut again = p.clone();
+    again.mark_clean_drops(&t).unwrap();
+    let flags: Vec<bool> = again.instructions.iter().map(|i| i.clean).collect();
+    assert_eq!(flags, vec![false, false, true, false]);
+    // Old traces (every access writes): no drop is valid.
+    for x in &mut t.tensors {
+        x.writes = None;
+    }
+    let e = clean.validate(&t).unwrap_err().to_string();
+    assert!(e.contains("clean drop of t"), "{e}");
+    let mut old = p.clone();
+    old.mark_clean_drops(&t).unwrap();
+    assert!(old.instructions.iter().all(|i| !i.clean));
+    assert_eq!(old, p);
+    // Only offloads to the SSD can be drops.
+    let (t, _) = drop_case();
+    let mut host = p.clone();
+    host.instructions[0].op = Op::Offload { dest: Tier::Host };
+    host.instructions[0].clean = true;
+    let e = host.validate(&t).unwrap_err().to_string();
+    assert!(e.contains("instructions[0].clean") && e.contains("ssd"), "{e}");
+    let mut pre = p.clone();
+    pre.instructions[1].clean = true;
+    assert!(pre.validate(&t).unwrap_err().to_string().contains("instructions[1].clean"));
+}
+
+/// A drop right after a prefetch, before any kernel used the tensor, is rejected.
+#[test]
+fn drop_of_an_unused_prefetch_is_rejected() {
+    let mut t = Trace::new("unused");
+    t.kernels = kernels(&[10.0, 10.0, 10.0]);
+    t.tensors.push(weight(0, GB, TensorKind::Weight, vec![0]));
+    t.tensors[0].writes = Some(Vec::new());
+    let p = Plan {
+        policy: "hand".into(),
+        kernel_count: 3,
+        tensor_count: 1,
+        unlimited_memory: false,
+        initially_offloaded: Vec::new(),
+        instructions: vec![
+            ins(1, 0, Op::Offload { dest: Tier::Ssd }, false),
+            ins(2, 0, Op::Prefetch, false),
+            Instruction::drop_clean(3, TensorId(0)),
+            ins(3, 0, Op::Prefetch, false),
+        ],
+        host_kernels: Vec::new(),
+        stats: Default::default(),
+    };
+    let e = p.validate(&t).unwrap_err().to_string();
+    assert!(e.contains("instructions[2].clean") && e.contains("before any kernel used"), "{e}");
+}
+
+/// Host kernels update the SSD copy itself: zero-infinity's weights (written only by the CPU
+/// optimizer step, on their NVMe copy) are always dropped, never written back by the GPU;
+/// gradients and activations (written on the GPU) never are.
+#[test]
+fn zero_infinity_drops_its_parameters() {
+    let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+    cfg.micro_batch = 2;
+    cfg.micro_batches = 2;
+    let t = generate(&cfg).unwrap();
+    let mut hw = Hardware::paper();
+    hw.gpu_memory_bytes = 2_500_000_000;
+    let p = plan(&t, &hw, Policy::ZeroInfinity).unwrap();
+    let mut weights = 0;
+    for i in &p.instructions {
+        if !matches!(i.op, Op::Offload { .. }) {
+            continue;
+        }
+        match t.tensor(i.tensor).kind {
+            TensorKind::Weight => {
+                assert!(i.clean, "{} written back", t.tensor(i.tensor).name);
+                weights += 1;
+            }
+            _ => assert!(!i.clean, "{} dropped", t.tensor(i.tensor).name),
+        }
+    }
+    assert!(weights > 0);
+    let r = simulate(&t, &p, &hw, &SimOptions::default()).unwrap();
+    assert_eq!(r.outcome, Outcome::Completed);
+    // Every SSD write of the iteration is the CPU step's (weights and moments).
+    let written: u64 = p.host_kernels.iter().map(|h| h.ssd_write_bytes).sum();
+    let ssd_wr = r.bytes_moved.iter().find(|b| b.resource == Resource::SsdWrite).unwrap().bytes;
+    assert!(ssd_wr.abs_diff(written) <= 16, "{ssd_wr} vs {written}");
 }

@@ -116,6 +116,7 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     let offloads = p.instructions.iter().filter(|i| matches!(i.op, Op::Offload { .. })).count();
+    let drops = p.instructions.iter().filter(|i| i.is_clean_drop()).count();
     let urgent = p.instructions.iter().filter(|i| i.urgent).count();
     outln!(
         "policy {} on {} ({} kernels, {} tensors)",
@@ -126,7 +127,8 @@ pub fn run(args: Args) -> Result<()> {
     );
     outln!("plan time                {:.3} s", elapsed.as_secs_f64());
     outln!(
-        "instructions             {} ({offloads} offloads, {urgent} urgent)",
+        "instructions             {} ({offloads} offloads of which {drops} clean drops, {urgent} \
+         urgent)",
         p.instructions.len()
     );
     outln!("initially offloaded      {}", p.initially_offloaded.len());
@@ -137,8 +139,9 @@ pub fn run(args: Args) -> Result<()> {
         gb(hw.gpu_memory_bytes)
     );
     outln!(
-        "offloaded per iteration  {:.2} GB to SSD, {:.2} GB to host",
+        "offloaded per iteration  {:.2} GB written to SSD, {:.2} GB dropped clean, {:.2} GB to host",
         gb(p.stats.ssd_offload_bytes),
+        gb(p.stats.clean_drop_bytes),
         gb(p.stats.host_offload_bytes)
     );
     outln!("candidates / evaluations {} / {}", p.stats.candidates, p.stats.evaluations);

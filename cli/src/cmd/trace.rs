@@ -66,6 +66,10 @@ pub struct GenArgs {
     /// Scale kernel durations so the all-resident iteration takes this many seconds.
     #[arg(long)]
     pub iteration_s: Option<f64>,
+    /// Leave out which accesses write (`writes`), as traces made before that field did:
+    /// every access then counts as a write and no plan can drop a clean copy. For comparisons.
+    #[arg(long)]
+    pub every_access_writes: bool,
     /// Output file (default: standard output).
     #[arg(short, long)]
     pub output: Option<PathBuf>,
@@ -159,7 +163,12 @@ pub fn run(cmd: Command) -> Result<()> {
     match cmd {
         Command::Gen(a) => {
             let cfg = config(&a)?;
-            let trace = generate(&cfg)?;
+            let mut trace = generate(&cfg)?;
+            if a.every_access_writes {
+                for t in &mut trace.tensors {
+                    t.writes = None;
+                }
+            }
             write_out(a.output.as_deref(), &trace.to_json())?;
             if a.output.is_some() {
                 eprintln!(

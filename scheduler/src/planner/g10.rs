@@ -41,6 +41,7 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
                 if hw.host_memory_cap_bytes >= iv.bytes { st.fit(&iv, Tier::Host) } else { None }
             });
             if let Some(f) = fit {
+                // Static order: intervals that became clean drops are not re-ranked.
                 st.accept(iv, f);
                 taken[i] = true;
             }

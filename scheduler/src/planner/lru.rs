@@ -83,21 +83,11 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
                 if tier == Tier::Host {
                     pass.host_used += t.bytes;
                 }
-                instructions.push(Instruction {
-                    issue_before_kernel: k,
-                    tensor: tid,
-                    op: Op::Offload { dest: tier },
-                    urgent: true,
-                });
+                instructions.push(Instruction::offload(k, tid, tier, true));
             }
             pass.lru.extend(skipped);
             for &t in &need_fetch {
-                instructions.push(Instruction {
-                    issue_before_kernel: k,
-                    tensor: t,
-                    op: Op::Prefetch,
-                    urgent: true,
-                });
+                instructions.push(Instruction::prefetch(k, t, true));
             }
             for &t in &need_fetch {
                 if tier == Tier::Host {
@@ -134,19 +124,9 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
             initial.push(InitialPlacement { tensor: t.id, tier });
         }
         if start && !end {
-            instructions.push(Instruction {
-                issue_before_kernel: n,
-                tensor: t.id,
-                op: Op::Prefetch,
-                urgent: true,
-            });
+            instructions.push(Instruction::prefetch(n, t.id, true));
         } else if !start && end {
-            instructions.push(Instruction {
-                issue_before_kernel: n,
-                tensor: t.id,
-                op: Op::Offload { dest: tier },
-                urgent: true,
-            });
+            instructions.push(Instruction::offload(n, t.id, tier, true));
         }
     }
     let moved: u64 = instructions

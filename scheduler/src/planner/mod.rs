@@ -6,6 +6,11 @@
 //! over exhausted slots), and the host-tier occupancy as a second tree. SSD transfers draw on
 //! both their direction's budget and [`Resource::SsdDuplex`]'s, so reads and writes planned
 //! in the same slots share a combined SSD limit when the hardware has one.
+//!
+//! Clean drops: an interval whose tensor already has an SSD copy from an earlier chosen
+//! interval of the same epoch (no write since, see [`InactiveInterval::last_write`]) costs no
+//! write: its offload takes no bandwidth and frees the memory at once. Every policy's plan
+//! goes through [`Plan::mark_clean_drops`], which turns each such offload into a drop.
 
 mod g10;
 mod lru;
@@ -13,11 +18,13 @@ mod teraio;
 pub(crate) mod tree;
 mod zero;
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::analysis::{InactiveInterval, time_at};
 use crate::hardware::{Hardware, Resource, Tier};
-use crate::plan::{HostKernel, InitialPlacement, Instruction, Op, Plan, PlanStats};
+use crate::plan::{HostKernel, InitialPlacement, Instruction, Plan, PlanStats};
 use crate::trace::{TensorId, Trace};
 use crate::{Error, Result};
 use tree::ExcessTree;
@@ -96,7 +103,7 @@ impl std::fmt::Display for Policy {
 pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
     trace.validate()?;
     hw.validate()?;
-    let plan = match policy {
+    let mut plan = match policy {
         Policy::Teraio => teraio::plan(trace, hw, false),
         Policy::TeraioHybrid => teraio::plan(trace, hw, true),
         Policy::G10 => g10::plan(trace, hw),
@@ -109,6 +116,7 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
         }
         Policy::None => Plan::empty("none", trace),
     };
+    plan.mark_clean_drops(trace)?;
     debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
     Ok(plan)
 }
@@ -125,6 +133,9 @@ pub(crate) struct Fit {
     pub cost_us: f64,
     /// Area above capacity removed, byte-microseconds.
     pub benefit: f64,
+    /// The offload is a clean drop (an SSD copy of this epoch exists): no write, the memory
+    /// is free from slot `last_access + 1` (`offload_end` = `last_access`).
+    pub clean: bool,
 }
 
 /// Skip list over slots whose budget is exhausted (monotone: budgets only shrink).
@@ -193,6 +204,9 @@ pub(crate) struct State<'a> {
     pub relaxed: bool,
     retiming: bool,
     pub peak_resident: u64,
+    /// Per (tensor, epoch = last write): the earliest position (`reads_since_write`) of a
+    /// chosen SSD interval; later intervals of the epoch are clean drops.
+    ssd_epochs: HashMap<(TensorId, usize), usize>,
 }
 
 const EXHAUSTED_BYTES: f64 = 1.0;
@@ -234,6 +248,7 @@ impl<'a> State<'a> {
             relaxed: false,
             retiming: false,
             peak_resident: resident.iter().copied().max().unwrap_or(0),
+            ssd_epochs: HashMap::new(),
         }
     }
 
@@ -303,24 +318,28 @@ impl<'a> State<'a> {
         let size = iv.bytes as f64;
         let off_path = self.hw.offload_path(tier);
         let pre_path = self.hw.prefetch_path(tier);
-        // Offload: forward from slot a+1.
-        let mut left = size;
-        let mut s = a + 1;
-        let off_end_us;
-        loop {
-            s = self.next_live(&off_path, s);
-            if s + 1 >= b {
-                return None; // needs at least one slot for the prefetch and one saved kernel
+        let clean = tier == Tier::Ssd && self.is_clean(iv);
+        let mut left;
+        let (e, off_end_us) = if clean {
+            // A clean drop: no write, the memory is free from boundary a+1.
+            (a, time_at(&self.starts, a + 1))
+        } else {
+            // Offload: forward from slot a+1.
+            left = size;
+            let mut s = a + 1;
+            loop {
+                s = self.next_live(&off_path, s);
+                if s + 1 >= b {
+                    return None; // needs at least one slot for the prefetch and one saved kernel
+                }
+                let av = self.avail(&off_path, s);
+                if av >= left {
+                    break (s, time_at(&self.starts, s) + self.dur[s % self.n] * (left / av));
+                }
+                left -= av;
+                s += 1;
             }
-            let av = self.avail(&off_path, s);
-            if av >= left {
-                off_end_us = time_at(&self.starts, s) + self.dur[s % self.n] * (left / av);
-                break;
-            }
-            left -= av;
-            s += 1;
-        }
-        let e = s;
+        };
         // Prefetch: backward from slot b-1, strictly after e+1 (one saved kernel at least).
         left = size;
         let mut p = b - 1;
@@ -359,7 +378,35 @@ impl<'a> State<'a> {
         }
         let cost_us =
             (off_end_us - time_at(&self.starts, a + 1)) + (time_at(&self.starts, b) - pre_start_us);
-        Some(Fit { tier, offload_end: e, prefetch_start: p, cost_us: cost_us.max(1e-3), benefit })
+        Some(Fit {
+            tier,
+            offload_end: e,
+            prefetch_start: p,
+            cost_us: cost_us.max(1e-3),
+            benefit,
+            clean,
+        })
+    }
+
+    /// Whether an SSD offload of `iv` would be a clean drop: an earlier interval of its epoch
+    /// went to the SSD (or nothing ever writes the tensor: its copy never goes stale).
+    fn is_clean(&self, iv: &InactiveInterval) -> bool {
+        match iv.last_write {
+            None => true,
+            Some(w) => {
+                self.ssd_epochs.get(&(iv.tensor, w)).is_some_and(|&p| p < iv.reads_since_write)
+            }
+        }
+    }
+
+    /// Record an SSD choice of `iv` for its epoch; true if it is now the earliest SSD choice
+    /// of the epoch (later intervals of the epoch just became clean drops).
+    fn note_ssd_epoch(&mut self, iv: &InactiveInterval) -> bool {
+        let Some(w) = iv.last_write else { return false };
+        let e = self.ssd_epochs.entry((iv.tensor, w)).or_insert(usize::MAX);
+        let earliest = iv.reads_since_write < *e;
+        *e = (*e).min(iv.reads_since_write);
+        earliest
     }
 
     fn consume(
@@ -411,14 +458,19 @@ impl<'a> State<'a> {
     }
 
     /// Commit a fit: reserve bandwidth, lower the memory curve, raise host occupancy.
-    pub fn accept(&mut self, iv: InactiveInterval, fit: Fit) {
+    /// Returns whether the choice made later intervals of the same epoch clean drops (their
+    /// scores went up).
+    pub fn accept(&mut self, iv: InactiveInterval, fit: Fit) -> bool {
         let off_path = self.hw.offload_path(fit.tier);
         let pre_path = self.hw.prefetch_path(fit.tier);
         let size = iv.bytes as f64;
         if !self.relaxed {
-            self.consume(&off_path, iv.last_access + 1, fit.offload_end, true, size);
+            if !fit.clean {
+                self.consume(&off_path, iv.last_access + 1, fit.offload_end, true, size);
+            }
             self.consume(&pre_path, fit.prefetch_start, iv.next_access - 1, false, size);
         }
+        let opened = fit.tier == Tier::Ssd && self.note_ssd_epoch(&iv);
         for (l, r) in self.ranges(fit.offload_end + 1, fit.prefetch_start) {
             self.mem.add(l, r, -(iv.bytes as i64));
         }
@@ -428,6 +480,7 @@ impl<'a> State<'a> {
             }
         }
         self.chosen.push((iv, fit));
+        opened
     }
 
     /// Relaxed phase only: move chosen entry `ci`'s offload end earlier and its prefetch start
@@ -482,14 +535,10 @@ impl<'a> State<'a> {
                 Tier::Host => host += iv.bytes,
             }
             let off_at = iv.last_access + 1; // <= n
+            // Clean flags are set by `Plan::mark_clean_drops` from the plan itself.
             keyed.push((
                 (off_at, 0, iv.next_access),
-                Instruction {
-                    issue_before_kernel: off_at,
-                    tensor: iv.tensor,
-                    op: Op::Offload { dest: fit.tier },
-                    urgent: fit.offload_end == off_at,
-                },
+                Instruction::offload(off_at, iv.tensor, fit.tier, fit.offload_end == off_at),
             ));
             let mut pre_at = fit.prefetch_start;
             if pre_at > n {
@@ -499,12 +548,7 @@ impl<'a> State<'a> {
             let deadline = iv.next_access % n.max(1);
             keyed.push((
                 (pre_at, 1, deadline),
-                Instruction {
-                    issue_before_kernel: pre_at,
-                    tensor: iv.tensor,
-                    op: Op::Prefetch,
-                    urgent: fit.prefetch_start + 1 == iv.next_access,
-                },
+                Instruction::prefetch(pre_at, iv.tensor, fit.prefetch_start + 1 == iv.next_access),
             ));
         }
         keyed.sort_by_key(|(k, _)| *k);
@@ -523,6 +567,7 @@ impl<'a> State<'a> {
                 planned_peak_bytes: planned_peak,
                 ssd_offload_bytes: ssd,
                 host_offload_bytes: host,
+                clean_drop_bytes: 0,
                 candidates,
                 evaluations,
             },
@@ -557,27 +602,14 @@ pub(crate) fn plan_from_moves(
     for (seq, m) in moves.iter().enumerate() {
         keyed.push((
             (m.offload_at, 0u8, seq),
-            Instruction {
-                issue_before_kernel: m.offload_at,
-                tensor: m.tensor,
-                op: Op::Offload { dest: m.tier },
-                urgent: m.urgent,
-            },
+            Instruction::offload(m.offload_at, m.tensor, m.tier, m.urgent),
         ));
         let Some(mut p) = m.prefetch_at else { continue };
         if p > n {
             p -= n;
             initial.push(InitialPlacement { tensor: m.tensor, tier: m.tier });
         }
-        keyed.push((
-            (p, 1u8, seq),
-            Instruction {
-                issue_before_kernel: p,
-                tensor: m.tensor,
-                op: Op::Prefetch,
-                urgent: m.urgent,
-            },
-        ));
+        keyed.push(((p, 1u8, seq), Instruction::prefetch(p, m.tensor, m.urgent)));
     }
     keyed.sort_by_key(|(k, _)| *k);
     initial.sort_by_key(|p| p.tensor);
@@ -618,6 +650,7 @@ mod tests {
                 created_by: None,
                 accesses: acc,
                 dies_after: None,
+                writes: None,
             });
         }
         let mut hw = Hardware::paper();

@@ -17,15 +17,23 @@
 //! and taken. Memory is an [`super::tree::ExcessTree`]; bandwidth budgets skip exhausted
 //! slots. With `hybrid`, a candidate also tries the host tier and takes it when it removes
 //! more area per unit cost than the SSD placement (the `teraio-hybrid` improvement).
+//!
+//! Clean drops break "scores only fall" in one place: the first SSD choice in an epoch of a
+//! tensor (intervals between two writes) makes the later intervals of that epoch free to
+//! offload (no write), so their scores rise. Those intervals are re-evaluated and pushed again
+//! when that happens (including ones that did not fit before).
 
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 
 use super::{Fit, State};
 use crate::analysis::{InactiveInterval, inactive_intervals};
 use crate::hardware::{Hardware, Tier};
 use crate::plan::Plan;
-use crate::trace::Trace;
+use crate::trace::{TensorId, Trace};
+
+/// Interval indices per (tensor, epoch), by position in the epoch.
+type Epochs = HashMap<(TensorId, usize), Vec<usize>>;
 
 #[derive(PartialEq)]
 struct Entry {
@@ -76,18 +84,33 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, hybrid: bool) -> Plan {
     let mut st = State::new(trace, hw);
     let ivs = inactive_intervals(trace);
     let mut taken = vec![false; ivs.len()];
-    greedy(&mut st, &ivs, &mut taken, hybrid);
+    let mut epochs: Epochs = HashMap::new();
+    for (i, iv) in ivs.iter().enumerate() {
+        if let Some(w) = iv.last_write {
+            epochs.entry((iv.tensor, w)).or_default().push(i);
+        }
+    }
+    for list in epochs.values_mut() {
+        list.sort_by_key(|&i| ivs[i].reads_since_write);
+    }
+    greedy(&mut st, &ivs, &epochs, &mut taken, hybrid);
     if st.mem.max() > 0 {
         // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
         // (they will stall, but the iteration fits in memory where that is possible at all).
         st.relaxed = true;
-        greedy(&mut st, &ivs, &mut taken, hybrid);
+        greedy(&mut st, &ivs, &epochs, &mut taken, hybrid);
     }
     st.into_plan(name, ivs.len())
 }
 
 /// Lazy greedy by benefit/cost over the intervals not yet taken.
-fn greedy(st: &mut State<'_>, ivs: &[InactiveInterval], taken: &mut [bool], hybrid: bool) {
+fn greedy(
+    st: &mut State<'_>,
+    ivs: &[InactiveInterval],
+    epochs: &Epochs,
+    taken: &mut [bool],
+    hybrid: bool,
+) {
     if st.mem.max() <= 0 {
         return;
     }
@@ -113,7 +136,7 @@ fn greedy(st: &mut State<'_>, ivs: &[InactiveInterval], taken: &mut [bool], hybr
     }
     let mut version = 0u64;
     // Each pop either accepts (at most once per interval) or re-scores at a newer version;
-    // bound the loop anyway.
+    // an epoch opens at most once per interval. Bound the loop anyway.
     let max_steps = 64 * ivs.len() + 1024;
     for _ in 0..max_steps {
         if st.mem.max() <= 0 {
@@ -132,14 +155,33 @@ fn greedy(st: &mut State<'_>, ivs: &[InactiveInterval], taken: &mut [bool], hybr
             }
             continue;
         }
+        if taken[top.idx] {
+            continue; // pushed again when its epoch opened, and taken since
+        }
         let iv = ivs[top.idx];
         let Some(fit) = evaluate(st, &iv, hybrid) else { continue };
         let score = fit.benefit / fit.cost_us;
         let best_other = heap.peek().map_or(f64::NEG_INFINITY, |e| e.score);
         if top.version == version || score >= best_other {
-            st.accept(iv, fit);
+            let opened = st.accept(iv, fit);
             taken[top.idx] = true;
             version += 1;
+            if opened && let Some(w) = iv.last_write {
+                // Later intervals of this epoch are clean drops now: their scores rose.
+                for &j in &epochs[&(iv.tensor, w)] {
+                    if !taken[j]
+                        && ivs[j].reads_since_write > iv.reads_since_write
+                        && let Some(f) = evaluate(st, &ivs[j], hybrid)
+                    {
+                        heap.push(Entry {
+                            score: f.benefit / f.cost_us,
+                            idx: j,
+                            version,
+                            retime: None,
+                        });
+                    }
+                }
+            }
         } else {
             heap.push(Entry { score, idx: top.idx, version, retime: None });
         }
