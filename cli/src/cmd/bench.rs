@@ -120,6 +120,14 @@ pub struct Args {
     /// Seed of the random offsets.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Instead of raw blocks, move a realistic mix of tensors (log-uniform 1 MiB - 1 GiB, about
+    /// 60% of the array) through the tensor store: offload them all, then prefetch them all
+    /// (crc32c on; `--no-checksums` to leave it out).
+    #[arg(long)]
+    pub tensors: bool,
+    /// With --tensors: skip the store's crc32c per stripe unit.
+    #[arg(long, requires = "tensors")]
+    pub no_checksums: bool,
 }
 
 /// Parse "4k", "1M", "1GiB", "512" (powers of 1024, as fio does by default).
@@ -491,6 +499,9 @@ struct Report {
 
 /// Run `teraio bench`.
 pub fn run(args: Args) -> Result<()> {
+    if args.tensors {
+        return super::bench_tensors::from_args(&args);
+    }
     let report = execute(&args)?;
     let Report { rd, wr, runtime, names, backend, backing } = report;
     let n = names.len();

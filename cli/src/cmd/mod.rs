@@ -3,6 +3,7 @@
 pub mod advise;
 pub mod analyze;
 pub mod bench;
+pub mod bench_tensors;
 pub mod inspect;
 pub mod plan;
 pub mod run;
