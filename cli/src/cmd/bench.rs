@@ -662,6 +662,8 @@ mod tests {
             no_prefill: false,
             no_huge_pages: false,
             seed: 1,
+            tensors: false,
+            no_checksums: false,
         };
         let r = execute(&args).unwrap();
         assert_eq!(r.wr.ios, 32);

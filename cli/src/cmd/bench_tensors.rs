@@ -177,3 +177,38 @@ pub fn report(r: &TensorBench, json_out: bool) -> Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mix_is_log_uniform_within_bounds_and_adds_up() {
+        let total = 10u64 << 30;
+        let sizes = tensor_mix(total, 7);
+        assert_eq!(sizes.iter().sum::<u64>(), total);
+        assert!(sizes.iter().all(|&s| (1 << 20..=1 << 30).contains(&s)));
+        // Log-uniform: about as many tensors below 32 MiB (the geometric middle) as above.
+        let small = sizes.iter().filter(|&&s| s < 32 << 20).count();
+        assert!(
+            small * 4 > sizes.len() && small * 4 < 3 * sizes.len(),
+            "{small} of {}",
+            sizes.len()
+        );
+        assert_eq!(tensor_mix(total, 7), sizes, "seeded");
+    }
+
+    #[test]
+    fn a_small_mix_round_trips_through_the_store() {
+        use teraio_engine::backend::sim::SimDisk;
+        let disks: Vec<_> = (0..2).map(|i| SimDisk::new(256 << 20, 4096, i)).collect();
+        let array = DeviceArray::open(ArrayConfig::new(
+            disks.iter().map(|d| Target::Sim(d.clone())).collect(),
+        ))
+        .unwrap();
+        let sizes = [1 << 20, 3 << 20, 40 << 20, (5 << 20) + 7];
+        let r = run(array, &sizes, true, 2).unwrap();
+        assert_eq!(r.offload.bytes, sizes.iter().sum::<u64>());
+        assert!(r.offload.bandwidth() > 0.0 && r.prefetch.bandwidth() > 0.0);
+    }
+}
