@@ -465,3 +465,37 @@ fn offload_keep_hands_the_source_back_after_the_copy_is_stored() {
     assert_eq!(h.wait().unwrap().0, OffloadOutcome::OnSsd);
     assert_eq!(store.stats().offloads_cancelled, 0);
 }
+
+#[test]
+fn a_retaining_store_keeps_copies_after_prefetch() {
+    let disks = sim_disks(2, 64 * MIB, 15);
+    let tier: Arc<dyn MemoryTier> = HostTier::new("host", 8 * MIB).unwrap();
+    let mut cfg = StoreConfig::new(sim_array(&disks));
+    cfg.retain_on_prefetch = true;
+    cfg.host_tier = Some(tier);
+    let store = TensorStore::open(cfg).unwrap();
+    let pool = pool();
+    let len = 3 * MIB as usize;
+    let host = OffloadOptions { destination: Destination::Host, ..Default::default() };
+    store.offload_sync(1, host_mem(&pool, &content(1, 0, len)), OffloadOptions::default()).unwrap();
+    store.offload_sync(2, host_mem(&pool, &content(2, 0, len)), host).unwrap();
+    for round in 0..3 {
+        for id in [1, 2] {
+            let got = store.prefetch_sync(id, host_zeroed(&pool, len)).unwrap();
+            assert_same(
+                &bytes_of(&got),
+                &content(id, 0, len),
+                &format!("round {round} tensor {id}"),
+            );
+        }
+    }
+    assert_eq!(store.info(1).unwrap().location, Location::OnSsd);
+    assert_eq!(store.info(2).unwrap().location, Location::InHost);
+    // No cancellation: a prefetch behind a queued offload waits for the write.
+    let h =
+        store.offload(1, host_mem(&pool, &content(1, 1, len)), OffloadOptions::default()).unwrap();
+    let got = store.prefetch_sync(1, host_zeroed(&pool, len)).unwrap();
+    assert_same(&bytes_of(&got), &content(1, 1, len), "new version");
+    assert_eq!(h.wait().unwrap(), OffloadOutcome::OnSsd);
+    assert_eq!(store.stats().offloads_cancelled, 0);
+}

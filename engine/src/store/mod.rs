@@ -11,12 +11,13 @@
 //!
 //! Contracts:
 //! - Operations on one tensor apply in issue order.
-//! - A prefetch moves the tensor back to the caller. In a volatile store (the default, used for
-//!   training) the store then forgets the content: its SSD extents or host-tier memory are
-//!   released, and the tensor must be offloaded again before the next prefetch. A persistent store
-//!   keeps the SSD copy until the tensor is freed.
-//! - In a volatile store, a prefetch issued while the tensor's offload is still queued (not yet
-//!   started) cancels that offload and completes at once from its source memory.
+//! - A prefetch moves the tensor back to the caller. In a volatile store (the default) the store
+//!   then forgets the content: its SSD extents or host-tier memory are released, and the tensor
+//!   must be offloaded again before the next prefetch. A persistent store, or one configured with
+//!   `retain_on_prefetch`, keeps the SSD copy until the tensor is offloaded again or freed (so a
+//!   caller can drop an unmodified tensor without writing it).
+//! - In a volatile, non-retaining store, a prefetch issued while the tensor's offload is still
+//!   queued (not yet started) cancels that offload and completes at once from its source memory.
 //! - The source memory of an offload is released only after the write completed (and, in
 //!   persistent mode, after the journal record naming the tensor is durable). A failed offload
 //!   leaves the tensor held by the store ([`Location::Held`]); a later prefetch returns it.
@@ -133,6 +134,10 @@ pub struct StoreConfig {
     pub queued_ops_max: u64,
     /// Persistent mode: metadata journal + checkpoints, reopenable after a crash.
     pub persistent: bool,
+    /// Keep a tensor's SSD copy after a prefetch (a persistent store always does), so a caller
+    /// that did not modify the tensor can release its memory later without writing it again.
+    /// Cancellation of queued offloads by a prefetch is then off (the copy must stay current).
+    pub retain_on_prefetch: bool,
     /// Allocation unit of the extent allocator (a power of two >= 4 KiB).
     pub alloc_unit_bytes: u64,
 }
@@ -148,6 +153,7 @@ impl StoreConfig {
             inflight_bytes_max: 1 << 30,
             queued_ops_max: 1 << 16,
             persistent: false,
+            retain_on_prefetch: false,
             alloc_unit_bytes: 1 << 20,
         }
     }
@@ -239,6 +245,7 @@ struct Inner {
     staging: Arc<BufferPool>,
     stats: Mutex<StoreStats>,
     persist: Option<Persistence>,
+    retain: bool,
 }
 
 /// The tensor store. Cheap to share (`Arc`); dropping the last handle drains the queues, stops
@@ -297,6 +304,7 @@ impl TensorStore {
             queued: Budget::new(config.queued_ops_max),
             staging,
             stats: Mutex::new(StoreStats::default()),
+            retain: persist.is_some() || config.retain_on_prefetch,
             persist,
         });
         let workers = (0..config.workers)
@@ -398,7 +406,7 @@ impl TensorStore {
         }
         // Volatile stores: a queued (not yet running) offload at the tail is cancelled; its
         // source has the data. (A persistent store writes it: durability was asked for.)
-        let tail_is_queued_offload = self.inner.persist.is_none()
+        let tail_is_queued_offload = !self.inner.retain
             && matches!(
                 entry.queue.back(),
                 Some(Op { kind: OpKind::Offload { .. }, done: Done::Offload(_), .. })
@@ -1021,9 +1029,12 @@ impl Inner {
                     r.is_ok(),
                 );
             }
-            // Memory copies are consumed by a successful prefetch (the data lives in `dst` now);
-            // on failure they go back.
+            // Memory copies are consumed by a successful prefetch (the data lives in `dst` now),
+            // except a host-tier copy in a retaining store; on failure they go back.
             return match r {
+                Ok(d) if self.retain => {
+                    (Outcome::Prefetch(Ok(d)), Update::Restore { host, held: None })
+                }
                 Ok(d) => (Outcome::Prefetch(Ok(d)), Update::None),
                 Err(e) => (Outcome::Prefetch(Err(e)), Update::Restore { host, held }),
             };
@@ -1041,9 +1052,9 @@ impl Inner {
         let r = self.read_from_ssd(id, dst, &copy);
         self.inflight.release(budget);
         self.stats.lock().ssd_read.finish(Instant::now(), started.elapsed(), size, r.is_ok());
-        // A volatile store hands the tensor back and forgets it; a persistent one keeps it.
-        let update =
-            if r.is_ok() && self.persist.is_none() { Update::ConsumedSsd } else { Update::None };
+        // A volatile store hands the tensor back and forgets it; a persistent or retaining one
+        // keeps it.
+        let update = if r.is_ok() && !self.retain { Update::ConsumedSsd } else { Update::None };
         (Outcome::Prefetch(r), update)
     }
 
