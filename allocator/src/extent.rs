@@ -1,10 +1,12 @@
 //! The per-device extent allocator.
 //!
-//! The truth is a bitmap with one bit per allocation unit (1 = allocated). Two in-memory indexes
-//! of the free extents make allocation and free O(log n) in the number of free extents:
-//! `by_offset` (start unit -> length in units) finds neighbours to coalesce with, and `by_size`
-//! (length, start packed in one `u128`) finds the best fit. Free extents in the indexes are
-//! always maximal: two free extents never touch.
+//! The truth is a bitmap with one bit per allocation unit (1 = allocated), with summary levels
+//! ([`LevelBits`]) that find the nearest allocated unit left or right of any unit in a few word
+//! reads. Free extents are always maximal (two free extents never touch), so the bitmap alone
+//! says where each free extent starts and ends: freeing finds its free neighbours there, with no
+//! index by offset. One index, [`SizeIndex`], orders the free extents by (length, start) for best
+//! fit: an exact-length bin per short length (an occupancy bit set finds the smallest non-empty
+//! bin at or above a length) and one ordered set for the few long extents.
 //!
 //! Placement policy (deterministic, so a model can predict it):
 //! 1. A request of `n` units that fits in one free extent takes the first `n` units of the
@@ -14,12 +16,13 @@
 //!
 //! Extents are returned in offset order.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
-use bitvec::prelude::{BitVec, Lsb0};
 use serde::{Deserialize, Serialize};
 use teraio_layout::Extent;
 
+use crate::bits::LevelBits;
+use crate::blocks::BlockSet;
 use crate::{Error, Result};
 
 /// The smallest allocation unit: the O_DIRECT-safe block size.
@@ -51,16 +54,172 @@ impl Stats {
     }
 }
 
-/// Pack a free extent as a `by_size` key: ordered by length, then by start.
+/// The most exact-length bins of a [`SizeIndex`]: free extents of 4096 units or more (4 GiB in
+/// 1 MiB units) share one ordered set, which then holds at most `units / 4096` of them.
+const BINS_MAX: u64 = 4096;
+
+/// Pack a long free extent as a key of [`SizeIndex::long`]: ordered by length, then by start.
 #[inline]
 fn size_key(len: u64, start: u64) -> u128 {
     (u128::from(len) << 64) | u128::from(start)
 }
 
-/// Unpack a `by_size` key into (length, start).
+/// Unpack a [`SizeIndex::long`] key into (length, start).
 #[inline]
 fn split_key(key: u128) -> (u64, u64) {
     ((key >> 64) as u64, key as u64)
+}
+
+/// The free extents of one device ordered by (length, start): what best fit searches.
+///
+/// A free extent of `len < bins.len()` units lives in the exact-length bin `bins[len]` (an
+/// ordered [`BlockSet`] of starts, so the lowest offset of a length is its first element); `occupied`
+/// finds the smallest non-empty bin at or above a length in O(log64 bins) word reads. Longer
+/// extents share the ordered set `long`.
+#[derive(Debug, Clone)]
+struct SizeIndex {
+    /// `bins[len]`: starts of the free extents of exactly `len` units (`bins[0]` stays empty).
+    bins: Vec<BlockSet>,
+    /// Bit `len` is set iff `bins[len]` is non-empty.
+    occupied: LevelBits,
+    /// Free extents of `bins.len()` units or more, as `size_key(len, start)`.
+    long: BTreeSet<u128>,
+    /// Free extents held.
+    count: u64,
+}
+
+impl SizeIndex {
+    /// An empty index for a device of `units` units. The bin count grows with the device (up to
+    /// [`BINS_MAX`]) so that small devices use both the bins and the long set.
+    fn new(units: u64) -> Self {
+        let bins = (units / 16).clamp(2, BINS_MAX);
+        Self {
+            bins: vec![BlockSet::default(); bins as usize],
+            occupied: LevelBits::new(bins),
+            long: BTreeSet::new(),
+            count: 0,
+        }
+    }
+
+    #[inline]
+    fn is_binned(&self, len: u64) -> bool {
+        len < self.bins.len() as u64
+    }
+
+    #[inline]
+    fn insert(&mut self, len: u64, start: u64) {
+        debug_assert!(len > 0);
+        let fresh = if self.is_binned(len) {
+            let bin = &mut self.bins[len as usize];
+            if bin.is_empty() {
+                self.occupied.set_range(len, len + 1);
+            }
+            bin.insert(start)
+        } else {
+            self.long.insert(size_key(len, start))
+        };
+        debug_assert!(fresh, "free extent {start}+{len} units indexed twice");
+        self.count += 1;
+    }
+
+    #[inline]
+    fn remove(&mut self, len: u64, start: u64) {
+        let present = if self.is_binned(len) {
+            let bin = &mut self.bins[len as usize];
+            let present = bin.remove(start);
+            if bin.is_empty() {
+                self.occupied.clear_range(len, len + 1);
+            }
+            present
+        } else {
+            self.long.remove(&size_key(len, start))
+        };
+        debug_assert!(present, "free extent {start}+{len} units is not in the size index");
+        self.count -= 1;
+    }
+
+    fn contains(&self, len: u64, start: u64) -> bool {
+        if self.is_binned(len) {
+            self.bins[len as usize].contains(start)
+        } else {
+            self.long.contains(&size_key(len, start))
+        }
+    }
+
+    /// The first (lowest-offset) extent of the bin of `len` units, which must be occupied.
+    #[inline]
+    fn first_of_bin(&self, len: u64) -> (u64, u64) {
+        let start = self.bins[len as usize].first().expect("an occupied bin has an extent");
+        (len, start)
+    }
+
+    /// Remove and return the smallest free extent of at least `n` units (ties: lowest start),
+    /// as (length, start).
+    #[inline]
+    fn take_best_fit(&mut self, n: u64) -> Option<(u64, u64)> {
+        if self.is_binned(n)
+            && let Some(len) = self.occupied.next_set(n)
+        {
+            let bin = &mut self.bins[len as usize];
+            let start = bin.pop_first().expect("an occupied bin has an extent");
+            if bin.is_empty() {
+                self.occupied.clear_range(len, len + 1);
+            }
+            self.count -= 1;
+            return Some((len, start));
+        }
+        let n = n.max(self.bins.len() as u64);
+        let &key = self.long.range(size_key(n, 0)..).next()?;
+        self.long.remove(&key);
+        self.count -= 1;
+        Some(split_key(key))
+    }
+
+    /// The largest free extent (ties: lowest start), as (length, start).
+    fn largest(&self) -> Option<(u64, u64)> {
+        if let Some(&last) = self.long.last() {
+            let (len, _) = split_key(last);
+            return self.long.range(size_key(len, 0)..).next().map(|&k| split_key(k));
+        }
+        self.occupied.prev_set(self.bins.len() as u64).map(|len| self.first_of_bin(len))
+    }
+
+    fn clear(&mut self) {
+        while let Some(len) = self.occupied.next_set(0) {
+            self.bins[len as usize].clear();
+            self.occupied.clear_range(len, len + 1);
+        }
+        self.long.clear();
+        self.count = 0;
+    }
+
+    /// Internal consistency: occupancy bits, counter, long extents really long.
+    fn check(&self) -> Result<(), String> {
+        self.occupied.check().map_err(|e| format!("size bins occupancy: {e}"))?;
+        let mut held = self.long.len() as u64;
+        for (len, bin) in self.bins.iter().enumerate() {
+            bin.check().map_err(|e| format!("bin of {len}-unit extents: {e}"))?;
+            if self.occupied.get(len as u64) == bin.is_empty() {
+                return Err(format!("occupancy bit of the {len}-unit bin is wrong"));
+            }
+            held += bin.len() as u64;
+        }
+        if !self.bins[0].is_empty() {
+            return Err("a free extent of 0 units is indexed".into());
+        }
+        if let Some(&first) = self.long.first()
+            && self.is_binned(split_key(first).0)
+        {
+            return Err(format!(
+                "short free extent {:?} (length, start) in the long set",
+                split_key(first)
+            ));
+        }
+        if held != self.count {
+            return Err(format!("{held} free extents indexed, the counter says {}", self.count));
+        }
+        Ok(())
+    }
 }
 
 /// Allocator of one device's byte range `[base_bytes, base_bytes + capacity)` in whole units.
@@ -74,11 +233,9 @@ pub struct ExtentAllocator {
     unit_shift: u32,
     units: u64,
     /// One bit per unit, 1 = allocated. The persistable truth.
-    bits: BitVec<u64, Lsb0>,
-    /// Free extents: start unit -> length in units.
-    by_offset: BTreeMap<u64, u64>,
-    /// Free extents as `size_key(len, start)`.
-    by_size: BTreeSet<u128>,
+    bits: LevelBits,
+    /// Every (maximal) free extent by (length, start).
+    sizes: SizeIndex,
     free_units: u64,
 }
 
@@ -111,24 +268,22 @@ impl ExtentAllocator {
                 "device {device}: range at {base_bytes} (+{len_bytes} bytes) overflows"
             )));
         }
-        let Ok(units_usize) = usize::try_from(units) else {
+        if usize::try_from(units).is_err() {
             return Err(Error::InvalidArgument(format!(
                 "device {device}: {units} units do not fit in memory on this platform"
             )));
-        };
+        }
         let mut this = Self {
             device,
             base_bytes,
             unit_bytes,
             unit_shift: unit_bytes.trailing_zeros(),
             units,
-            bits: BitVec::repeat(false, units_usize),
-            by_offset: BTreeMap::new(),
-            by_size: BTreeSet::new(),
-            free_units: 0,
+            bits: LevelBits::new(units),
+            sizes: SizeIndex::new(units),
+            free_units: units,
         };
-        this.insert_free(0, units);
-        this.free_units = units;
+        this.sizes.insert(units, 0);
         Ok(this)
     }
 
@@ -144,9 +299,9 @@ impl ExtentAllocator {
         bits: &[u8],
     ) -> Result<Self> {
         let mut this = Self::new(device, base_bytes, len_bytes, unit_bytes)?;
-        let units = this.units as usize;
+        let units = this.units;
         let expected = units.div_ceil(8);
-        if bits.len() != expected {
+        if bits.len() as u64 != expected {
             return Err(Error::Corruption(format!(
                 "device {device}: bitmap is {} bytes, {units} units need {expected}",
                 bits.len()
@@ -160,20 +315,17 @@ impl ExtentAllocator {
                 u64::from_le_bytes(word)
             })
             .collect();
-        let mut loaded: BitVec<u64, Lsb0> = BitVec::from_vec(words);
-        if loaded[units..].any() {
+        if !units.is_multiple_of(64) && words[words.len() - 1] >> (units % 64) != 0 {
             return Err(Error::Corruption(format!(
                 "device {device}: bitmap has bits set beyond its last unit ({units})"
             )));
         }
-        loaded.truncate(units);
-        this.bits = loaded;
-        this.by_offset.clear();
-        this.by_size.clear();
+        this.bits = LevelBits::from_words(units, words);
+        this.sizes.clear();
         this.free_units = 0;
         let runs: Vec<(u64, u64)> = free_runs(&this.bits).collect();
         for (start, len) in runs {
-            this.insert_free(start, len);
+            this.sizes.insert(len, start);
             this.free_units += len;
         }
         Ok(this)
@@ -205,6 +357,7 @@ impl ExtentAllocator {
     }
 
     /// Bytes free.
+    #[inline]
     pub fn free_bytes(&self) -> u64 {
         self.free_units << self.unit_shift
     }
@@ -216,17 +369,24 @@ impl ExtentAllocator {
 
     /// Length of the largest free extent in bytes (0 when full).
     pub fn largest_free_bytes(&self) -> u64 {
-        self.by_size.last().map_or(0, |&k| split_key(k).0 << self.unit_shift)
+        self.sizes.largest().map_or(0, |(len, _)| len << self.unit_shift)
     }
 
     /// `bytes` rounded up to whole allocation units.
+    #[inline]
     pub fn round_up(&self, bytes: u64) -> u64 {
-        bytes.div_ceil(self.unit_bytes).saturating_mul(self.unit_bytes)
+        self.units_for(bytes).saturating_mul(self.unit_bytes)
     }
 
-    /// The free extents in offset order (each maximal).
+    /// `bytes` in whole units, rounded up (a shift: the unit is a power of two).
+    #[inline]
+    fn units_for(&self, bytes: u64) -> u64 {
+        (bytes >> self.unit_shift) + u64::from(bytes & (self.unit_bytes - 1) != 0)
+    }
+
+    /// The free extents in offset order (each maximal). Walks the bitmap: O(units / 64).
     pub fn free_extents(&self) -> impl Iterator<Item = Extent> + '_ {
-        self.by_offset.iter().map(|(&start, &len)| self.extent(start, len))
+        free_runs(&self.bits).map(|(start, len)| self.extent(start, len))
     }
 
     /// Allocate `bytes` rounded up to whole units: one extent when some free extent is large
@@ -241,7 +401,7 @@ impl ExtentAllocator {
                 self.device
             )));
         }
-        let need = bytes.div_ceil(self.unit_bytes);
+        let need = self.units_for(bytes);
         if need > self.free_units {
             return Err(Error::NoSpace {
                 requested_bytes: bytes,
@@ -253,22 +413,18 @@ impl ExtentAllocator {
         let mut rest = need;
         // Each pass removes one free extent, so the loop ends after at most `free extents` passes.
         loop {
-            if let Some(&key) = self.by_size.range(size_key(rest, 0)..).next() {
-                let (len, start) = split_key(key);
-                self.take(start, len, rest);
+            if let Some((len, start)) = self.sizes.take_best_fit(rest) {
+                if rest < len {
+                    self.sizes.insert(len - rest, start + rest);
+                }
+                self.bits.set_range(start, start + rest);
                 out.push(self.extent(start, rest));
                 break;
             }
             // `free_units >= rest > 0` and no extent holds `rest`: a smaller one exists.
-            let &largest = self.by_size.last().expect("free units are held by free extents");
-            let (max_len, _) = split_key(largest);
-            let &key = self
-                .by_size
-                .range(size_key(max_len, 0)..)
-                .next()
-                .expect("the largest length is present");
-            let (len, start) = split_key(key);
-            self.take(start, len, len);
+            let (len, start) = self.sizes.largest().expect("free units are held by free extents");
+            self.sizes.remove(len, start);
+            self.bits.set_range(start, start + len);
             out.push(self.extent(start, len));
             rest -= len;
         }
@@ -285,24 +441,28 @@ impl ExtentAllocator {
     /// [`Error::NotAllocated`] if any unit of it is free (a double free); nothing changes then.
     pub fn free(&mut self, extent: Extent) -> Result<()> {
         let (start, len) = self.check_allocated_units(extent)?;
-        self.bits[start as usize..(start + len) as usize].fill(false);
-        let end = start + len;
-        let right_len = self.by_offset.remove(&end);
-        if let Some(right_len) = right_len {
-            self.by_size.remove(&size_key(right_len, end));
-        }
-        let merged = len + right_len.unwrap_or(0);
-        // A left neighbour that ends at `start` grows in place (its key stays).
-        match self.by_offset.range_mut(..start).next_back() {
-            Some((&left, left_len)) if left + *left_len == start => {
-                self.by_size.remove(&size_key(*left_len, left));
-                *left_len += merged;
-                self.by_size.insert(size_key(*left_len, left));
-            }
-            _ => self.insert_free(start, merged),
-        }
-        self.free_units += len;
+        self.release(start, len);
         Ok(())
+    }
+
+    /// Free `len` units at `start`, all allocated (checked by the caller), coalescing with the
+    /// free neighbours the bitmap shows.
+    #[inline]
+    pub(crate) fn release(&mut self, start: u64, len: u64) {
+        let end = start + len;
+        debug_assert!(self.bits.all_set(start, end), "releasing free units {start}+{len}");
+        // The free neighbours (if any) end at the nearest allocated units around the extent.
+        let lo = self.bits.prev_set(start).map_or(0, |p| p + 1);
+        if lo < start {
+            self.sizes.remove(start - lo, lo);
+        }
+        let hi = self.bits.next_set(end).unwrap_or(self.units);
+        if hi > end {
+            self.sizes.remove(hi - end, end);
+        }
+        self.sizes.insert(hi - lo, lo);
+        self.bits.clear_range(start, end);
+        self.free_units += len;
     }
 
     /// Mark an extent allocated, as when rebuilding from metadata on reopen.
@@ -310,26 +470,27 @@ impl ExtentAllocator {
     /// [`Error::AlreadyAllocated`] if any unit of it is allocated; nothing changes then.
     pub fn mark_allocated(&mut self, extent: Extent) -> Result<()> {
         let (start, len) = self.check_free_units(extent)?;
-        // Free extents are maximal, so a wholly free range lies inside exactly one of them.
-        let (&free_start, &free_len) =
-            self.by_offset.range(..=start).next_back().expect("a free unit lies in a free extent");
-        assert!(
-            free_start + free_len >= start + len,
-            "device {}: free range {start}+{len} units is not inside one free extent \
-             ({free_start}+{free_len}); the indexes disagree with the bitmap",
-            self.device
-        );
-        self.remove_free(free_start, free_len);
-        if start > free_start {
-            self.insert_free(free_start, start - free_start);
-        }
-        let end = start + len;
-        if end < free_start + free_len {
-            self.insert_free(end, free_start + free_len - end);
-        }
-        self.bits[start as usize..end as usize].fill(true);
-        self.free_units -= len;
+        self.mark_units(start, len);
         Ok(())
+    }
+
+    /// Mark `len` free units at `start` (checked by the caller) allocated.
+    pub(crate) fn mark_units(&mut self, start: u64, len: u64) {
+        let end = start + len;
+        debug_assert!(self.bits.all_clear(start, end), "marking allocated units {start}+{len}");
+        // Free extents are maximal: the one holding these units runs from just after the
+        // nearest allocated unit on the left to just before the nearest one on the right.
+        let lo = self.bits.prev_set(start).map_or(0, |p| p + 1);
+        let hi = self.bits.next_set(end).unwrap_or(self.units);
+        self.sizes.remove(hi - lo, lo);
+        if start > lo {
+            self.sizes.insert(start - lo, lo);
+        }
+        if end < hi {
+            self.sizes.insert(hi - end, end);
+        }
+        self.bits.set_range(start, end);
+        self.free_units -= len;
     }
 
     /// Ok when every unit of `extent` is allocated: what [`ExtentAllocator::free`] requires.
@@ -345,20 +506,14 @@ impl ExtentAllocator {
     /// The bitmap, one bit per unit (bit `i % 8` of byte `i / 8`, 1 = allocated), padding bits
     /// clear. Feed it to [`ExtentAllocator::from_bitmap`] to rebuild.
     pub fn bitmap_bytes(&self) -> Vec<u8> {
-        let len = (self.units as usize).div_ceil(8);
+        let len = self.units.div_ceil(8) as usize;
         let mut out: Vec<u8> =
-            self.bits.as_raw_slice().iter().flat_map(|word| word.to_le_bytes()).collect();
+            self.bits.words().iter().flat_map(|word| word.to_le_bytes()).collect();
         out.truncate(len);
-        if let Some(last) = out.last_mut()
-            && !self.units.is_multiple_of(8)
-        {
-            // Padding bits of the last byte: the bitvec may keep stale bits past its length.
-            *last &= (1u8 << (self.units % 8)) - 1;
-        }
         out
     }
 
-    /// Used, free, largest free extent, fragmentation. O(1).
+    /// Used, free, largest free extent, fragmentation. O(log64 units).
     pub fn stats(&self) -> Stats {
         let free_bytes = self.free_bytes();
         let largest_free_bytes = self.largest_free_bytes();
@@ -367,49 +522,44 @@ impl ExtentAllocator {
             used_bytes: self.used_bytes(),
             free_bytes,
             largest_free_bytes,
-            free_extents: self.by_offset.len() as u64,
+            free_extents: self.sizes.count,
             fragmentation: Stats::fragmentation_of(largest_free_bytes, free_bytes),
         }
     }
 
-    /// Verify that the indexes describe exactly the free runs of the bitmap (maximal, no
-    /// overlap), that both indexes agree, and that used + free = capacity. O(units / 64 + free
-    /// extents); meant for tests and after a rebuild, not for the hot path.
+    /// Verify that the size index holds exactly the free runs of the bitmap (maximal, no
+    /// overlap), that the bitmap's summary levels agree with it, and that used + free =
+    /// capacity. O(units / 64 + free extents); meant for tests and after a rebuild, not for the
+    /// hot path.
     pub fn check_invariants(&self) -> Result<()> {
         let dev = self.device;
-        if self.bits.len() as u64 != self.units {
+        if self.bits.len() != self.units {
             return Err(Error::Corruption(format!(
                 "device {dev}: bitmap has {} bits for {} units",
                 self.bits.len(),
                 self.units
             )));
         }
-        if self.by_offset.len() != self.by_size.len() {
-            return Err(Error::Corruption(format!(
-                "device {dev}: {} free extents by offset but {} by size",
-                self.by_offset.len(),
-                self.by_size.len()
-            )));
-        }
-        let mut runs = free_runs(&self.bits);
+        self.bits.check().map_err(|e| Error::Corruption(format!("device {dev}: bitmap: {e}")))?;
+        self.sizes
+            .check()
+            .map_err(|e| Error::Corruption(format!("device {dev}: size index: {e}")))?;
         let mut free_units = 0u64;
-        for (&start, &len) in &self.by_offset {
-            let run = runs.next();
-            if run != Some((start, len)) {
+        let mut runs = 0u64;
+        for (start, len) in free_runs(&self.bits) {
+            if !self.sizes.contains(len, start) {
                 return Err(Error::Corruption(format!(
-                    "device {dev}: free extent {start}+{len} units in the index, bitmap has {run:?}"
-                )));
-            }
-            if !self.by_size.contains(&size_key(len, start)) {
-                return Err(Error::Corruption(format!(
-                    "device {dev}: free extent {start}+{len} units missing from the size index"
+                    "device {dev}: bitmap free run {start}+{len} units is missing from the index"
                 )));
             }
             free_units += len;
+            runs += 1;
         }
-        if let Some(run) = runs.next() {
+        // Every run is indexed and the index holds no more entries than runs: they are equal.
+        if runs != self.sizes.count {
             return Err(Error::Corruption(format!(
-                "device {dev}: bitmap free run {run:?} is missing from the index"
+                "device {dev}: the bitmap has {runs} free runs, the index {} free extents",
+                self.sizes.count
             )));
         }
         if free_units != self.free_units {
@@ -418,7 +568,7 @@ impl ExtentAllocator {
                 self.free_units
             )));
         }
-        let used_units = self.bits.count_ones() as u64;
+        let used_units = self.bits.count_ones();
         if used_units + free_units != self.units {
             return Err(Error::Corruption(format!(
                 "device {dev}: used {used_units} + free {free_units} units != capacity {}",
@@ -435,6 +585,7 @@ impl ExtentAllocator {
     }
 
     /// Validate `extent` as whole units inside the device: (start unit, length in units).
+    #[inline]
     fn units_of(&self, extent: Extent) -> Result<(u64, u64)> {
         let dev = self.device;
         let Extent { offset, len } = extent;
@@ -464,9 +615,11 @@ impl ExtentAllocator {
         Ok((start, count))
     }
 
-    fn check_allocated_units(&self, extent: Extent) -> Result<(u64, u64)> {
+    /// [`ExtentAllocator::check_allocated`] returning (start unit, length in units).
+    #[inline]
+    pub(crate) fn check_allocated_units(&self, extent: Extent) -> Result<(u64, u64)> {
         let (start, len) = self.units_of(extent)?;
-        if !self.bits[start as usize..(start + len) as usize].all() {
+        if !self.bits.all_set(start, start + len) {
             return Err(Error::NotAllocated {
                 device: self.device,
                 offset: extent.offset,
@@ -476,9 +629,10 @@ impl ExtentAllocator {
         Ok((start, len))
     }
 
-    fn check_free_units(&self, extent: Extent) -> Result<(u64, u64)> {
+    /// [`ExtentAllocator::check_free`] returning (start unit, length in units).
+    pub(crate) fn check_free_units(&self, extent: Extent) -> Result<(u64, u64)> {
         let (start, len) = self.units_of(extent)?;
-        if self.bits[start as usize..(start + len) as usize].any() {
+        if !self.bits.all_clear(start, start + len) {
             return Err(Error::AlreadyAllocated {
                 device: self.device,
                 offset: extent.offset,
@@ -487,45 +641,15 @@ impl ExtentAllocator {
         }
         Ok((start, len))
     }
-
-    /// Take the first `take` units of the free extent (`start`, `len`) and set their bits.
-    #[inline]
-    fn take(&mut self, start: u64, len: u64, take: u64) {
-        debug_assert!(take <= len);
-        self.remove_free(start, len);
-        if take < len {
-            self.insert_free(start + take, len - take);
-        }
-        self.bits[start as usize..(start + take) as usize].fill(true);
-    }
-
-    #[inline]
-    fn insert_free(&mut self, start: u64, len: u64) {
-        let fresh = self.by_offset.insert(start, len).is_none();
-        debug_assert!(fresh, "free extent at unit {start} inserted twice");
-        self.by_size.insert(size_key(len, start));
-    }
-
-    #[inline]
-    fn remove_free(&mut self, start: u64, len: u64) {
-        let removed = self.by_offset.remove(&start);
-        debug_assert_eq!(removed, Some(len), "free extent at unit {start} not in the index");
-        let present = self.by_size.remove(&size_key(len, start));
-        debug_assert!(present, "free extent {start}+{len} not in the size index");
-    }
 }
 
 /// The maximal runs of clear bits of `bits` as (start, length), in order. Word-wise scans.
-fn free_runs(bits: &bitvec::slice::BitSlice<u64, Lsb0>) -> impl Iterator<Item = (u64, u64)> + '_ {
-    let total = bits.len();
-    let mut pos = 0usize;
+fn free_runs(bits: &LevelBits) -> impl Iterator<Item = (u64, u64)> + '_ {
+    let mut pos = 0u64;
     std::iter::from_fn(move || {
-        if pos >= total {
-            return None;
-        }
-        let start = pos + bits[pos..].first_zero()?;
-        let end = bits[start..].first_one().map_or(total, |n| start + n);
+        let start = bits.next_clear(pos)?;
+        let end = bits.next_set(start).unwrap_or(bits.len());
         pos = end;
-        Some((start as u64, (end - start) as u64))
+        Some((start, end - start))
     })
 }

@@ -2,11 +2,14 @@
 //!
 //! - [`ExtentAllocator`] manages one device in allocation units (default 1 MiB, any power of
 //!   two >= 4 KiB). Its truth is a bitmap (one bit per unit) that can be persisted with
-//!   [`ExtentAllocator::bitmap_bytes`] and rebuilt with [`ExtentAllocator::from_bitmap`]; two
-//!   in-memory indexes of the free extents (by offset, and by (length, offset) for best fit) make
-//!   `alloc` and `free` O(log n) with no bitmap scan on the hot path. Free coalesces neighbours.
+//!   [`ExtentAllocator::bitmap_bytes`] and rebuilt with [`ExtentAllocator::from_bitmap`]. Summary
+//!   levels over the bitmap (one bit per non-zero word, up to one word) find a freed extent's free
+//!   neighbours in a few word reads, and one index orders the free extents by (length, offset)
+//!   for best fit: an exact-length bin per length below 4096 units (a sorted block list each,
+//!   found through an occupancy bit set) and an ordered set for longer ones. `alloc` and `free`
+//!   cost O(log64 units + log bin size), with no bitmap scan. Free coalesces neighbours.
 //! - [`ArrayAllocator`] stripes a tensor over the devices with the most free space and returns a
-//!   [`teraio_layout::StripeMap`].
+//!   [`teraio_layout::StripeMap`]. The hot path allocates only the map itself.
 //!
 //! Every failing call leaves the allocator exactly as it was: [`Error::NoSpace`] allocates
 //! nothing, and freeing an extent that is not (wholly) allocated is [`Error::NotAllocated`], not a
@@ -43,6 +46,8 @@
 #![forbid(unsafe_code)]
 
 mod array;
+mod bits;
+mod blocks;
 mod error;
 mod extent;
 

@@ -173,6 +173,20 @@ impl StripeMap {
         Ok(Self { size_bytes, unit_bytes, block_bytes, lanes })
     }
 
+    /// Build a stripe map from lanes whose producer guarantees everything [`StripeMap::new`]
+    /// checks (the array allocator: distinct devices, lanes cut from free space, each at least
+    /// [`lane_bytes`] long, geometry validated). Skips the validation in release builds, where it
+    /// costs more than the allocation; debug builds run it and panic on a bad map. Not unsafe,
+    /// but `locate` and `segments` may panic on a map that breaks the checks.
+    pub fn new_trusted(size_bytes: u64, unit_bytes: u64, block_bytes: u32, lanes: Vec<Lane>) -> Self {
+        if cfg!(debug_assertions)
+            && let Err(e) = Self::new(size_bytes, unit_bytes, block_bytes, lanes.clone())
+        {
+            panic!("StripeMap::new_trusted got an invalid map: {e}");
+        }
+        Self { size_bytes, unit_bytes, block_bytes, lanes }
+    }
+
     /// The tensor's size in bytes.
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes
