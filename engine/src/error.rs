@@ -41,7 +41,9 @@ pub enum Error {
         len: u64,
     },
     /// A buffer address, length or device offset breaks O_DIRECT alignment.
-    #[error("misaligned {what}: {value:#x} is not a multiple of {align} (O_DIRECT needs block alignment)")]
+    #[error(
+        "misaligned {what}: {value:#x} is not a multiple of {align} (O_DIRECT needs block alignment)"
+    )]
     Misaligned {
         /// Which value.
         what: &'static str,
@@ -54,7 +56,9 @@ pub enum Error {
     #[error("no space: {0}")]
     NoSpace(String),
     /// Data read back does not match the checksum written with it.
-    #[error("checksum mismatch in tensor {tensor} at byte {offset}: stored {stored:#010x}, read {computed:#010x}")]
+    #[error(
+        "checksum mismatch in tensor {tensor} at byte {offset}: stored {stored:#010x}, read {computed:#010x}"
+    )]
     ChecksumMismatch {
         /// The tensor.
         tensor: String,
@@ -69,7 +73,9 @@ pub enum Error {
     #[error("corruption: {0}")]
     Corruption(String),
     /// A target would be overwritten although it holds something else.
-    #[error("refusing to overwrite {path}: it holds {found}; pass allow_overwrite (--force) to use it anyway")]
+    #[error(
+        "refusing to overwrite {path}: it holds {found}; pass allow_overwrite (--force) to use it anyway"
+    )]
     OverwriteRefused {
         /// The target.
         path: PathBuf,

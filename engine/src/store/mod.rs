@@ -935,7 +935,10 @@ impl Inner {
             Ok((copy, src)) => {
                 (Outcome::Offload(Ok(OffloadOutcome::OnSsd)), Update::Ssd { copy, name, src })
             }
-            Err((e, src)) => (Outcome::Offload(Err(e)), Update::Held(src)),
+            Err(failure) => {
+                let (e, src) = *failure;
+                (Outcome::Offload(Err(e)), Update::Held(src))
+            }
         }
     }
 
@@ -945,7 +948,7 @@ impl Inner {
         id: TensorId,
         size: u64,
         src: TensorMem,
-    ) -> std::result::Result<(SsdCopy, TensorMem), (Error, TensorMem)> {
+    ) -> std::result::Result<(SsdCopy, TensorMem), Box<(Error, TensorMem)>> {
         let map = match self.alloc.lock().alloc_tensor(size) {
             Ok(m) => m,
             Err(e) => return Err((Error::from(e), src)),
@@ -956,7 +959,7 @@ impl Inner {
             if let Err(fe) = self.alloc.lock().free_tensor(&map) {
                 panic!("teraio: could not return fresh extents of tensor {id}: {fe}");
             }
-            Err((e, src))
+            Err(Box::new((e, src)))
         };
         // Host memory goes to the device directly; other memory through a staging buffer.
         let (buf, src_back) = match src {
