@@ -951,7 +951,7 @@ impl Inner {
     ) -> std::result::Result<(SsdCopy, TensorMem), Box<(Error, TensorMem)>> {
         let map = match self.alloc.lock().alloc_tensor(size) {
             Ok(m) => m,
-            Err(e) => return Err((Error::from(e), src)),
+            Err(e) => return Err(Box::new((Error::from(e), src))),
         };
         let chunk = map.unit_bytes();
         let padded = map.padded_bytes() as usize;
