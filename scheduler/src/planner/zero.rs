@@ -16,9 +16,9 @@
 //! - **Parameters** are offloaded to NVMe after every use and fetched back at the start of
 //!   the layer block before the one that uses them (one layer of lookahead), as ZeRO-3's
 //!   parameter partitioning does whether or not memory is short; they stay on NVMe across the
-//!   CPU step. Assumption (pessimistic for the baseline, and shared with every policy here):
-//!   each release writes the parameter back, because the plan format has no "drop a clean
-//!   copy" operation; real ZeRO-3 only rereads.
+//!   CPU step. A release writes nothing: the parameter is unchanged since the CPU step
+//!   updated its NVMe copy, so the release is a clean drop ([`crate::plan`]), as in real
+//!   ZeRO-3, which only rereads.
 //! - **Gradients** are offloaded after every use to host memory (NVMe when the host tier is
 //!   full), fetched back one layer ahead for the next micro-batch's accumulation, and after the
 //!   last backward use stay off the GPU: the CPU step consumes them and they die there.
