@@ -16,6 +16,9 @@
 //! - a kernel starts once the tensors it creates are allocated and every tensor it accesses is
 //!   resident; tensors die after their last kernel.
 //! - GPU memory is accounted in exact bytes against the emulated capacity.
+//! - A clean drop (an offload the plan marks `clean`) releases the memory without writing when
+//!   the store holds a current copy; the store must retain copies after prefetches
+//!   (`StoreConfig::retain_on_prefetch`). Without a copy (the first iteration) it is an offload.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -76,8 +79,11 @@ pub struct ReplayReport {
     pub peak_gpu_bytes: u64,
     /// Emulated GPU capacity.
     pub gpu_capacity_bytes: u64,
-    /// Offloads issued in the reported iteration.
+    /// Offloads issued in the reported iteration (writes).
     pub offloads: u64,
+    /// Clean drops in the reported iteration: memory released without writing, the store's
+    /// copy being current.
+    pub clean_drops: u64,
     /// Prefetches issued in the reported iteration.
     pub prefetches: u64,
     /// Prefetches that found the offload still being written and kept the GPU copy.
@@ -227,6 +233,7 @@ struct Replayer<'a> {
     iteration_start: Instant,
     timeline: Vec<(f64, u64)>,
     offloads: u64,
+    drops: u64,
     prefetches: u64,
     kept: u64,
     verified_tensors: u64,
@@ -331,6 +338,20 @@ impl<'a> Replayer<'a> {
             let t = ins.tensor.index();
             let priority = if ins.urgent { Priority::Urgent } else { Priority::Normal };
             match ins.op {
+                Op::Offload { .. } if ins.is_clean_drop() && self.has_ssd_copy(t) => {
+                    // The store's copy is still current: release the memory, write nothing.
+                    let State::Resident(mem, _) =
+                        std::mem::replace(&mut self.states[t], State::Absent)
+                    else {
+                        return Err(Error::InvalidArgument(format!(
+                            "plan drops tensor {t} at boundary {boundary} while it is not resident"
+                        )));
+                    };
+                    self.spare[t] = Some(mem);
+                    self.set_used(self.used - self.bytes(t));
+                    self.states[t] = State::Offloaded;
+                    self.drops += 1;
+                }
                 Op::Offload { dest } => {
                     let State::Resident(mem, _) =
                         std::mem::replace(&mut self.states[t], State::Absent)
@@ -416,6 +437,11 @@ impl<'a> Replayer<'a> {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Whether the store holds a current SSD copy of tensor `t` (with no operation pending).
+    fn has_ssd_copy(&self, t: usize) -> bool {
+        self.store.info(t as u64).is_some_and(|i| i.stripe_map.is_some() && i.pending_ops == 0)
     }
 
     /// Wait until `ready` holds, processing events; error if nothing can make progress.
@@ -505,6 +531,7 @@ pub fn replay(
         iteration_start: Instant::now(),
         timeline: Vec::new(),
         offloads: 0,
+        drops: 0,
         prefetches: 0,
         kept: 0,
         verified_tensors: 0,
@@ -572,7 +599,7 @@ pub fn replay(
         r.iteration_start = Instant::now();
         r.peak = r.used;
         r.timeline = vec![(0.0, r.used)];
-        (r.offloads, r.prefetches, r.kept) = (0, 0, 0);
+        (r.offloads, r.drops, r.prefetches, r.kept) = (0, 0, 0, 0);
         let mut stall = Duration::ZERO;
         let mut overrun = Duration::ZERO;
         let mut next_instr = 0;
@@ -666,6 +693,7 @@ pub fn replay(
                 peak_gpu_bytes: r.peak,
                 gpu_capacity_bytes: cfg.gpu_capacity_bytes,
                 offloads: r.offloads,
+                clean_drops: r.drops,
                 prefetches: r.prefetches,
                 kept_copies: r.kept,
                 verified_tensors: 0,

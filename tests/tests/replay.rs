@@ -39,7 +39,9 @@ fn replay_executes_the_plan_and_verifies_every_tensor_that_comes_back() {
     let array =
         DeviceArray::open(ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect()))
             .unwrap();
-    let store = TensorStore::open(StoreConfig::new(array)).unwrap();
+    let mut scfg = StoreConfig::new(array);
+    scfg.retain_on_prefetch = true;
+    let store = TensorStore::open(scfg).unwrap();
     let backing: u64 =
         trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
     let gpu = HostTier::new("emulated-gpu", backing + (64 << 20)).unwrap();
@@ -50,6 +52,12 @@ fn replay_executes_the_plan_and_verifies_every_tensor_that_comes_back() {
     assert_eq!(calls, 2 * trace.kernels.len(), "progress before every kernel of both iterations");
     assert!(report.peak_gpu_bytes <= hw.gpu_memory_bytes, "never above the emulated capacity");
     assert!(report.prefetches > 0 && report.offloads > 0);
+    let planned_drops = p.instructions.iter().filter(|i| i.is_clean_drop()).count() as u64;
+    assert!(planned_drops > 0, "the generator marks writes, so unchanged weights can be dropped");
+    assert_eq!(
+        report.clean_drops, planned_drops,
+        "in steady state every planned drop writes nothing"
+    );
     assert!(report.verified_tensors >= report.prefetches - report.kept_copies);
     assert!(report.verified_bytes > 0);
     assert!(report.iteration_time_s >= report.kernel_time_s * 0.99);

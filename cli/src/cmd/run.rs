@@ -246,6 +246,8 @@ pub fn run(args: Args) -> Result<()> {
     let mut scfg = StoreConfig::new(array.clone());
     scfg.host_tier = host_tier;
     scfg.checksums = !args.no_verify;
+    // Copies stay valid after a prefetch, so the plan's clean drops write nothing.
+    scfg.retain_on_prefetch = true;
     let store = TensorStore::open(scfg)?;
     say(format!("array: {array_what}; measuring it with {} ...", gb(args.probe_size as f64)));
     let m = measure(&store, args.probe_size)?;
@@ -367,6 +369,7 @@ pub fn run(args: Args) -> Result<()> {
                 "percent_of_ideal": 100.0 * ideal_s / real_s,
                 "peak_gpu_bytes": report.peak_gpu_bytes,
                 "offloads": report.offloads,
+                "clean_drops": report.clean_drops,
                 "prefetches": report.prefetches,
                 "kept_copies": report.kept_copies,
                 "verified_tensors": report.verified_tensors,
@@ -417,6 +420,10 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
+    println!(
+        "{} offloads written, {} clean drops (unchanged tensors released without writing), {} prefetches",
+        report.offloads, report.clean_drops, report.prefetches
+    );
     println!(
         "verified {} tensors ({}) after they came back; {} store checksum chunks; 0 mismatches",
         report.verified_tensors,
