@@ -499,3 +499,41 @@ fn a_retaining_store_keeps_copies_after_prefetch() {
     assert_eq!(h.wait().unwrap(), OffloadOutcome::OnSsd);
     assert_eq!(store.stats().offloads_cancelled, 0);
 }
+
+#[test]
+fn retaining_store_survives_rewrite_then_interleaved_reads_and_writes() {
+    let disks = sim_disks(4, 1024 * MIB, 16);
+    let mut cfg = StoreConfig::new(sim_array(&disks));
+    cfg.retain_on_prefetch = true;
+    let store = TensorStore::open(cfg).unwrap();
+    let pool = pool();
+    let len = 32 * MIB as usize;
+    let n = 16u64;
+    let hs: Vec<_> = (0..n)
+        .map(|i| store.offload(100 + i, host_mem(&pool, &content(100 + i, 0, len)), OffloadOptions::default()).unwrap())
+        .collect();
+    hs.into_iter().for_each(|h| drop(h.wait().unwrap()));
+    let back: Vec<_> = (0..n)
+        .map(|i| store.prefetch(100 + i, host_zeroed(&pool, len), Priority::Normal).unwrap())
+        .map(|h| h.wait().unwrap())
+        .collect();
+    for (i, m) in back.iter().enumerate() {
+        assert_same(&bytes_of(m), &content(100 + i as u64, 0, len), "first read");
+    }
+    let hs: Vec<_> = back
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| store.offload(100 + i as u64, m, OffloadOptions::default()).unwrap())
+        .collect();
+    hs.into_iter().for_each(|h| drop(h.wait().unwrap()));
+    let mut pairs = Vec::new();
+    for i in 0..n {
+        let w = store.offload(200 + i, host_mem(&pool, &content(200 + i, 0, len)), OffloadOptions::default()).unwrap();
+        let r = store.prefetch(100 + i, host_zeroed(&pool, len), Priority::Normal).unwrap();
+        pairs.push((w, r));
+    }
+    for (i, (w, r)) in pairs.into_iter().enumerate() {
+        w.wait().unwrap();
+        assert_same(&bytes_of(&r.wait().unwrap()), &content(100 + i as u64, 0, len), &format!("tensor {i}"));
+    }
+}
