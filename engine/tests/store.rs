@@ -510,9 +510,19 @@ fn retaining_store_survives_rewrite_then_interleaved_reads_and_writes() {
     let len = 32 * MIB as usize;
     let n = 16u64;
     let hs: Vec<_> = (0..n)
-        .map(|i| store.offload(100 + i, host_mem(&pool, &content(100 + i, 0, len)), OffloadOptions::default()).unwrap())
+        .map(|i| {
+            store
+                .offload(
+                    100 + i,
+                    host_mem(&pool, &content(100 + i, 0, len)),
+                    OffloadOptions::default(),
+                )
+                .unwrap()
+        })
         .collect();
-    hs.into_iter().for_each(|h| drop(h.wait().unwrap()));
+    for h in hs {
+        h.wait().unwrap();
+    }
     let back: Vec<_> = (0..n)
         .map(|i| store.prefetch(100 + i, host_zeroed(&pool, len), Priority::Normal).unwrap())
         .map(|h| h.wait().unwrap())
@@ -525,15 +535,23 @@ fn retaining_store_survives_rewrite_then_interleaved_reads_and_writes() {
         .enumerate()
         .map(|(i, m)| store.offload(100 + i as u64, m, OffloadOptions::default()).unwrap())
         .collect();
-    hs.into_iter().for_each(|h| drop(h.wait().unwrap()));
+    for h in hs {
+        h.wait().unwrap();
+    }
     let mut pairs = Vec::new();
     for i in 0..n {
-        let w = store.offload(200 + i, host_mem(&pool, &content(200 + i, 0, len)), OffloadOptions::default()).unwrap();
+        let w = store
+            .offload(200 + i, host_mem(&pool, &content(200 + i, 0, len)), OffloadOptions::default())
+            .unwrap();
         let r = store.prefetch(100 + i, host_zeroed(&pool, len), Priority::Normal).unwrap();
         pairs.push((w, r));
     }
     for (i, (w, r)) in pairs.into_iter().enumerate() {
         w.wait().unwrap();
-        assert_same(&bytes_of(&r.wait().unwrap()), &content(100 + i as u64, 0, len), &format!("tensor {i}"));
+        assert_same(
+            &bytes_of(&r.wait().unwrap()),
+            &content(100 + i as u64, 0, len),
+            &format!("tensor {i}"),
+        );
     }
 }
