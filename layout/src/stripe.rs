@@ -104,7 +104,11 @@ pub fn lane_bytes(size_bytes: u64, unit_bytes: u64, block_bytes: u32, lanes: u32
             }
             // Units of this lane: lane, lane + L, ... <= last.
             let count = (last - lane) / lanes + 1;
-            if (last % lanes) == lane { (count - 1) * unit_bytes + tail } else { count * unit_bytes }
+            if (last % lanes) == lane {
+                (count - 1) * unit_bytes + tail
+            } else {
+                count * unit_bytes
+            }
         })
         .collect()
 }
@@ -115,10 +119,17 @@ impl StripeMap {
     /// Checks: `unit_bytes` a power of two >= `block_bytes`; at least one lane, no device twice;
     /// every extent block-aligned and non-empty; no two extents of the map overlap on a device;
     /// each lane holds at least [`lane_bytes`] bytes.
-    pub fn new(size_bytes: u64, unit_bytes: u64, block_bytes: u32, lanes: Vec<Lane>) -> Result<Self> {
+    pub fn new(
+        size_bytes: u64,
+        unit_bytes: u64,
+        block_bytes: u32,
+        lanes: Vec<Lane>,
+    ) -> Result<Self> {
         let block = u64::from(block_bytes);
         if !block_bytes.is_power_of_two() || block_bytes < 512 {
-            return Err(Error::InvalidArgument(format!("block size {block_bytes} is not a power of two >= 512")));
+            return Err(Error::InvalidArgument(format!(
+                "block size {block_bytes} is not a power of two >= 512"
+            )));
         }
         if !unit_bytes.is_power_of_two() || unit_bytes < block {
             return Err(Error::InvalidArgument(format!(
@@ -135,17 +146,31 @@ impl StripeMap {
         let mut seen: Vec<(u32, Extent)> = Vec::new();
         for (i, lane) in lanes.iter().enumerate() {
             if lanes[..i].iter().any(|l| l.device == lane.device) {
-                return Err(Error::InvalidArgument(format!("device {} appears in two lanes", lane.device)));
+                return Err(Error::InvalidArgument(format!(
+                    "device {} appears in two lanes",
+                    lane.device
+                )));
             }
             for e in &lane.extents {
                 if e.len == 0 {
-                    return Err(Error::InvalidArgument(format!("empty extent on device {}", lane.device)));
+                    return Err(Error::InvalidArgument(format!(
+                        "empty extent on device {}",
+                        lane.device
+                    )));
                 }
                 if !is_aligned(e.offset, block) {
-                    return Err(Error::Misaligned { what: "extent offset", value: e.offset, align: block });
+                    return Err(Error::Misaligned {
+                        what: "extent offset",
+                        value: e.offset,
+                        align: block,
+                    });
                 }
                 if !is_aligned(e.len, block) {
-                    return Err(Error::Misaligned { what: "extent length", value: e.len, align: block });
+                    return Err(Error::Misaligned {
+                        what: "extent length",
+                        value: e.len,
+                        align: block,
+                    });
                 }
                 if e.offset.checked_add(e.len).is_none() {
                     return Err(Error::InvalidArgument(format!("extent {e:?} overflows")));
@@ -178,7 +203,12 @@ impl StripeMap {
     /// [`lane_bytes`] long, geometry validated). Skips the validation in release builds, where it
     /// costs more than the allocation; debug builds run it and panic on a bad map. Not unsafe,
     /// but `locate` and `segments` may panic on a map that breaks the checks.
-    pub fn new_trusted(size_bytes: u64, unit_bytes: u64, block_bytes: u32, lanes: Vec<Lane>) -> Self {
+    pub fn new_trusted(
+        size_bytes: u64,
+        unit_bytes: u64,
+        block_bytes: u32,
+        lanes: Vec<Lane>,
+    ) -> Self {
         if cfg!(debug_assertions)
             && let Err(e) = Self::new(size_bytes, unit_bytes, block_bytes, lanes.clone())
         {
@@ -260,7 +290,11 @@ impl StripeMap {
             )));
         }
         if !is_aligned(range.start, block) {
-            return Err(Error::Misaligned { what: "range start", value: range.start, align: block });
+            return Err(Error::Misaligned {
+                what: "range start",
+                value: range.start,
+                align: block,
+            });
         }
         if !is_aligned(end, block) {
             return Err(Error::Misaligned { what: "range end", value: range.end, align: block });
@@ -284,12 +318,18 @@ impl StripeMap {
                 let (mut d, mut b) = (dev_off, buf_offset);
                 while rest > 0 {
                     let slot = &mut open[li];
-                    let joinable = matches!(slot, Some(s) if s.device_offset + s.len == d && s.len < max_io);
+                    let joinable =
+                        matches!(slot, Some(s) if s.device_offset + s.len == d && s.len < max_io);
                     if !joinable {
                         if let Some(s) = slot.take() {
                             done[li].push(s);
                         }
-                        *slot = Some(Segment { device: lane.device, device_offset: d, len: 0, pieces: Vec::new() });
+                        *slot = Some(Segment {
+                            device: lane.device,
+                            device_offset: d,
+                            len: 0,
+                            pieces: Vec::new(),
+                        });
                     }
                     let s = slot.as_mut().expect("just set");
                     let take = rest.min(max_io - s.len);
@@ -327,7 +367,10 @@ mod tests {
         let lanes = need
             .iter()
             .enumerate()
-            .map(|(i, &n)| Lane { device: i as u32, extents: vec![Extent { offset: 8 * MIB, len: align_up(n, MIB) }] })
+            .map(|(i, &n)| Lane {
+                device: i as u32,
+                extents: vec![Extent { offset: 8 * MIB, len: align_up(n, MIB) }],
+            })
             .collect();
         StripeMap::new(size, MIB, 4096, lanes).unwrap()
     }
