@@ -160,7 +160,7 @@ impl ArrayAllocator {
         let capacity = chosen.len().max((g.device_count as usize).min(LANES_CAPACITY_MIN));
         let mut done: Vec<Lane> = Vec::with_capacity(capacity);
         for (&(_, d), &need) in chosen.iter().zip(needs) {
-            match self.devices[d].alloc(need) {
+            match self.devices[d].alloc_extents(need) {
                 Ok(extents) => done.push(Lane { device: d as u32, extents }),
                 Err(e) => {
                     self.roll_back(&done);

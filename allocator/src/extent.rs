@@ -19,7 +19,7 @@
 use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
-use teraio_layout::Extent;
+use teraio_layout::{Extent, Extents};
 
 use crate::bits::LevelBits;
 use crate::blocks::BlockSet;
@@ -395,6 +395,13 @@ impl ExtentAllocator {
     ///
     /// [`Error::NoSpace`] when fewer free bytes remain than asked for; nothing is allocated then.
     pub fn alloc(&mut self, bytes: u64) -> Result<Vec<Extent>> {
+        self.alloc_extents(bytes).map(Extents::into_vec)
+    }
+
+    /// [`ExtentAllocator::alloc`], returning the extents as [`Extents`]: the one extent of a
+    /// request that fits in one free extent is held inline, with no heap block (what the array
+    /// allocator puts in a stripe map's lane).
+    pub fn alloc_extents(&mut self, bytes: u64) -> Result<Extents> {
         if bytes == 0 {
             return Err(Error::InvalidArgument(format!(
                 "device {}: cannot allocate 0 bytes",
@@ -409,7 +416,7 @@ impl ExtentAllocator {
                 device: Some(self.device),
             });
         }
-        let mut out = Vec::with_capacity(1);
+        let mut out = Extents::new();
         let mut rest = need;
         // Each pass removes one free extent, so the loop ends after at most `free extents` passes.
         loop {

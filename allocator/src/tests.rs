@@ -293,7 +293,10 @@ fn small_units_let_a_lane_use_fragmented_space() {
     let mut a = array(2, 64, 4 * KIB, 64 * KIB);
     // Fill both devices with one-unit tensors; tensor j lands on device j % 2 at unit j / 2.
     let pieces: Vec<StripeMap> = (0..128).map(|_| a.alloc_tensor(4 * KIB).unwrap()).collect();
-    assert_eq!(pieces[5].lanes()[0], Lane { device: 1, extents: vec![ext(2 * 4 * KIB, 4 * KIB)] });
+    assert_eq!(
+        pieces[5].lanes()[0],
+        Lane { device: 1, extents: vec![ext(2 * 4 * KIB, 4 * KIB)].into() }
+    );
     // Free the tensors at even units: 32 one-unit holes per device.
     for (j, m) in pieces.iter().enumerate() {
         if (j / 2).is_multiple_of(2) {
@@ -348,7 +351,7 @@ fn mark_tensor_rebuilds_after_reopen() {
 #[test]
 fn array_rejects_maps_naming_unknown_devices() {
     let mut a = array(2, 16, MIB, MIB);
-    let lanes = vec![Lane { device: 5, extents: vec![ext(0, MIB)] }];
+    let lanes = vec![Lane { device: 5, extents: vec![ext(0, MIB)].into() }];
     let map = StripeMap::new(MIB, MIB, 4096, lanes).unwrap();
     assert!(matches!(a.free_tensor(&map), Err(Error::InvalidArgument(_))));
     assert!(matches!(a.mark_tensor(&map), Err(Error::InvalidArgument(_))));

@@ -575,7 +575,7 @@ fn stripe_map(state: &ArrayState, size_bytes: u64, tensor: &TensorModel) -> Stri
     let lanes = state
         .extents(tensor)
         .into_iter()
-        .map(|(device, extents)| teraio_layout::Lane { device, extents })
+        .map(|(device, extents)| teraio_layout::Lane { device, extents: extents.into() })
         .collect();
     StripeMap::new(size_bytes, state.stripe_unit_bytes, BLOCK, lanes).unwrap()
 }
@@ -592,7 +592,9 @@ impl StateMachineTest for ArrayMachine {
         let got = match &op {
             ArrayOp::Alloc { size_bytes } => outcome(sut.alloc_tensor(*size_bytes), |map| {
                 assert_eq!(map.size_bytes(), *size_bytes);
-                Outcome::Tensor(map.lanes().iter().map(|l| (l.device, l.extents.clone())).collect())
+                Outcome::Tensor(
+                    map.lanes().iter().map(|l| (l.device, l.extents.to_vec())).collect(),
+                )
             }),
             ArrayOp::Free { size_bytes, tensor } => {
                 let map = stripe_map(state, *size_bytes, tensor);

@@ -19,7 +19,8 @@ fn tensor(id: u64, size: u64, devices: u32, chunk: u64) -> TensorRecord {
             extents: vec![
                 Extent { offset: 8 * MIB, len: 2 * MIB },
                 Extent { offset: 64 * MIB, len: 8 * MIB },
-            ],
+            ]
+            .into(),
         })
         .collect();
     let stripe = StripeMap::new(size, MIB, 4096, lanes).expect("valid stripe map");

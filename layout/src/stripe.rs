@@ -33,13 +33,217 @@ impl Extent {
     }
 }
 
+/// The extents of one lane, in lane order: a list of [`Extent`] that holds one extent inline.
+///
+/// A lane placed in one piece (the common case) then needs no heap block of its own, so a stripe
+/// map costs one allocation (its lane vector) instead of one per lane. Reads as a slice
+/// (`Deref<Target = [Extent]>`); built from a `Vec<Extent>`, an array, one [`Extent`] or an
+/// iterator, or grown with [`Extents::push`]. Equality, `Debug` and serde's form are those of the
+/// slice, whatever the storage: `Extents::from(vec![e]) == Extents::from(e)`.
+#[derive(Clone)]
+pub struct Extents(ExtentsRepr);
+
+/// The storage of [`Extents`]: one extent inline, or a vector (empty, or two and more, or one
+/// when built from a vector that held one and was not worth converting).
+#[derive(Clone)]
+enum ExtentsRepr {
+    One(Extent),
+    Many(Vec<Extent>),
+}
+
+impl Extents {
+    /// No extents (no heap block).
+    pub const fn new() -> Self {
+        Self(ExtentsRepr::Many(Vec::new()))
+    }
+
+    /// Append an extent. The first one of an empty list is stored inline; a second one moves
+    /// both to the heap.
+    #[inline]
+    pub fn push(&mut self, extent: Extent) {
+        match &mut self.0 {
+            ExtentsRepr::One(first) => {
+                let first = *first;
+                self.0 = ExtentsRepr::Many(vec![first, extent]);
+            }
+            ExtentsRepr::Many(v) if v.capacity() == 0 => self.0 = ExtentsRepr::One(extent),
+            ExtentsRepr::Many(v) => v.push(extent),
+        }
+    }
+
+    /// The extents as a slice.
+    #[inline]
+    pub fn as_slice(&self) -> &[Extent] {
+        match &self.0 {
+            ExtentsRepr::One(e) => std::slice::from_ref(e),
+            ExtentsRepr::Many(v) => v,
+        }
+    }
+
+    /// The extents as a mutable slice (the count cannot change through it).
+    #[inline]
+    pub fn as_mut_slice(&mut self) -> &mut [Extent] {
+        match &mut self.0 {
+            ExtentsRepr::One(e) => std::slice::from_mut(e),
+            ExtentsRepr::Many(v) => v,
+        }
+    }
+
+    /// The extents as a vector (allocates when one extent was held inline).
+    pub fn into_vec(self) -> Vec<Extent> {
+        match self.0 {
+            ExtentsRepr::One(e) => vec![e],
+            ExtentsRepr::Many(v) => v,
+        }
+    }
+}
+
+impl Default for Extents {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::ops::Deref for Extents {
+    type Target = [Extent];
+
+    #[inline]
+    fn deref(&self) -> &[Extent] {
+        self.as_slice()
+    }
+}
+
+impl std::ops::DerefMut for Extents {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut [Extent] {
+        self.as_mut_slice()
+    }
+}
+
+impl std::fmt::Debug for Extents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
+impl PartialEq for Extents {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for Extents {}
+
+impl PartialEq<[Extent]> for Extents {
+    fn eq(&self, other: &[Extent]) -> bool {
+        self.as_slice() == other
+    }
+}
+
+impl PartialEq<Vec<Extent>> for Extents {
+    fn eq(&self, other: &Vec<Extent>) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl<const N: usize> PartialEq<[Extent; N]> for Extents {
+    fn eq(&self, other: &[Extent; N]) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl PartialEq<Extents> for Vec<Extent> {
+    fn eq(&self, other: &Extents) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl From<Extent> for Extents {
+    fn from(extent: Extent) -> Self {
+        Self(ExtentsRepr::One(extent))
+    }
+}
+
+impl From<Vec<Extent>> for Extents {
+    /// One extent moves inline (the vector is freed); any other count keeps the vector.
+    fn from(v: Vec<Extent>) -> Self {
+        match v.as_slice() {
+            &[e] => Self(ExtentsRepr::One(e)),
+            _ => Self(ExtentsRepr::Many(v)),
+        }
+    }
+}
+
+impl<const N: usize> From<[Extent; N]> for Extents {
+    fn from(a: [Extent; N]) -> Self {
+        match a.as_slice() {
+            &[e] => Self(ExtentsRepr::One(e)),
+            _ => Self(ExtentsRepr::Many(a.to_vec())),
+        }
+    }
+}
+
+impl From<Extents> for Vec<Extent> {
+    fn from(e: Extents) -> Self {
+        e.into_vec()
+    }
+}
+
+impl FromIterator<Extent> for Extents {
+    fn from_iter<I: IntoIterator<Item = Extent>>(iter: I) -> Self {
+        let mut out = Self::new();
+        for e in iter {
+            out.push(e);
+        }
+        out
+    }
+}
+
+impl Extend<Extent> for Extents {
+    fn extend<I: IntoIterator<Item = Extent>>(&mut self, iter: I) {
+        for e in iter {
+            self.push(e);
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Extents {
+    type Item = &'a Extent;
+    type IntoIter = std::slice::Iter<'a, Extent>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.as_slice().iter()
+    }
+}
+
+impl IntoIterator for Extents {
+    type Item = Extent;
+    type IntoIter = std::vec::IntoIter<Extent>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.into_vec().into_iter()
+    }
+}
+
+impl Serialize for Extents {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.as_slice().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Extents {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Vec::<Extent>::deserialize(d).map(Self::from)
+    }
+}
+
 /// The extents one device holds for one tensor, in lane order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lane {
     /// Index of the device in the array.
     pub device: u32,
-    /// Extents on that device, walked in order.
-    pub extents: Vec<Extent>,
+    /// Extents on that device, walked in order (one of them held inline: see [`Extents`]).
+    pub extents: Extents,
 }
 
 impl Lane {
@@ -369,7 +573,7 @@ mod tests {
             .enumerate()
             .map(|(i, &n)| Lane {
                 device: i as u32,
-                extents: vec![Extent { offset: 8 * MIB, len: align_up(n, MIB) }],
+                extents: vec![Extent { offset: 8 * MIB, len: align_up(n, MIB) }].into(),
             })
             .collect();
         StripeMap::new(size, MIB, 4096, lanes).unwrap()
@@ -419,23 +623,51 @@ mod tests {
     #[test]
     fn rejects_overlap_misalignment_and_short_lanes() {
         let e = |o, l| Extent { offset: o, len: l };
-        let overlap = vec![Lane { device: 0, extents: vec![e(0, MIB), e(MIB / 2, MIB)] }];
+        let overlap = vec![Lane { device: 0, extents: vec![e(0, MIB), e(MIB / 2, MIB)].into() }];
         assert!(StripeMap::new(MIB, MIB, 4096, overlap).is_err());
-        let mis = vec![Lane { device: 0, extents: vec![e(100, MIB)] }];
+        let mis = vec![Lane { device: 0, extents: vec![e(100, MIB)].into() }];
         assert!(matches!(StripeMap::new(MIB, MIB, 4096, mis), Err(Error::Misaligned { .. })));
-        let short = vec![Lane { device: 0, extents: vec![e(0, MIB)] }];
+        let short = vec![Lane { device: 0, extents: vec![e(0, MIB)].into() }];
         assert!(StripeMap::new(2 * MIB, MIB, 4096, short).is_err());
         let dup = vec![
-            Lane { device: 0, extents: vec![e(0, MIB)] },
-            Lane { device: 0, extents: vec![e(MIB, MIB)] },
+            Lane { device: 0, extents: vec![e(0, MIB)].into() },
+            Lane { device: 0, extents: vec![e(MIB, MIB)].into() },
         ];
         assert!(StripeMap::new(2 * MIB, MIB, 4096, dup).is_err());
     }
 
     #[test]
+    fn extents_hold_one_inline_and_compare_as_slices() {
+        let e = |o, l| Extent { offset: o, len: l };
+        // One extent inline: a lane is no larger than a Vec would make it.
+        assert_eq!(std::mem::size_of::<Extents>(), std::mem::size_of::<Vec<Extent>>());
+        let one = Extents::from(e(0, MIB));
+        assert_eq!(one, Extents::from(vec![e(0, MIB)]));
+        assert_eq!(one, vec![e(0, MIB)]);
+        assert_eq!(format!("{one:?}"), format!("{:?}", vec![e(0, MIB)]));
+        let mut grown = Extents::new();
+        assert!(grown.is_empty());
+        assert_eq!(grown, Extents::from(Vec::new()));
+        for i in 0..5 {
+            grown.push(e(i * 2 * MIB, MIB));
+            assert_eq!(grown.len() as u64, i + 1);
+            assert_eq!(grown[i as usize], e(i * 2 * MIB, MIB));
+        }
+        assert_eq!(grown.first(), Some(&e(0, MIB)));
+        assert_ne!(grown, one);
+        let collected: Extents = (0..5).map(|i| e(i * 2 * MIB, MIB)).collect();
+        assert_eq!(collected, grown);
+        assert_eq!(grown.clone().into_vec(), grown.to_vec());
+        let mut sorted = Extents::from([e(4 * MIB, MIB), e(0, MIB)]);
+        sorted.sort_unstable();
+        assert_eq!(sorted, [e(0, MIB), e(4 * MIB, MIB)]);
+        assert_eq!(Vec::from(sorted), vec![e(0, MIB), e(4 * MIB, MIB)]);
+    }
+
+    #[test]
     fn fragmented_lane_splits_at_extent_boundaries() {
         let e = |o, l| Extent { offset: o, len: l };
-        let lanes = vec![Lane { device: 2, extents: vec![e(0, MIB), e(10 * MIB, 2 * MIB)] }];
+        let lanes = vec![Lane { device: 2, extents: vec![e(0, MIB), e(10 * MIB, 2 * MIB)].into() }];
         let map = StripeMap::new(3 * MIB, MIB, 4096, lanes).unwrap();
         let segs = map.segments(0..3 * MIB, u64::MAX).unwrap();
         assert_eq!(segs.len(), 2);

@@ -317,7 +317,8 @@ fn tensor_record_hostile_fields() {
 fn tensor_record_lanes_adding_past_u64_are_rejected_before_stripe_map_arithmetic() {
     // Two extents of 2^63 bytes each: their sum overflows u64.
     let e = Extent { offset: 0, len: 1 << 63 };
-    let map = StripeMap::new(4096, 4096, 4096, vec![Lane { device: 0, extents: vec![e] }]).unwrap();
+    let map = StripeMap::new(4096, 4096, 4096, vec![Lane { device: 0, extents: vec![e].into() }])
+        .unwrap();
     let t = TensorRecord {
         id: 1,
         name: String::new(),

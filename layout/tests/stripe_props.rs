@@ -99,7 +99,7 @@ proptest! {
             .enumerate()
             .map(|(i, (&n, &start))| Lane {
                 device: i as u32,
-                extents: vec![Extent { offset: start * u64::from(block), len: n }],
+                extents: vec![Extent { offset: start * u64::from(block), len: n }].into(),
             })
             .collect();
         let map = StripeMap::new(size, unit, block, lanes).unwrap();

@@ -71,7 +71,7 @@ pub fn map(size: u64, unit: u64, devices: u32, first: u32, base: u64) -> StripeM
         .enumerate()
         .map(|(i, &n)| Lane {
             device: first + i as u32,
-            extents: vec![Extent { offset: base, len: align_up(n.max(4096), 4096) }],
+            extents: vec![Extent { offset: base, len: align_up(n.max(4096), 4096) }].into(),
         })
         .collect();
     StripeMap::new(size, unit, 4096, lanes).unwrap()

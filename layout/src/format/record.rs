@@ -3,7 +3,7 @@
 //! them.
 
 use super::codec::{Reader, Writer, corrupt};
-use crate::{Error, Extent, Lane, Result, StripeMap};
+use crate::{Error, Extent, Extents, Lane, Result, StripeMap};
 
 const WHAT: &str = "tensor record";
 const WHAT_BODY: &str = "journal record";
@@ -188,7 +188,8 @@ impl TensorRecord {
         for _ in 0..lane_count {
             let device = r.u32()?;
             let n = r.count("extent count", EXTENT_BYTES)?;
-            let mut extents = Vec::with_capacity(n);
+            // One extent (the common case) is held inline, with no heap block.
+            let mut extents = Extents::new();
             for _ in 0..n {
                 let e = Extent { offset: r.u64()?, len: r.u64()? };
                 if e.offset.checked_add(e.len).is_none() {

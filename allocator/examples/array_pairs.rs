@@ -1,0 +1,98 @@
+//! A fixed number of array alloc + free pairs, for instruction counts that noise cannot touch.
+//!
+//! The workload of `cargo bench -p teraio-benches --bench allocator` (array part): a 16 TiB
+//! array of 4 devices x 4 TiB in 1 MiB units, 1 MiB stripe unit, tensor sizes log-uniform in
+//! 1 MiB ..= 1 GiB from the same seeded generator, filled to 50%; then `PAIRS` times: free a
+//! random live tensor, allocate a new one. The pairs run in `run_pairs`, so callgrind can count
+//! them alone:
+//!
+//! ```text
+//! cargo build --release -p teraio-allocator --example array_pairs
+//! valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*run_pairs*' \
+//!     target/release/examples/array_pairs 150000
+//! ```
+//!
+//! Instructions per pair = the total callgrind reports / `PAIRS`. Run alone, it also prints
+//! the pairs per second of `run_pairs` by the thread's CPU time and by the wall clock (one
+//! sample: quick A/B checks; the criterion bench gives the figures).
+
+use std::hint::black_box;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use teraio_allocator::{ArrayAllocator, ExtentAllocator};
+use teraio_layout::{ArrayGeometry, StripeMap};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const TIB: u64 = 1 << 40;
+const TABLE: usize = 1 << 16;
+
+/// The bench's pre-drawn sizes and victim picks (same seed, same order).
+struct Workload {
+    sizes: Vec<u64>,
+    picks: Vec<u32>,
+    next: usize,
+}
+
+impl Workload {
+    fn new(seed: u64) -> Self {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let (lo, hi) = ((MIB as f64).ln(), (GIB as f64).ln());
+        let sizes = (0..TABLE).map(|_| rng.gen_range(lo..=hi).exp() as u64).collect();
+        let picks = (0..TABLE).map(|_| rng.r#gen::<u32>()).collect();
+        Self { sizes, picks, next: 0 }
+    }
+
+    fn next(&mut self, live: usize) -> (u64, usize) {
+        let i = self.next;
+        self.next = (i + 1) & (TABLE - 1);
+        (self.sizes[i], self.picks[i] as usize % live)
+    }
+}
+
+/// CPU time of the calling thread in ns (Linux scheduler accounting).
+fn thread_cpu_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").expect("Linux schedstat");
+    stat.split_whitespace().next().and_then(|t| t.parse().ok()).expect("schedstat run time")
+}
+
+#[inline(never)]
+fn run_pairs(a: &mut ArrayAllocator, w: &mut Workload, live: &mut Vec<StripeMap>, pairs: u64) {
+    for _ in 0..pairs {
+        let (size, victim) = w.next(live.len());
+        let old = live.swap_remove(victim);
+        a.free_tensor(&old).expect("free a live tensor");
+        drop(old);
+        live.push(a.alloc_tensor(black_box(size)).expect("space at ~50% fill"));
+    }
+}
+
+fn main() {
+    let pairs: u64 = std::env::args().nth(1).map_or(100_000, |s| s.parse().expect("PAIRS"));
+    let geometry = ArrayGeometry::new(4, 4096, MIB).expect("valid geometry");
+    let devices =
+        (0..4).map(|d| ExtentAllocator::new(d, MIB, 4 * TIB, MIB).expect("valid device")).collect();
+    let mut a = ArrayAllocator::new(geometry, devices).expect("valid array");
+    let mut w = Workload::new(1);
+    let mut live = Vec::new();
+    let capacity = a.stats().total.capacity_bytes;
+    while a.stats().total.used_bytes < capacity / 2 {
+        let (size, _) = w.next(1);
+        live.push(a.alloc_tensor(size).expect("filling to 50%"));
+    }
+    let (cpu, wall) = (thread_cpu_ns(), std::time::Instant::now());
+    run_pairs(&mut a, &mut w, &mut live, pairs);
+    let (cpu_s, wall_s) = ((thread_cpu_ns() - cpu) as f64 * 1e-9, wall.elapsed().as_secs_f64());
+    let s = a.stats().total;
+    println!(
+        "{pairs} pairs: {:.0} pairs/s CPU time, {:.0} pairs/s wall clock; {} tensors live, \
+         fill {:.1}%, {} free extents",
+        pairs as f64 / cpu_s,
+        pairs as f64 / wall_s,
+        live.len(),
+        100.0 * s.used_bytes as f64 / s.capacity_bytes as f64,
+        s.free_extents
+    );
+    a.check_invariants().expect("invariants hold");
+}
