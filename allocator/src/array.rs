@@ -18,9 +18,8 @@ use teraio_layout::{ArrayGeometry, Extent, Lane, StripeMap, lane_bytes, lane_cou
 use crate::extent::{ExtentAllocator, Stats};
 use crate::{Error, Result};
 
-/// The lane vector of every stripe map holds at least this many lanes (or the device count,
-/// when smaller): see `alloc_lanes`.
-const LANES_CAPACITY_MIN: usize = 8;
+/// Arrays of at most this many devices choose a tensor's devices by insertion, larger ones sort.
+const CHOOSE_BY_INSERTION_MAX: usize = 16;
 
 /// Space accounting of an array: every device and the totals.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -37,12 +36,12 @@ pub struct ArrayStats {
 pub struct ArrayAllocator {
     geometry: ArrayGeometry,
     devices: Vec<ExtentAllocator>,
-    /// Reused buffers so the hot path does not allocate: device order, bytes per lane,
-    /// the (device, extent) list of the overlap check
-    /// for roll-back and validation, and (device, start unit, units) runs checked for freeing
-    /// or marking.
+    /// Reused buffers so the hot path does not allocate: device order, bytes per lane, the
+    /// lanes of the map being built, the (device, extent) list of the overlap check, and
+    /// (device, start unit, units) runs checked for freeing or marking.
     order: Vec<(u64, usize)>,
     needs: Vec<u64>,
+    lanes: Vec<Lane>,
     scratch: Vec<(u32, Extent)>,
     runs: Vec<(u32, u64, u64)>,
     /// `seen[d] == epoch` when device `d` has a lane in the map being validated.
@@ -92,6 +91,7 @@ impl ArrayAllocator {
             devices,
             order: Vec::new(),
             needs: Vec::new(),
+            lanes: Vec::new(),
             scratch: Vec::new(),
             runs: Vec::new(),
             seen,
@@ -125,45 +125,41 @@ impl ArrayAllocator {
         }
         let g = self.geometry;
         let lanes = lane_count(size_bytes, g.stripe_unit_bytes, g.device_count);
-        let mut needs = std::mem::take(&mut self.needs);
-        lane_needs(size_bytes, g.stripe_unit_bytes, g.block_bytes, lanes, &mut needs);
-        debug_assert_eq!(needs, lane_bytes(size_bytes, g.stripe_unit_bytes, g.block_bytes, lanes));
+        lane_needs(size_bytes, g.stripe_unit_bytes, g.block_bytes, lanes, &mut self.needs);
+        debug_assert_eq!(
+            self.needs,
+            lane_bytes(size_bytes, g.stripe_unit_bytes, g.block_bytes, lanes)
+        );
         self.choose_devices(lanes as usize);
-        let chosen = std::mem::take(&mut self.order);
-        let result = self.alloc_lanes(size_bytes, &chosen, &needs);
-        self.order = chosen;
-        self.needs = needs;
-        result
+        // Returned straight from here: the map (up to a few hundred bytes) is built in place.
+        self.alloc_lanes(size_bytes)
     }
 
-    /// Allocate lane `i` of the tensor on device `chosen[i].1`, all or nothing.
-    fn alloc_lanes(
-        &mut self,
-        size_bytes: u64,
-        chosen: &[(u64, usize)],
-        needs: &[u64],
-    ) -> Result<StripeMap> {
+    /// Allocate lane `i` of the tensor (`self.needs[i]` bytes) on device `self.order[i].1`, all
+    /// or nothing.
+    #[inline]
+    fn alloc_lanes(&mut self, size_bytes: u64) -> Result<StripeMap> {
         let g = self.geometry;
         // Check every lane before touching anything: a device can serve a lane iff its free
         // bytes cover the lane rounded up to its unit (alloc may split into several extents).
-        let fits = chosen
-            .iter()
-            .zip(needs)
-            .all(|(&(_, d), &need)| self.devices[d].round_up(need) <= self.devices[d].free_bytes());
+        let fits =
+            self.order.iter().zip(&self.needs).all(|(&(_, d), &need)| {
+                self.devices[d].round_up(need) <= self.devices[d].free_bytes()
+            });
         if !fits {
             return Err(self.no_space(size_bytes));
         }
-        // One capacity for every map of this array (up to 8 lanes): freeing an old map and
-        // building a new one then recycle same-sized blocks through the malloc's per-size
-        // caches instead of its slow paths (callgrind's cache model of the array bench: a fifth
-        // fewer last-level misses).
-        let capacity = chosen.len().max((g.device_count as usize).min(LANES_CAPACITY_MIN));
-        let mut done: Vec<Lane> = Vec::with_capacity(capacity);
-        for (&(_, d), &need) in chosen.iter().zip(needs) {
+        // The lanes go through a reused buffer into the map, which holds up to `INLINE_LANES`
+        // of them (each lane's first extent too) without a heap block.
+        let mut done = std::mem::take(&mut self.lanes);
+        done.clear();
+        for (&(_, d), &need) in self.order.iter().zip(&self.needs) {
             match self.devices[d].alloc_extents(need) {
                 Ok(extents) => done.push(Lane { device: d as u32, extents }),
                 Err(e) => {
                     self.roll_back(&done);
+                    done.clear();
+                    self.lanes = done;
                     return Err(match e {
                         Error::NoSpace { .. } => self.no_space(size_bytes),
                         other => other,
@@ -173,7 +169,10 @@ impl ArrayAllocator {
         }
         // Every lane was cut from free space on its own device, holds at least its share, and
         // is aligned to the (validated) geometry's block: what `StripeMap::new` would re-check.
-        Ok(StripeMap::new_trusted(size_bytes, g.stripe_unit_bytes, g.block_bytes, done))
+        let map =
+            StripeMap::new_trusted(size_bytes, g.stripe_unit_bytes, g.block_bytes, done.drain(..));
+        self.lanes = done;
+        Ok(map)
     }
 
     /// Free every extent of a tensor. All-or-nothing: every extent is checked to be allocated
@@ -220,11 +219,35 @@ impl ArrayAllocator {
 
     /// Leave in `self.order` the `lanes` devices with the most free bytes, most free first
     /// (ties: lower index), as (`!free_bytes`, device) so that plain tuple order sorts them.
+    ///
+    /// Up to [`CHOOSE_BY_INSERTION_MAX`] devices, a bounded insertion (keep the `lanes` smallest
+    /// keys sorted while walking the devices): for a handful of devices a general sort costs
+    /// several times more. Larger arrays sort.
     fn choose_devices(&mut self, lanes: usize) {
-        self.order.clear();
-        self.order.extend(self.devices.iter().enumerate().map(|(d, dev)| (!dev.free_bytes(), d)));
-        self.order.sort_unstable();
-        self.order.truncate(lanes);
+        let order = &mut self.order;
+        order.clear();
+        let keys = self.devices.iter().enumerate().map(|(d, dev)| (!dev.free_bytes(), d));
+        if self.devices.len() > CHOOSE_BY_INSERTION_MAX {
+            order.extend(keys);
+            order.sort_unstable();
+            order.truncate(lanes);
+            return;
+        }
+        for key in keys {
+            if order.len() == lanes {
+                // Keys arrive in device order, so a tie with the last kept key loses.
+                if order.last().is_none_or(|&last| last <= key) {
+                    continue;
+                }
+                order.pop();
+            }
+            order.push(key);
+            let mut i = order.len() - 1;
+            while i > 0 && order[i - 1] > order[i] {
+                order.swap(i - 1, i);
+                i -= 1;
+            }
+        }
     }
 
     fn no_space(&self, size_bytes: u64) -> Error {
@@ -347,7 +370,8 @@ fn lane_needs(size_bytes: u64, unit_bytes: u64, block_bytes: u32, lanes: u32, ou
 mod tests {
     use teraio_layout::lane_bytes;
 
-    use super::lane_needs;
+    use super::{ArrayAllocator, CHOOSE_BY_INSERTION_MAX, lane_needs};
+    use crate::ExtentAllocator;
 
     #[test]
     fn lane_needs_are_layouts_lane_bytes() {
@@ -361,6 +385,33 @@ mod tests {
                     lane_needs(size, unit, block, lanes, &mut got);
                     assert_eq!(got, want, "size {size}, unit {unit}, block {block}, {lanes} lanes");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn chosen_devices_are_the_most_free_lowest_index_first() {
+        use teraio_layout::ArrayGeometry;
+        const MIB: u64 = 1 << 20;
+        // Both ways of choosing (insertion up to CHOOSE_BY_INSERTION_MAX devices, a sort above),
+        // free space with many ties, every lane count.
+        for devices in [1u32, 2, 3, 4, 7, 16, 17, 40] {
+            assert_eq!(devices as usize > CHOOSE_BY_INSERTION_MAX, devices >= 17);
+            let geometry = ArrayGeometry::new(devices, 4096, MIB).unwrap();
+            let allocators = (0..devices)
+                .map(|d| {
+                    let units = 8 + u64::from(d * 7 % 5);
+                    ExtentAllocator::new(d, 0, units * MIB, MIB).unwrap()
+                })
+                .collect();
+            let mut a = ArrayAllocator::new(geometry, allocators).unwrap();
+            for lanes in 1..=devices as usize {
+                let mut want: Vec<(u64, usize)> =
+                    a.devices.iter().enumerate().map(|(d, dev)| (!dev.free_bytes(), d)).collect();
+                want.sort_unstable();
+                want.truncate(lanes);
+                a.choose_devices(lanes);
+                assert_eq!(a.order, want, "{devices} devices, {lanes} lanes");
             }
         }
     }

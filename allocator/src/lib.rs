@@ -9,7 +9,9 @@
 //!   found through an occupancy bit set) and an ordered set for longer ones. `alloc` and `free`
 //!   cost O(log64 units + log bin size), with no bitmap scan. Free coalesces neighbours.
 //! - [`ArrayAllocator`] stripes a tensor over the devices with the most free space and returns a
-//!   [`teraio_layout::StripeMap`]. The hot path allocates only the map itself.
+//!   [`teraio_layout::StripeMap`]. The hot path allocates nothing for a map of up to
+//!   [`teraio_layout::stripe::INLINE_LANES`] lanes each in one extent (the map holds them in
+//!   place), and one block for a larger one.
 //!
 //! Every failing call leaves the allocator exactly as it was: [`Error::NoSpace`] allocates
 //! nothing, and freeing an extent that is not (wholly) allocated is [`Error::NotAllocated`], not a

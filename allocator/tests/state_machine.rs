@@ -457,7 +457,8 @@ impl ReferenceStateMachine for ArrayMachine {
 
     fn init_state() -> BoxedStrategy<ArrayState> {
         (
-            prop::collection::vec((1u64..=48, prop_oneof![Just(4096u64), Just(8192)]), 1..=4),
+            // Up to 6 devices: maps of more than `INLINE_LANES` (4) lanes keep theirs on the heap.
+            prop::collection::vec((1u64..=48, prop_oneof![Just(4096u64), Just(8192)]), 1..=6),
             prop_oneof![Just(4096u64), Just(16384), Just(65536)],
         )
             .prop_map(|(devs, stripe_unit_bytes)| ArrayState {

@@ -276,12 +276,117 @@ pub struct Segment {
 }
 
 /// The placement of one tensor over the array.
+///
+/// Up to [`INLINE_LANES`] lanes are held in the map itself, each with its first extent inline
+/// (see [`Extents`]): the map of a tensor striped over a typical array, each lane in one piece,
+/// owns no heap block at all.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StripeMap {
     size_bytes: u64,
     unit_bytes: u64,
     block_bytes: u32,
-    lanes: Vec<Lane>,
+    lanes: LaneStore,
+}
+
+/// A stripe map holds up to this many lanes without a heap block.
+pub const INLINE_LANES: usize = 4;
+
+/// An unused slot of [`LaneStore::Inline`] (holds no heap block).
+const NO_LANE: Lane = Lane { device: 0, extents: Extents::new() };
+
+/// The lanes of a [`StripeMap`]: up to [`INLINE_LANES`] in place, more in a vector. Reads as a
+/// slice; equality, `Debug` and serde's form are those of the slice (of a `Vec<Lane>`).
+#[derive(Clone)]
+enum LaneStore {
+    /// `lanes[..len]` are the lanes; the other slots hold [`NO_LANE`].
+    Inline {
+        len: u8,
+        lanes: [Lane; INLINE_LANES],
+    },
+    Heap(Vec<Lane>),
+}
+
+impl LaneStore {
+    #[inline]
+    fn as_slice(&self) -> &[Lane] {
+        match self {
+            Self::Inline { len, lanes } => &lanes[..usize::from(*len)],
+            Self::Heap(v) => v,
+        }
+    }
+}
+
+impl std::ops::Deref for LaneStore {
+    type Target = [Lane];
+
+    #[inline]
+    fn deref(&self) -> &[Lane] {
+        self.as_slice()
+    }
+}
+
+impl FromIterator<Lane> for LaneStore {
+    /// In place while at most [`INLINE_LANES`] lanes come, else a vector.
+    #[inline]
+    fn from_iter<I: IntoIterator<Item = Lane>>(iter: I) -> Self {
+        let mut iter = iter.into_iter();
+        // A heap map gets room for at least twice `INLINE_LANES` lanes: maps of 5 to 8 lanes
+        // then have one block size, which malloc recycles from a freed map to the next one
+        // through its per-size caches.
+        let lower = iter.size_hint().0;
+        if lower > INLINE_LANES {
+            let mut v = Vec::with_capacity(lower.max(2 * INLINE_LANES));
+            v.extend(iter);
+            return Self::Heap(v);
+        }
+        let mut lanes = [NO_LANE; INLINE_LANES];
+        let mut len = 0;
+        while let Some(lane) = iter.next() {
+            if len == INLINE_LANES {
+                let mut v = Vec::with_capacity(2 * INLINE_LANES + iter.size_hint().0);
+                v.extend(lanes);
+                v.push(lane);
+                v.extend(iter);
+                return Self::Heap(v);
+            }
+            lanes[len] = lane;
+            len += 1;
+        }
+        Self::Inline { len: len as u8, lanes }
+    }
+}
+
+impl From<Vec<Lane>> for LaneStore {
+    /// Up to [`INLINE_LANES`] lanes move in place (the vector is freed); more keep the vector.
+    fn from(v: Vec<Lane>) -> Self {
+        if v.len() > INLINE_LANES { Self::Heap(v) } else { v.into_iter().collect() }
+    }
+}
+
+impl std::fmt::Debug for LaneStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
+impl PartialEq for LaneStore {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for LaneStore {}
+
+impl Serialize for LaneStore {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.as_slice().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for LaneStore {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Vec::<Lane>::deserialize(d).map(Self::from)
+    }
 }
 
 /// Number of lanes a tensor of `size_bytes` uses on an array of `device_count` devices.
@@ -399,7 +504,7 @@ impl StripeMap {
                 )));
             }
         }
-        Ok(Self { size_bytes, unit_bytes, block_bytes, lanes })
+        Ok(Self { size_bytes, unit_bytes, block_bytes, lanes: lanes.into() })
     }
 
     /// Build a stripe map from lanes whose producer guarantees everything [`StripeMap::new`]
@@ -407,14 +512,19 @@ impl StripeMap {
     /// [`lane_bytes`] long, geometry validated). Skips the validation in release builds, where it
     /// costs more than the allocation; debug builds run it and panic on a bad map. Not unsafe,
     /// but `locate` and `segments` may panic on a map that breaks the checks.
+    ///
+    /// Takes the lanes from any iterator (a `Vec<Lane>`, or a reused buffer's `drain(..)`), so
+    /// that a map of up to [`INLINE_LANES`] lanes is built without a heap block.
+    #[inline]
     pub fn new_trusted(
         size_bytes: u64,
         unit_bytes: u64,
         block_bytes: u32,
-        lanes: Vec<Lane>,
+        lanes: impl IntoIterator<Item = Lane>,
     ) -> Self {
+        let lanes: LaneStore = lanes.into_iter().collect();
         if cfg!(debug_assertions)
-            && let Err(e) = Self::new(size_bytes, unit_bytes, block_bytes, lanes.clone())
+            && let Err(e) = Self::new(size_bytes, unit_bytes, block_bytes, lanes.to_vec())
         {
             panic!("StripeMap::new_trusted got an invalid map: {e}");
         }
@@ -422,31 +532,37 @@ impl StripeMap {
     }
 
     /// The tensor's size in bytes.
+    #[inline]
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes
     }
 
     /// The size rounded up to the block size: the bytes a full write or read moves.
+    #[inline]
     pub fn padded_bytes(&self) -> u64 {
         align_up(self.size_bytes, u64::from(self.block_bytes))
     }
 
     /// The stripe unit.
+    #[inline]
     pub fn unit_bytes(&self) -> u64 {
         self.unit_bytes
     }
 
     /// The block size every segment is aligned to.
+    #[inline]
     pub fn block_bytes(&self) -> u32 {
         self.block_bytes
     }
 
     /// The lanes, in striping order.
+    #[inline]
     pub fn lanes(&self) -> &[Lane] {
         &self.lanes
     }
 
     /// Every (device, extent) the tensor owns.
+    #[inline]
     pub fn extents(&self) -> impl Iterator<Item = (u32, Extent)> + '_ {
         self.lanes.iter().flat_map(|l| l.extents.iter().map(move |e| (l.device, *e)))
     }
@@ -662,6 +778,28 @@ mod tests {
         sorted.sort_unstable();
         assert_eq!(sorted, [e(0, MIB), e(4 * MIB, MIB)]);
         assert_eq!(Vec::from(sorted), vec![e(0, MIB), e(4 * MIB, MIB)]);
+    }
+
+    #[test]
+    fn maps_of_any_lane_count_read_the_same_built_either_way() {
+        // In place up to INLINE_LANES lanes, in a vector beyond: invisible through the API.
+        for devices in 1..=2 * INLINE_LANES as u32 + 1 {
+            let size = u64::from(devices) * 2 * MIB + 4096;
+            let map = contiguous_map(size, devices);
+            let lanes = map.lanes().to_vec();
+            assert_eq!(lanes.len(), devices as usize);
+            assert_eq!(lanes[devices as usize - 1].device, devices - 1);
+            let trusted = StripeMap::new_trusted(size, MIB, 4096, lanes.clone());
+            let from_iter = StripeMap::new_trusted(size, MIB, 4096, lanes.iter().cloned());
+            assert_eq!(trusted, map);
+            assert_eq!(from_iter, map);
+            assert_eq!(from_iter.clone(), map);
+            assert_eq!(format!("{:?}", map.lanes()), format!("{lanes:?}"));
+            assert_eq!(map.extents().count(), devices as usize);
+            assert_eq!(map.locate(0).unwrap(), (0, 8 * MIB));
+            let segs = map.segments(0..size, u64::MAX).unwrap();
+            assert_eq!(segs.iter().map(|s| s.len).sum::<u64>(), map.padded_bytes());
+        }
     }
 
     #[test]
