@@ -324,6 +324,17 @@ impl DeviceArray {
         self.backend.name()
     }
 
+    /// Requests so far that used io_uring registered (fixed) buffers (0 on other backends).
+    pub fn fixed_buffer_ops(&self) -> u64 {
+        self.backend.fixed_buffer_ops()
+    }
+
+    /// io_uring buffer-table entries (over all rings) that pin a pool mapping now. Entries of
+    /// mappings the pool unmapped are dropped by each ring when it next runs.
+    pub fn registered_buffers(&self) -> u64 {
+        self.backend.registered_buffers()
+    }
+
     fn block(&self) -> u64 {
         u64::from(self.geometry.block_bytes)
     }

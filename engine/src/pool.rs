@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -85,7 +86,7 @@ impl Region {
         let rc = unsafe { libc::munmap(self.map_ptr, self.map_len) };
         debug_assert_eq!(rc, 0, "munmap of a pool region failed");
         if let Some(r) = self.reg {
-            registry_release(r.index);
+            registry_release(r);
         }
     }
 }
@@ -94,10 +95,15 @@ impl Region {
 /// table. Mappings beyond this many simply do not get registered (plain I/O is used).
 pub const REGISTRATION_SLOTS: u32 = 1024;
 
+/// The largest mapping the kernel registers as one fixed buffer (io_uring_register(2):
+/// `io_buffer_validate` refuses more than 1 GiB). Larger mappings get no registration.
+pub const REGISTRATION_MAX_BYTES: usize = 1 << 30;
+
 /// Where a buffer's memory lies for io_uring buffer registration: slot `index` of every ring's
 /// buffer table describes `[base, base + len)` while `generation` matches. A slot is reused by
 /// a later mapping with a new generation; rings re-register on a mismatch, so a stale entry
-/// (whose pages the kernel keeps pinned until then) is never used for I/O.
+/// (whose pages the kernel keeps pinned until then) is never used for I/O, and they drop
+/// entries whose mapping is gone (see [`registration_live`]) to unpin that memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Registration {
     /// Slot in the rings' buffer tables.
@@ -122,7 +128,17 @@ struct Registry {
 
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
+/// Generation of the mapping holding each slot now (0: free). Written under `REGISTRY`'s lock,
+/// read by the rings without it.
+static LIVE: [AtomicU64; REGISTRATION_SLOTS as usize] =
+    [const { AtomicU64::new(0) }; REGISTRATION_SLOTS as usize];
+/// Bumped after every release, so a ring notices that some of its entries may be stale.
+static RELEASES: AtomicU64 = AtomicU64::new(0);
+
 fn registry_acquire(base: *mut u8, len: usize) -> Option<Registration> {
+    if len > REGISTRATION_MAX_BYTES {
+        return None;
+    }
     let mut g = REGISTRY.lock();
     let r = g.get_or_insert_with(|| Registry {
         free: (0..REGISTRATION_SLOTS as u16).rev().collect(),
@@ -131,13 +147,37 @@ fn registry_acquire(base: *mut u8, len: usize) -> Option<Registration> {
     let index = r.free.pop()?;
     let generation = r.next_generation;
     r.next_generation += 1;
+    LIVE[usize::from(index)].store(generation, Ordering::Release);
     Some(Registration { index, generation, base, len })
 }
 
-fn registry_release(index: u16) {
-    if let Some(r) = REGISTRY.lock().as_mut() {
-        r.free.push(index);
-    }
+/// Called after the mapping of `reg` was unmapped.
+fn registry_release(reg: Registration) {
+    let mut g = REGISTRY.lock();
+    let r = g.as_mut().expect("a registration was acquired, so the registry exists");
+    let live = &LIVE[usize::from(reg.index)];
+    assert_eq!(
+        live.load(Ordering::Acquire),
+        reg.generation,
+        "registration slot {} released twice or by the wrong mapping",
+        reg.index
+    );
+    live.store(0, Ordering::Release);
+    debug_assert!(!r.free.contains(&reg.index));
+    r.free.push(reg.index);
+    RELEASES.fetch_add(1, Ordering::AcqRel);
+}
+
+/// The generation of the mapping holding registration slot `index` now (0: none). A ring entry
+/// with another generation describes memory that was unmapped (or belongs to an older mapping).
+pub fn registration_live(index: u16) -> u64 {
+    LIVE.get(usize::from(index)).map_or(0, |g| g.load(Ordering::Acquire))
+}
+
+/// How many registrations were released so far; a change tells a ring to look for stale
+/// entries.
+pub fn registration_releases() -> u64 {
+    RELEASES.load(Ordering::Acquire)
 }
 
 struct PoolState {

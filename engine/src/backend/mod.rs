@@ -180,6 +180,15 @@ pub trait Backend: Send + Sync {
     /// Durability barrier for one device: every write whose completion has run is durable when
     /// this returns `Ok` (fdatasync; the simulator's flush).
     fn flush(&self, device: usize) -> std::io::Result<()>;
+    /// Requests so far that used a registered (fixed) buffer; 0 for backends without them.
+    fn fixed_buffer_ops(&self) -> u64 {
+        0
+    }
+    /// Buffer-table entries (over all rings) that hold a mapping now; 0 for backends without
+    /// registered buffers. An entry pins its memory in the kernel.
+    fn registered_buffers(&self) -> u64 {
+        0
+    }
 }
 
 /// Skip `done` bytes of a list of iovecs (for resuming short transfers).

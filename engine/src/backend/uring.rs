@@ -2,14 +2,28 @@
 //!
 //! Each device gets `threads_per_device` dedicated I/O threads; each thread owns one ring for
 //! its device, with the device's file registered (fixed file 0) and at most `queue_depth`
-//! requests in flight. Requests reach a thread through a channel; a thread that sleeps in
-//! `io_uring_enter` is woken by an eventfd whose read is kept armed in the ring, so new work is
-//! picked up without waiting for an I/O to finish. Multi-piece requests use `READV`/`WRITEV`;
-//! single-piece ones use `READ_FIXED`/`WRITE_FIXED` when their buffer comes from the
-//! [`BufferPool`](crate::pool::BufferPool) (each pool mapping is registered in the ring's
-//! sparse buffer table on first use; see [`Registration`](crate::pool::Registration)), else
-//! `READ`/`WRITE`. `TERAIO_FIXED_BUFFERS=0` turns fixed buffers off (for comparisons). Short
-//! transfers are resubmitted for the remainder.
+//! requests in flight. Rings are single-issuer with deferred task work where the kernel has it
+//! (6.1+): completions are processed in batches when the thread waits. Requests reach a thread
+//! through a channel; a thread that sleeps in `io_uring_enter` is woken by an eventfd whose
+//! read is kept armed in the ring, so new work is picked up without waiting for an I/O to
+//! finish. Multi-piece requests use `READV`/`WRITEV`; single-piece ones use
+//! `READ_FIXED`/`WRITE_FIXED` when their buffer comes from the
+//! [`BufferPool`](crate::pool::BufferPool), else `READ`/`WRITE`. `TERAIO_FIXED_BUFFERS=0`
+//! turns fixed buffers off (for comparisons). Short transfers are resubmitted for the
+//! remainder.
+//!
+//! Registered buffers: each pool mapping of at most 1 GiB owns a slot of every ring's sparse
+//! buffer table while it is mapped ([`Registration`](crate::pool::Registration): index and
+//! generation). A ring registers a mapping on its first fixed request and follows three rules:
+//! - the kernel looks a fixed buffer up when it *issues* the request, during a later
+//!   `io_uring_enter`, not when the SQE is written: a slot is never re-registered while a
+//!   submission of this ring (queued or in the kernel) uses it, so no request is ever issued
+//!   against a mapping other than its own (that would fail with `EFAULT`, or worse, move the
+//!   bytes of another buffer);
+//! - a mapping the kernel refuses (over 1 GiB, no memory to pin) is not retried: plain I/O;
+//! - when the pool unmaps a mapping, the ring clears its slot the next time it runs, so the
+//!   kernel unpins that memory (huge pages included) instead of holding it until the slot is
+//!   reused.
 //!
 //! Memory safety: a request's context (its [`IoRequest`], which owns the buffer through its
 //! completion) stays in the thread's slot table until its completion entry arrives; a thread
@@ -27,7 +41,7 @@ use io_uring::{IoUring, opcode, squeue, types};
 
 use super::psync::fdatasync;
 use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, advance_iovecs, bad_device};
-use crate::pool::REGISTRATION_SLOTS;
+use crate::pool::{REGISTRATION_SLOTS, registration_live, registration_releases};
 
 /// Largest iovec count one READV/WRITEV takes (Linux IOV_MAX).
 const IOV_MAX: usize = 1024;
@@ -46,6 +60,8 @@ struct WorkerShared {
     sleeping: AtomicBool,
     /// Submissions that used a registered (fixed) buffer.
     fixed_ops: std::sync::atomic::AtomicU64,
+    /// Entries of the ring's buffer table that hold a mapping now.
+    registered_now: std::sync::atomic::AtomicU64,
 }
 
 impl WorkerShared {
@@ -113,11 +129,25 @@ impl UringBackend {
                     eventfd,
                     sleeping: AtomicBool::new(false),
                     fixed_ops: Default::default(),
+                    registered_now: Default::default(),
                 });
-                // COOP_TASKRUN (5.19+): no interrupt of the I/O thread for each completion.
-                let ring = match IoUring::builder().setup_coop_taskrun().build(queue_depth + 1) {
-                    Ok(r) => r,
-                    Err(_) => IoUring::builder().build(queue_depth + 1)?,
+                // DEFER_TASKRUN (6.1+, with SINGLE_ISSUER): completions are processed only when
+                // the I/O thread waits, in batches, and never interrupt it. The ring is created
+                // disabled and enabled by its thread, which becomes its single issuer (and may
+                // then update its buffer table). Else COOP_TASKRUN (5.19+), else plain.
+                let depth = queue_depth + 1;
+                let (ring, deferred) = match IoUring::builder()
+                    .setup_single_issuer()
+                    .setup_defer_taskrun()
+                    .setup_taskrun_flag()
+                    .setup_r_disabled()
+                    .build(depth)
+                {
+                    Ok(r) => (r, true),
+                    Err(_) => match IoUring::builder().setup_coop_taskrun().build(depth) {
+                        Ok(r) => (r, false),
+                        Err(_) => (IoUring::builder().build(depth)?, false),
+                    },
                 };
                 ring.submitter().register_files(&[file.as_raw_fd()])?;
                 // Fixed buffers: a sparse table filled lazily with the pool's mappings. Without
@@ -127,31 +157,33 @@ impl UringBackend {
                 let (tx, rx) = crossbeam_channel::unbounded::<IoRequest>();
                 let thread_shared = Arc::clone(&shared);
                 let file = Arc::clone(file);
+                let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<io::Result<()>>(1);
                 let join = std::thread::Builder::new()
                     .name(format!("teraio-uring-{d}.{t}"))
                     .spawn(move || {
+                        if deferred && let Err(e) = ring.submitter().register_enable_rings() {
+                            let _ = started_tx.send(Err(e));
+                            return;
+                        }
+                        let _ = started_tx.send(Ok(()));
                         let mut w =
                             RingThread::new(ring, rx, thread_shared, queue_depth as usize, fixed);
                         w.run();
                         drop(file);
                     })?;
+                let started = started_rx
+                    .recv()
+                    .unwrap_or_else(|_| Err(io::Error::other("io_uring thread exited at start")));
+                if let Err(e) = started {
+                    let _ = join.join();
+                    return Err(e);
+                }
                 workers.push(Worker { tx: Some(tx), shared, join: Some(join) });
             }
             // Owned by `backend` at once, so an error further on shuts these threads down.
             backend.devices.push(DeviceWorkers { workers, next: AtomicUsize::new(0) });
         }
         Ok(backend)
-    }
-}
-
-impl UringBackend {
-    /// Submissions so far that used registered (fixed) buffers, over all rings.
-    pub fn fixed_buffer_ops(&self) -> u64 {
-        self.devices
-            .iter()
-            .flat_map(|d| d.workers.iter())
-            .map(|w| w.shared.fixed_ops.load(Ordering::Relaxed))
-            .sum()
     }
 }
 
@@ -188,6 +220,22 @@ impl Backend for UringBackend {
     fn flush(&self, device: usize) -> io::Result<()> {
         let fd = self.files.get(device).ok_or_else(|| io::Error::other("no such device"))?;
         fdatasync(fd.as_raw_fd())
+    }
+
+    fn fixed_buffer_ops(&self) -> u64 {
+        self.devices
+            .iter()
+            .flat_map(|d| d.workers.iter())
+            .map(|w| w.shared.fixed_ops.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    fn registered_buffers(&self) -> u64 {
+        self.devices
+            .iter()
+            .flat_map(|d| d.workers.iter())
+            .map(|w| w.shared.registered_now.load(Ordering::Relaxed))
+            .sum()
     }
 }
 
@@ -235,6 +283,8 @@ struct InFlight {
     /// completion arrives).
     raw: Vec<libc::iovec>,
     done: u64,
+    /// The buffer-table slot the submission in the kernel uses, if it is a fixed one.
+    table_slot: Option<u16>,
 }
 
 struct RingThread {
@@ -252,6 +302,15 @@ struct RingThread {
     fixed: bool,
     /// Generation registered in each slot of the buffer table (0: none).
     registered: Vec<u64>,
+    /// Submissions queued or in the kernel that use each slot of the buffer table. A slot is
+    /// re-registered only while this is 0: the kernel looks a fixed buffer up when it issues
+    /// the request (during a later io_uring_enter), so re-registering a slot under a queued
+    /// request would hand it another mapping.
+    users: Vec<u32>,
+    /// Generation whose registration the kernel refused, per slot (not retried).
+    refused: Vec<u64>,
+    /// `registration_releases()` when the table was last checked for stale entries.
+    releases_seen: u64,
 }
 
 impl RingThread {
@@ -274,11 +333,44 @@ impl RingThread {
             disconnected: false,
             fixed,
             registered: if fixed { vec![0; REGISTRATION_SLOTS as usize] } else { Vec::new() },
+            users: if fixed { vec![0; REGISTRATION_SLOTS as usize] } else { Vec::new() },
+            refused: if fixed { vec![0; REGISTRATION_SLOTS as usize] } else { Vec::new() },
+            releases_seen: 0,
+        }
+    }
+
+    /// Drop the table entries whose mapping the pool unmapped since, so the kernel unpins that
+    /// memory (huge pages included) instead of holding it until the slot is reused.
+    fn drop_stale_registrations(&mut self) {
+        if !self.fixed {
+            return;
+        }
+        let releases = registration_releases();
+        if releases == self.releases_seen {
+            return;
+        }
+        self.releases_seen = releases;
+        for idx in 0..self.registered.len() {
+            let generation = self.registered[idx];
+            if generation == 0 || self.users[idx] > 0 || registration_live(idx as u16) == generation
+            {
+                continue;
+            }
+            // A null, empty iovec clears the slot (io_uring_register(2), BUFFERS_UPDATE).
+            let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+            // SAFETY: clearing a slot hands the kernel no memory; no submission uses the slot.
+            let cleared = unsafe {
+                self.ring.submitter().register_buffers_update(idx as u32, &[empty], None)
+            };
+            if cleared.is_ok() {
+                self.registered[idx] = 0;
+                self.shared.registered_now.fetch_sub(1, Ordering::Relaxed);
+            }
         }
     }
 
     /// The fixed-buffer slot to use for `piece` of slot `i`'s request, registering the
-    /// request's mapping in this ring first if needed.
+    /// request's mapping in this ring first if needed. `None`: use a plain READ/WRITE.
     fn fixed_slot(&mut self, i: usize, piece: IoVec) -> Option<u16> {
         if !self.fixed {
             return None;
@@ -289,7 +381,12 @@ impl RingThread {
             return None;
         }
         let idx = usize::from(r.index);
-        if self.registered.get(idx) != Some(&r.generation) {
+        if *self.registered.get(idx)? != r.generation {
+            // The slot holds another (older) mapping. Requests of that mapping may still be
+            // queued or in flight here: never swap the slot under them.
+            if self.users[idx] > 0 || self.refused[idx] == r.generation {
+                return None;
+            }
             let iov = libc::iovec { iov_base: r.base.cast(), iov_len: r.len };
             // SAFETY: the mapping is valid now (the request's buffer lies in it and is kept
             // alive); it is used for I/O only while the generation matches, i.e. while the
@@ -298,9 +395,13 @@ impl RingThread {
                 self.ring.submitter().register_buffers_update(r.index.into(), &[iov], None)
             };
             if ok.is_err() {
+                self.refused[idx] = r.generation;
                 return None;
             }
-            *self.registered.get_mut(idx)? = r.generation;
+            if self.registered[idx] == 0 {
+                self.shared.registered_now.fetch_add(1, Ordering::Relaxed);
+            }
+            self.registered[idx] = r.generation;
         }
         self.shared.fixed_ops.fetch_add(1, Ordering::Relaxed);
         Some(r.index)
@@ -340,7 +441,12 @@ impl RingThread {
         let first = self.slots[i].as_ref().expect("issued slot is occupied").iov[0];
         let single = self.slots[i].as_ref().is_some_and(|f| f.iov.len() == 1);
         let buf_index = if single { self.fixed_slot(i, first) } else { None };
+        if let Some(b) = buf_index {
+            self.users[usize::from(b)] += 1;
+        }
         let f = self.slots[i].as_mut().expect("issued slot is occupied");
+        debug_assert!(f.table_slot.is_none(), "one submission per request at a time");
+        f.table_slot = buf_index;
         let off = f.req.offset() + f.done;
         let fixed = types::Fixed(0);
         let entry = if single {
@@ -379,7 +485,7 @@ impl RingThread {
         }
         let i = self.free.pop().expect("start is called only with a free slot");
         let iov = req.iovecs().to_vec();
-        self.slots[i] = Some(InFlight { req, iov, raw: Vec::new(), done: 0 });
+        self.slots[i] = Some(InFlight { req, iov, raw: Vec::new(), done: 0, table_slot: None });
         self.in_flight += 1;
         self.issue(i);
     }
@@ -397,6 +503,11 @@ impl RingThread {
             return;
         }
         let i = user_data as usize;
+        // The kernel is done with this submission (and its buffer-table slot).
+        let slot = self.slots[i].as_mut().expect("completed slot is occupied");
+        if let Some(b) = slot.table_slot.take() {
+            self.users[usize::from(b)] -= 1;
+        }
         if res < 0 {
             if res == -libc::EAGAIN || res == -libc::EINTR {
                 return self.issue(i);
@@ -432,6 +543,7 @@ impl RingThread {
 
     fn run(&mut self) {
         loop {
+            self.drop_stale_registrations();
             self.intake();
             if self.disconnected && self.in_flight == 0 {
                 break;

@@ -94,3 +94,22 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     fill(&mut v, seed);
     v
 }
+
+/// An io_uring array of `devices` files with `threads` I/O threads (rings) per device.
+pub fn open_uring_threads(
+    devices: usize,
+    capacity: u64,
+    queue_depth: u32,
+    threads: usize,
+) -> Fixture {
+    let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let dir = tempfile::tempdir_in(base).unwrap();
+    let targets = (0..devices).map(|i| Target::Path(dir.path().join(format!("dev{i}")))).collect();
+    let mut config = ArrayConfig::new(targets);
+    config.file_size_bytes = capacity;
+    config.queue_depth = queue_depth;
+    config.io_threads = threads;
+    let array = DeviceArray::open(config).unwrap();
+    assert_eq!(array.backend_name(), "uring");
+    Fixture { array, sims: Vec::new(), dir: Some(dir) }
+}
