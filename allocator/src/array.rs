@@ -281,12 +281,15 @@ impl ArrayAllocator {
     ) -> Result<()> {
         self.runs.clear();
         self.epoch += 1;
-        // A map freed long after it was made is usually cold: load every lane's first extent up
-        // front, independent loads whose misses overlap, before the loop below.
+        // A map freed long after it was made is usually cold, and so are the bitmap words of
+        // its extents: load every lane's first extent and its bitmap word up front,
+        // independent loads whose misses overlap, before the loop below.
         let mut touched = 0;
         for lane in map.lanes() {
-            if let Some(e) = lane.extents.first() {
-                touched ^= e.offset;
+            if let Some(e) = lane.extents.first()
+                && let Some(dev) = self.devices.get(lane.device as usize)
+            {
+                touched ^= dev.bitmap_word_at(e.offset);
             }
         }
         std::hint::black_box(touched);

@@ -585,6 +585,14 @@ impl ExtentAllocator {
         Ok(())
     }
 
+    /// The bitmap word that holds the unit at byte `offset` (0 outside the device): a load to
+    /// issue early, so that its cache miss overlaps others.
+    #[inline]
+    pub(crate) fn bitmap_word_at(&self, offset: u64) -> u64 {
+        let unit = offset.wrapping_sub(self.base_bytes) >> self.unit_shift;
+        self.bits.words().get((unit / 64) as usize).copied().unwrap_or(0)
+    }
+
     /// Byte extent of `len` units at unit `start`.
     #[inline]
     fn extent(&self, start: u64, len: u64) -> Extent {
