@@ -120,6 +120,8 @@ struct Slot {
     /// Largest request from ordinary (scattered 4 KiB) pages that the device takes whole:
     /// `max_segments` pages, rounded down to a power of two.
     max_io_scattered_bytes: u64,
+    /// The file's exclusive lock (see [`device::open_path`]), held while the array lives.
+    _lock: Option<OwnedFd>,
 }
 
 /// N devices behind one backend. `Send + Sync`; share it as `Arc<DeviceArray>`.
@@ -187,6 +189,7 @@ impl DeviceArray {
                     max_io_bytes: DEFAULT_MAX_IO_BYTES,
                     // As a virtio disk with 254 segments: 1016 KiB, rounded down to 512 KiB.
                     max_io_scattered_bytes: 512 << 10,
+                    _lock: None,
                 });
             }
             let backend = SimBackend::new(sims)
@@ -196,6 +199,30 @@ impl DeviceArray {
             let mut slots = Vec::new();
             let mut fds: Vec<Arc<OwnedFd>> = Vec::new();
             let mut ids: Vec<(u64, u64)> = Vec::new();
+            // The same file or device twice would be locked against itself (files) or refused
+            // as busy (block devices): name the real problem before opening anything.
+            let identity = |meta: &std::fs::Metadata| {
+                use std::os::unix::fs::{FileTypeExt, MetadataExt};
+                if meta.file_type().is_block_device() {
+                    (0, meta.rdev())
+                } else {
+                    (meta.dev(), meta.ino())
+                }
+            };
+            let mut seen: Vec<(u64, u64)> = Vec::new();
+            for (i, t) in config.targets.iter().enumerate() {
+                let Target::Path(path) = t else { unreachable!("all targets are paths here") };
+                let same_path =
+                    config.targets[..i].iter().any(|o| matches!(o, Target::Path(p) if p == path));
+                let id = std::fs::metadata(path).ok().map(|m| identity(&m));
+                if same_path || id.is_some_and(|id| seen.contains(&id)) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} is listed twice (same file or device)",
+                        path.display()
+                    )));
+                }
+                seen.extend(id);
+            }
             for t in &config.targets {
                 let Target::Path(path) = t else { unreachable!("all targets are paths here") };
                 let opened = device::open_path(path, config.file_size_bytes)?;
@@ -203,14 +230,7 @@ impl DeviceArray {
                     context: format!("stat of {}", path.display()),
                     source: e,
                 })?;
-                let id = {
-                    use std::os::unix::fs::{FileTypeExt, MetadataExt};
-                    if meta.file_type().is_block_device() {
-                        (0, meta.rdev())
-                    } else {
-                        (meta.dev(), meta.ino())
-                    }
-                };
+                let id = identity(&meta);
                 if ids.contains(&id) {
                     return Err(Error::InvalidArgument(format!(
                         "{} is listed twice (same file or device)",
@@ -230,6 +250,7 @@ impl DeviceArray {
                         let bytes = u64::from(n) * 4096;
                         (1u64 << bytes.ilog2()).min(opened.max_io_bytes)
                     }),
+                    _lock: opened.lock,
                 });
                 fds.push(opened.fd);
             }

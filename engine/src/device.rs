@@ -48,6 +48,10 @@ pub struct OpenedDevice {
     pub max_io_bytes: u64,
     /// Memory segments one request may have (sysfs `max_segments`), when known.
     pub max_segments: Option<u32>,
+    /// For a file: a second descriptor holding the exclusive `flock` that keeps other arrays
+    /// off it; keep it as long as the array uses the file. (Not the I/O descriptor: io_uring
+    /// keeps a registered file open until its ring is torn down, asynchronously, after close.)
+    pub lock: Option<OwnedFd>,
 }
 
 fn os_err(context: String, source: std::io::Error) -> Error {
@@ -151,8 +155,10 @@ fn dio_alignment(fd: i32) -> Option<u32> {
 /// Open (creating if needed) one target for O_DIRECT I/O.
 ///
 /// Files are created with mode 0600 and, when `file_size_bytes > 0`, extended to that size
-/// with `fallocate` (never shrunk). Block devices are opened with O_EXCL (refused while mounted
-/// or held by another exclusive user). The overwrite guard is not applied here; see
+/// with `fallocate` (never shrunk) and locked (`flock(LOCK_EX)`, held while the descriptor is
+/// open), so two arrays (two teraio processes started in the same folder, say) never write the
+/// same file: the second is refused. Block devices are opened with O_EXCL (refused while
+/// mounted or held by another exclusive user). The overwrite guard is not applied here; see
 /// [`detect_signature`].
 pub fn open_path(path: &Path, file_size_bytes: u64) -> Result<OpenedDevice> {
     let meta = std::fs::metadata(path);
@@ -190,6 +196,7 @@ pub fn open_path(path: &Path, file_size_bytes: u64) -> Result<OpenedDevice> {
         Err(e) => return Err(os_err(format!("opening {}", path.display()), e)),
     };
     let fd = file.as_raw_fd();
+    let lock = if is_block { None } else { Some(lock_file(path)?) };
     let meta = file.metadata().map_err(|e| os_err(format!("stat of {}", path.display()), e))?;
     let kind = if is_block { TargetKind::BlockDevice } else { TargetKind::File };
     if kind == TargetKind::File && !meta.file_type().is_file() {
@@ -258,7 +265,32 @@ pub fn open_path(path: &Path, file_size_bytes: u64) -> Result<OpenedDevice> {
         capacity_bytes,
         max_io_bytes,
         max_segments,
+        lock,
     })
+}
+
+/// Take the exclusive lock that keeps a second array off the file at `path`.
+fn lock_file(path: &Path) -> Result<OwnedFd> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| os_err(format!("opening {} to lock it", path.display()), e))?;
+    // SAFETY: flock takes no pointers; the descriptor is the one just opened.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        let why = if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            format!(
+                "locking {}: it is in use by another array (another teraio process, or one still \
+                 open in this process)",
+                path.display()
+            )
+        } else {
+            format!("locking {}", path.display())
+        };
+        return Err(os_err(why, e));
+    }
+    Ok(OwnedFd::from(f))
 }
 
 #[cfg(test)]
@@ -308,5 +340,16 @@ mod tests {
         assert_eq!(mode, 0o600);
         let blocks = std::fs::metadata(&p).unwrap().blocks();
         assert!(blocks * 512 >= 8 << 20, "fallocate reserved the space ({blocks} blocks)");
+    }
+
+    #[test]
+    fn a_file_open_in_one_array_is_refused_to_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev0");
+        let first = open_path(&p, 1 << 20).unwrap();
+        let e = open_path(&p, 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("in use by another array"), "{e}");
+        drop(first);
+        open_path(&p, 1 << 20).expect("the lock goes with the descriptor");
     }
 }
