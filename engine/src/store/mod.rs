@@ -985,8 +985,6 @@ impl Inner {
                 (b, Some(staged))
             }
         };
-        let checksums =
-            if self.checksums { chunk_checksums(&buf[..size as usize], chunk) } else { Vec::new() };
         let restore = |mut b: IoBuf, src_back: Option<TensorMem>| match src_back {
             Some(s) => s,
             None => {
@@ -994,7 +992,19 @@ impl Inner {
                 TensorMem::Host(b)
             }
         };
-        let (buf, r) = self.array.write_tensor(&map, 0..size, buf).wait();
+        // The checksums are computed while the write is in flight: both only read the buffer.
+        let (ptr, len) = (buf.as_ptr(), size as usize);
+        let ticket = self.array.write_tensor(&map, 0..size, buf);
+        let checksums = if self.checksums {
+            // SAFETY: the buffer is owned by `ticket`, which stays alive (and keeps the memory
+            // mapped) until `wait` below; `len <= padded <= capacity`; a write only reads the
+            // buffer, so nothing mutates it while this shared view exists.
+            let bytes = unsafe { std::slice::from_raw_parts(ptr, len) };
+            chunk_checksums(bytes, chunk)
+        } else {
+            Vec::new()
+        };
+        let (buf, r) = ticket.wait();
         let src = restore(buf, src_back);
         if let Err(e) = r {
             return fail(e, src);
