@@ -18,50 +18,14 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 use teraio_allocator::{ArrayAllocator, ExtentAllocator};
+use teraio_benches::{Workload, thread_cpu_ns};
 use teraio_layout::{ArrayGeometry, Extent, StripeMap};
 
 const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
 const TIB: u64 = 1 << 40;
 const DEVICES: u32 = 4;
 const DEVICE_BYTES: u64 = 4 * TIB;
-/// Pre-drawn sizes and picks, cycled through (a power of two, so the cycle is a mask).
-const TABLE: usize = 1 << 16;
-
-/// Seeded random sizes (log-uniform 1 MiB ..= 1 GiB) and victim picks.
-struct Workload {
-    sizes: Vec<u64>,
-    picks: Vec<u32>,
-    next: usize,
-}
-
-impl Workload {
-    fn new(seed: u64) -> Self {
-        let mut rng = SmallRng::seed_from_u64(seed);
-        let (lo, hi) = ((MIB as f64).ln(), (GIB as f64).ln());
-        let sizes = (0..TABLE).map(|_| rng.gen_range(lo..=hi).exp() as u64).collect();
-        let picks = (0..TABLE).map(|_| rng.r#gen::<u32>()).collect();
-        Self { sizes, picks, next: 0 }
-    }
-
-    /// The next (size, victim index below `live`).
-    #[inline]
-    fn next(&mut self, live: usize) -> (u64, usize) {
-        let i = self.next;
-        self.next = (i + 1) & (TABLE - 1);
-        (self.sizes[i], self.picks[i] as usize % live)
-    }
-}
-
-/// CPU time of the calling thread in ns (scheduler accounting, tick-granular while running).
-fn thread_cpu_ns() -> u64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").expect("Linux schedstat");
-    stat.split_whitespace().next().and_then(|t| t.parse().ok()).expect("schedstat run time")
-}
-
 /// Bench `step` (one pair) by wall clock and by thread CPU time.
 fn bench_both(c: &mut Criterion, name: &str, mut step: impl FnMut()) {
     let mut g = c.benchmark_group("allocator");

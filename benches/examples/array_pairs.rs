@@ -7,7 +7,7 @@
 //! them alone:
 //!
 //! ```text
-//! cargo build --release -p teraio-allocator --example array_pairs
+//! cargo build --release -p teraio-benches --example array_pairs
 //! valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*run_pairs*' \
 //!     target/release/examples/array_pairs 150000 [WARMUP_PAIRS]
 //! ```
@@ -22,44 +22,12 @@
 
 use std::hint::black_box;
 
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 use teraio_allocator::{ArrayAllocator, ExtentAllocator};
+use teraio_benches::{Workload, thread_cpu_ns};
 use teraio_layout::{ArrayGeometry, StripeMap};
 
 const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
 const TIB: u64 = 1 << 40;
-const TABLE: usize = 1 << 16;
-
-/// The bench's pre-drawn sizes and victim picks (same seed, same order).
-struct Workload {
-    sizes: Vec<u64>,
-    picks: Vec<u32>,
-    next: usize,
-}
-
-impl Workload {
-    fn new(seed: u64) -> Self {
-        let mut rng = SmallRng::seed_from_u64(seed);
-        let (lo, hi) = ((MIB as f64).ln(), (GIB as f64).ln());
-        let sizes = (0..TABLE).map(|_| rng.gen_range(lo..=hi).exp() as u64).collect();
-        let picks = (0..TABLE).map(|_| rng.r#gen::<u32>()).collect();
-        Self { sizes, picks, next: 0 }
-    }
-
-    fn next(&mut self, live: usize) -> (u64, usize) {
-        let i = self.next;
-        self.next = (i + 1) & (TABLE - 1);
-        (self.sizes[i], self.picks[i] as usize % live)
-    }
-}
-
-/// CPU time of the calling thread in ns (Linux scheduler accounting).
-fn thread_cpu_ns() -> u64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").expect("Linux schedstat");
-    stat.split_whitespace().next().and_then(|t| t.parse().ok()).expect("schedstat run time")
-}
 
 /// The pairs callgrind counts.
 #[inline(never)]
