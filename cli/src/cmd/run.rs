@@ -275,26 +275,49 @@ pub fn run(args: Args) -> Result<()> {
     hw.host_memory_cap_bytes = args.host_memory;
     hw.gpudirect = true;
 
+    // The plan is checked in the simulator before it runs. A plan that cannot run (an
+    // allocation that nothing in flight could ever satisfy) is made again for a little less
+    // memory than there is, leaving the difference as headroom.
     let started = Instant::now();
-    let p = plan(&trace, &hw, policy)?;
+    let mut attempt = None;
+    for headroom_percent in [0u64, 5, 10, 15, 20, 30] {
+        let mut planning_hw = hw.clone();
+        planning_hw.gpu_memory_bytes = capacity * (100 - headroom_percent) / 100;
+        let p = plan(&trace, &planning_hw, policy)?;
+        let sim = simulate(&trace, &p, &hw, &SimOptions { iterations: 2, record_timeline: true })?;
+        let fits = matches!(sim.outcome, teraio_scheduler::Outcome::Completed);
+        attempt = Some((p, sim, headroom_percent));
+        if fits {
+            break;
+        }
+    }
+    let (p, sim, headroom_percent) = attempt.expect("at least one attempt");
     let plan_s = started.elapsed().as_secs_f64();
-    let sim = simulate(&trace, &p, &hw, &SimOptions { iterations: 2, record_timeline: true })?;
-    say(format!(
-        "plan: {} migrations by `{}` in {:.2} s; simulated iteration {:.2} s ({:.1}% of ideal)",
-        p.instructions.len(),
-        p.policy,
-        plan_s,
-        sim.iteration_time_us * 1e-6,
-        sim.percent_of_ideal
-    ));
     if let teraio_scheduler::Outcome::OutOfMemory { kernel, needed_bytes, used_bytes, .. } =
         sim.outcome
     {
         return Err(CliError::Usage(format!(
-            "the plan runs out of memory at kernel {kernel} ({needed_bytes} bytes needed, {used_bytes} in use): \
-             raise --gpu-memory or pick another --policy"
+            "every `{}` plan runs out of memory in the simulator (at kernel {kernel}: {needed_bytes} \
+             bytes needed, {used_bytes} in use), also with 30% headroom: raise --gpu-memory, slow \
+             the kernels down (--time-scale) or pick another --policy",
+            p.policy
         )));
     }
+    say(format!(
+        "plan: {} migrations by `{}` in {:.2} s{}; simulated iteration {:.2} s ({:.1}% of ideal)",
+        p.instructions.len(),
+        p.policy,
+        plan_s,
+        if headroom_percent > 0 {
+            format!(
+                " (planned for {headroom_percent}% less memory: the first plans ran out in the simulator)"
+            )
+        } else {
+            String::new()
+        },
+        sim.iteration_time_us * 1e-6,
+        sim.percent_of_ideal
+    ));
 
     // Emulated GPU memory: exact-byte accounting in the runtime; real buffers from a pool big
     // enough for every tensor to keep its own, faulted-in buffer (see `engine::runtime`).
@@ -352,7 +375,11 @@ pub fn run(args: Args) -> Result<()> {
                 "read_bytes_per_s": read_bw,
                 "mixed_bytes_per_s": m.mixed,
             },
-            "plan": { "migrations": p.instructions.len(), "plan_time_s": plan_s },
+            "plan": {
+                "migrations": p.instructions.len(),
+                "plan_time_s": plan_s,
+                "headroom_percent": headroom_percent,
+            },
             "ideal_time_s": ideal_s,
             "simulated": {
                 "iteration_time_s": sim_s,
