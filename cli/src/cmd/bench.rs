@@ -75,7 +75,7 @@ pub enum BackendArg {
 pub struct Args {
     /// A file or raw block device to test; repeat for several. Default: `--files` files in
     /// `--dir`.
-    #[arg(long = "target", value_name = "PATH")]
+    #[arg(long = "target", visible_alias = "device", value_name = "PATH")]
     pub targets: Vec<PathBuf>,
     /// Folder of the default data files (`dev0`, `dev1`, ...), created if missing.
     #[arg(long, default_value = "./teraio-data")]
