@@ -393,3 +393,41 @@ fn zero_infinity_drops_its_parameters() {
     let ssd_wr = r.bytes_moved.iter().find(|b| b.resource == Resource::SsdWrite).unwrap().bytes;
     assert!(ssd_wr.abs_diff(written) <= 16, "{ssd_wr} vs {written}");
 }
+
+/// Regression: gpt2-replay at 0.5 s per iteration on 1.02 GB of GPU memory and 0.5 GB/s of
+/// SSD bandwidth in all (reads and writes shared). The bandwidth cannot carry what `teraio`
+/// chooses, and its early-issued prefetches used to take the memory kernel 113's creations
+/// needed with nothing in flight to release it: out of memory in the simulator, where `lru`
+/// completes. Every teraio plan must complete (stalling is fine).
+#[test]
+fn teraio_under_heavy_bandwidth_pressure_completes() {
+    let mut cfg = ModelConfig::preset("gpt2-replay").unwrap();
+    cfg.target_iteration_us = Some(0.5e6);
+    let trace = generate(&cfg).unwrap();
+    let bw = 0.5e9;
+    let hw = Hardware {
+        gpu_memory_bytes: 1_015_906_713,
+        ssd_count: 4,
+        ssd_read_bytes_per_s: bw / 4.0,
+        ssd_write_bytes_per_s: bw / 4.0,
+        ssd_latency_us: 200.0,
+        pcie_h2d_bytes_per_s: 50e9,
+        pcie_d2h_bytes_per_s: 50e9,
+        host_memory_cap_bytes: 0,
+        host_memory_bytes_per_s: 50e9,
+        gpudirect: true,
+        ssd_duplex_bytes_per_s: Some(bw / 4.0),
+        cpu_adam_params_per_s: Hardware::paper().cpu_adam_params_per_s,
+    };
+    let opts = SimOptions::default();
+    // A feasible plan exists: lru's completes.
+    let lru = simulate(&trace, &plan(&trace, &hw, Policy::Lru).unwrap(), &hw, &opts).unwrap();
+    assert_eq!(lru.outcome, Outcome::Completed);
+    for policy in [Policy::Teraio, Policy::TeraioHybrid] {
+        let p = plan(&trace, &hw, policy).unwrap();
+        p.validate(&trace).unwrap();
+        let r = simulate(&trace, &p, &hw, &opts).unwrap();
+        assert_eq!(r.outcome, Outcome::Completed, "{policy}");
+        assert!(r.iteration_time_us > 0.0 && r.stall_us > 0.0, "{policy}: {r:?}");
+    }
+}

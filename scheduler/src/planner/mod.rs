@@ -117,8 +117,54 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
         Policy::None => Plan::empty("none", trace),
     };
     plan.mark_clean_drops(trace)?;
+    if matches!(policy, Policy::Teraio | Policy::TeraioHybrid) {
+        delay_prefetches_until_feasible(trace, hw, &mut plan);
+    }
     debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
     Ok(plan)
+}
+
+/// The feasibility pass of `teraio` / `teraio-hybrid`. The planner's memory curve counts a
+/// prefetch's memory from its planned (bandwidth-aware) read start and the offloads' memory as
+/// free from their planned ends; when the bandwidth cannot carry what was chosen, its second
+/// phase places the rest at nominal bandwidth, so its own planned peak can exceed capacity.
+/// The simulator allocates a prefetch's memory at issue, FIFO with the creations, and keeps it
+/// until use: prefetches issued early for later kernels can take the memory a kernel's
+/// creations need while nothing in flight will release any, which is out of memory rather
+/// than a stall. So the plan is replayed in the simulator; while it runs out of memory at
+/// kernel `k`, every prefetch issued at or before boundary `k` for a tensor first used after
+/// `k` is issued at boundary `k + 1` instead (after that boundary's own instructions).
+/// Each round moves at least one prefetch later, so the pass ends; the rounds are bounded.
+fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) {
+    let n = trace.kernel_count();
+    let opts = crate::sim::SimOptions::default();
+    for _ in 0..p.instructions.len() + 1 {
+        let Ok(report) = crate::sim::simulate(trace, p, hw, &opts) else { break };
+        let crate::sim::Outcome::OutOfMemory { kernel: k, .. } = report.outcome else { break };
+        if k + 1 > n {
+            break;
+        }
+        let mut moved = Vec::new();
+        p.instructions.retain(|ins| {
+            let movable = ins.op == crate::plan::Op::Prefetch
+                && ins.issue_before_kernel <= k
+                && trace
+                    .tensor(ins.tensor)
+                    .accesses
+                    .iter()
+                    .find(|&&a| a >= ins.issue_before_kernel)
+                    .is_some_and(|&u| u > k);
+            if movable {
+                moved.push(Instruction { issue_before_kernel: k + 1, ..*ins });
+            }
+            !movable
+        });
+        if moved.is_empty() {
+            break;
+        }
+        p.instructions.extend(moved);
+        p.instructions.sort_by_key(|ins| ins.issue_before_kernel);
+    }
 }
 
 /// Where a chosen interval's transfers fall.
