@@ -441,7 +441,7 @@ impl<'a> Replayer<'a> {
 
     /// Whether the store holds a current SSD copy of tensor `t` (with no operation pending).
     fn has_ssd_copy(&self, t: usize) -> bool {
-        self.store.info(t as u64).is_some_and(|i| i.stripe_map.is_some() && i.pending_ops == 0)
+        self.store.has_current_ssd_copy(t as u64)
     }
 
     /// Wait until `ready` holds, processing events; error if nothing can make progress.

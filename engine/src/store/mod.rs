@@ -495,6 +495,13 @@ impl TensorStore {
             .and_then(|e| if e.queue.is_empty() { e.held.take() } else { None })
     }
 
+    /// Whether tensor `id` has an SSD copy and no operation queued or running (so a caller
+    /// that did not modify it may release its memory without writing it again). Unlike
+    /// [`info`](Self::info), it copies nothing.
+    pub fn has_current_ssd_copy(&self, id: TensorId) -> bool {
+        self.inner.table.lock().get(&id).is_some_and(|e| e.ssd.is_some() && e.queue.is_empty())
+    }
+
     /// What the store knows of tensor `id`.
     pub fn info(&self, id: TensorId) -> Option<TensorInfo> {
         self.inner.table.lock().get(&id).map(|e| info(id, e))

@@ -47,8 +47,8 @@ fn check_failed(j: &JournalState) -> Result<()> {
     }
 }
 
-/// Whether an earlier metadata write failed (the store then writes no more metadata).
 impl Persistence {
+    /// Whether an earlier metadata write failed (the store then writes no more metadata).
     pub(crate) fn failed(&self) -> bool {
         self.journal.lock().failed.is_some()
     }
