@@ -6,8 +6,10 @@
 //! 0.8)) + 4 us launch`, where `bytes` is the size of every tensor the kernel touches.
 //!
 //! Precision: `fp32` keeps weights, gradients and both AdamW moments in fp32 (16 B/param) and
-//! runs matmuls on CUDA cores (PyTorch's default: TF32 off); `bf16` keeps bf16 weights and
-//! gradients plus fp32 master weights and moments (16 B/param) and runs on tensor cores.
+//! runs matmuls on CUDA cores (PyTorch's default: TF32 off); `tf32` stores the same fp32
+//! tensors but runs matmuls on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32 =
+//! True`, Hugging Face `--tf32`); `bf16` keeps bf16 weights and gradients plus fp32 master
+//! weights and moments (16 B/param) and runs on tensor cores.
 
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +22,8 @@ use crate::{Error, Result};
 pub enum Dtype {
     /// 4 bytes, CUDA-core FLOP/s.
     Fp32,
+    /// 4 bytes (fp32 storage), TF32 tensor-core FLOP/s for matmuls.
+    Tf32,
     /// 2 bytes, tensor-core FLOP/s, fp32 master weights.
     Bf16,
 }
@@ -28,8 +32,20 @@ impl Dtype {
     /// Bytes per element.
     pub fn bytes(self) -> u64 {
         match self {
-            Dtype::Fp32 => 4,
+            Dtype::Fp32 | Dtype::Tf32 => 4,
             Dtype::Bf16 => 2,
+        }
+    }
+
+    /// Parse `fp32`, `tf32` or `bf16`.
+    pub fn parse(s: &str) -> Result<Dtype> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp32" => Ok(Dtype::Fp32),
+            "tf32" => Ok(Dtype::Tf32),
+            "bf16" => Ok(Dtype::Bf16),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown dtype {s:?} (known: fp32, tf32, bf16)"
+            ))),
         }
     }
 }
@@ -62,14 +78,18 @@ impl Gpu {
         }
     }
 
-    /// Dense peak FLOP/s for `dtype` (fp32: CUDA cores; bf16: tensor cores).
+    /// Dense peak FLOP/s for `dtype` (fp32: CUDA cores; tf32 and bf16: tensor cores; NVIDIA
+    /// datasheets, the sparsity figures halved).
     pub fn peak_flops(self, dtype: Dtype) -> f64 {
         match (self, dtype) {
             (Gpu::H100Nvl, Dtype::Fp32) => 60e12,
+            (Gpu::H100Nvl, Dtype::Tf32) => 418e12,
             (Gpu::H100Nvl, Dtype::Bf16) => 835e12,
             (Gpu::H100Sxm | Gpu::H200, Dtype::Fp32) => 67e12,
+            (Gpu::H100Sxm | Gpu::H200, Dtype::Tf32) => 495e12,
             (Gpu::H100Sxm | Gpu::H200, Dtype::Bf16) => 989e12,
             (Gpu::A100, Dtype::Fp32) => 19.5e12,
+            (Gpu::A100, Dtype::Tf32) => 156e12,
             (Gpu::A100, Dtype::Bf16) => 312e12,
         }
     }
@@ -143,6 +163,12 @@ pub struct ModelConfig {
     /// If set, scale kernel durations so the all-resident iteration takes this long.
     #[serde(default)]
     pub target_iteration_us: Option<f64>,
+    /// Activation checkpointing per transformer layer (Hugging Face `gradient_checkpointing`,
+    /// `deepspeed.checkpointing`): the forward pass keeps only each layer's input; backward
+    /// first recomputes the layer's forward from it (kernels named `mbM.LL.rc.*`), then uses
+    /// the recomputed activations. About a third more compute, far less activation memory.
+    #[serde(default)]
+    pub activation_checkpointing: bool,
 }
 
 impl ModelConfig {
@@ -166,6 +192,7 @@ impl ModelConfig {
             pipeline_stage: 0,
             gpu: Gpu::H100Nvl,
             target_iteration_us: None,
+            activation_checkpointing: false,
         }
     }
 
@@ -189,6 +216,7 @@ impl ModelConfig {
             pipeline_stage: 0,
             gpu: Gpu::H100Nvl,
             target_iteration_us: None,
+            activation_checkpointing: false,
         }
     }
 
@@ -494,7 +522,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             b.tensor(format!("{name}.adam_m"), elements * 4, TensorKind::OptimizerState, true),
             b.tensor(format!("{name}.adam_v"), elements * 4, TensorKind::OptimizerState, true),
         ];
-        if cfg.dtype != Dtype::Fp32 {
+        if cfg.dtype == Dtype::Bf16 {
             states.push(b.tensor(
                 format!("{name}.master"),
                 elements * 4,
@@ -540,63 +568,11 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         } else {
             b.kernel(format!("mb{mb}.recv_act"), None, 0.0, &[x], Some(b.comm_us(act_bytes(h))));
         }
-        struct Saved {
-            x: TensorId,
-            n1: TensorId,
-            qkv: TensorId,
-            ctx: TensorId,
-            lse: TensorId,
-            x2: TensorId,
-            n2: TensorId,
-            u: TensorId,
-            a: TensorId,
-        }
         let mut saved = Vec::new();
         for (l, ps) in layer_params.iter().enumerate() {
             let layer = first_layer + l as u32;
-            let lo = Some(layer);
-            let nm = |s: &str| format!("mb{mb}.L{layer}.{s}");
-            let t = tokens as f64;
-            let n1 = b.act(nm("n1"), act_bytes(h));
-            let wn1 = w(&b, ps[0]);
-            b.kernel(nm("norm1.fwd"), lo, 5.0 * t * h as f64, &[x, wn1, n1], None);
-            let qkv = b.act(nm("qkv"), act_bytes(cfg.qkv_width()));
-            let wqkv = w(&b, ps[1]);
-            let f = 2.0 * t * (h * cfg.qkv_width()) as f64;
-            b.kernel(nm("qkv.fwd"), lo, f, &[n1, wqkv, qkv], None);
-            let ctx = b.act(nm("ctx"), act_bytes(heads_p * cfg.head_dim()));
-            let lse = b.act(nm("lse"), tokens * heads_p * 4);
-            let ws = b.tensor(nm("attn_ws"), 32 << 20, TensorKind::Workspace, false);
-            let attn_f = 2.0 * t * cfg.seq_len as f64 * (heads_p * cfg.head_dim()) as f64;
-            b.kernel(nm("attn.fwd"), lo, attn_f, &[qkv, ctx, lse, ws], None);
-            let o = b.act(nm("o"), act_bytes(h));
-            let wo = w(&b, ps[2]);
-            let f = 2.0 * t * (heads_p * cfg.head_dim() * h) as f64;
-            b.kernel(nm("o.fwd"), lo, f, &[ctx, wo, o], None);
-            if tp > 1 {
-                b.kernel(nm("o.allreduce"), lo, 0.0, &[o], Some(b.comm_us(act_bytes(h))));
-            }
-            let x2 = b.act(nm("x2"), act_bytes(h));
-            b.kernel(nm("add1.fwd"), lo, t * h as f64, &[x, o, x2], None);
-            let n2 = b.act(nm("n2"), act_bytes(h));
-            let wn2 = w(&b, ps[3]);
-            b.kernel(nm("norm2.fwd"), lo, 5.0 * t * h as f64, &[x2, wn2, n2], None);
-            let u = b.act(nm("u"), act_bytes(cfg.up_width()));
-            let wup = w(&b, ps[4]);
-            let f = 2.0 * t * (h * cfg.up_width()) as f64;
-            b.kernel(nm("up.fwd"), lo, f, &[n2, wup, u], None);
-            let a = b.act(nm("a"), act_bytes(cfg.ffn / tp));
-            b.kernel(nm("act.fwd"), lo, 8.0 * t * (cfg.ffn / tp) as f64, &[u, a], None);
-            let d = b.act(nm("d"), act_bytes(h));
-            let wd = w(&b, ps[5]);
-            let f = 2.0 * t * (cfg.ffn / tp * h) as f64;
-            b.kernel(nm("down.fwd"), lo, f, &[a, wd, d], None);
-            if tp > 1 {
-                b.kernel(nm("down.allreduce"), lo, 0.0, &[d], Some(b.comm_us(act_bytes(h))));
-            }
             let xn = b.act(format!("mb{mb}.x{}", layer + 1), act_bytes(h));
-            b.kernel(nm("add2.fwd"), lo, t * h as f64, &[x2, d, xn], None);
-            saved.push(Saved { x, n1, qkv, ctx, lse, x2, n2, u, a });
+            saved.push(forward_layer(&mut b, &format!("mb{mb}.L{layer}."), layer, ps, x, xn));
             x = xn;
         }
         // ---------------- head / loss ----------------
@@ -656,8 +632,18 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         }
         // ---------------- backward ----------------
         for (l, ps) in layer_params.iter().enumerate().rev() {
-            let s = &saved[l];
             let layer = first_layer + l as u32;
+            let recomputed;
+            let s = if cfg.activation_checkpointing {
+                // Recompute this layer's forward from its checkpointed input; the output is
+                // not needed again (the gradient flowing in is `dx`).
+                let pre = format!("mb{mb}.L{layer}.rc.");
+                let out = b.act(format!("{pre}x_out"), act_bytes(h));
+                recomputed = forward_layer(&mut b, &pre, layer, ps, saved[l].x, out);
+                &recomputed
+            } else {
+                &saved[l]
+            };
             let lo = Some(layer);
             let nm = |s: &str| format!("mb{mb}.L{layer}.{s}");
             let t = tokens as f64;
@@ -737,6 +723,83 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
     }
     trace.validate()?;
     Ok(trace)
+}
+
+/// Activations of one layer's forward pass that its backward reads.
+struct Saved {
+    x: TensorId,
+    n1: TensorId,
+    qkv: TensorId,
+    ctx: TensorId,
+    lse: TensorId,
+    x2: TensorId,
+    n2: TensorId,
+    u: TensorId,
+    a: TensorId,
+}
+
+/// One transformer layer's forward kernels, from input `x` to output `xn` (both existing
+/// tensors), named `{pre}norm1.fwd` etc.: the forward pass and, with activation
+/// checkpointing, its recomputation in backward.
+fn forward_layer(
+    b: &mut Builder,
+    pre: &str,
+    layer: u32,
+    ps: &[usize],
+    x: TensorId,
+    xn: TensorId,
+) -> Saved {
+    let cfg = b.cfg.clone();
+    let e = cfg.dtype.bytes();
+    let tokens = cfg.seq_len * cfg.micro_batch;
+    let act_bytes = |width: u64| tokens * width * e;
+    let (h, tp) = (cfg.hidden, cfg.tp());
+    let heads_p = u64::from(cfg.heads) / tp;
+    let lo = Some(layer);
+    let nm = |s: &str| format!("{pre}{s}");
+    let w = |b: &Builder, i: usize| b.params[ps[i]].weight;
+    let t = tokens as f64;
+    let n1 = b.act(nm("n1"), act_bytes(h));
+    let wn1 = w(b, 0);
+    b.kernel(nm("norm1.fwd"), lo, 5.0 * t * h as f64, &[x, wn1, n1], None);
+    let qkv = b.act(nm("qkv"), act_bytes(cfg.qkv_width()));
+    let wqkv = w(b, 1);
+    let f = 2.0 * t * (h * cfg.qkv_width()) as f64;
+    b.kernel(nm("qkv.fwd"), lo, f, &[n1, wqkv, qkv], None);
+    let ctx = b.act(nm("ctx"), act_bytes(heads_p * cfg.head_dim()));
+    let lse = b.act(nm("lse"), tokens * heads_p * 4);
+    let ws = b.tensor(nm("attn_ws"), 32 << 20, TensorKind::Workspace, false);
+    let attn_f = 2.0 * t * cfg.seq_len as f64 * (heads_p * cfg.head_dim()) as f64;
+    b.kernel(nm("attn.fwd"), lo, attn_f, &[qkv, ctx, lse, ws], None);
+    let o = b.act(nm("o"), act_bytes(h));
+    let wo = w(b, 2);
+    let f = 2.0 * t * (heads_p * cfg.head_dim() * h) as f64;
+    b.kernel(nm("o.fwd"), lo, f, &[ctx, wo, o], None);
+    if tp > 1 {
+        let us = b.comm_us(act_bytes(h));
+        b.kernel(nm("o.allreduce"), lo, 0.0, &[o], Some(us));
+    }
+    let x2 = b.act(nm("x2"), act_bytes(h));
+    b.kernel(nm("add1.fwd"), lo, t * h as f64, &[x, o, x2], None);
+    let n2 = b.act(nm("n2"), act_bytes(h));
+    let wn2 = w(b, 3);
+    b.kernel(nm("norm2.fwd"), lo, 5.0 * t * h as f64, &[x2, wn2, n2], None);
+    let u = b.act(nm("u"), act_bytes(cfg.up_width()));
+    let wup = w(b, 4);
+    let f = 2.0 * t * (h * cfg.up_width()) as f64;
+    b.kernel(nm("up.fwd"), lo, f, &[n2, wup, u], None);
+    let a = b.act(nm("a"), act_bytes(cfg.ffn / tp));
+    b.kernel(nm("act.fwd"), lo, 8.0 * t * (cfg.ffn / tp) as f64, &[u, a], None);
+    let d = b.act(nm("d"), act_bytes(h));
+    let wd = w(b, 5);
+    let f = 2.0 * t * (cfg.ffn / tp * h) as f64;
+    b.kernel(nm("down.fwd"), lo, f, &[a, wd, d], None);
+    if tp > 1 {
+        let us = b.comm_us(act_bytes(h));
+        b.kernel(nm("down.allreduce"), lo, 0.0, &[d], Some(us));
+    }
+    b.kernel(nm("add2.fwd"), lo, t * h as f64, &[x2, d, xn], None);
+    Saved { x, n1, qkv, ctx, lse, x2, n2, u, a }
 }
 
 fn layer_of(name: &str) -> Option<u32> {
@@ -837,5 +900,63 @@ mod tests {
         assert!(t.tensors.iter().any(|x| x.name.ends_with(".master")));
         let fp32 = generate(&ModelConfig::preset("gpt2-small").unwrap()).unwrap();
         assert!(t.iteration_time_us() < fp32.iteration_time_us());
+    }
+
+    #[test]
+    fn tf32_keeps_fp32_tensors_and_runs_faster() {
+        let fp32 = generate(&ModelConfig::preset("llama3-8b").unwrap()).unwrap();
+        let mut cfg = ModelConfig::preset("llama3-8b").unwrap();
+        cfg.dtype = Dtype::parse("TF32").unwrap();
+        let t = generate(&cfg).unwrap();
+        let bytes = |t: &Trace| t.tensors.iter().map(|x| x.bytes).collect::<Vec<_>>();
+        assert_eq!(bytes(&t), bytes(&fp32));
+        assert!(!t.tensors.iter().any(|x| x.name.ends_with(".master")));
+        // Matmuls dominate: several times faster, not the full 418/60 (memory-bound kernels).
+        let speedup = fp32.iteration_time_us() / t.iteration_time_us();
+        assert!((4.0..418.0 / 60.0).contains(&speedup), "{speedup}");
+        assert!(Dtype::parse("fp16").unwrap_err().to_string().contains("tf32"));
+    }
+
+    #[test]
+    fn activation_checkpointing_recomputes_each_layer_in_backward() {
+        let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+        cfg.micro_batches = 2;
+        let plain = generate(&cfg).unwrap();
+        cfg.activation_checkpointing = true;
+        let t = generate(&cfg).unwrap();
+        let fwd_per_layer = plain
+            .kernels
+            .iter()
+            .filter(|k| k.name.starts_with("mb0.L0.") && k.name.ends_with(".fwd"))
+            .count();
+        let rc: Vec<usize> =
+            (0..t.kernel_count()).filter(|&k| t.kernels[k].name.contains(".rc.")).collect();
+        assert_eq!(rc.len(), fwd_per_layer * 12 * 2);
+        assert_eq!(t.kernel_count(), plain.kernel_count() + rc.len());
+        // About one more forward pass: +20-40% of the iteration.
+        let extra = t.iteration_time_us() / plain.iteration_time_us();
+        assert!((1.2..1.4).contains(&extra), "{extra}");
+        let peak = |t: &Trace| t.resident_memory_per_kernel().into_iter().max().unwrap();
+        assert!(peak(&t) * 3 < peak(&plain) * 2, "{} vs {}", peak(&t), peak(&plain));
+        let by_name = |t: &Trace, n: &str| t.tensors.iter().find(|x| x.name == n).unwrap().clone();
+        let first_bwd = |t: &Trace, mb: u32| {
+            t.kernels
+                .iter()
+                .position(|k| k.name.starts_with(&format!("mb{mb}.")) && k.name.contains(".bwd"))
+        };
+        // Without checkpointing backward reads the forward's activations; with it they die in
+        // the forward and backward reads the recomputed ones, made just before.
+        let bwd0 = first_bwd(&plain, 0).unwrap();
+        assert!(by_name(&plain, "mb0.L3.qkv").accesses.iter().any(|&k| k > bwd0));
+        let bwd0 = first_bwd(&t, 0).unwrap();
+        assert!(by_name(&t, "mb0.L3.qkv").accesses.iter().all(|&k| k < bwd0));
+        let rq = by_name(&t, "mb0.L3.rc.qkv");
+        assert!(rq.accesses.iter().any(|&k| t.kernels[k].name == "mb0.L3.attn.bwd"));
+        assert!(t.kernels[rq.accesses[0]].name == "mb0.L3.rc.qkv.fwd");
+        // The layer input is the checkpoint: read by its recomputation and its backward.
+        let x = by_name(&t, "mb0.x3");
+        assert!(x.accesses.iter().any(|&k| t.kernels[k].name == "mb0.L3.rc.norm1.fwd"));
+        assert!(x.accesses.iter().any(|&k| t.kernels[k].name == "mb0.L3.norm1.bwd"));
+        t.validate().unwrap();
     }
 }

@@ -154,6 +154,15 @@ pub struct HostKernel {
     pub ssd_read_bytes: u64,
     /// Bytes it writes from host memory to the SSD array while it runs.
     pub ssd_write_bytes: u64,
+    /// Read, compute and write overlap (DeepSpeed's `pipeline_read`/`pipeline_write`): the
+    /// kernel takes the longest of the three. `false`: one after the other (DeepSpeed's
+    /// default), the kernel takes their sum. The JSON default is `true`.
+    #[serde(default = "yes")]
+    pub pipelined: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Planner-side figures, for reporting.

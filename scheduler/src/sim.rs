@@ -17,9 +17,10 @@
 //! a combined limit ([`Hardware::ssd_duplex_bytes_per_s`]) is shared fairly between them.
 //!
 //! Host kernels ([`crate::plan::HostKernel`]): the kernel starts once every tensor it accesses
-//! is offloaded (offload complete), runs its CPU time and, at the same time, its SSD-to-host
-//! and host-to-SSD streams as urgent transfers (perfect pipelining of read, compute and
-//! write); it ends when all three are done. The GPU runs nothing meanwhile.
+//! is offloaded (offload complete), runs its CPU time and its SSD-to-host and host-to-SSD
+//! streams as urgent transfers: at the same time when it is `pipelined` (perfect pipelining of
+//! read, compute and write), else read, then compute, then write. It ends when all three are
+//! done. The GPU runs nothing meanwhile.
 //!
 //! The run replays `iterations` back-to-back iterations (default 2) starting from the plan's
 //! steady state and reports the last one, so the offloads issued at the end of one iteration
@@ -599,6 +600,8 @@ impl<'a> Sim<'a> {
         let mut iteration = 0;
         let mut k = 0;
         let mut running_until: Option<f64> = None;
+        // Stage of a host kernel that is not pipelined: 0 reading, 1 computing, 2 writing.
+        let mut host_stage = 0u8;
         let mut issued = false;
         let mut ready_t = 0.0;
         let mut pending_creates = 0usize;
@@ -644,11 +647,17 @@ impl<'a> Sim<'a> {
                 started_at = self.t;
                 running_until = Some(match host {
                     None => self.t + self.trace.kernels[k].duration_us,
-                    Some(h) => {
+                    Some(h) if h.pipelined => {
                         let (rd, wr) = (self.hw.ssd_to_host_path(), self.hw.host_to_ssd_path());
                         self.streams_left = usize::from(self.start_stream(&rd, h.ssd_read_bytes))
                             + usize::from(self.start_stream(&wr, h.ssd_write_bytes));
                         self.t + h.duration_us
+                    }
+                    Some(h) => {
+                        let rd = self.hw.ssd_to_host_path();
+                        self.streams_left = usize::from(self.start_stream(&rd, h.ssd_read_bytes));
+                        host_stage = 0;
+                        self.t
                     }
                 });
             }
@@ -657,9 +666,12 @@ impl<'a> Sim<'a> {
             }
             // Next event.
             // A host kernel past its CPU time waits for its streams: no timer event then.
-            let mut dt = running_until
-                .filter(|&e| self.t < e - 1e-9)
-                .map_or(f64::INFINITY, |e| (e - self.t).max(0.0));
+            let mut dt = match running_until {
+                Some(e) if self.t < e - 1e-9 => e - self.t,
+                // Finished, or a host kernel's next stage: handled below at once.
+                Some(_) if self.streams_left == 0 => 0.0,
+                _ => f64::INFINITY,
+            };
             let mut first: Option<usize> = None;
             for (i, tr) in self.transfers.iter().enumerate() {
                 if tr.rate > 0.0 {
@@ -724,6 +736,22 @@ impl<'a> Sim<'a> {
                 } else {
                     i += 1;
                 }
+            }
+            if let Some(end) = running_until
+                && self.t >= end - 1e-9
+                && self.streams_left == 0
+                && let Some(h) = host.filter(|h| !h.pipelined && host_stage < 2)
+            {
+                // Next stage of a host kernel that is not pipelined.
+                host_stage += 1;
+                if host_stage == 1 {
+                    running_until = Some(self.t + h.duration_us);
+                } else {
+                    let wr = self.hw.host_to_ssd_path();
+                    self.streams_left = usize::from(self.start_stream(&wr, h.ssd_write_bytes));
+                    running_until = Some(self.t);
+                }
+                continue;
             }
             if let Some(end) = running_until
                 && self.t >= end - 1e-9

@@ -163,6 +163,7 @@ fn host_case() -> (Trace, Plan) {
             duration_us: 100.0,
             ssd_read_bytes: 2 * GB,
             ssd_write_bytes: 2 * GB,
+            pipelined: true,
         }],
         stats: Default::default(),
     };
@@ -196,6 +197,30 @@ fn host_kernel_waits_for_offload_and_its_streams() {
 }
 
 #[test]
+fn host_kernel_without_pipelining_reads_computes_then_writes() {
+    let (t, mut p) = host_case();
+    p.host_kernels[0].pipelined = false;
+    let mut hw = one_ssd(None);
+    hw.ssd_write_bytes_per_s = 1e9;
+    // Read 2 GB at 2 GB/s (1 s), 100 us of CPU, write 2 GB at 1 GB/s (2 s), one after the other.
+    let r = one_iteration(&t, &p, &hw);
+    assert!(close(r.host_step_us, 3e6 + 100.0), "{}", r.host_step_us);
+    assert!(close(r.iteration_time_us, 100.0 + 1e6 + 3e6 + 100.0), "{}", r.iteration_time_us);
+    let ideal = t.iteration_time_us();
+    assert!(close(r.iteration_time_us, ideal - 50.0 + r.host_step_us + r.stall_us));
+    // Nothing to read or write: the CPU time alone.
+    p.host_kernels[0].ssd_read_bytes = 0;
+    p.host_kernels[0].ssd_write_bytes = 0;
+    let r = one_iteration(&t, &p, &hw);
+    assert!(close(r.host_step_us, 100.0), "{}", r.host_step_us);
+    // Old plan files (no `pipelined` field) keep the overlapping behaviour.
+    let mut v = serde_json::to_value(&p).unwrap();
+    v["host_kernels"][0].as_object_mut().unwrap().remove("pipelined");
+    let old: Plan = serde_json::from_value(v).unwrap();
+    assert!(old.host_kernels[0].pipelined);
+}
+
+#[test]
 fn host_kernel_rules_are_validated() {
     let (t, p) = host_case();
     // W resident while the host kernel runs.
@@ -223,7 +248,8 @@ fn zero_infinity_runs_the_optimizer_on_the_cpu() {
     let mut hw = Hardware::paper();
     hw.gpu_memory_bytes = 2_500_000_000;
     hw.cpu_adam_params_per_s = 1e8; // slow CPU: streams (26 GB/s) are hidden behind compute
-    let p = plan(&t, &hw, Policy::ZeroInfinity).unwrap();
+    let p = plan(&t, &hw, Policy::ZeroInfinityPipelined).unwrap();
+    assert!(p.host_kernels.iter().all(|h| h.pipelined));
     p.validate(&t).unwrap();
     let adamw: Vec<usize> =
         (0..t.kernel_count()).filter(|&k| t.kernels[k].name.ends_with(".adamw")).collect();
@@ -249,6 +275,17 @@ fn zero_infinity_runs_the_optimizer_on_the_cpu() {
     let gpu_adamw: f64 = adamw.iter().map(|&k| t.kernels[k].duration_us).sum();
     let ideal = t.iteration_time_us();
     assert!(close(r.iteration_time_us, ideal - gpu_adamw + r.host_step_us + r.stall_us));
+    // DeepSpeed's default (`zero-infinity`): the streams add to the CPU time, at the SSD
+    // array's bandwidth (4 x 6.7 GB/s read, 4 x 6.5 GB/s write; weights read from NVMe).
+    let seq = plan(&t, &hw, Policy::ZeroInfinity).unwrap();
+    assert!(seq.host_kernels.iter().all(|h| !h.pipelined));
+    let r = simulate(&t, &seq, &hw, &SimOptions::default()).unwrap();
+    let streams_us = (read as f64 / 26.8e9 + written as f64 / 26e9) * 1e6;
+    assert!(
+        close(r.host_step_us, cpu_us + streams_us),
+        "{} vs {cpu_us} + {streams_us}",
+        r.host_step_us
+    );
 }
 
 /// The overlap case with clean drops: A (read at kernel 0) and B (read at kernel 2) are never

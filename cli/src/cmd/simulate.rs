@@ -11,12 +11,22 @@ use crate::{CliError, Result};
 /// Options of `teraio simulate`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Trace file, or `preset:NAME`.
+    /// Trace file, or `preset:NAME` (`preset:NAME+checkpointing`: with activation
+    /// checkpointing).
     pub trace: String,
+    /// The same model with activation checkpointing (`teraio trace gen
+    /// --activation-checkpointing`, or `preset:NAME+checkpointing`): the ZeRO-Infinity
+    /// baselines are planned and simulated on it, as DeepSpeed can offload activations only as
+    /// checkpoints. Their `% ideal` is still against the main trace's ideal iteration; their
+    /// rows are marked `*`.
+    #[arg(long)]
+    pub checkpointed_trace: Option<String>,
     /// A plan file made by `teraio plan` (else plan on the fly with --policy).
     #[arg(long, conflicts_with = "policy")]
     pub plan: Option<PathBuf>,
-    /// Policy, or a comma-separated list for a comparison table (`all`: every policy).
+    /// Policy, or a comma-separated list for a comparison table (`all`: every policy). With
+    /// --checkpointed-trace, `NAME+checkpointing` plans any policy on that trace too (e.g.
+    /// `teraio,teraio+checkpointing`: offload activations, or recompute them).
     #[arg(long, default_value = "teraio")]
     pub policy: String,
     #[command(flatten)]
@@ -46,8 +56,9 @@ fn moved(r: &SimReport, res: Resource) -> u64 {
 
 /// Print a comparison table.
 pub fn print_table(rows: &[Row]) {
+    let w = rows.iter().map(|r| r.report.policy.len()).max().unwrap_or(0).max(14);
     outln!(
-        "{:<14} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "{:<w$} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "policy",
         "iter s",
         "% ideal",
@@ -62,7 +73,7 @@ pub fn print_table(rows: &[Row]) {
         let r = &row.report;
         match &r.outcome {
             Outcome::Completed => outln!(
-                "{:<14} {:>10.3} {:>8.1} {:>9.3} {:>9.2} {:>9.1} {:>9.1} {:>9.1} {:>8.3}",
+                "{:<w$} {:>10.3} {:>8.1} {:>9.3} {:>9.2} {:>9.1} {:>9.1} {:>9.1} {:>8.3}",
                 r.policy,
                 r.iteration_time_us / 1e6,
                 r.percent_of_ideal,
@@ -81,7 +92,7 @@ pub fn print_table(rows: &[Row]) {
                 capacity_bytes,
             } => {
                 outln!(
-                    "{:<14} out of memory at iteration {iteration}, kernel {kernel}: needs {:.2} GB, \
+                    "{:<w$} out of memory at iteration {iteration}, kernel {kernel}: needs {:.2} GB, \
                      {:.2} of {:.2} GB in use",
                     r.policy,
                     gb(*needed_bytes),
@@ -98,11 +109,21 @@ pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
     let hw = args.hw.hardware()?;
     let opts = SimOptions { iterations: args.iterations, record_timeline: args.plot.is_some() };
-    let mut plans: Vec<(Plan, f64)> = Vec::new();
+    let ckpt = args.checkpointed_trace.as_deref().map(crate::cmd::trace::load).transpose()?;
+    if let Some(c) = &ckpt
+        && c.name != trace.name
+    {
+        return Err(CliError::Usage(format!(
+            "--checkpointed-trace models {:?} but the trace models {:?}",
+            c.name, trace.name
+        )));
+    }
+    // (plan, planning time, planned on the checkpointed trace)
+    let mut plans: Vec<(Plan, f64, bool)> = Vec::new();
     if let Some(path) = &args.plan {
         let text = std::fs::read_to_string(path)
             .map_err(|source| CliError::File { path: path.clone(), source })?;
-        plans.push((Plan::from_json(&text)?, 0.0));
+        plans.push((Plan::from_json(&text)?, 0.0, false));
     } else {
         let names: Vec<String> = if args.policy == "all" {
             Policy::ALL.iter().map(|p| p.to_string()).collect()
@@ -110,18 +131,39 @@ pub fn run(args: Args) -> Result<()> {
             args.policy.split(',').map(|s| s.trim().to_string()).collect()
         };
         for name in names {
-            let policy: Policy = name.parse()?;
+            let (policy, on_ckpt) = match name.strip_suffix("+checkpointing") {
+                Some(base) if ckpt.is_none() => {
+                    return Err(CliError::Usage(format!(
+                        "policy {name:?} needs --checkpointed-trace (the {base} plan is made on it)"
+                    )));
+                }
+                Some(base) => (base.parse::<Policy>()?, true),
+                None => {
+                    let p: Policy = name.parse()?;
+                    (p, ckpt.is_some() && p.needs_activation_checkpointing())
+                }
+            };
+            let t = if on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
             let start = Instant::now();
-            let p = plan(&trace, &hw, policy)?;
-            plans.push((p, start.elapsed().as_secs_f64()));
+            let p = plan(t, &hw, policy)?;
+            plans.push((p, start.elapsed().as_secs_f64(), on_ckpt));
         }
     }
     if args.plot.is_some() && plans.len() != 1 {
         return Err(CliError::Usage("--plot needs exactly one plan or policy".into()));
     }
+    let ideal_us = trace.iteration_time_us();
     let mut rows = Vec::new();
-    for (p, plan_s) in &plans {
-        let report = simulate(&trace, p, &hw, &opts)?;
+    for (p, plan_s, on_ckpt) in &plans {
+        let t = if *on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
+        let mut report = simulate(t, p, &hw, &opts)?;
+        if *on_ckpt {
+            // Against the main trace's ideal: the recomputation is part of the baseline's cost.
+            if report.iteration_time_us > 0.0 {
+                report.percent_of_ideal = 100.0 * ideal_us / report.iteration_time_us;
+            }
+            report.policy.push('*');
+        }
         rows.push(Row { report, plan_s: *plan_s });
     }
     if let Some(path) = &args.plot {
@@ -153,5 +195,16 @@ pub fn run(args: Args) -> Result<()> {
         outln!("SSD reads and writes share {:.1} GB/s per SSD", d / 1e9);
     }
     print_table(&rows);
+    if let Some(c) = &ckpt
+        && plans.iter().any(|p| p.2)
+    {
+        outln!(
+            "* planned and simulated on the activation-checkpointed trace ({} kernels, ideal {:.3} s \
+             with recomputation); % ideal against the {:.3} s above",
+            c.kernel_count(),
+            c.iteration_time_us() / 1e6,
+            ideal_us / 1e6
+        );
+    }
     Ok(())
 }

@@ -48,7 +48,8 @@ pub struct GenArgs {
     /// Micro-batches (gradient accumulation steps) per iteration.
     #[arg(long)]
     pub micro_batches: Option<u32>,
-    /// fp32 or bf16.
+    /// fp32 (fp32 tensors, CUDA-core matmuls: PyTorch's default), tf32 (fp32 tensors, TF32
+    /// tensor-core matmuls) or bf16 (bf16 weights/activations, fp32 master weights).
     #[arg(long)]
     pub dtype: Option<String>,
     /// Tensor-parallel degree.
@@ -66,6 +67,11 @@ pub struct GenArgs {
     /// Scale kernel durations so the all-resident iteration takes this many seconds.
     #[arg(long)]
     pub iteration_s: Option<f64>,
+    /// Activation checkpointing per layer: forward keeps only layer inputs, backward
+    /// recomputes each layer first (how DeepSpeed/ZeRO-Infinity runs large batches; see
+    /// `teraio simulate --checkpointed-trace`).
+    #[arg(long)]
+    pub activation_checkpointing: bool,
     /// Leave out which accesses write (`writes`), as traces made before that field did:
     /// every access then counts as a write and no plan can drop a clean copy. For comparisons.
     #[arg(long)]
@@ -106,11 +112,7 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
         c.micro_batches = v;
     }
     if let Some(d) = &a.dtype {
-        c.dtype = match d.as_str() {
-            "fp32" => Dtype::Fp32,
-            "bf16" => Dtype::Bf16,
-            _ => return Err(CliError::Usage(format!("--dtype must be fp32 or bf16, got {d:?}"))),
-        };
+        c.dtype = Dtype::parse(d).map_err(|e| CliError::Usage(format!("--dtype: {e}")))?;
     }
     if let Some(v) = a.tp {
         c.tensor_parallel = v;
@@ -124,6 +126,7 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
     if let Some(g) = &a.gpu {
         c.gpu = Gpu::parse(g)?;
     }
+    c.activation_checkpointing |= a.activation_checkpointing;
     if let Some(s) = a.iteration_s {
         c.target_iteration_us = Some(s * 1e6);
     }
@@ -133,7 +136,13 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
 /// Load a trace: a JSON file, or `preset:NAME` to generate a preset on the fly.
 pub fn load(spec: &str) -> Result<Trace> {
     if let Some(name) = spec.strip_prefix("preset:") {
-        return Ok(generate(&ModelConfig::preset(name)?)?);
+        let (name, ckpt) = match name.strip_suffix("+checkpointing") {
+            Some(n) => (n, true),
+            None => (name, false),
+        };
+        let mut cfg = ModelConfig::preset(name)?;
+        cfg.activation_checkpointing = ckpt;
+        return Ok(generate(&cfg)?);
     }
     let text = std::fs::read_to_string(spec)
         .map_err(|source| CliError::File { path: spec.into(), source })?;

@@ -46,8 +46,13 @@ pub enum Policy {
     /// use; gradients to host memory (NVMe when full); optimizer states always on NVMe and
     /// the optimizer step on the CPU (CPU-Adam at [`Hardware::cpu_adam_params_per_s`],
     /// streaming its states NVMe -> host -> NVMe) while the GPU waits; activations saved for
-    /// backward to host memory (NVMe when full).
+    /// backward to host memory (NVMe when full). The CPU step reads its states, computes and
+    /// writes them back one after the other (DeepSpeed's default, `pipeline_read` and
+    /// `pipeline_write` off).
     ZeroInfinity,
+    /// `zero-infinity` with DeepSpeed's `pipeline_read`/`pipeline_write` on: the CPU step's
+    /// read, compute and write overlap perfectly.
+    ZeroInfinityPipelined,
     /// On-demand swapping: when memory is full, evict the least recently used tensors;
     /// fetch them back when a kernel needs them.
     Lru,
@@ -59,15 +64,22 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy.
-    pub const ALL: [Policy; 7] = [
+    pub const ALL: [Policy; 8] = [
         Policy::Teraio,
         Policy::TeraioHybrid,
         Policy::G10,
         Policy::ZeroInfinity,
+        Policy::ZeroInfinityPipelined,
         Policy::Lru,
         Policy::Ideal,
         Policy::None,
     ];
+
+    /// Baselines whose real system can offload activations only as checkpoints (DeepSpeed):
+    /// compare them on the same model with activation checkpointing.
+    pub fn needs_activation_checkpointing(self) -> bool {
+        matches!(self, Policy::ZeroInfinity | Policy::ZeroInfinityPipelined)
+    }
 
     /// Name as used on the command line.
     pub fn as_str(self) -> &'static str {
@@ -76,6 +88,7 @@ impl Policy {
             Policy::TeraioHybrid => "teraio-hybrid",
             Policy::G10 => "g10",
             Policy::ZeroInfinity => "zero-infinity",
+            Policy::ZeroInfinityPipelined => "zero-infinity-pipelined",
             Policy::Lru => "lru",
             Policy::Ideal => "ideal",
             Policy::None => "none",
@@ -107,7 +120,8 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
         Policy::Teraio => teraio::plan(trace, hw, false),
         Policy::TeraioHybrid => teraio::plan(trace, hw, true),
         Policy::G10 => g10::plan(trace, hw),
-        Policy::ZeroInfinity => zero::plan(trace, hw),
+        Policy::ZeroInfinity => zero::plan(trace, hw, false),
+        Policy::ZeroInfinityPipelined => zero::plan(trace, hw, true),
         Policy::Lru => lru::plan(trace, hw),
         Policy::Ideal => {
             let mut p = Plan::empty("ideal", trace);

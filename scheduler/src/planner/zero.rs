@@ -9,9 +9,10 @@
 //!   NVMe. Parameters of the step = bytes of one optimizer state / 4 (AdamW moments are fp32).
 //!   The step reads every optimizer state (and the weight itself when it is fp32, i.e. its
 //!   own master copy: same size as a moment) and the gradient when it sits on NVMe, and
-//!   writes every optimizer state and the updated weight. Read, compute and write overlap
-//!   perfectly (DeepSpeed's `pipeline_read`/`pipeline_write`; its default is off, so this is
-//!   generous). The GPU runs nothing meanwhile.
+//!   writes every optimizer state and the updated weight. Read, compute and write run one
+//!   after the other, as with DeepSpeed's default (`pipeline_read`/`pipeline_write` off);
+//!   `zero-infinity-pipelined` overlaps them perfectly instead. The GPU runs nothing
+//!   meanwhile.
 //! - **Optimizer states** never enter GPU memory: they live on NVMe.
 //! - **Parameters** are offloaded to NVMe after every use and fetched back at the start of
 //!   the layer block before the one that uses them (one layer of lookahead), as ZeRO-3's
@@ -22,10 +23,14 @@
 //! - **Gradients** are offloaded after every use to host memory (NVMe when the host tier is
 //!   full), fetched back one layer ahead for the next micro-batch's accumulation, and after the
 //!   last backward use stay off the GPU: the CPU step consumes them and they die there.
-//! - **Activations** saved across layers go to host memory (activation checkpoint offload)
-//!   while the host tier has room, else to NVMe, with the same lookahead. Assumption
-//!   (generous): no recomputation; real ZeRO-Infinity checkpoints layer inputs and recomputes
-//!   the rest, about a third more forward compute.
+//! - **Activations** saved across layers go to host memory (activation checkpoint offload,
+//!   `cpu_checkpointing`) while the host tier has room, else to NVMe, with the same
+//!   lookahead. DeepSpeed can offload only activation *checkpoints*, so ZeRO-Infinity runs
+//!   these models with activation checkpointing: plan it on a trace generated with
+//!   `--activation-checkpointing` (`teraio simulate --checkpointed-trace`), where the only
+//!   activations crossing layers are the layer inputs and backward recomputes each layer.
+//!   On a trace without checkpointing this policy offloads every saved activation instead,
+//!   which DeepSpeed cannot do (generous to the baseline).
 //! - Workspace and within-layer activations stay on the GPU.
 //!
 //! Layer blocks are maximal runs of consecutive kernels with the same `layer` tag. Without an
@@ -42,7 +47,7 @@ use crate::trace::{TensorId, TensorKind, Trace};
 /// Bytes per element of the AdamW moments (fp32 in every precision the generator makes).
 const MOMENT_BYTES: u64 = 4;
 
-pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
+pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
     let n = trace.kernel_count();
     let mut block_start = vec![0usize; n];
     for k in 1..n {
@@ -205,6 +210,7 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
             duration_us: params as f64 / hw.cpu_adam_params_per_s * 1e6,
             ssd_read_bytes: read,
             ssd_write_bytes: write,
+            pipelined,
         });
     }
     let stats = PlanStats {
@@ -214,5 +220,6 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
         candidates,
         ..PlanStats::default()
     };
-    plan_from_moves(trace, "zero-infinity", &moves, &always, host_kernels, stats)
+    let name = if pipelined { "zero-infinity-pipelined" } else { "zero-infinity" };
+    plan_from_moves(trace, name, &moves, &always, host_kernels, stats)
 }

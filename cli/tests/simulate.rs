@@ -1,0 +1,83 @@
+//! End-to-end tests of `teraio simulate` comparisons across an activation-checkpointed trace.
+
+use std::process::{Command, Output};
+
+fn teraio(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_teraio")).args(args).output().unwrap()
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "teraio failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+fn secs(r: &serde_json::Value) -> f64 {
+    assert_eq!(r["outcome"]["outcome"], "completed", "{r}");
+    r["iteration_time_us"].as_f64().unwrap() / 1e6
+}
+
+#[test]
+fn baselines_run_on_the_checkpointed_trace_against_the_main_ideal() {
+    let out = teraio(&[
+        "simulate",
+        "preset:gpt2-small",
+        "--checkpointed-trace",
+        "preset:gpt2-small+checkpointing",
+        "--policy",
+        "teraio,teraio+checkpointing,zero-infinity,zero-infinity-pipelined,ideal",
+        "--json",
+    ]);
+    let v = json_of(&out);
+    let rows = v.as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["teraio", "teraio*", "zero-infinity*", "zero-infinity-pipelined*", "ideal"]);
+    let ideal = secs(&rows[4]);
+    for r in &rows[1..4] {
+        // Recomputation costs time: slower than the main trace's ideal, and `% ideal` is
+        // against that ideal, not the checkpointed trace's own.
+        let t = secs(r);
+        assert!(t > ideal * 1.1, "{} {t} vs ideal {ideal}", r["policy"]);
+        let pct = r["percent_of_ideal"].as_f64().unwrap();
+        assert!((pct - 100.0 * ideal / t).abs() < 1e-6, "{pct}");
+    }
+    // DeepSpeed's default CPU step (read, compute, write in turn) is slower than the
+    // pipelined one, and nothing else differs between the two plans.
+    let (seq, pipe) = (&rows[2], &rows[3]);
+    assert!(secs(seq) > secs(pipe));
+    let (hs, hp) = (seq["host_step_us"].as_f64().unwrap(), pipe["host_step_us"].as_f64().unwrap());
+    assert!((secs(seq) - secs(pipe) - (hs - hp) / 1e6).abs() < 1e-3, "{hs} {hp}");
+}
+
+#[test]
+fn checkpointed_comparisons_refuse_mismatched_or_missing_traces() {
+    let out = teraio(&["simulate", "preset:gpt2-small", "--policy", "teraio+checkpointing"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs --checkpointed-trace"), "{err}");
+    let out = teraio(&[
+        "simulate",
+        "preset:gpt2-small",
+        "--checkpointed-trace",
+        "preset:gpt2-medium+checkpointing",
+        "--policy",
+        "zero-infinity",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("gpt2-medium") && err.contains("gpt2-small"), "{err}");
+}
+
+#[test]
+fn trace_gen_knows_tf32_and_names_the_dtypes_it_knows() {
+    let fp32 = json_of(&teraio(&["trace", "gen", "--model", "gpt2-small"]));
+    let tf32 = json_of(&teraio(&["trace", "gen", "--model", "gpt2-small", "--dtype", "tf32"]));
+    let total = |t: &serde_json::Value| -> f64 {
+        t["kernels"].as_array().unwrap().iter().map(|k| k["duration_us"].as_f64().unwrap()).sum()
+    };
+    assert!(total(&tf32) < total(&fp32));
+    assert_eq!(tf32["tensors"], fp32["tensors"]);
+    let out = teraio(&["trace", "gen", "--model", "gpt2-small", "--dtype", "fp16"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fp32") && err.contains("tf32") && err.contains("bf16"), "{err}");
+}
