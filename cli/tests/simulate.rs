@@ -1,4 +1,5 @@
-//! End-to-end tests of `teraio simulate` comparisons across an activation-checkpointed trace.
+//! End-to-end tests of `teraio simulate` comparisons across an activation-checkpointed trace,
+//! and of `teraio advise --what checkpointing`.
 
 use std::process::{Command, Output};
 
@@ -22,7 +23,7 @@ fn baselines_run_on_the_checkpointed_trace_against_the_main_ideal() {
         "simulate",
         "preset:gpt2-small",
         "--checkpointed-trace",
-        "preset:gpt2-small+checkpointing",
+        "preset:gpt2-small,activation-checkpointing",
         "--policy",
         "teraio,teraio+checkpointing,zero-infinity,zero-infinity-pipelined,ideal",
         "--json",
@@ -58,7 +59,7 @@ fn checkpointed_comparisons_refuse_mismatched_or_missing_traces() {
         "simulate",
         "preset:gpt2-small",
         "--checkpointed-trace",
-        "preset:gpt2-medium+checkpointing",
+        "preset:gpt2-medium,activation-checkpointing",
         "--policy",
         "zero-infinity",
     ]);
@@ -80,4 +81,39 @@ fn trace_gen_knows_tf32_and_names_the_dtypes_it_knows() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("fp32") && err.contains("tf32") && err.contains("bf16"), "{err}");
+}
+
+#[test]
+fn advise_checkpointing_reports_every_probe_and_needs_a_model() {
+    let out = teraio(&[
+        "advise",
+        "preset:gpt2-small,dtype=tf32",
+        "--what",
+        "checkpointing",
+        "--gpu-mem-gb",
+        "6",
+        "--ssds",
+        "1",
+        "--host-gb",
+        "0",
+        "--json",
+    ]);
+    let v = json_of(&out);
+    assert_eq!(v["layers"], 12);
+    let probes = v["probes"].as_array().unwrap();
+    let best = v["best_layers"].as_u64().unwrap();
+    let best_us = v["report"]["iteration_time_us"].as_f64().unwrap();
+    assert!(probes.iter().any(|p| p["layers"] == best && p["iteration_us"] == best_us));
+    for p in probes {
+        if let Some(us) = p["iteration_us"].as_f64() {
+            assert!(best_us <= us);
+        }
+    }
+    let out = teraio(&["advise", "/nonexistent.json", "--what", "checkpointing"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs `preset:NAME"), "{err}");
+    let out = teraio(&["advise", "preset:gpt2-small", "--what", "layers"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ssds, host or checkpointing"), "{err}");
 }

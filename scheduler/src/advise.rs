@@ -1,5 +1,6 @@
 //! Capacity advisor: the fewest SSDs, or the least host memory, that let a policy reach a
-//! target % of ideal in the simulator.
+//! target % of ideal in the simulator; and how many layers to checkpoint (recompute rather
+//! than keep or offload their activations) for the fastest iteration.
 //!
 //! Both searches assume throughput does not fall when a resource grows (true of the model:
 //! more bandwidth or host room only widens the planner's choices) and binary-search it; each
@@ -8,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::hardware::Hardware;
+use crate::model::{ModelConfig, generate};
 use crate::planner::{Policy, plan};
 use crate::sim::{Outcome, SimOptions, SimReport, simulate};
 use crate::trace::Trace;
@@ -133,4 +135,98 @@ pub fn least_host_memory(
         p.value *= granularity_bytes;
     }
     Ok(a)
+}
+
+/// One probe of [`best_checkpointing`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointProbe {
+    /// Layers checkpointed (the first ones of the stage).
+    pub layers: u32,
+    /// Simulated iteration, microseconds (`None`: out of memory).
+    pub iteration_us: Option<f64>,
+    /// % of the ideal iteration *without* checkpointing (recomputation counts as a cost).
+    pub percent_of_ideal: f64,
+}
+
+/// Result of [`best_checkpointing`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointAdvice {
+    /// Transformer layers of the stage (the search range is `0..=layers`).
+    pub layers: u32,
+    /// Ideal iteration of the model without checkpointing, microseconds.
+    pub ideal_us: f64,
+    /// Fastest layer count found, if any probe completed.
+    pub best_layers: Option<u32>,
+    /// Simulation at the best layer count.
+    pub report: Option<SimReport>,
+    /// Every probe, in order.
+    pub probes: Vec<CheckpointProbe>,
+}
+
+/// How many of the first layers of `cfg` to checkpoint (activation recomputation) for the
+/// fastest simulated iteration with `policy` on `hw`: offloading an activation costs SSD or
+/// PCIe bandwidth, recomputing it costs GPU time, and which is cheaper depends on the model,
+/// batch and hardware. `cfg.checkpointed_layers` is ignored.
+///
+/// The iteration time is not monotone in the layer count, so this scans `0..=layers` in
+/// eighths, then every layer count within one step of the best (at a quarter of the step);
+/// each probe generates the trace, plans and simulates it. `progress` sees every probe.
+pub fn best_checkpointing(
+    cfg: &ModelConfig,
+    hw: &Hardware,
+    policy: Policy,
+    mut progress: impl FnMut(&CheckpointProbe),
+) -> Result<CheckpointAdvice> {
+    let layers = cfg.layers / cfg.pipeline_parallel.max(1);
+    let mut base = cfg.clone();
+    base.checkpointed_layers = 0;
+    let ideal_us = generate(&base)?.iteration_time_us();
+    let mut probes: Vec<CheckpointProbe> = Vec::new();
+    let mut best: Option<(f64, u32, SimReport)> = None;
+    let mut try_layers = |n: u32,
+                          probes: &mut Vec<CheckpointProbe>,
+                          best: &mut Option<(f64, u32, SimReport)>|
+     -> Result<()> {
+        if probes.iter().any(|p| p.layers == n) {
+            return Ok(());
+        }
+        let mut c = cfg.clone();
+        c.checkpointed_layers = n;
+        let trace = generate(&c)?;
+        let mut r = probe(&trace, hw, policy)?;
+        let done = r.outcome == Outcome::Completed;
+        if done {
+            r.percent_of_ideal = 100.0 * ideal_us / r.iteration_time_us;
+        }
+        let p = CheckpointProbe {
+            layers: n,
+            iteration_us: done.then_some(r.iteration_time_us),
+            percent_of_ideal: if done { 100.0 * ideal_us / r.iteration_time_us } else { 0.0 },
+        };
+        progress(&p);
+        probes.push(p);
+        if done && best.as_ref().is_none_or(|b| r.iteration_time_us < b.0) {
+            *best = Some((r.iteration_time_us, n, r));
+        }
+        Ok(())
+    };
+    let step = layers.div_ceil(8).max(1);
+    for n in (0..=layers).step_by(step as usize).chain([layers]) {
+        try_layers(n, &mut probes, &mut best)?;
+    }
+    if let Some(b) = best.as_ref().map(|b| b.1) {
+        let fine = (step / 4).max(1);
+        let lo = b.saturating_sub(step - 1);
+        let hi = (b + step - 1).min(layers);
+        for n in (lo..=hi).step_by(fine as usize) {
+            try_layers(n, &mut probes, &mut best)?;
+        }
+    }
+    Ok(CheckpointAdvice {
+        layers,
+        ideal_us,
+        best_layers: best.as_ref().map(|b| b.1),
+        report: best.map(|b| b.2),
+        probes,
+    })
 }

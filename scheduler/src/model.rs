@@ -163,12 +163,15 @@ pub struct ModelConfig {
     /// If set, scale kernel durations so the all-resident iteration takes this long.
     #[serde(default)]
     pub target_iteration_us: Option<f64>,
-    /// Activation checkpointing per transformer layer (Hugging Face `gradient_checkpointing`,
-    /// `deepspeed.checkpointing`): the forward pass keeps only each layer's input; backward
-    /// first recomputes the layer's forward from it (kernels named `mbM.LL.rc.*`), then uses
-    /// the recomputed activations. About a third more compute, far less activation memory.
+    /// Activation checkpointing (Hugging Face `gradient_checkpointing`,
+    /// `deepspeed.checkpointing`) of the first this-many transformer layers of this GPU's
+    /// stage (0: none; `layers` or more: all): the forward pass keeps only such a layer's
+    /// input; backward first recomputes the layer's forward from it (kernels named
+    /// `mbM.LL.rc.*`), then uses the recomputed activations. About a third more compute per
+    /// checkpointed layer, far less activation memory. The first layers are chosen because
+    /// their activations are held longest (from early forward to late backward).
     #[serde(default)]
-    pub activation_checkpointing: bool,
+    pub checkpointed_layers: u32,
 }
 
 impl ModelConfig {
@@ -192,7 +195,7 @@ impl ModelConfig {
             pipeline_stage: 0,
             gpu: Gpu::H100Nvl,
             target_iteration_us: None,
-            activation_checkpointing: false,
+            checkpointed_layers: 0,
         }
     }
 
@@ -216,7 +219,7 @@ impl ModelConfig {
             pipeline_stage: 0,
             gpu: Gpu::H100Nvl,
             target_iteration_us: None,
-            activation_checkpointing: false,
+            checkpointed_layers: 0,
         }
     }
 
@@ -275,6 +278,66 @@ impl ModelConfig {
             }
         };
         Ok(c)
+    }
+
+    /// Set one field by its command-line name (`teraio trace gen --help`): `layers`,
+    /// `hidden`, `heads`, `kv-heads`, `ffn`, `vocab`, `seq`, `micro-batch`, `micro-batches`,
+    /// `dtype`, `tp`, `pp`, `stage`, `gpu`, `iteration-s`, `checkpoint-layers`, and the flag
+    /// `activation-checkpointing` (every layer; takes no value).
+    pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<()> {
+        let bad = |m: String| Error::InvalidArgument(m);
+        if key == "activation-checkpointing" {
+            if value.is_some() {
+                return Err(bad(format!("{key} takes no value (use checkpoint-layers=N)")));
+            }
+            self.checkpointed_layers = self.layers;
+            return Ok(());
+        }
+        let v = value.ok_or_else(|| bad(format!("{key} needs a value ({key}=...)")))?;
+        fn num<T: std::str::FromStr>(key: &str, v: &str) -> Result<T> {
+            v.parse().map_err(|_| Error::InvalidArgument(format!("{key}={v}: not a number")))
+        }
+        match key {
+            "layers" => self.layers = num(key, v)?,
+            "hidden" => self.hidden = num(key, v)?,
+            "heads" => self.heads = num(key, v)?,
+            "kv-heads" => self.kv_heads = num(key, v)?,
+            "ffn" => self.ffn = num(key, v)?,
+            "vocab" => self.vocab = num(key, v)?,
+            "seq" => self.seq_len = num(key, v)?,
+            "micro-batch" => self.micro_batch = num(key, v)?,
+            "micro-batches" => self.micro_batches = num(key, v)?,
+            "dtype" => self.dtype = Dtype::parse(v)?,
+            "tp" => self.tensor_parallel = num(key, v)?,
+            "pp" => self.pipeline_parallel = num(key, v)?,
+            "stage" => self.pipeline_stage = num(key, v)?,
+            "gpu" => self.gpu = Gpu::parse(v)?,
+            "iteration-s" => self.target_iteration_us = Some(num::<f64>(key, v)? * 1e6),
+            "checkpoint-layers" => self.checkpointed_layers = num(key, v)?,
+            _ => {
+                return Err(bad(format!(
+                    "unknown model option {key:?} (known: layers, hidden, heads, kv-heads, ffn, \
+                     vocab, seq, micro-batch, micro-batches, dtype, tp, pp, stage, gpu, \
+                     iteration-s, checkpoint-layers, activation-checkpointing)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Parse a model specification `NAME[,KEY=VALUE|,FLAG]...`: a preset and
+    /// [`ModelConfig::set`] overrides, e.g. `llama3-8b,dtype=tf32,activation-checkpointing`.
+    pub fn from_spec(spec: &str) -> Result<ModelConfig> {
+        let mut parts = spec.split(',');
+        let mut cfg = ModelConfig::preset(parts.next().unwrap_or("").trim())?;
+        for part in parts {
+            let part = part.trim();
+            match part.split_once('=') {
+                Some((k, v)) => cfg.set(k.trim(), Some(v.trim()))?,
+                None => cfg.set(part, None)?,
+            }
+        }
+        Ok(cfg)
     }
 
     /// Check the shape is consistent.
@@ -634,7 +697,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         for (l, ps) in layer_params.iter().enumerate().rev() {
             let layer = first_layer + l as u32;
             let recomputed;
-            let s = if cfg.activation_checkpointing {
+            let s = if (l as u32) < cfg.checkpointed_layers {
                 // Recompute this layer's forward from its checkpointed input; the output is
                 // not needed again (the gradient flowing in is `dx`).
                 let pre = format!("mb{mb}.L{layer}.rc.");
@@ -918,11 +981,43 @@ mod tests {
     }
 
     #[test]
+    fn specs_set_fields_and_name_what_is_wrong() {
+        let c = ModelConfig::from_spec("llama3-8b, dtype=tf32,seq=1024,activation-checkpointing")
+            .unwrap();
+        assert_eq!((c.dtype, c.seq_len, c.checkpointed_layers), (Dtype::Tf32, 1024, 32));
+        let c = ModelConfig::from_spec("gpt2-small,checkpoint-layers=3,micro-batches=2").unwrap();
+        assert_eq!((c.checkpointed_layers, c.micro_batches), (3, 2));
+        let err = |s: &str| ModelConfig::from_spec(s).unwrap_err().to_string();
+        assert!(err("llama3-9b").contains("unknown model preset"));
+        assert!(err("gpt2-small,seq=x").contains("seq=x: not a number"));
+        assert!(err("gpt2-small,seq").contains("seq needs a value"));
+        assert!(err("gpt2-small,batch=4").contains("unknown model option \"batch\""));
+        assert!(err("gpt2-small,activation-checkpointing=2").contains("takes no value"));
+        assert!(err("gpt2-small,dtype=fp8").contains("known: fp32, tf32, bf16"));
+    }
+
+    #[test]
+    fn checkpointing_the_first_layers_only() {
+        let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+        cfg.checkpointed_layers = 4;
+        let t = generate(&cfg).unwrap();
+        let rc = |l: u32| t.kernels.iter().any(|k| k.name.starts_with(&format!("mb0.L{l}.rc.")));
+        assert!((0..4).all(rc) && !(4..12).any(rc));
+        let all = {
+            cfg.checkpointed_layers = 12;
+            generate(&cfg).unwrap().iteration_time_us()
+        };
+        cfg.checkpointed_layers = 0;
+        let none = generate(&cfg).unwrap().iteration_time_us();
+        assert!(none < t.iteration_time_us() && t.iteration_time_us() < all);
+    }
+
+    #[test]
     fn activation_checkpointing_recomputes_each_layer_in_backward() {
         let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
         cfg.micro_batches = 2;
         let plain = generate(&cfg).unwrap();
-        cfg.activation_checkpointing = true;
+        cfg.checkpointed_layers = cfg.layers;
         let t = generate(&cfg).unwrap();
         let fwd_per_layer = plain
             .kernels

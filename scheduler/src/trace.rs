@@ -559,6 +559,20 @@ mod tests {
         assert_eq!(back, t);
     }
 
+    /// A generated trace read back from its JSON is the same trace to the last bit, so
+    /// `preset:NAME` and the file `teraio trace gen` wrote plan and simulate identically.
+    #[test]
+    fn generated_durations_survive_json_exactly() {
+        let mut cfg = crate::ModelConfig::preset("gpt2-small").unwrap();
+        cfg.dtype = crate::Dtype::Tf32;
+        let t = crate::generate(&cfg).unwrap();
+        let back = Trace::from_json(&t.to_json()).unwrap();
+        for (a, b) in t.kernels.iter().zip(&back.kernels) {
+            assert_eq!(a.duration_us.to_bits(), b.duration_us.to_bits(), "{}", a.name);
+        }
+        assert_eq!(back, t);
+    }
+
     #[test]
     fn bad_field_is_named_by_path() {
         let mut v: Value = serde_json::from_str(&small().to_json()).unwrap();

@@ -468,3 +468,30 @@ fn teraio_under_heavy_bandwidth_pressure_completes() {
         assert!(r.iteration_time_us > 0.0 && r.stall_us > 0.0, "{policy}: {r:?}");
     }
 }
+
+/// Regression: gpt2-small with TF32 matmuls (kernels of tens of microseconds) on 6 GB of GPU
+/// memory and one SSD. Most inactive intervals are far shorter than their transfers at any
+/// bandwidth, so the bandwidth-aware phases could not bring memory under capacity and the
+/// plan ran out of memory where on-demand swapping (`lru`) completes. The forced phase takes
+/// such intervals as on-demand fetches: the plan completes, stalling.
+#[test]
+fn teraio_completes_when_intervals_are_shorter_than_their_transfers() {
+    let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+    cfg.dtype = teraio_scheduler::Dtype::Tf32;
+    let trace = generate(&cfg).unwrap();
+    let mut hw = Hardware::paper();
+    hw.gpu_memory_bytes = 6_000_000_000;
+    hw.ssd_count = 1;
+    hw.host_memory_cap_bytes = 0;
+    let opts = SimOptions::default();
+    let lru = simulate(&trace, &plan(&trace, &hw, Policy::Lru).unwrap(), &hw, &opts).unwrap();
+    assert_eq!(lru.outcome, Outcome::Completed);
+    for policy in [Policy::Teraio, Policy::TeraioHybrid] {
+        let p = plan(&trace, &hw, policy).unwrap();
+        p.validate(&trace).unwrap();
+        let r = simulate(&trace, &p, &hw, &opts).unwrap();
+        assert_eq!(r.outcome, Outcome::Completed, "{policy}");
+        assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes);
+        assert!(r.stall_us > 0.0, "{policy}: {r:?}");
+    }
+}

@@ -1,7 +1,9 @@
-//! `teraio advise`: the fewest SSDs / least host memory that reach a target % of ideal.
+//! `teraio advise`: the fewest SSDs / least host memory that reach a target % of ideal, or how
+//! many layers to checkpoint for the fastest iteration.
 
-use teraio_scheduler::Policy;
-use teraio_scheduler::advise::{Advice, fewest_ssds, least_host_memory};
+use indicatif::{ProgressBar, ProgressStyle};
+use teraio_scheduler::advise::{Advice, best_checkpointing, fewest_ssds, least_host_memory};
+use teraio_scheduler::{ModelConfig, Policy};
 
 use crate::cmd::plan::{HwArgs, gb, outln};
 use crate::{CliError, Result};
@@ -9,7 +11,7 @@ use crate::{CliError, Result};
 /// Options of `teraio advise`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Trace file, or `preset:NAME`.
+    /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
     /// Target % of ideal throughput.
     #[arg(long, default_value_t = 90.0)]
@@ -17,7 +19,10 @@ pub struct Args {
     /// Policy to plan with.
     #[arg(long, default_value = "teraio")]
     pub policy: String,
-    /// What to size: `ssds` (SSD count, other hardware fixed) or `host` (host-tier memory).
+    /// What to size: `ssds` (SSD count, other hardware fixed), `host` (host-tier memory), or
+    /// `checkpointing` (how many of the first layers to checkpoint, i.e. recompute in backward
+    /// instead of keeping or offloading their activations, for the fastest iteration; needs
+    /// a `preset:` model, not a trace file; --target is not used).
     #[arg(long, default_value = "ssds")]
     pub what: String,
     /// Largest SSD count tried.
@@ -38,9 +43,12 @@ pub struct Args {
 
 /// Run `teraio advise`.
 pub fn run(args: Args) -> Result<()> {
-    let trace = crate::cmd::trace::load(&args.trace)?;
     let hw = args.hw.hardware()?;
     let policy: Policy = args.policy.parse()?;
+    if args.what == "checkpointing" {
+        return checkpointing(&args, &hw, policy);
+    }
+    let trace = crate::cmd::trace::load(&args.trace)?;
     let advice: Advice = match args.what.as_str() {
         "ssds" => fewest_ssds(&trace, &hw, policy, args.target, args.max_ssds)?,
         "host" => {
@@ -56,7 +64,11 @@ pub fn run(args: Args) -> Result<()> {
                 (args.host_step_gb * 1e9) as u64,
             )?
         }
-        w => return Err(CliError::Usage(format!("--what must be ssds or host, got {w:?}"))),
+        w => {
+            return Err(CliError::Usage(format!(
+                "--what must be ssds, host or checkpointing, got {w:?}"
+            )));
+        }
     };
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&advice)?);
@@ -92,6 +104,68 @@ pub fn run(args: Args) -> Result<()> {
             args.target,
             policy
         ),
+    }
+    Ok(())
+}
+
+/// `teraio advise --what checkpointing`.
+fn checkpointing(args: &Args, hw: &teraio_scheduler::Hardware, policy: Policy) -> Result<()> {
+    let Some(spec) = args.trace.strip_prefix("preset:") else {
+        return Err(CliError::Usage(format!(
+            "--what checkpointing regenerates the model with each layer count, so it needs \
+             `preset:NAME[,KEY=VALUE...]`, not the trace file {:?}",
+            args.trace
+        )));
+    };
+    let cfg = ModelConfig::from_spec(spec)?;
+    let bar = if args.json { ProgressBar::hidden() } else { ProgressBar::new_spinner() };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {elapsed} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    let mut n = 0;
+    let advice = best_checkpointing(&cfg, hw, policy, |p| {
+        n += 1;
+        bar.set_message(format!("probe {n}: {} layers checkpointed", p.layers));
+        bar.tick();
+    })?;
+    bar.finish_and_clear();
+    if args.json {
+        outln!("{}", serde_json::to_string_pretty(&advice)?);
+        return Ok(());
+    }
+    outln!(
+        "{}: activation checkpointing of the first N of {} layers, {policy}; ideal {:.3} s \
+         without checkpointing",
+        cfg.name,
+        advice.layers,
+        advice.ideal_us / 1e6
+    );
+    let mut probes = advice.probes.clone();
+    probes.sort_by_key(|p| p.layers);
+    let secs = |p: &teraio_scheduler::advise::CheckpointProbe| match p.iteration_us {
+        Some(us) => format!("{:.3} s ({:.1}% of ideal)", us / 1e6, p.percent_of_ideal),
+        None => "out of memory".to_string(),
+    };
+    for p in &probes {
+        outln!("  {:>4} layers: {}", p.layers, secs(p));
+    }
+    let at = |l: u32| probes.iter().find(|p| p.layers == l).map(secs).unwrap_or_default();
+    match advice.best_layers {
+        Some(0) => outln!(
+            "best: no checkpointing: {} (all {} layers: {})",
+            at(0),
+            advice.layers,
+            at(advice.layers)
+        ),
+        Some(b) => outln!(
+            "best: checkpoint the first {b} of {} layers: {} (none: {}; all: {})",
+            advice.layers,
+            at(b),
+            at(0),
+            at(advice.layers)
+        ),
+        None => outln!("every layer count runs out of memory with {policy}"),
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use crate::cmd::plan::{gb, outln};
 /// Options of `teraio analyze`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Trace file, or `preset:NAME`.
+    /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
     /// Print the summary as JSON.
     #[arg(long)]

@@ -83,7 +83,7 @@ impl HwArgs {
 /// Options of `teraio plan`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Trace file, or `preset:NAME`.
+    /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
     /// teraio, teraio-hybrid, g10, zero-infinity, lru, ideal, none.
     #[arg(long, default_value = "teraio")]

@@ -11,11 +11,10 @@ use crate::{CliError, Result};
 /// Options of `teraio simulate`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Trace file, or `preset:NAME` (`preset:NAME+checkpointing`: with activation
-    /// checkpointing).
+    /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
     /// The same model with activation checkpointing (`teraio trace gen
-    /// --activation-checkpointing`, or `preset:NAME+checkpointing`): the ZeRO-Infinity
+    /// --activation-checkpointing`, or `preset:NAME,activation-checkpointing`): the ZeRO-Infinity
     /// baselines are planned and simulated on it, as DeepSpeed can offload activations only as
     /// checkpoints. Their `% ideal` is still against the main trace's ideal iteration; their
     /// rows are marked `*`.

@@ -67,11 +67,15 @@ pub struct GenArgs {
     /// Scale kernel durations so the all-resident iteration takes this many seconds.
     #[arg(long)]
     pub iteration_s: Option<f64>,
-    /// Activation checkpointing per layer: forward keeps only layer inputs, backward
+    /// Activation checkpointing of every layer: forward keeps only layer inputs, backward
     /// recomputes each layer first (how DeepSpeed/ZeRO-Infinity runs large batches; see
     /// `teraio simulate --checkpointed-trace`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "checkpoint_layers")]
     pub activation_checkpointing: bool,
+    /// Activation checkpointing of the first N layers only (`teraio advise --what
+    /// checkpointing` finds the best N).
+    #[arg(long, value_name = "N")]
+    pub checkpoint_layers: Option<u32>,
     /// Leave out which accesses write (`writes`), as traces made before that field did:
     /// every access then counts as a write and no plan can drop a clean copy. For comparisons.
     #[arg(long)]
@@ -126,23 +130,24 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
     if let Some(g) = &a.gpu {
         c.gpu = Gpu::parse(g)?;
     }
-    c.activation_checkpointing |= a.activation_checkpointing;
+    if let Some(n) = a.checkpoint_layers {
+        c.checkpointed_layers = n;
+    }
+    if a.activation_checkpointing {
+        c.checkpointed_layers = c.layers;
+    }
     if let Some(s) = a.iteration_s {
         c.target_iteration_us = Some(s * 1e6);
     }
     Ok(c)
 }
 
-/// Load a trace: a JSON file, or `preset:NAME` to generate a preset on the fly.
+/// Load a trace: a JSON file, or `preset:NAME[,KEY=VALUE...]` to generate a preset on the fly
+/// with overrides (`preset:llama3-8b,dtype=tf32,activation-checkpointing`; keys as the long
+/// options of `teraio trace gen`, see `ModelConfig::set`).
 pub fn load(spec: &str) -> Result<Trace> {
-    if let Some(name) = spec.strip_prefix("preset:") {
-        let (name, ckpt) = match name.strip_suffix("+checkpointing") {
-            Some(n) => (n, true),
-            None => (name, false),
-        };
-        let mut cfg = ModelConfig::preset(name)?;
-        cfg.activation_checkpointing = ckpt;
-        return Ok(generate(&cfg)?);
+    if let Some(model) = spec.strip_prefix("preset:") {
+        return Ok(generate(&ModelConfig::from_spec(model)?)?);
     }
     let text = std::fs::read_to_string(spec)
         .map_err(|source| CliError::File { path: spec.into(), source })?;

@@ -116,9 +116,24 @@ impl std::fmt::Display for Policy {
 pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
     trace.validate()?;
     hw.validate()?;
+    if let Policy::Teraio | Policy::TeraioHybrid = policy {
+        let hybrid = policy == Policy::TeraioHybrid;
+        let mut plan = teraio::plan(trace, hw, hybrid, false);
+        plan.mark_clean_drops(trace)?;
+        if !delay_prefetches_until_feasible(trace, hw, &mut plan) {
+            // Still out of memory: plan again, taking intervals too short for their
+            // transfers as on-demand fetches (`State::forced`).
+            let mut forced = teraio::plan(trace, hw, hybrid, true);
+            forced.mark_clean_drops(trace)?;
+            if delay_prefetches_until_feasible(trace, hw, &mut forced) {
+                plan = forced;
+            }
+        }
+        debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
+        return Ok(plan);
+    }
     let mut plan = match policy {
-        Policy::Teraio => teraio::plan(trace, hw, false),
-        Policy::TeraioHybrid => teraio::plan(trace, hw, true),
+        Policy::Teraio | Policy::TeraioHybrid => unreachable!("planned above"),
         Policy::G10 => g10::plan(trace, hw),
         Policy::ZeroInfinity => zero::plan(trace, hw, false),
         Policy::ZeroInfinityPipelined => zero::plan(trace, hw, true),
@@ -131,9 +146,6 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
         Policy::None => Plan::empty("none", trace),
     };
     plan.mark_clean_drops(trace)?;
-    if matches!(policy, Policy::Teraio | Policy::TeraioHybrid) {
-        delay_prefetches_until_feasible(trace, hw, &mut plan);
-    }
     debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
     Ok(plan)
 }
@@ -149,14 +161,18 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
 /// kernel `k`, every prefetch issued at or before boundary `k` for a tensor first used after
 /// `k` is issued at boundary `k + 1` instead (after that boundary's own instructions).
 /// Each round moves at least one prefetch later, so the pass ends; the rounds are bounded.
-fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) {
+/// Returns whether the plan now completes in the simulator (an error of the simulator itself
+/// counts as completing: it is reported where the plan is simulated).
+fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) -> bool {
     let n = trace.kernel_count();
     let opts = crate::sim::SimOptions::default();
     for _ in 0..p.instructions.len() + 1 {
-        let Ok(report) = crate::sim::simulate(trace, p, hw, &opts) else { break };
-        let crate::sim::Outcome::OutOfMemory { kernel: k, .. } = report.outcome else { break };
+        let Ok(report) = crate::sim::simulate(trace, p, hw, &opts) else { return true };
+        let crate::sim::Outcome::OutOfMemory { kernel: k, .. } = report.outcome else {
+            return true;
+        };
         if k + 1 > n {
-            break;
+            return false;
         }
         let mut moved = Vec::new();
         p.instructions.retain(|ins| {
@@ -174,11 +190,12 @@ fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) {
             !movable
         });
         if moved.is_empty() {
-            break;
+            return false;
         }
         p.instructions.extend(moved);
         p.instructions.sort_by_key(|ins| ins.issue_before_kernel);
     }
+    false
 }
 
 /// Where a chosen interval's transfers fall.
@@ -262,6 +279,11 @@ pub(crate) struct State<'a> {
     /// reserved (they will share bandwidth and stall), to resolve what the first phase could
     /// not.
     pub relaxed: bool,
+    /// Third phase, when even nominal bandwidth leaves memory above capacity: intervals too
+    /// short (in time) for their transfers are taken anyway, offloaded right after their last
+    /// use and fetched right before their next one ([`State::fit`]). They stall, as on-demand
+    /// swapping would, instead of the plan running out of memory.
+    pub forced: bool,
     retiming: bool,
     pub peak_resident: u64,
     /// Per (tensor, epoch = last write): the earliest position (`reads_since_write`) of a
@@ -306,6 +328,7 @@ impl<'a> State<'a> {
             chosen: Vec::new(),
             evaluations: 0,
             relaxed: false,
+            forced: false,
             retiming: false,
             peak_resident: resident.iter().copied().max().unwrap_or(0),
             ssd_epochs: HashMap::new(),
@@ -368,12 +391,58 @@ impl<'a> State<'a> {
     }
 
     /// Where an interval's offload and prefetch would go on `tier` given the budgets so far,
-    /// and the area it would remove; `None` if it does not fit or saves nothing.
+    /// and the area it would remove; `None` if it does not fit or saves nothing. In the
+    /// [`State::forced`] phase an interval too short for its transfers still fits (see there).
     pub fn fit(&mut self, iv: &InactiveInterval, tier: Tier) -> Option<Fit> {
         self.evaluations += 1;
         if tier == Tier::Ssd && !self.hw.has_ssd() {
             return None;
         }
+        let timed = self.fit_timed(iv, tier);
+        if timed.is_none() && self.forced { self.fit_forced(iv, tier) } else { timed }
+    }
+
+    /// [`State::fit`] for the forced phase: the offload is issued at `a + 1` and the memory
+    /// counted free from there, the prefetch issued at boundary `b` (urgent: kernel `b` waits
+    /// for it). The kernels of the interval wait for the offload when they need its memory
+    /// and kernel `b` for the prefetch: stalls, but the iteration fits.
+    fn fit_forced(&mut self, iv: &InactiveInterval, tier: Tier) -> Option<Fit> {
+        let (a, b) = (iv.last_access, iv.next_access);
+        if tier == Tier::Host && !self.retiming {
+            let mut worst = i64::MIN;
+            for (l, r) in self.ranges(a + 1, b + 1) {
+                worst = worst.max(self.host.range_max(l, r));
+            }
+            if worst + iv.bytes as i64 > 0 {
+                return None;
+            }
+        }
+        let mut benefit = 0.0;
+        for (l, r) in self.ranges(a + 1, b) {
+            benefit += self.mem.clamp_sum(l, r, iv.bytes as i64);
+        }
+        if benefit <= 0.0 {
+            return None;
+        }
+        let clean = tier == Tier::Ssd && self.is_clean(iv);
+        let rate = |path: &[Resource]| {
+            path.iter().map(|&r| self.hw.bandwidth(r)).fold(f64::INFINITY, f64::min)
+        };
+        let size = iv.bytes as f64;
+        let off_us = if clean { 0.0 } else { size / rate(&self.hw.offload_path(tier)) * 1e6 };
+        let pre_us = size / rate(&self.hw.prefetch_path(tier)) * 1e6;
+        Some(Fit {
+            tier,
+            offload_end: a,
+            prefetch_start: b,
+            cost_us: (off_us + pre_us).max(1e-3),
+            benefit,
+            clean,
+        })
+    }
+
+    /// [`State::fit`] with transfers placed by bandwidth (budgets, or nominal when relaxed).
+    fn fit_timed(&mut self, iv: &InactiveInterval, tier: Tier) -> Option<Fit> {
         let (a, b) = (iv.last_access, iv.next_access);
         let size = iv.bytes as f64;
         let off_path = self.hw.offload_path(tier);
@@ -608,7 +677,7 @@ impl<'a> State<'a> {
             let deadline = iv.next_access % n.max(1);
             keyed.push((
                 (pre_at, 1, deadline),
-                Instruction::prefetch(pre_at, iv.tensor, fit.prefetch_start + 1 == iv.next_access),
+                Instruction::prefetch(pre_at, iv.tensor, fit.prefetch_start + 1 >= iv.next_access),
             ));
         }
         keyed.sort_by_key(|(k, _)| *k);

@@ -79,7 +79,9 @@ fn evaluate(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Option<F
     }
 }
 
-pub(super) fn plan(trace: &Trace, hw: &Hardware, hybrid: bool) -> Plan {
+/// With `forced`, a third phase takes intervals too short for their transfers as on-demand
+/// fetches when nominal bandwidth still leaves memory above capacity (`State::forced`).
+pub(super) fn plan(trace: &Trace, hw: &Hardware, hybrid: bool, forced: bool) -> Plan {
     let name = if hybrid { "teraio-hybrid" } else { "teraio" };
     let mut st = State::new(trace, hw);
     let ivs = inactive_intervals(trace);
@@ -98,6 +100,12 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, hybrid: bool) -> Plan {
         // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
         // (they will stall, but the iteration fits in memory where that is possible at all).
         st.relaxed = true;
+        greedy(&mut st, &ivs, &epochs, &mut taken, hybrid);
+    }
+    if forced && st.mem.max() > 0 {
+        // Still above capacity: intervals too short for their transfers at any bandwidth,
+        // fetched on demand (stalls rather than running out of memory).
+        st.forced = true;
         greedy(&mut st, &ivs, &epochs, &mut taken, hybrid);
     }
     st.into_plan(name, ivs.len())
