@@ -101,9 +101,11 @@ fn advise_checkpointing_reports_every_probe_and_needs_a_model() {
     let v = json_of(&out);
     assert_eq!(v["layers"], 12);
     let probes = v["probes"].as_array().unwrap();
-    let best = v["best_layers"].as_u64().unwrap();
+    let (layers, selective) = (&v["best"][0], &v["best"][1]);
     let best_us = v["report"]["iteration_time_us"].as_f64().unwrap();
-    assert!(probes.iter().any(|p| p["layers"] == best && p["iteration_us"] == best_us));
+    assert!(probes.iter().any(|p| {
+        &p["layers"] == layers && &p["selective"] == selective && p["iteration_us"] == best_us
+    }));
     for p in probes {
         if let Some(us) = p["iteration_us"].as_f64() {
             assert!(best_us <= us);

@@ -142,9 +142,11 @@ pub fn least_host_memory(
 pub struct CheckpointProbe {
     /// Layers checkpointed (the first ones of the stage).
     pub layers: u32,
+    /// Selective recomputation in the other layers ([`ModelConfig::selective_recompute`]).
+    pub selective: bool,
     /// Simulated iteration, microseconds (`None`: out of memory).
     pub iteration_us: Option<f64>,
-    /// % of the ideal iteration *without* checkpointing (recomputation counts as a cost).
+    /// % of the ideal iteration *without* recomputation (recomputation counts as a cost).
     pub percent_of_ideal: f64,
 }
 
@@ -153,24 +155,27 @@ pub struct CheckpointProbe {
 pub struct CheckpointAdvice {
     /// Transformer layers of the stage (the search range is `0..=layers`).
     pub layers: u32,
-    /// Ideal iteration of the model without checkpointing, microseconds.
+    /// Ideal iteration of the model without any recomputation, microseconds.
     pub ideal_us: f64,
-    /// Fastest layer count found, if any probe completed.
-    pub best_layers: Option<u32>,
-    /// Simulation at the best layer count.
+    /// Fastest setting found (layers checkpointed, selective recomputation), if any probe
+    /// completed.
+    pub best: Option<(u32, bool)>,
+    /// Simulation at the best setting.
     pub report: Option<SimReport>,
     /// Every probe, in order.
     pub probes: Vec<CheckpointProbe>,
 }
 
-/// How many of the first layers of `cfg` to checkpoint (activation recomputation) for the
-/// fastest simulated iteration with `policy` on `hw`: offloading an activation costs SSD or
-/// PCIe bandwidth, recomputing it costs GPU time, and which is cheaper depends on the model,
-/// batch and hardware. `cfg.checkpointed_layers` is ignored.
+/// How much to recompute for the fastest simulated iteration of `cfg` with `policy` on `hw`:
+/// how many of the first layers to checkpoint, and whether to recompute the norms and the
+/// activation function in the others (selective recomputation). Offloading an activation
+/// costs SSD or PCIe bandwidth, recomputing it costs GPU time; which is cheaper depends on the
+/// model, batch and hardware. The recomputation fields of `cfg` are ignored.
 ///
-/// The iteration time is not monotone in the layer count, so this scans `0..=layers` in
-/// eighths, then every layer count within one step of the best (at a quarter of the step);
-/// each probe generates the trace, plans and simulates it. `progress` sees every probe.
+/// The iteration time is not monotone in the layer count, so for both selective settings this
+/// scans `0..=layers` in eighths, then every layer count within one step of the best (at a
+/// quarter of the step); each probe generates the trace, plans and simulates it. `progress`
+/// sees every probe.
 pub fn best_checkpointing(
     cfg: &ModelConfig,
     hw: &Hardware,
@@ -180,18 +185,17 @@ pub fn best_checkpointing(
     let layers = cfg.layers / cfg.pipeline_parallel.max(1);
     let mut base = cfg.clone();
     base.checkpointed_layers = 0;
+    base.selective_recompute = false;
     let ideal_us = generate(&base)?.iteration_time_us();
     let mut probes: Vec<CheckpointProbe> = Vec::new();
-    let mut best: Option<(f64, u32, SimReport)> = None;
-    let mut try_layers = |n: u32,
-                          probes: &mut Vec<CheckpointProbe>,
-                          best: &mut Option<(f64, u32, SimReport)>|
-     -> Result<()> {
-        if probes.iter().any(|p| p.layers == n) {
+    let mut best: Option<(f64, (u32, bool), SimReport)> = None;
+    let mut try_one = |n: u32, selective: bool, probes: &mut Vec<CheckpointProbe>| -> Result<()> {
+        if probes.iter().any(|p| (p.layers, p.selective) == (n, selective)) {
             return Ok(());
         }
-        let mut c = cfg.clone();
+        let mut c = base.clone();
         c.checkpointed_layers = n;
+        c.selective_recompute = selective;
         let trace = generate(&c)?;
         let mut r = probe(&trace, hw, policy)?;
         let done = r.outcome == Outcome::Completed;
@@ -200,32 +204,43 @@ pub fn best_checkpointing(
         }
         let p = CheckpointProbe {
             layers: n,
+            selective,
             iteration_us: done.then_some(r.iteration_time_us),
-            percent_of_ideal: if done { 100.0 * ideal_us / r.iteration_time_us } else { 0.0 },
+            percent_of_ideal: if done { r.percent_of_ideal } else { 0.0 },
         };
         progress(&p);
         probes.push(p);
         if done && best.as_ref().is_none_or(|b| r.iteration_time_us < b.0) {
-            *best = Some((r.iteration_time_us, n, r));
+            best = Some((r.iteration_time_us, (n, selective), r));
         }
         Ok(())
     };
     let step = layers.div_ceil(8).max(1);
-    for n in (0..=layers).step_by(step as usize).chain([layers]) {
-        try_layers(n, &mut probes, &mut best)?;
+    for selective in [false, true] {
+        for n in (0..=layers).step_by(step as usize).chain([layers]) {
+            try_one(n, selective, &mut probes)?;
+        }
     }
-    if let Some(b) = best.as_ref().map(|b| b.1) {
-        let fine = (step / 4).max(1);
-        let lo = b.saturating_sub(step - 1);
-        let hi = (b + step - 1).min(layers);
-        for n in (lo..=hi).step_by(fine as usize) {
-            try_layers(n, &mut probes, &mut best)?;
+    // Refine around the best coarse probe of each selective setting.
+    for selective in [false, true] {
+        let coarse = probes
+            .iter()
+            .filter(|p| p.selective == selective)
+            .filter_map(|p| p.iteration_us.map(|us| (us, p.layers)))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        if let Some((_, b)) = coarse {
+            let fine = (step / 4).max(1);
+            let lo = b.saturating_sub(step - 1);
+            let hi = (b + step - 1).min(layers);
+            for n in (lo..=hi).step_by(fine as usize) {
+                try_one(n, selective, &mut probes)?;
+            }
         }
     }
     Ok(CheckpointAdvice {
         layers,
         ideal_us,
-        best_layers: best.as_ref().map(|b| b.1),
+        best: best.as_ref().map(|b| b.1),
         report: best.map(|b| b.2),
         probes,
     })

@@ -172,6 +172,12 @@ pub struct ModelConfig {
     /// their activations are held longest (from early forward to late backward).
     #[serde(default)]
     pub checkpointed_layers: u32,
+    /// Selective recomputation in the layers not checkpointed: the outputs of the two norms
+    /// and of the activation function (cheap, memory-bound kernels with large outputs) are
+    /// not kept for backward but remade from their inputs right before backward reads them
+    /// (kernels `mbM.LL.rc.norm1.fwd` etc.), as in Megatron's selective recomputation.
+    #[serde(default)]
+    pub selective_recompute: bool,
 }
 
 impl ModelConfig {
@@ -196,6 +202,7 @@ impl ModelConfig {
             gpu: Gpu::H100Nvl,
             target_iteration_us: None,
             checkpointed_layers: 0,
+            selective_recompute: false,
         }
     }
 
@@ -220,6 +227,7 @@ impl ModelConfig {
             gpu: Gpu::H100Nvl,
             target_iteration_us: None,
             checkpointed_layers: 0,
+            selective_recompute: false,
         }
     }
 
@@ -282,10 +290,17 @@ impl ModelConfig {
 
     /// Set one field by its command-line name (`teraio trace gen --help`): `layers`,
     /// `hidden`, `heads`, `kv-heads`, `ffn`, `vocab`, `seq`, `micro-batch`, `micro-batches`,
-    /// `dtype`, `tp`, `pp`, `stage`, `gpu`, `iteration-s`, `checkpoint-layers`, and the flag
-    /// `activation-checkpointing` (every layer; takes no value).
+    /// `dtype`, `tp`, `pp`, `stage`, `gpu`, `iteration-s`, `checkpoint-layers`, and the flags
+    /// `activation-checkpointing` (every layer) and `selective-recompute` (take no value).
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<()> {
         let bad = |m: String| Error::InvalidArgument(m);
+        if key == "selective-recompute" {
+            if value.is_some() {
+                return Err(bad(format!("{key} takes no value")));
+            }
+            self.selective_recompute = true;
+            return Ok(());
+        }
         if key == "activation-checkpointing" {
             if value.is_some() {
                 return Err(bad(format!("{key} takes no value (use checkpoint-layers=N)")));
@@ -318,7 +333,8 @@ impl ModelConfig {
                 return Err(bad(format!(
                     "unknown model option {key:?} (known: layers, hidden, heads, kv-heads, ffn, \
                      vocab, seq, micro-batch, micro-batches, dtype, tp, pp, stage, gpu, \
-                     iteration-s, checkpoint-layers, activation-checkpointing)"
+                     iteration-s, checkpoint-layers, activation-checkpointing, \
+                     selective-recompute)"
                 )));
             }
         }
@@ -697,7 +713,9 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         for (l, ps) in layer_params.iter().enumerate().rev() {
             let layer = first_layer + l as u32;
             let recomputed;
-            let s = if (l as u32) < cfg.checkpointed_layers {
+            let checkpointed = (l as u32) < cfg.checkpointed_layers;
+            let selective = cfg.selective_recompute && !checkpointed;
+            let s = if checkpointed {
                 // Recompute this layer's forward from its checkpointed input; the output is
                 // not needed again (the gradient flowing in is `dx`).
                 let pre = format!("mb{mb}.L{layer}.rc.");
@@ -710,16 +728,28 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             let lo = Some(layer);
             let nm = |s: &str| format!("mb{mb}.L{layer}.{s}");
             let t = tokens as f64;
+            // Selective recomputation: the norms' and the activation function's outputs are
+            // remade from their inputs (kept anyway) right before backward reads them.
+            let (mut sa, mut sn2, mut sn1) = (s.a, s.n2, s.n1);
+            if selective {
+                sa = b.act(nm("rc.a"), act_bytes(cfg.ffn / tp));
+                b.kernel(nm("rc.act.fwd"), lo, 8.0 * t * (cfg.ffn / tp) as f64, &[s.u, sa], None);
+            }
             let da = b.act(nm("da"), act_bytes(cfg.ffn / tp));
             let (wd, gd) = (w(&b, ps[5]), g(&b, ps[5]));
             let f = 4.0 * t * (cfg.ffn / tp * h) as f64;
-            b.kernel_writing(nm("down.bwd"), lo, f, &[dx, s.a, wd, gd, da], &[gd], None);
+            b.kernel_writing(nm("down.bwd"), lo, f, &[dx, sa, wd, gd, da], &[gd], None);
             let du = b.act(nm("du"), act_bytes(cfg.up_width()));
             b.kernel(nm("act.bwd"), lo, 16.0 * t * (cfg.ffn / tp) as f64, &[da, s.u, du], None);
             let dn2 = b.act(nm("dn2"), act_bytes(h));
             let (wup, gup) = (w(&b, ps[4]), g(&b, ps[4]));
             let f = 4.0 * t * (h * cfg.up_width()) as f64;
-            b.kernel_writing(nm("up.bwd"), lo, f, &[du, s.n2, wup, gup, dn2], &[gup], None);
+            if selective {
+                sn2 = b.act(nm("rc.n2"), act_bytes(h));
+                let wn2 = w(&b, ps[3]);
+                b.kernel(nm("rc.norm2.fwd"), lo, 5.0 * t * h as f64, &[s.x2, wn2, sn2], None);
+            }
+            b.kernel_writing(nm("up.bwd"), lo, f, &[du, sn2, wup, gup, dn2], &[gup], None);
             if tp > 1 {
                 b.kernel(nm("up.bwd.allreduce"), lo, 0.0, &[dn2], Some(b.comm_us(act_bytes(h))));
             }
@@ -744,7 +774,12 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             let dn1 = b.act(nm("dn1"), act_bytes(h));
             let (wqkv, gqkv) = (w(&b, ps[1]), g(&b, ps[1]));
             let f = 4.0 * t * (h * cfg.qkv_width()) as f64;
-            b.kernel_writing(nm("qkv.bwd"), lo, f, &[dqkv, s.n1, wqkv, gqkv, dn1], &[gqkv], None);
+            if selective {
+                sn1 = b.act(nm("rc.n1"), act_bytes(h));
+                let wn1 = w(&b, ps[0]);
+                b.kernel(nm("rc.norm1.fwd"), lo, 5.0 * t * h as f64, &[s.x, wn1, sn1], None);
+            }
+            b.kernel_writing(nm("qkv.bwd"), lo, f, &[dqkv, sn1, wqkv, gqkv, dn1], &[gqkv], None);
             if tp > 1 {
                 b.kernel(nm("qkv.bwd.allreduce"), lo, 0.0, &[dn1], Some(b.comm_us(act_bytes(h))));
             }

@@ -61,7 +61,7 @@ fn least_host_memory_is_the_smallest_amount_that_reaches_the_target() {
 }
 
 #[test]
-fn best_checkpointing_is_the_fastest_probe_and_beats_both_extremes_when_io_bound() {
+fn best_checkpointing_is_the_fastest_probe_and_beats_no_recomputation_when_io_bound() {
     let (cfg, hw) = io_bound();
     let mut seen = 0;
     let a = best_checkpointing(&cfg, &hw, Policy::Teraio, |_| seen += 1).unwrap();
@@ -69,13 +69,15 @@ fn best_checkpointing_is_the_fastest_probe_and_beats_both_extremes_when_io_bound
     assert_eq!(a.layers, 12);
     let ideal = generate(&cfg).unwrap().iteration_time_us();
     assert_eq!(a.ideal_us, ideal);
-    // Every layer count is distinct, 0 and 12 are among them.
-    let mut ls: Vec<u32> = a.probes.iter().map(|p| p.layers).collect();
+    // Every setting is probed once; both extremes of both selective settings are there.
+    let mut ls: Vec<(u32, bool)> = a.probes.iter().map(|p| (p.layers, p.selective)).collect();
     ls.sort_unstable();
     ls.dedup();
     assert_eq!(ls.len(), a.probes.len());
-    assert!(ls.contains(&0) && ls.contains(&12));
-    let best = a.best_layers.unwrap();
+    for s in [(0, false), (12, false), (0, true), (12, true)] {
+        assert!(ls.contains(&s), "{s:?} not probed");
+    }
+    let best = a.best.unwrap();
     let best_us = a.report.as_ref().unwrap().iteration_time_us;
     for p in &a.probes {
         if let Some(us) = p.iteration_us {
@@ -83,15 +85,47 @@ fn best_checkpointing_is_the_fastest_probe_and_beats_both_extremes_when_io_bound
             assert!((p.percent_of_ideal - 100.0 * ideal / us).abs() < 1e-9);
         }
     }
-    // The probe agrees with a direct simulation of that layer count.
+    // The probe agrees with a direct simulation of that setting.
     let mut c = cfg.clone();
-    c.checkpointed_layers = best;
+    (c.checkpointed_layers, c.selective_recompute) = best;
     let t = generate(&c).unwrap();
     let p = plan(&t, &hw, Policy::Teraio).unwrap();
     let r = simulate(&t, &p, &hw, &SimOptions::default()).unwrap();
     assert_eq!(r.iteration_time_us, best_us);
-    let at = |l: u32| a.probes.iter().find(|p| p.layers == l).unwrap().iteration_us;
-    // I/O-bound: recomputing some layers beats offloading every activation.
-    assert!(at(0).is_none_or(|none| best_us < none), "{best} vs none {:?}", at(0));
-    assert_ne!(best, 0);
+    // I/O-bound: recomputing something beats offloading every activation.
+    let none = a.probes.iter().find(|p| (p.layers, p.selective) == (0, false)).unwrap();
+    assert!(none.iteration_us.is_none_or(|us| best_us < us), "{best:?} vs {none:?}");
+    assert_ne!(best, (0, false));
+}
+
+#[test]
+fn selective_recomputation_remakes_norms_and_activation_in_backward() {
+    let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+    let plain = generate(&cfg).unwrap();
+    cfg.selective_recompute = true;
+    let t = generate(&cfg).unwrap();
+    // Three cheap kernels per layer and micro-batch; a little more time, less memory.
+    assert_eq!(t.kernel_count(), plain.kernel_count() + 3 * 12);
+    assert!(t.iteration_time_us() > plain.iteration_time_us());
+    assert!(t.iteration_time_us() < 1.05 * plain.iteration_time_us());
+    let peak = |t: &teraio_scheduler::Trace| t.resident_memory_per_kernel().into_iter().max();
+    assert!(peak(&t) < peak(&plain));
+    let find = |n: &str| t.tensors.iter().find(|x| x.name == n).unwrap();
+    let first_bwd = t.kernels.iter().position(|k| k.name.contains(".bwd")).unwrap();
+    // The forward's outputs die in the forward; backward reads the remade ones.
+    for (old, new, reader) in [
+        ("mb0.L5.n1", "mb0.L5.rc.n1", "mb0.L5.qkv.bwd"),
+        ("mb0.L5.n2", "mb0.L5.rc.n2", "mb0.L5.up.bwd"),
+        ("mb0.L5.a", "mb0.L5.rc.a", "mb0.L5.down.bwd"),
+    ] {
+        assert!(find(old).accesses.iter().all(|&k| k < first_bwd), "{old}");
+        let made = find(new);
+        assert!(made.accesses.iter().any(|&k| t.kernels[k].name == reader), "{new}");
+        assert_eq!(made.accesses.len(), 2, "{new}: made, then read once");
+    }
+    // With every layer checkpointed there is nothing left to recompute selectively.
+    cfg.checkpointed_layers = 12;
+    let both = generate(&cfg).unwrap();
+    cfg.selective_recompute = false;
+    assert_eq!(both, generate(&cfg).unwrap());
 }

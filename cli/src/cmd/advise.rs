@@ -2,7 +2,9 @@
 //! many layers to checkpoint for the fastest iteration.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use teraio_scheduler::advise::{Advice, best_checkpointing, fewest_ssds, least_host_memory};
+use teraio_scheduler::advise::{
+    Advice, CheckpointProbe, best_checkpointing, fewest_ssds, least_host_memory,
+};
 use teraio_scheduler::{ModelConfig, Policy};
 
 use crate::cmd::plan::{HwArgs, gb, outln};
@@ -21,8 +23,9 @@ pub struct Args {
     pub policy: String,
     /// What to size: `ssds` (SSD count, other hardware fixed), `host` (host-tier memory), or
     /// `checkpointing` (how many of the first layers to checkpoint, i.e. recompute in backward
-    /// instead of keeping or offloading their activations, for the fastest iteration; needs
-    /// a `preset:` model, not a trace file; --target is not used).
+    /// instead of keeping or offloading their activations, and whether to recompute the norms
+    /// and activation function in the others, for the fastest iteration; needs a `preset:`
+    /// model, not a trace file; --target is not used).
     #[arg(long, default_value = "ssds")]
     pub what: String,
     /// Largest SSD count tried.
@@ -126,7 +129,8 @@ fn checkpointing(args: &Args, hw: &teraio_scheduler::Hardware, policy: Policy) -
     let mut n = 0;
     let advice = best_checkpointing(&cfg, hw, policy, |p| {
         n += 1;
-        bar.set_message(format!("probe {n}: {} layers checkpointed", p.layers));
+        let sel = if p.selective { " + selective" } else { "" };
+        bar.set_message(format!("probe {n}: {} layers checkpointed{sel}", p.layers));
         bar.tick();
     })?;
     bar.finish_and_clear();
@@ -135,37 +139,51 @@ fn checkpointing(args: &Args, hw: &teraio_scheduler::Hardware, policy: Policy) -
         return Ok(());
     }
     outln!(
-        "{}: activation checkpointing of the first N of {} layers, {policy}; ideal {:.3} s \
-         without checkpointing",
+        "{}: checkpointing the first N of {} layers, with or without selective recomputation \
+         (norms and activation function) in the others; {policy}; ideal {:.3} s without \
+         recomputation",
         cfg.name,
         advice.layers,
         advice.ideal_us / 1e6
     );
     let mut probes = advice.probes.clone();
-    probes.sort_by_key(|p| p.layers);
-    let secs = |p: &teraio_scheduler::advise::CheckpointProbe| match p.iteration_us {
+    probes.sort_by_key(|p| (p.selective, p.layers));
+    let secs = |p: &CheckpointProbe| match p.iteration_us {
         Some(us) => format!("{:.3} s ({:.1}% of ideal)", us / 1e6, p.percent_of_ideal),
         None => "out of memory".to_string(),
     };
-    for p in &probes {
-        outln!("  {:>4} layers: {}", p.layers, secs(p));
+    outln!("  {:>6} {:>28} {:>28}", "layers", "checkpointing only", "+ selective recomputation");
+    let mut counts: Vec<u32> = probes.iter().map(|p| p.layers).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let at = |l: u32, sel: bool| {
+        probes.iter().find(|p| p.layers == l && p.selective == sel).map(secs).unwrap_or_default()
+    };
+    for l in counts {
+        outln!("  {l:>6} {:>28} {:>28}", at(l, false), at(l, true));
     }
-    let at = |l: u32| probes.iter().find(|p| p.layers == l).map(secs).unwrap_or_default();
-    match advice.best_layers {
-        Some(0) => outln!(
-            "best: no checkpointing: {} (all {} layers: {})",
-            at(0),
-            advice.layers,
-            at(advice.layers)
-        ),
+    let describe = |(l, sel): (u32, bool)| {
+        let ck = match l {
+            0 if sel => return "selective recomputation in every layer".to_string(),
+            0 => "no checkpointing".to_string(),
+            l if l == advice.layers => format!("checkpoint all {l} layers"),
+            l => format!("checkpoint the first {l} of {} layers", advice.layers),
+        };
+        if sel && l < advice.layers {
+            format!("{ck}, selective recomputation in the others")
+        } else {
+            ck
+        }
+    };
+    match advice.best {
         Some(b) => outln!(
-            "best: checkpoint the first {b} of {} layers: {} (none: {}; all: {})",
-            advice.layers,
-            at(b),
-            at(0),
-            at(advice.layers)
+            "best: {}: {} (no recomputation: {}; all layers checkpointed: {})",
+            describe(b),
+            at(b.0, b.1),
+            at(0, false),
+            at(advice.layers, false)
         ),
-        None => outln!("every layer count runs out of memory with {policy}"),
+        None => outln!("every setting runs out of memory with {policy}"),
     }
     Ok(())
 }

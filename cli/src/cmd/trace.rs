@@ -76,6 +76,10 @@ pub struct GenArgs {
     /// checkpointing` finds the best N).
     #[arg(long, value_name = "N")]
     pub checkpoint_layers: Option<u32>,
+    /// Selective recomputation in the other layers: norm and activation-function outputs are
+    /// remade in backward instead of kept (cheap kernels, about 30% of a layer's activations).
+    #[arg(long)]
+    pub selective_recompute: bool,
     /// Leave out which accesses write (`writes`), as traces made before that field did:
     /// every access then counts as a write and no plan can drop a clean copy. For comparisons.
     #[arg(long)]
@@ -136,6 +140,7 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
     if a.activation_checkpointing {
         c.checkpointed_layers = c.layers;
     }
+    c.selective_recompute |= a.selective_recompute;
     if let Some(s) = a.iteration_s {
         c.target_iteration_us = Some(s * 1e6);
     }
