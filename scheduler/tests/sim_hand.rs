@@ -456,17 +456,30 @@ fn teraio_under_heavy_bandwidth_pressure_completes() {
         ssd_duplex_bytes_per_s: Some(bw / 4.0),
         cpu_adam_params_per_s: Hardware::paper().cpu_adam_params_per_s,
     };
-    let opts = SimOptions::default();
-    // A feasible plan exists: lru's completes.
-    let lru = simulate(&trace, &plan(&trace, &hw, Policy::Lru).unwrap(), &hw, &opts).unwrap();
-    assert_eq!(lru.outcome, Outcome::Completed);
-    for policy in [Policy::Teraio, Policy::TeraioHybrid] {
-        let p = plan(&trace, &hw, policy).unwrap();
-        p.validate(&trace).unwrap();
-        let r = simulate(&trace, &p, &hw, &opts).unwrap();
-        assert_eq!(r.outcome, Outcome::Completed, "{policy}");
+    for (policy, r) in teraio_completes_where_lru_does(&trace, &hw) {
         assert!(r.iteration_time_us > 0.0 && r.stall_us > 0.0, "{policy}: {r:?}");
     }
+}
+
+/// A feasible plan exists (`lru`'s completes), and both `teraio` policies' plans are valid
+/// and complete too; their reports.
+fn teraio_completes_where_lru_does(
+    trace: &Trace,
+    hw: &Hardware,
+) -> Vec<(Policy, teraio_scheduler::SimReport)> {
+    let opts = SimOptions::default();
+    let lru = simulate(trace, &plan(trace, hw, Policy::Lru).unwrap(), hw, &opts).unwrap();
+    assert_eq!(lru.outcome, Outcome::Completed);
+    [Policy::Teraio, Policy::TeraioHybrid]
+        .into_iter()
+        .map(|policy| {
+            let p = plan(trace, hw, policy).unwrap();
+            p.validate(trace).unwrap();
+            let r = simulate(trace, &p, hw, &opts).unwrap();
+            assert_eq!(r.outcome, Outcome::Completed, "{policy}");
+            (policy, r)
+        })
+        .collect()
 }
 
 /// Regression: gpt2-small with TF32 matmuls (kernels of tens of microseconds) on 6 GB of GPU
@@ -483,14 +496,7 @@ fn teraio_completes_when_intervals_are_shorter_than_their_transfers() {
     hw.gpu_memory_bytes = 6_000_000_000;
     hw.ssd_count = 1;
     hw.host_memory_cap_bytes = 0;
-    let opts = SimOptions::default();
-    let lru = simulate(&trace, &plan(&trace, &hw, Policy::Lru).unwrap(), &hw, &opts).unwrap();
-    assert_eq!(lru.outcome, Outcome::Completed);
-    for policy in [Policy::Teraio, Policy::TeraioHybrid] {
-        let p = plan(&trace, &hw, policy).unwrap();
-        p.validate(&trace).unwrap();
-        let r = simulate(&trace, &p, &hw, &opts).unwrap();
-        assert_eq!(r.outcome, Outcome::Completed, "{policy}");
+    for (policy, r) in teraio_completes_where_lru_does(&trace, &hw) {
         assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes);
         assert!(r.stall_us > 0.0, "{policy}: {r:?}");
     }

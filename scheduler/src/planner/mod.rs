@@ -408,22 +408,10 @@ impl<'a> State<'a> {
     /// and kernel `b` for the prefetch: stalls, but the iteration fits.
     fn fit_forced(&mut self, iv: &InactiveInterval, tier: Tier) -> Option<Fit> {
         let (a, b) = (iv.last_access, iv.next_access);
-        if tier == Tier::Host && !self.retiming {
-            let mut worst = i64::MIN;
-            for (l, r) in self.ranges(a + 1, b + 1) {
-                worst = worst.max(self.host.range_max(l, r));
-            }
-            if worst + iv.bytes as i64 > 0 {
-                return None;
-            }
-        }
-        let mut benefit = 0.0;
-        for (l, r) in self.ranges(a + 1, b) {
-            benefit += self.mem.clamp_sum(l, r, iv.bytes as i64);
-        }
-        if benefit <= 0.0 {
+        if !self.host_room(iv, tier) {
             return None;
         }
+        let benefit = self.benefit(iv, a + 1, b)?;
         let clean = tier == Tier::Ssd && self.is_clean(iv);
         let rate = |path: &[Resource]| {
             path.iter().map(|&r| self.hw.bandwidth(r)).fold(f64::INFINITY, f64::min)
@@ -487,24 +475,10 @@ impl<'a> State<'a> {
             left -= av;
             p -= 1;
         }
-        if tier == Tier::Host && !self.retiming {
-            let mut worst = i64::MIN;
-            // Held from offload issue until the prefetch completes, which may be after
-            // boundary `b` issues (while kernel `b` waits): count kernel `b` too.
-            for (l, r) in self.ranges(a + 1, b + 1) {
-                worst = worst.max(self.host.range_max(l, r));
-            }
-            if worst + iv.bytes as i64 > 0 {
-                return None;
-            }
-        }
-        let mut benefit = 0.0;
-        for (l, r) in self.ranges(e + 1, p) {
-            benefit += self.mem.clamp_sum(l, r, iv.bytes as i64);
-        }
-        if benefit <= 0.0 {
+        if !self.host_room(iv, tier) {
             return None;
         }
+        let benefit = self.benefit(iv, e + 1, p)?;
         let cost_us =
             (off_end_us - time_at(&self.starts, a + 1)) + (time_at(&self.starts, b) - pre_start_us);
         Some(Fit {
@@ -515,6 +489,28 @@ impl<'a> State<'a> {
             benefit,
             clean,
         })
+    }
+
+    /// Whether the host tier has room for `iv` (always true for the SSD, and when re-timing
+    /// a choice that already holds its room). Held from the offload's issue until the
+    /// prefetch completes, which may be after boundary `b` issues (while kernel `b` waits):
+    /// kernel `b` counts too.
+    fn host_room(&mut self, iv: &InactiveInterval, tier: Tier) -> bool {
+        if tier != Tier::Host || self.retiming {
+            return true;
+        }
+        let ranges = self.ranges(iv.last_access + 1, iv.next_access + 1);
+        let worst = ranges.iter().map(|&(l, r)| self.host.range_max(l, r)).max();
+        worst.unwrap_or(i64::MIN) + iv.bytes as i64 <= 0
+    }
+
+    /// Area above capacity removed by freeing `iv`'s bytes over unrolled kernels `[l, r)`;
+    /// `None` if nothing.
+    fn benefit(&mut self, iv: &InactiveInterval, l: usize, r: usize) -> Option<f64> {
+        let ranges = self.ranges(l, r);
+        let benefit: f64 =
+            ranges.iter().map(|&(l, r)| self.mem.clamp_sum(l, r, iv.bytes as i64)).sum();
+        (benefit > 0.0).then_some(benefit)
     }
 
     /// Whether an SSD offload of `iv` would be a clean drop: an earlier interval of its epoch
