@@ -178,6 +178,13 @@ pub struct ModelConfig {
     /// (kernels `mbM.LL.rc.norm1.fwd` etc.), as in Megatron's selective recomputation.
     #[serde(default)]
     pub selective_recompute: bool,
+    /// The optimizer step of each parameter runs as soon as its gradient is final (right
+    /// after the last micro-batch's backward kernel that writes it) instead of after the
+    /// whole backward pass, as PyTorch's optimizer-in-backward hooks
+    /// (`register_post_accumulate_grad_hook`) do: the step's transfers overlap the rest of
+    /// the backward pass.
+    #[serde(default)]
+    pub optimizer_in_backward: bool,
 }
 
 impl ModelConfig {
@@ -203,6 +210,7 @@ impl ModelConfig {
             target_iteration_us: None,
             checkpointed_layers: 0,
             selective_recompute: false,
+            optimizer_in_backward: false,
         }
     }
 
@@ -228,6 +236,7 @@ impl ModelConfig {
             target_iteration_us: None,
             checkpointed_layers: 0,
             selective_recompute: false,
+            optimizer_in_backward: false,
         }
     }
 
@@ -291,14 +300,19 @@ impl ModelConfig {
     /// Set one field by its command-line name (`teraio trace gen --help`): `layers`,
     /// `hidden`, `heads`, `kv-heads`, `ffn`, `vocab`, `seq`, `micro-batch`, `micro-batches`,
     /// `dtype`, `tp`, `pp`, `stage`, `gpu`, `iteration-s`, `checkpoint-layers`, and the flags
-    /// `activation-checkpointing` (every layer) and `selective-recompute` (take no value).
+    /// `activation-checkpointing` (every layer), `selective-recompute` and
+    /// `optimizer-in-backward` (take no value).
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<()> {
         let bad = |m: String| Error::InvalidArgument(m);
-        if key == "selective-recompute" {
+        if key == "selective-recompute" || key == "optimizer-in-backward" {
             if value.is_some() {
                 return Err(bad(format!("{key} takes no value")));
             }
-            self.selective_recompute = true;
+            if key == "selective-recompute" {
+                self.selective_recompute = true;
+            } else {
+                self.optimizer_in_backward = true;
+            }
             return Ok(());
         }
         if key == "activation-checkpointing" {
@@ -334,7 +348,7 @@ impl ModelConfig {
                     "unknown model option {key:?} (known: layers, hidden, heads, kv-heads, ffn, \
                      vocab, seq, micro-batch, micro-batches, dtype, tp, pp, stage, gpu, \
                      iteration-s, checkpoint-layers, activation-checkpointing, \
-                     selective-recompute)"
+                     selective-recompute, optimizer-in-backward)"
                 )));
             }
         }
@@ -815,7 +829,11 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         let layer = layer_of(&name);
         b.kernel_writing(format!("{name}.adamw"), layer, flops, &uses, &modifies, None);
     }
+    let optimizer_in_backward = cfg.optimizer_in_backward;
     let mut trace = b.finish();
+    if optimizer_in_backward {
+        step_in_backward(&mut trace);
+    }
     if let Some(target) = cfg.target_iteration_us {
         trace.scale_to_iteration_time(target)?;
     }
@@ -898,6 +916,53 @@ fn forward_layer(
     }
     b.kernel(nm("add2.fwd"), lo, t * h as f64, &[x2, d, xn], None);
     Saved { x, n1, qkv, ctx, lse, x2, n2, u, a }
+}
+
+/// Move every AdamW kernel to right after the last kernel that writes its gradient (the
+/// last micro-batch's backward use of the parameter), keeping the order of everything else;
+/// accesses, writes and lifetimes follow the kernels.
+fn step_in_backward(trace: &mut Trace) {
+    let n = trace.kernels.len();
+    // Sort key per kernel: (position it follows, 1 for a moved step, original index).
+    let mut key: Vec<(usize, u8, usize)> = (0..n).map(|k| (k, 0, k)).collect();
+    for t in &trace.tensors {
+        if t.kind != TensorKind::Gradient {
+            continue;
+        }
+        let Some(step) =
+            t.accesses.iter().copied().find(|&k| trace.kernels[k].name.ends_with(".adamw"))
+        else {
+            continue;
+        };
+        let written = t.writes.as_deref().unwrap_or(&t.accesses);
+        if let Some(&last) = written.iter().filter(|&&k| k < step).max() {
+            key[step] = (last, 1, step);
+        }
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&k| key[k]);
+    let mut new_index = vec![0; n];
+    for (i, &k) in order.iter().enumerate() {
+        new_index[k] = i;
+    }
+    let old = std::mem::take(&mut trace.kernels);
+    trace.kernels = order.iter().map(|&k| old[k].clone()).collect();
+    for t in &mut trace.tensors {
+        for a in &mut t.accesses {
+            *a = new_index[*a];
+        }
+        t.accesses.sort_unstable();
+        if let Some(w) = &mut t.writes {
+            for a in w.iter_mut() {
+                *a = new_index[*a];
+            }
+            w.sort_unstable();
+        }
+        if !t.global {
+            t.created_by = t.accesses.first().copied();
+            t.dies_after = t.accesses.last().copied();
+        }
+    }
 }
 
 fn layer_of(name: &str) -> Option<u32> {
@@ -1013,6 +1078,44 @@ mod tests {
         let speedup = fp32.iteration_time_us() / t.iteration_time_us();
         assert!((4.0..418.0 / 60.0).contains(&speedup), "{speedup}");
         assert!(Dtype::parse("fp16").unwrap_err().to_string().contains("tf32"));
+    }
+
+    #[test]
+    fn optimizer_in_backward_steps_each_parameter_after_its_last_gradient_write() {
+        let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+        cfg.micro_batches = 2;
+        let plain = generate(&cfg).unwrap();
+        cfg.optimizer_in_backward = true;
+        let t = generate(&cfg).unwrap();
+        t.validate().unwrap();
+        // The same kernels, in another order: the same ideal time.
+        let names = |t: &Trace| {
+            let mut v: Vec<String> = t.kernels.iter().map(|k| k.name.clone()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&t), names(&plain));
+        assert!((t.iteration_time_us() - plain.iteration_time_us()).abs() < 1e-3);
+        // Every step directly follows its gradient's last write, in the last micro-batch;
+        // nothing touches the parameter or its states after the step.
+        let mut steps = 0;
+        for g in t.tensors.iter().filter(|x| x.kind == TensorKind::Gradient) {
+            let step = *g.accesses.last().unwrap();
+            assert!(t.kernels[step].name.ends_with(".adamw"), "{}", g.name);
+            let w = g.writes.as_ref().unwrap();
+            let last_write = *w.iter().filter(|&&k| k < step).max().unwrap();
+            assert!(t.kernels[last_write].name.starts_with("mb1."), "{}", g.name);
+            // Only other steps between the write and this step (several grads per kernel).
+            assert!((last_write + 1..step).all(|k| t.kernels[k].name.ends_with(".adamw")));
+            steps += 1;
+        }
+        assert_eq!(steps, plain.kernels.iter().filter(|k| k.name.ends_with(".adamw")).count());
+        // The embedding's step ends the iteration (its gradient's last write is the last
+        // backward kernel); the other steps run long before the backward pass ends.
+        assert!(t.kernels.last().unwrap().name.ends_with(".adamw"));
+        let first_step = t.kernels.iter().position(|k| k.name.ends_with(".adamw")).unwrap();
+        let last_bwd = t.kernels.iter().rposition(|k| k.name.contains(".bwd")).unwrap();
+        assert!(first_step < last_bwd);
     }
 
     #[test]

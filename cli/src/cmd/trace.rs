@@ -80,6 +80,11 @@ pub struct GenArgs {
     /// remade in backward instead of kept (cheap kernels, about 30% of a layer's activations).
     #[arg(long)]
     pub selective_recompute: bool,
+    /// Step each parameter's optimizer as soon as its gradient is final (during the last
+    /// micro-batch's backward), as PyTorch's optimizer-in-backward hooks do. Same training
+    /// math, except that it rules out clipping by the global gradient norm.
+    #[arg(long)]
+    pub optimizer_in_backward: bool,
     /// Leave out which accesses write (`writes`), as traces made before that field did:
     /// every access then counts as a write and no plan can drop a clean copy. For comparisons.
     #[arg(long)]
@@ -141,6 +146,7 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
         c.checkpointed_layers = c.layers;
     }
     c.selective_recompute |= a.selective_recompute;
+    c.optimizer_in_backward |= a.optimizer_in_backward;
     if let Some(s) = a.iteration_s {
         c.target_iteration_us = Some(s * 1e6);
     }
