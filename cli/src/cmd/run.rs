@@ -40,7 +40,8 @@ Examples:
   teraio run --device /dev/nvme1n1 --device /dev/nvme2n1 --force
   teraio run --json > run.json --plot run.svg")]
 pub struct Args {
-    /// Model preset of the trace (see `teraio trace gen --help`).
+    /// Model preset of the trace, with optional overrides `NAME[,KEY=VALUE|,FLAG]...` (see
+    /// `teraio trace gen --help`; e.g. `gpt2-replay,selective-recompute`).
     #[arg(long, default_value = "gpt2-replay")]
     pub model: String,
     /// Replay this trace (JSON, docs/TRACE.md) instead of a preset.
@@ -114,7 +115,7 @@ fn load_trace(args: &Args) -> Result<Trace> {
                 .map_err(|source| CliError::File { path: path.clone(), source })?;
             Ok(Trace::from_json(&text)?)
         }
-        None => Ok(generate(&ModelConfig::preset(&args.model)?)?),
+        None => Ok(generate(&ModelConfig::from_spec(&args.model)?)?),
     }
 }
 
