@@ -119,3 +119,25 @@ fn advise_checkpointing_reports_every_probe_and_needs_a_model() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("ssds, host or checkpointing"), "{err}");
 }
+
+#[test]
+fn zero_infinity_without_checkpointing_gets_a_note() {
+    let text = |args: &[&str]| {
+        let out = teraio(args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let plain = text(&["simulate", "preset:gpt2-small", "--policy", "teraio,zero-infinity"]);
+    assert!(plain.contains("note: zero-infinity was planned on a trace without"), "{plain}");
+    let fair = text(&[
+        "simulate",
+        "preset:gpt2-small",
+        "--policy",
+        "teraio,zero-infinity",
+        "--checkpointed-trace",
+        "preset:gpt2-small,activation-checkpointing",
+    ]);
+    assert!(!fair.contains("note:") && fair.contains("zero-infinity*"), "{fair}");
+    let teraio_only = text(&["simulate", "preset:gpt2-small", "--policy", "teraio"]);
+    assert!(!teraio_only.contains("note:"));
+}

@@ -194,6 +194,16 @@ pub fn run(args: Args) -> Result<()> {
         outln!("SSD reads and writes share {:.1} GB/s per SSD", d / 1e9);
     }
     print_table(&rows);
+    if ckpt.is_none()
+        && plans.iter().any(|p| p.0.policy.starts_with("zero-infinity"))
+        && !trace.kernels.iter().any(|k| k.name.contains(".rc."))
+    {
+        outln!(
+            "note: zero-infinity was planned on a trace without activation checkpointing, whose \
+             saved activations DeepSpeed cannot offload (generous to it); compare it as it runs \
+             with --checkpointed-trace (e.g. preset:NAME,activation-checkpointing)"
+        );
+    }
     if let Some(c) = &ckpt
         && plans.iter().any(|p| p.2)
     {
