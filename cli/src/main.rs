@@ -4,6 +4,7 @@
 mod cmd;
 mod error;
 mod plot;
+mod units;
 
 use clap::{Parser, Subcommand};
 

@@ -291,17 +291,6 @@ fn drive(
     Ok((rd, wr, Instant::now()))
 }
 
-fn human_bytes(b: f64) -> String {
-    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b;
-    let mut i = 0;
-    while v >= 1024.0 && i < U.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 { format!("{v:.0}{}", U[i]) } else { format!("{v:.1}{}", U[i]) }
-}
-
 fn hist_json(h: &Histogram<u64>, with_percentiles: bool) -> Value {
     let mut m = Map::new();
     let n = h.len();
@@ -347,8 +336,8 @@ fn print_dir(name: &str, s: &DirStats, runtime: Duration) {
         "  {name}: IOPS={:.0}, BW={:.2}GB/s ({}/s) ({} in {:.3}s)",
         s.ios as f64 / secs,
         bw / 1e9,
-        human_bytes(bw),
-        human_bytes(s.bytes as f64),
+        crate::units::binary_compact(bw),
+        crate::units::binary_compact(s.bytes as f64),
         secs
     );
     let us = |v: u64| v as f64 / 1000.0;
@@ -535,7 +524,7 @@ pub fn run(args: Args) -> Result<()> {
         println!(
             "teraio bench: rw={} bs={} iodepth={} x {} device(s), backend={}, buffers={:?}",
             args.rw.name(),
-            human_bytes(args.bs as f64),
+            crate::units::binary_compact(args.bs as f64),
             args.iodepth,
             n,
             backend,

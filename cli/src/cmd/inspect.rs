@@ -7,6 +7,7 @@ use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, 
 use teraio_engine::store::Persistence;
 
 use crate::Result;
+use crate::units::binary_spaced;
 
 /// Options of `teraio inspect`.
 #[derive(clap::Args, Debug)]
@@ -24,17 +25,6 @@ pub struct Args {
     /// Machine-readable output.
     #[arg(long)]
     pub json: bool,
-}
-
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[u]) }
 }
 
 /// Run `teraio inspect`.
@@ -58,7 +48,7 @@ pub fn run(args: Args) -> Result<()> {
         "checkpoint generation {}, {} journal records after it ({} used; scan stopped: {})",
         meta.checkpoint_generation,
         meta.journal_records,
-        human(meta.journal_used_bytes),
+        binary_spaced(meta.journal_used_bytes),
         meta.journal_stop
     );
     println!();
@@ -71,10 +61,10 @@ pub fn run(args: Args) -> Result<()> {
             "{:>3}  {:<32} {:>10} {:>10} {:>10} {:>12} {:>8}",
             d.index,
             d.name,
-            human(d.capacity_bytes),
-            human(d.data_bytes),
-            human(d.used_bytes),
-            human(d.largest_free_bytes),
+            binary_spaced(d.capacity_bytes),
+            binary_spaced(d.data_bytes),
+            binary_spaced(d.used_bytes),
+            binary_spaced(d.largest_free_bytes),
             d.free_extents
         );
         if let Some(note) = &d.superblock_note {
@@ -85,13 +75,13 @@ pub fn run(args: Args) -> Result<()> {
         println!(
             "block {} B, stripe unit {}, allocation unit {}",
             d.block_bytes,
-            human(d.stripe_unit_bytes),
-            human(d.alloc_unit_bytes)
+            binary_spaced(d.stripe_unit_bytes),
+            binary_spaced(d.alloc_unit_bytes)
         );
     }
     let total: u64 = meta.tensors.iter().map(|t| t.size_bytes).sum();
     println!();
-    println!("{} tensors, {}", meta.tensors.len(), human(total));
+    println!("{} tensors, {}", meta.tensors.len(), binary_spaced(total));
     if !meta.tensors.is_empty() {
         println!(
             "{:>10}  {:<32} {:>10} {:>6} {:>8} {:>9}",
@@ -103,7 +93,7 @@ pub fn run(args: Args) -> Result<()> {
                 "{:>10}  {:<32} {:>10} {:>6} {:>8} {:>9}",
                 t.id,
                 t.name,
-                human(t.size_bytes),
+                binary_spaced(t.size_bytes),
                 t.lanes,
                 t.extents,
                 t.checksums
