@@ -501,3 +501,81 @@ fn teraio_completes_when_intervals_are_shorter_than_their_transfers() {
         assert!(r.stall_us > 0.0, "{policy}: {r:?}");
     }
 }
+
+/// A non-global tensor: created by its first access, alive until `dies_after`.
+fn temp(id: u32, bytes: u64, kind: TensorKind, accesses: Vec<usize>, dies_after: usize) -> Tensor {
+    Tensor {
+        id: TensorId(id),
+        name: format!("t{id}"),
+        bytes,
+        kind,
+        global: false,
+        created_by: Some(accesses[0]),
+        accesses,
+        dies_after: Some(dies_after),
+        writes: None,
+    }
+}
+
+/// Three kernels, the first two 1 us long; only the host tier (no SSD). Kernel 1 is above
+/// capacity by 87 MB and only W (156 MB, used by kernel 0) can leave over it; S (123 MB)
+/// can leave over kernel 2 only. Host room: exactly W.
+fn short_kernel_case(extra: Option<u64>) -> (Trace, Hardware) {
+    let mut t = Trace::new("short-kernel");
+    t.kernels = kernels(&[1.0, 1.0, 993.6]);
+    let mut id = 0;
+    let mut next = || {
+        id += 1;
+        id - 1
+    };
+    if let Some(bytes) = extra {
+        // Activations alive over kernel 2: more pressure there.
+        t.tensors.push(temp(next(), bytes, TensorKind::Activation, vec![0], 2));
+        t.tensors.push(temp(next(), 77_037_087, TensorKind::Activation, vec![2], 2));
+    } else {
+        t.tensors.push(temp(next(), 85_341_545, TensorKind::Activation, vec![0], 1));
+    }
+    t.tensors.push(weight(next(), 122_950_460, TensorKind::OptimizerState, vec![0, 1]));
+    t.tensors.push(temp(next(), 122_057_082, TensorKind::Gradient, vec![1, 2], 2));
+    t.tensors.push(weight(next(), 156_239_078, TensorKind::Weight, vec![0]));
+    t.tensors.push(temp(next(), 119_121_608, TensorKind::Gradient, vec![0, 1, 2], 2));
+    t.validate().unwrap();
+    let peak = t.resident_memory_per_kernel().into_iter().max().unwrap();
+    let mut hw = Hardware::paper();
+    hw.gpu_memory_bytes = peak - 86_902_380;
+    hw.ssd_count = 0;
+    hw.host_memory_cap_bytes = 156_239_078;
+    (t, hw)
+}
+
+/// Regression (found by `teraio_completes_where_lru_does`): the forced phase used to rank by
+/// time-weighted area, where a 1 us kernel above capacity counts for almost nothing; S won,
+/// took the host room, and kernel 1 ran out of memory. It now ranks by bytes above capacity
+/// per kernel and takes W.
+#[test]
+fn forced_phase_counts_every_kernel_above_capacity() {
+    let (t, hw) = short_kernel_case(None);
+    for (policy, r) in teraio_completes_where_lru_does(&t, &hw) {
+        assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes, "{policy}");
+        let p = plan(&t, &hw, policy).unwrap();
+        assert_eq!(p.policy, policy.as_str(), "no fallback needed");
+        assert!(p.instructions.iter().any(|i| i.tensor == TensorId(3)), "W moves");
+        assert!(!p.instructions.iter().any(|i| i.tensor == TensorId(1)), "S stays");
+    }
+}
+
+/// With more pressure on kernel 2, the greedy's choice of S is still its best local choice and
+/// W no longer fits on the host after it: `teraio` falls back to on-demand swapping rather
+/// than run out of memory, and says so.
+#[test]
+fn teraio_falls_back_to_lru_where_its_greedy_cannot_fit() {
+    let (mut t, mut hw) = short_kernel_case(Some(138_895_468));
+    let peak = t.resident_memory_per_kernel().into_iter().max().unwrap();
+    hw.gpu_memory_bytes = (peak as f64 * 0.856528021514001) as u64;
+    hw.host_memory_cap_bytes = (peak as f64 * 0.257943796044329) as u64;
+    t.name = "short-kernel-2".into();
+    for (policy, _) in teraio_completes_where_lru_does(&t, &hw) {
+        let p = plan(&t, &hw, policy).unwrap();
+        assert_eq!(p.policy, format!("{policy}+lru-fallback"));
+    }
+}

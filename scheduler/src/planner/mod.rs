@@ -127,6 +127,20 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
             forced.mark_clean_drops(trace)?;
             if delay_prefetches_until_feasible(trace, hw, &mut forced) {
                 plan = forced;
+            } else {
+                // The greedy still chose badly (e.g. host room taken by an interval that
+                // mattered less): fall back to on-demand swapping for the whole iteration
+                // when that fits, so `teraio` never runs out of memory where `lru` does not.
+                // The plan says so in its policy name.
+                let mut fallback = lru::plan(trace, hw);
+                fallback.mark_clean_drops(trace)?;
+                let ok =
+                    crate::sim::simulate(trace, &fallback, hw, &crate::sim::SimOptions::default())
+                        .is_ok_and(|r| r.outcome == crate::sim::Outcome::Completed);
+                if ok {
+                    fallback.policy = format!("{}+lru-fallback", policy.as_str());
+                    plan = fallback;
+                }
             }
         }
         debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
@@ -268,6 +282,10 @@ pub(crate) struct State<'a> {
     pub starts: Vec<f64>,
     pub dur: Vec<f64>,
     pub mem: ExcessTree,
+    /// The same curve with every kernel weighted 1 instead of by its duration: the forced
+    /// phase's benefit. Its aim is fitting, and a kernel of 1 us above capacity runs out of
+    /// memory as surely as a long one; time-weighted area would rank it last.
+    mem_kernels: ExcessTree,
     pub host: ExcessTree,
     /// Remaining bytes per resource per slot (length n).
     budget: [Vec<f64>; Resource::COUNT],
@@ -320,6 +338,7 @@ impl<'a> State<'a> {
             hw,
             n,
             mem: ExcessTree::new(&excess, &dur),
+            mem_kernels: ExcessTree::new(&excess, &vec![1.0; n]),
             host: ExcessTree::new(&vec![-host_cap; n], &dur),
             starts,
             dur,
@@ -507,10 +526,24 @@ impl<'a> State<'a> {
     /// Area above capacity removed by freeing `iv`'s bytes over unrolled kernels `[l, r)`;
     /// `None` if nothing.
     fn benefit(&mut self, iv: &InactiveInterval, l: usize, r: usize) -> Option<f64> {
-        let ranges = self.ranges(l, r);
-        let benefit: f64 =
-            ranges.iter().map(|&(l, r)| self.mem.clamp_sum(l, r, iv.bytes as i64)).sum();
+        let benefit = self.excess_removed(iv.bytes, l, r);
         (benefit > 0.0).then_some(benefit)
+    }
+
+    /// Excess removed by freeing `bytes` over unrolled kernels `[l, r)`: area (bytes x time)
+    /// in the bandwidth-aware phases, bytes summed per kernel in the forced one.
+    fn excess_removed(&mut self, bytes: u64, l: usize, r: usize) -> f64 {
+        let ranges = self.ranges(l, r);
+        let tree = if self.forced { &mut self.mem_kernels } else { &mut self.mem };
+        ranges.iter().map(|&(a, b)| tree.clamp_sum(a, b, bytes as i64)).sum()
+    }
+
+    /// Lower the memory curve by `bytes` over unrolled kernels `[l, r)`.
+    fn free_memory(&mut self, bytes: u64, l: usize, r: usize) {
+        for (a, b) in self.ranges(l, r) {
+            self.mem.add(a, b, -(bytes as i64));
+            self.mem_kernels.add(a, b, -(bytes as i64));
+        }
     }
 
     /// Whether an SSD offload of `iv` would be a clean drop: an earlier interval of its epoch
@@ -596,9 +629,7 @@ impl<'a> State<'a> {
             self.consume(&pre_path, fit.prefetch_start, iv.next_access - 1, false, size);
         }
         let opened = fit.tier == Tier::Ssd && self.note_ssd_epoch(&iv);
-        for (l, r) in self.ranges(fit.offload_end + 1, fit.prefetch_start) {
-            self.mem.add(l, r, -(iv.bytes as i64));
-        }
+        self.free_memory(iv.bytes, fit.offload_end + 1, fit.prefetch_start);
         if fit.tier == Tier::Host {
             for (l, r) in self.ranges(iv.last_access + 1, iv.next_access + 1) {
                 self.host.add(l, r, iv.bytes as i64);
@@ -608,26 +639,24 @@ impl<'a> State<'a> {
         opened
     }
 
-    /// Relaxed phase only: move chosen entry `ci`'s offload end earlier and its prefetch start
-    /// later, to where nominal bandwidth would put them. Returns the new fit and the extra
+    /// Relaxed and forced phases only: move chosen entry `ci`'s offload end earlier and its
+    /// prefetch start later, to where nominal bandwidth would put them (forced: to the ends
+    /// of its interval). Returns the new fit and the extra
     /// area it removes, or `None` if that removes nothing.
     pub fn retime(&mut self, ci: usize) -> Option<(Fit, f64)> {
         debug_assert!(self.relaxed);
         let (iv, old) = self.chosen[ci];
-        // The interval already holds its host room: do not count it against itself.
+        // The interval already holds its host room: do not count it against itself. In the
+        // forced phase the choice may stretch to its whole interval (stalling).
         self.retiming = true;
-        let new = self.fit(&iv, old.tier);
+        let new =
+            if self.forced { self.fit_forced(&iv, old.tier) } else { self.fit(&iv, old.tier) };
         self.retiming = false;
         let new = new?;
         let (e, p) =
             (new.offload_end.min(old.offload_end), new.prefetch_start.max(old.prefetch_start));
-        let mut extra = 0.0;
-        for (l, r) in self.ranges(e + 1, old.offload_end + 1) {
-            extra += self.mem.clamp_sum(l, r, iv.bytes as i64);
-        }
-        for (l, r) in self.ranges(old.prefetch_start, p) {
-            extra += self.mem.clamp_sum(l, r, iv.bytes as i64);
-        }
+        let extra = self.excess_removed(iv.bytes, e + 1, old.offload_end + 1)
+            + self.excess_removed(iv.bytes, old.prefetch_start, p);
         if extra <= 0.0 {
             return None;
         }
@@ -637,12 +666,8 @@ impl<'a> State<'a> {
     /// Commit a [`State::retime`].
     pub fn accept_retime(&mut self, ci: usize, fit: Fit) {
         let (iv, old) = self.chosen[ci];
-        for (l, r) in self.ranges(fit.offload_end + 1, old.offload_end + 1) {
-            self.mem.add(l, r, -(iv.bytes as i64));
-        }
-        for (l, r) in self.ranges(old.prefetch_start, fit.prefetch_start) {
-            self.mem.add(l, r, -(iv.bytes as i64));
-        }
+        self.free_memory(iv.bytes, fit.offload_end + 1, old.offload_end + 1);
+        self.free_memory(iv.bytes, old.prefetch_start, fit.prefetch_start);
         self.chosen[ci].1 = fit;
     }
 

@@ -22,6 +22,12 @@
 //! tensor (intervals between two writes) makes the later intervals of that epoch free to
 //! offload (no write), so their scores rise. Those intervals are re-evaluated and pushed again
 //! when that happens (including ones that did not fit before).
+//!
+//! Phases, each run only while memory is still above capacity: bandwidth budgets as
+//! reserved; nominal bandwidth (`relaxed`: transfers share and stall); and, when the plan
+//! still runs out of memory in the simulator, a second planning with a `forced` phase that
+//! takes intervals too short for their transfers as on-demand fetches, ranked by bytes above
+//! capacity per kernel. If that fails too, [`super::plan`] falls back to `lru`'s plan.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
