@@ -114,7 +114,7 @@ pub struct Tensor {
     /// before the field existed) means every access writes, the conservative reading: no copy
     /// of the tensor is ever known to be up to date after an access. For a non-global tensor
     /// it must contain `created_by`. Written accesses decide when a tier copy stays valid
-    /// (see [`crate::plan`]: clean drops).
+    /// (see [`crate::plan`](mod@crate::plan): clean drops).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writes: Option<Vec<usize>>,
 }

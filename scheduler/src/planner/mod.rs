@@ -1,7 +1,7 @@
 //! Planners: from a trace and a hardware model to a [`Plan`].
 //!
 //! All bandwidth-aware policies (`teraio`, `g10`) share one planning state: the memory curve
-//! as an [`tree::ExcessTree`] over kernels (bytes above GPU capacity), a per-kernel-slot
+//! as an `ExcessTree` (`planner/tree.rs`) over kernels (bytes above GPU capacity), a per-kernel-slot
 //! bandwidth budget for every [`Resource`] (bytes each slot can still carry, with skip lists
 //! over exhausted slots), and the host-tier occupancy as a second tree. SSD transfers draw on
 //! both their direction's budget and [`Resource::SsdDuplex`]'s, so reads and writes planned
