@@ -286,7 +286,7 @@ fn golden_llama3_8b_and_granite_8b() {
 
 /// Golden: the headline comparison on llama3-8b. ZeRO-Infinity runs with activation
 /// checkpointing (as DeepSpeed must) and its CPU step read, compute, write in turn; `teraio`
-/// offloads instead of recomputing. Measured 1.39x (docs/BENCHMARKS.md); a perfect plan would
+/// offloads instead of recomputing. Measured 1.40x (docs/BENCHMARKS.md); a perfect plan would
 /// be 1.43x.
 #[test]
 fn golden_teraio_vs_zero_infinity_on_llama3_8b() {
