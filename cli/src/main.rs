@@ -37,7 +37,8 @@ enum Command {
     Plan(cmd::plan::Args),
     /// Simulate an iteration under a plan and report time, stalls and traffic.
     Simulate(cmd::simulate::Args),
-    /// Find the fewest SSDs / least host memory that reach a target % of ideal.
+    /// Find the fewest SSDs / least host memory that reach a target % of ideal, or how much
+    /// to recompute for the fastest iteration.
     Advise(cmd::advise::Args),
     /// Print the superblock, the tensors and the free space of a teraio array.
     Inspect(cmd::inspect::Args),

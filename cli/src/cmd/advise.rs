@@ -12,6 +12,12 @@ use crate::{CliError, Result};
 
 /// Options of `teraio advise`.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  teraio advise llama3-8b.json --target 90                 # fewest SSDs for 90% of ideal
+  teraio advise preset:llama3-70b --what host --ssds 2      # least host memory with 2 SSDs
+  teraio advise preset:llama3-8b,dtype=tf32 --what checkpointing --policy teraio-hybrid
+  teraio advise preset:llama3-8b,dtype=bf16,optimizer-in-backward --what checkpointing --json")]
 pub struct Args {
     /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,

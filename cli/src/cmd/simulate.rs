@@ -10,6 +10,13 @@ use crate::{CliError, Result};
 
 /// Options of `teraio simulate`.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  teraio simulate preset:llama3-8b --policy all              # every policy side by side
+  teraio simulate llama3-8b.json --plan plan.json --plot llama3-8b.svg
+  teraio simulate preset:llama3-8b --checkpointed-trace preset:llama3-8b,activation-checkpointing \\
+      --policy teraio,teraio+checkpointing,zero-infinity     # ZeRO-Infinity as DeepSpeed runs it
+  teraio simulate preset:llama3-8b,dtype=tf32,selective-recompute --ssds 8 --policy teraio,teraio-hybrid")]
 pub struct Args {
     /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
