@@ -420,6 +420,35 @@ impl ModelConfig {
         {
             return bad(format!("target_iteration_us must be > 0, got {t}"));
         }
+        // Bounds that keep every size in the generator's u64 arithmetic (tokens x width x 4 <
+        // 2^58) and the trace in memory.
+        const MAX_WIDTH: u64 = 1 << 24;
+        const MAX_TOKENS: u64 = 1 << 32;
+        const MAX_KERNELS: u64 = 5_000_000;
+        for (name, v) in [("hidden", self.hidden), ("ffn", self.ffn), ("vocab", self.vocab)] {
+            if v > MAX_WIDTH {
+                return bad(format!(
+                    "{name} {v} is larger than the generator supports ({MAX_WIDTH})"
+                ));
+            }
+        }
+        let tokens = self.seq_len.checked_mul(self.micro_batch).filter(|&t| t <= MAX_TOKENS);
+        if tokens.is_none() {
+            return bad(format!(
+                "seq_len x micro_batch ({} x {}) is more than {MAX_TOKENS} tokens",
+                self.seq_len, self.micro_batch
+            ));
+        }
+        let kernels =
+            u64::from(self.layers / self.pipeline_parallel) * u64::from(self.micro_batches) * 45;
+        if kernels > MAX_KERNELS {
+            return bad(format!(
+                "{} layers x {} micro-batches would make about {kernels} kernels; the limit is \
+                 {MAX_KERNELS}",
+                self.layers / self.pipeline_parallel,
+                self.micro_batches
+            ));
+        }
         Ok(())
     }
 
@@ -1155,6 +1184,21 @@ mod tests {
         let first_step = t.kernels.iter().position(|k| k.name.ends_with(".adamw")).unwrap();
         let last_bwd = t.kernels.iter().rposition(|k| k.name.contains(".bwd")).unwrap();
         assert!(first_step < last_bwd);
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_not_overflowed() {
+        let err = |spec: &str| {
+            let c = ModelConfig::from_spec(spec).unwrap();
+            generate(&c).unwrap_err().to_string()
+        };
+        assert!(err("gpt2-small,seq=4294967296,micro-batch=4294967296").contains("tokens"));
+        assert!(err("gpt2-small,hidden=4294967296,heads=1,kv-heads=1").contains("hidden"));
+        assert!(err("gpt2-small,layers=4000000000").contains("kernels"));
+        assert!(err("gpt2-small,micro-batches=4000000000").contains("kernels"));
+        // The largest allowed shapes still generate without overflow (small layer count).
+        let c = ModelConfig::from_spec("gpt2-small,layers=1,seq=65536,micro-batch=1").unwrap();
+        assert!(generate(&c).is_ok());
     }
 
     #[test]
