@@ -3,25 +3,16 @@ causal SDPA (Llama3-8B heads, GQA expanded) forward and forward+backward, and tw
 memory-bound kernels (RMSNorm, SiLU-gate), for fp32 (TF32 off and on) and bf16.
 Prints one JSON object with milliseconds and achieved TFLOP/s or GB/s."""
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import timeit
 
 dev = "cuda"
 B, S, HEADS, HD, H, FFN = 4, 4096, 32, 128, 4096, 14336
 T = B * S
 
 
-def timeit(fn, reps=5, warm=2):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
 
 
 out = {"gpu": torch.cuda.get_device_name()}

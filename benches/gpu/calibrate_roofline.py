@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import timeit
 
 quick = "--quick" in sys.argv
 dev = "cuda"
@@ -21,15 +22,6 @@ B, S = (1, 1024) if quick else (4, 4096)
 T = B * S
 
 
-def timeit(fn, reps=10, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
 
 
 def set_precision(p):
@@ -45,7 +37,7 @@ def matmul_tflops(p, m, k, n):
     set_precision(p)
     a = torch.randn(m, k, device=dev, dtype=dtype_of(p))
     b = torch.randn(k, n, device=dev, dtype=dtype_of(p))
-    s = timeit(lambda: a @ b)
+    s = timeit(lambda: a @ b, reps=10, warm=3)
     return 2 * m * k * n / s / 1e12
 
 
