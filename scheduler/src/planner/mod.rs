@@ -38,6 +38,7 @@ pub enum Policy {
     Teraio,
     /// `teraio` extended: when an interval's SSD placement saves less than its host placement
     /// would, and host memory is available, it takes the host tier (an improvement policy).
+    /// It keeps `teraio`'s plan instead when that one simulates faster.
     TeraioHybrid,
     /// G10 (MICRO'23): static ranking by area (bytes x inactive time), per-slot bandwidth
     /// budgets, SSD only for intervals longer than 2 x (latency + size/bw) x 1.5.
@@ -116,35 +117,26 @@ impl std::fmt::Display for Policy {
 pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
     trace.validate()?;
     hw.validate()?;
-    if let Policy::Teraio | Policy::TeraioHybrid = policy {
-        let hybrid = policy == Policy::TeraioHybrid;
-        let mut plan = teraio::plan(trace, hw, hybrid, false);
-        plan.mark_clean_drops(trace)?;
-        if !delay_prefetches_until_feasible(trace, hw, &mut plan) {
-            // Still out of memory: plan again, taking intervals too short for their
-            // transfers as on-demand fetches (`State::forced`).
-            let mut forced = teraio::plan(trace, hw, hybrid, true);
-            forced.mark_clean_drops(trace)?;
-            if delay_prefetches_until_feasible(trace, hw, &mut forced) {
-                plan = forced;
-            } else {
-                // The greedy still chose badly (e.g. host room taken by an interval that
-                // mattered less): fall back to on-demand swapping for the whole iteration
-                // when that fits, so `teraio` never runs out of memory where `lru` does not.
-                // The plan says so in its policy name.
-                let mut fallback = lru::plan(trace, hw);
-                fallback.mark_clean_drops(trace)?;
-                let ok =
-                    crate::sim::simulate(trace, &fallback, hw, &crate::sim::SimOptions::default())
-                        .is_ok_and(|r| r.outcome == crate::sim::Outcome::Completed);
-                if ok {
-                    fallback.policy = format!("{}+lru-fallback", policy.as_str());
-                    plan = fallback;
-                }
+    match policy {
+        Policy::Teraio => return plan_teraio(trace, hw, false),
+        Policy::TeraioHybrid => {
+            // Keep whichever of its own plan and `teraio`'s simulates faster, so the
+            // improvement policy is never worse than the one it improves.
+            let hybrid = plan_teraio(trace, hw, true)?;
+            let plain = plan_teraio(trace, hw, false)?;
+            let opts = crate::sim::SimOptions::default();
+            let time = |p: &Plan| match crate::sim::simulate(trace, p, hw, &opts) {
+                Ok(r) if r.outcome == crate::sim::Outcome::Completed => r.iteration_time_us,
+                _ => f64::INFINITY,
+            };
+            if time(&plain) < time(&hybrid) {
+                let mut p = plain;
+                p.policy = p.policy.replacen("teraio", "teraio-hybrid", 1);
+                return Ok(p);
             }
+            return Ok(hybrid);
         }
-        debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
-        return Ok(plan);
+        _ => {}
     }
     let mut plan = match policy {
         Policy::Teraio | Policy::TeraioHybrid => unreachable!("planned above"),
@@ -160,6 +152,38 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
         Policy::None => Plan::empty("none", trace),
     };
     plan.mark_clean_drops(trace)?;
+    debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
+    Ok(plan)
+}
+
+/// `teraio` (Algorithm 1) or its hybrid variant, with the feasibility pass, the forced phase
+/// and the `lru` fallback (see the module documentation of `teraio`).
+fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<Plan> {
+    let name = if hybrid { "teraio-hybrid" } else { "teraio" };
+    let mut plan = teraio::plan(trace, hw, hybrid, false);
+    plan.mark_clean_drops(trace)?;
+    if !delay_prefetches_until_feasible(trace, hw, &mut plan) {
+        // Still out of memory: plan again, taking intervals too short for their transfers as
+        // on-demand fetches (`State::forced`).
+        let mut forced = teraio::plan(trace, hw, hybrid, true);
+        forced.mark_clean_drops(trace)?;
+        if delay_prefetches_until_feasible(trace, hw, &mut forced) {
+            plan = forced;
+        } else {
+            // The greedy still chose badly (e.g. host room taken by an interval that mattered
+            // less): fall back to on-demand swapping for the whole iteration when that fits,
+            // so `teraio` never runs out of memory where `lru` does not. The plan says so in
+            // its policy name.
+            let mut fallback = lru::plan(trace, hw);
+            fallback.mark_clean_drops(trace)?;
+            let ok = crate::sim::simulate(trace, &fallback, hw, &crate::sim::SimOptions::default())
+                .is_ok_and(|r| r.outcome == crate::sim::Outcome::Completed);
+            if ok {
+                fallback.policy = format!("{name}+lru-fallback");
+                plan = fallback;
+            }
+        }
+    }
     debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
     Ok(plan)
 }
