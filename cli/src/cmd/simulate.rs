@@ -25,7 +25,7 @@ pub struct Args {
     /// baselines are planned and simulated on it, as DeepSpeed can offload activations only as
     /// checkpoints. Their `% ideal` is still against the main trace's ideal iteration; their
     /// rows are marked `*`.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "plan")]
     pub checkpointed_trace: Option<String>,
     /// A plan file made by `teraio plan` (else plan on the fly with --policy).
     #[arg(long, conflicts_with = "policy")]
