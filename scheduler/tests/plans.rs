@@ -391,7 +391,8 @@ proptest! {
         hw.ssd_count = ssds;
         hw.host_memory_cap_bytes = (peak as f64 * host_frac) as u64;
         let opts = teraio_scheduler::SimOptions::default();
-        let lru = teraio_scheduler::simulate(&trace, &plan(&trace, &hw, Policy::Lru).unwrap(), &hw, &opts).unwrap();
+        let lru_plan = plan(&trace, &hw, Policy::Lru).unwrap();
+        let lru = teraio_scheduler::simulate(&trace, &lru_plan, &hw, &opts).unwrap();
         let mut times = Vec::new();
         for policy in [Policy::Teraio, Policy::TeraioHybrid] {
             let p = plan(&trace, &hw, policy).unwrap();
