@@ -5,7 +5,9 @@
 //! SSD only if it is longer than `2 x (latency + bytes / ssd bandwidth) x 1.5`, otherwise it
 //! goes to host memory if there is room, else it is skipped. Transfers respect the same
 //! per-kernel-slot bandwidth budgets, and a candidate is taken only if it lowers memory above
-//! capacity somewhere.
+//! capacity somewhere. G10 runs on unified memory: what its plan leaves above capacity is
+//! migrated on demand by page faults, modelled as on-demand evictions and fetches of the
+//! remaining intervals (the `forced` phase of the shared state).
 
 use super::State;
 use crate::analysis::inactive_intervals;
@@ -45,6 +47,22 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
                 st.accept(iv, f);
                 taken[i] = true;
             }
+        }
+    }
+    // What G10 leaves unplanned its unified memory migrates on demand (page faults): each
+    // remaining interval that lowers memory above capacity is evicted right after its last use
+    // and fetched right before its next one, in the same static order.
+    st.forced = true;
+    let tier = if hw.has_ssd() { Tier::Ssd } else { Tier::Host };
+    for (i, &iv) in ivs.iter().enumerate() {
+        if st.mem.max() <= 0 {
+            break;
+        }
+        if !taken[i]
+            && let Some(f) = st.fit(&iv, tier)
+        {
+            st.accept(iv, f);
+            taken[i] = true;
         }
     }
     st.into_plan("g10", count)

@@ -41,7 +41,8 @@ pub enum Policy {
     /// It keeps `teraio`'s plan instead when that one simulates faster.
     TeraioHybrid,
     /// G10 (MICRO'23): static ranking by area (bytes x inactive time), per-slot bandwidth
-    /// budgets, SSD only for intervals longer than 2 x (latency + size/bw) x 1.5.
+    /// budgets, SSD only for intervals longer than 2 x (latency + size/bw) x 1.5; what that
+    /// leaves above capacity is paged on demand, as its unified memory would.
     G10,
     /// ZeRO-Infinity-like: parameters on NVMe, fetched one layer ahead and released after
     /// use; gradients to host memory (NVMe when full); optimizer states always on NVMe and
@@ -152,6 +153,10 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
         Policy::None => Plan::empty("none", trace),
     };
     plan.mark_clean_drops(trace)?;
+    if policy == Policy::G10 {
+        // Prefetches that would take memory a creation needs wait, as in teraio's plans.
+        delay_prefetches_until_feasible(trace, hw, &mut plan);
+    }
     debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
     Ok(plan)
 }
