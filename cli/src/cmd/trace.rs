@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use teraio_scheduler::{Dtype, Gpu, ModelConfig, Trace, generate};
+use teraio_scheduler::{ModelConfig, Trace, generate};
 
 use crate::cmd::plan::outln;
 use crate::{CliError, Result};
@@ -94,61 +94,46 @@ pub struct GenArgs {
     pub output: Option<PathBuf>,
 }
 
-/// Build the model configuration from a preset and overrides.
+/// Build the model configuration from a preset and overrides: each option given goes through
+/// `ModelConfig::set` under its long name, the same path as the keys of a `preset:` spec.
 pub fn config(a: &GenArgs) -> Result<ModelConfig> {
     let mut c = ModelConfig::preset(&a.model)?;
-    if let Some(v) = a.layers {
-        c.layers = v;
+    let values: [(&str, Option<String>); 16] = [
+        ("layers", a.layers.map(|v| v.to_string())),
+        ("hidden", a.hidden.map(|v| v.to_string())),
+        ("heads", a.heads.map(|v| v.to_string())),
+        ("kv-heads", a.kv_heads.map(|v| v.to_string())),
+        ("ffn", a.ffn.map(|v| v.to_string())),
+        ("vocab", a.vocab.map(|v| v.to_string())),
+        ("seq", a.seq.map(|v| v.to_string())),
+        ("micro-batch", a.micro_batch.map(|v| v.to_string())),
+        ("micro-batches", a.micro_batches.map(|v| v.to_string())),
+        ("dtype", a.dtype.clone()),
+        ("tp", a.tp.map(|v| v.to_string())),
+        ("pp", a.pp.map(|v| v.to_string())),
+        ("stage", a.stage.map(|v| v.to_string())),
+        ("gpu", a.gpu.clone()),
+        ("checkpoint-layers", a.checkpoint_layers.map(|v| v.to_string())),
+        ("iteration-s", a.iteration_s.map(|v| v.to_string())),
+    ];
+    // Flags last: `activation-checkpointing` covers the layer count set above.
+    let flags = [
+        ("activation-checkpointing", a.activation_checkpointing),
+        ("selective-recompute", a.selective_recompute),
+        ("optimizer-in-backward", a.optimizer_in_backward),
+    ];
+    let set = |c: &mut ModelConfig, key: &str, value: Option<&str>| {
+        c.set(key, value).map_err(|e| CliError::Usage(format!("--{key}: {e}")))
+    };
+    for (key, value) in &values {
+        if let Some(v) = value {
+            set(&mut c, key, Some(v))?;
+        }
     }
-    if let Some(v) = a.hidden {
-        c.hidden = v;
-    }
-    if let Some(v) = a.heads {
-        c.heads = v;
-    }
-    if let Some(v) = a.kv_heads {
-        c.kv_heads = v;
-    }
-    if let Some(v) = a.ffn {
-        c.ffn = v;
-    }
-    if let Some(v) = a.vocab {
-        c.vocab = v;
-    }
-    if let Some(v) = a.seq {
-        c.seq_len = v;
-    }
-    if let Some(v) = a.micro_batch {
-        c.micro_batch = v;
-    }
-    if let Some(v) = a.micro_batches {
-        c.micro_batches = v;
-    }
-    if let Some(d) = &a.dtype {
-        c.dtype = Dtype::parse(d).map_err(|e| CliError::Usage(format!("--dtype: {e}")))?;
-    }
-    if let Some(v) = a.tp {
-        c.tensor_parallel = v;
-    }
-    if let Some(v) = a.pp {
-        c.pipeline_parallel = v;
-    }
-    if let Some(v) = a.stage {
-        c.pipeline_stage = v;
-    }
-    if let Some(g) = &a.gpu {
-        c.gpu = Gpu::parse(g)?;
-    }
-    if let Some(n) = a.checkpoint_layers {
-        c.checkpointed_layers = n;
-    }
-    if a.activation_checkpointing {
-        c.checkpointed_layers = c.layers;
-    }
-    c.selective_recompute |= a.selective_recompute;
-    c.optimizer_in_backward |= a.optimizer_in_backward;
-    if let Some(s) = a.iteration_s {
-        c.target_iteration_us = Some(s * 1e6);
+    for (key, on) in flags {
+        if on {
+            set(&mut c, key, None)?;
+        }
     }
     Ok(c)
 }
