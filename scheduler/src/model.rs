@@ -627,6 +627,26 @@ impl Builder {
         k
     }
 
+    /// RMSNorm of `x` with weight `w` into `out` (forward, and its recomputations).
+    fn norm_kernel(
+        &mut self,
+        name: String,
+        layer: Option<u32>,
+        x: TensorId,
+        w: TensorId,
+        out: TensorId,
+    ) {
+        let t = (self.cfg.seq_len * self.cfg.micro_batch) as f64;
+        self.kernel(name, layer, 5.0 * t * self.cfg.hidden as f64, &[x, w, out], None);
+    }
+
+    /// The MLP's activation function (SwiGLU or GELU) of `u` into `a`.
+    fn act_kernel(&mut self, name: String, layer: Option<u32>, u: TensorId, a: TensorId) {
+        let t = (self.cfg.seq_len * self.cfg.micro_batch) as f64;
+        let width = self.cfg.ffn / self.cfg.tp();
+        self.kernel(name, layer, 8.0 * t * width as f64, &[u, a], None);
+    }
+
     fn comm_us(&self, bytes: u64) -> f64 {
         // Ring all-reduce over `tp` GPUs moves 2 (tp-1)/tp of the data each way.
         let tp = self.cfg.tp() as f64;
@@ -739,13 +759,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             let t = tokens as f64;
             let nf = b.act(format!("mb{mb}.nf"), act_bytes(h));
             let wnf = w(&b, nfp);
-            b.kernel(
-                format!("mb{mb}.final_norm.fwd"),
-                None,
-                5.0 * t * h as f64,
-                &[x, wnf, nf],
-                None,
-            );
+            b.norm_kernel(format!("mb{mb}.final_norm.fwd"), None, x, wnf, nf);
             let logits = b.act(format!("mb{mb}.logits"), tokens * vocab_p * 4);
             let wh = w(&b, hp);
             let f = 2.0 * t * (vocab_p * h) as f64;
@@ -812,7 +826,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             let (mut sa, mut sn2, mut sn1) = (s.a, s.n2, s.n1);
             if selective {
                 sa = b.act(nm("rc.a"), act_bytes(cfg.ffn / tp));
-                b.kernel(nm("rc.act.fwd"), lo, 8.0 * t * (cfg.ffn / tp) as f64, &[s.u, sa], None);
+                b.act_kernel(nm("rc.act.fwd"), lo, s.u, sa);
             }
             let da = b.act(nm("da"), act_bytes(cfg.ffn / tp));
             let (wd, gd) = (w(&b, ps[5]), g(&b, ps[5]));
@@ -826,7 +840,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             if selective {
                 sn2 = b.act(nm("rc.n2"), act_bytes(h));
                 let wn2 = w(&b, ps[3]);
-                b.kernel(nm("rc.norm2.fwd"), lo, 5.0 * t * h as f64, &[s.x2, wn2, sn2], None);
+                b.norm_kernel(nm("rc.norm2.fwd"), lo, s.x2, wn2, sn2);
             }
             b.kernel_writing(nm("up.bwd"), lo, f, &[du, sn2, wup, gup, dn2], &[gup], None);
             if tp > 1 {
@@ -857,7 +871,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
             if selective {
                 sn1 = b.act(nm("rc.n1"), act_bytes(h));
                 let wn1 = w(&b, ps[0]);
-                b.kernel(nm("rc.norm1.fwd"), lo, 5.0 * t * h as f64, &[s.x, wn1, sn1], None);
+                b.norm_kernel(nm("rc.norm1.fwd"), lo, s.x, wn1, sn1);
             }
             b.kernel_writing(nm("qkv.bwd"), lo, f, &[dqkv, sn1, wqkv, gqkv, dn1], &[gqkv], None);
             if tp > 1 {
@@ -943,7 +957,7 @@ fn forward_layer(
     let t = tokens as f64;
     let n1 = b.act(nm("n1"), act_bytes(h));
     let wn1 = w(b, 0);
-    b.kernel(nm("norm1.fwd"), lo, 5.0 * t * h as f64, &[x, wn1, n1], None);
+    b.norm_kernel(nm("norm1.fwd"), lo, x, wn1, n1);
     let qkv = b.act(nm("qkv"), act_bytes(cfg.qkv_width()));
     let wqkv = w(b, 1);
     let f = 2.0 * t * (h * cfg.qkv_width()) as f64;
@@ -966,13 +980,13 @@ fn forward_layer(
     b.kernel(nm("add1.fwd"), lo, t * h as f64, &[x, o, x2], None);
     let n2 = b.act(nm("n2"), act_bytes(h));
     let wn2 = w(b, 3);
-    b.kernel(nm("norm2.fwd"), lo, 5.0 * t * h as f64, &[x2, wn2, n2], None);
+    b.norm_kernel(nm("norm2.fwd"), lo, x2, wn2, n2);
     let u = b.act(nm("u"), act_bytes(cfg.up_width()));
     let wup = w(b, 4);
     let f = 2.0 * t * (h * cfg.up_width()) as f64;
     b.kernel(nm("up.fwd"), lo, f, &[n2, wup, u], None);
     let a = b.act(nm("a"), act_bytes(cfg.ffn / tp));
-    b.kernel(nm("act.fwd"), lo, 8.0 * t * (cfg.ffn / tp) as f64, &[u, a], None);
+    b.act_kernel(nm("act.fwd"), lo, u, a);
     let d = b.act(nm("d"), act_bytes(h));
     let wd = w(b, 5);
     let f = 2.0 * t * (cfg.ffn / tp * h) as f64;
