@@ -119,18 +119,13 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
     trace.validate()?;
     hw.validate()?;
     match policy {
-        Policy::Teraio => return plan_teraio(trace, hw, false),
+        Policy::Teraio => return Ok(plan_teraio(trace, hw, false)?.0),
         Policy::TeraioHybrid => {
             // Keep whichever of its own plan and `teraio`'s simulates faster, so the
             // improvement policy is never worse than the one it improves.
-            let hybrid = plan_teraio(trace, hw, true)?;
-            let plain = plan_teraio(trace, hw, false)?;
-            let opts = crate::sim::SimOptions::default();
-            let time = |p: &Plan| match crate::sim::simulate(trace, p, hw, &opts) {
-                Ok(r) if r.outcome == crate::sim::Outcome::Completed => r.iteration_time_us,
-                _ => f64::INFINITY,
-            };
-            if time(&plain) < time(&hybrid) {
+            let (hybrid, hybrid_us) = plan_teraio(trace, hw, true)?;
+            let (plain, plain_us) = plan_teraio(trace, hw, false)?;
+            if plain_us < hybrid_us {
                 let mut p = plain;
                 p.policy = p.policy.replacen("teraio", "teraio-hybrid", 1);
                 return Ok(p);
@@ -162,17 +157,20 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
 }
 
 /// `teraio` (Algorithm 1) or its hybrid variant, with the feasibility pass, the forced phase
-/// and the `lru` fallback (see the module documentation of `teraio`).
-fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<Plan> {
+/// and the `lru` fallback (see the module documentation of `teraio`); and the plan's
+/// simulated iteration time (infinite where it does not complete).
+fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<(Plan, f64)> {
     let name = if hybrid { "teraio-hybrid" } else { "teraio" };
     let mut plan = teraio::plan(trace, hw, hybrid, false);
     plan.mark_clean_drops(trace)?;
-    if !delay_prefetches_until_feasible(trace, hw, &mut plan) {
+    let mut time = delay_prefetches_until_feasible(trace, hw, &mut plan);
+    if time.is_none() {
         // Still out of memory: plan again, taking intervals too short for their transfers as
         // on-demand fetches (`State::forced`).
         let mut forced = teraio::plan(trace, hw, hybrid, true);
         forced.mark_clean_drops(trace)?;
-        if delay_prefetches_until_feasible(trace, hw, &mut forced) {
+        time = delay_prefetches_until_feasible(trace, hw, &mut forced);
+        if time.is_some() {
             plan = forced;
         } else {
             // The greedy still chose badly (e.g. host room taken by an interval that mattered
@@ -181,16 +179,19 @@ fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<Plan> {
             // its policy name.
             let mut fallback = lru::plan(trace, hw);
             fallback.mark_clean_drops(trace)?;
-            let ok = crate::sim::simulate(trace, &fallback, hw, &crate::sim::SimOptions::default())
-                .is_ok_and(|r| r.outcome == crate::sim::Outcome::Completed);
-            if ok {
+            let report =
+                crate::sim::simulate(trace, &fallback, hw, &crate::sim::SimOptions::default());
+            if let Ok(r) = report
+                && r.outcome == crate::sim::Outcome::Completed
+            {
                 fallback.policy = format!("{name}+lru-fallback");
                 plan = fallback;
+                time = Some(r.iteration_time_us);
             }
         }
     }
     debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
-    Ok(plan)
+    Ok((plan, time.unwrap_or(f64::INFINITY)))
 }
 
 /// The feasibility pass of `teraio` / `teraio-hybrid`. The planner's memory curve counts a
@@ -204,18 +205,21 @@ fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<Plan> {
 /// kernel `k`, every prefetch issued at or before boundary `k` for a tensor first used after
 /// `k` is issued at boundary `k + 1` instead (after that boundary's own instructions).
 /// Each round moves at least one prefetch later, so the pass ends; the rounds are bounded.
-/// Returns whether the plan now completes in the simulator (an error of the simulator itself
-/// counts as completing: it is reported where the plan is simulated).
-fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) -> bool {
+/// Returns `None` while the plan still runs out of memory in the simulator, else its simulated
+/// iteration time (infinite for an error of the simulator itself, which counts as fitting: it
+/// is reported where the plan is simulated).
+fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) -> Option<f64> {
     let n = trace.kernel_count();
     let opts = crate::sim::SimOptions::default();
     for _ in 0..p.instructions.len() + 1 {
-        let Ok(report) = crate::sim::simulate(trace, p, hw, &opts) else { return true };
+        let Ok(report) = crate::sim::simulate(trace, p, hw, &opts) else {
+            return Some(f64::INFINITY);
+        };
         let crate::sim::Outcome::OutOfMemory { kernel: k, .. } = report.outcome else {
-            return true;
+            return Some(report.iteration_time_us);
         };
         if k + 1 > n {
-            return false;
+            return None;
         }
         let mut moved = Vec::new();
         p.instructions.retain(|ins| {
@@ -233,12 +237,12 @@ fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) -
             !movable
         });
         if moved.is_empty() {
-            return false;
+            return None;
         }
         p.instructions.extend(moved);
         p.instructions.sort_by_key(|ins| ins.issue_before_kernel);
     }
-    false
+    None
 }
 
 /// Where a chosen interval's transfers fall.
