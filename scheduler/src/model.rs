@@ -310,22 +310,24 @@ impl ModelConfig {
     /// `optimizer-in-backward` (take no value).
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<()> {
         let bad = |m: String| Error::InvalidArgument(m);
-        if key == "selective-recompute" || key == "optimizer-in-backward" {
+        let flag = matches!(
+            key,
+            "activation-checkpointing" | "selective-recompute" | "optimizer-in-backward"
+        );
+        if flag {
             if value.is_some() {
-                return Err(bad(format!("{key} takes no value")));
+                let hint = if key == "activation-checkpointing" {
+                    " (use checkpoint-layers=N)"
+                } else {
+                    ""
+                };
+                return Err(bad(format!("{key} takes no value{hint}")));
             }
-            if key == "selective-recompute" {
-                self.selective_recompute = true;
-            } else {
-                self.optimizer_in_backward = true;
+            match key {
+                "activation-checkpointing" => self.checkpointed_layers = self.layers,
+                "selective-recompute" => self.selective_recompute = true,
+                _ => self.optimizer_in_backward = true,
             }
-            return Ok(());
-        }
-        if key == "activation-checkpointing" {
-            if value.is_some() {
-                return Err(bad(format!("{key} takes no value (use checkpoint-layers=N)")));
-            }
-            self.checkpointed_layers = self.layers;
             return Ok(());
         }
         let v = value.ok_or_else(|| bad(format!("{key} needs a value ({key}=...)")))?;
