@@ -191,6 +191,15 @@ pub struct ModelConfig {
     /// the backward pass.
     #[serde(default)]
     pub optimizer_in_backward: bool,
+    /// The optimizer step of each parameter runs right before the parameter's first use in
+    /// the next iteration's forward pass instead of after the backward pass: the step's
+    /// transfers overlap the next forward pass. The same updates in the same order as the
+    /// step at the end, clipping by the global gradient norm included (the norm is complete
+    /// when backward ends); gradients then live across the iteration boundary. A forward
+    /// pre-hook per module can do it in PyTorch; the last iteration's step is flushed after
+    /// the loop.
+    #[serde(default)]
+    pub optimizer_in_forward: bool,
 }
 
 impl ModelConfig {
@@ -217,6 +226,7 @@ impl ModelConfig {
             checkpointed_layers: 0,
             selective_recompute: false,
             optimizer_in_backward: false,
+            optimizer_in_forward: false,
         }
     }
 
@@ -243,6 +253,7 @@ impl ModelConfig {
             checkpointed_layers: 0,
             selective_recompute: false,
             optimizer_in_backward: false,
+            optimizer_in_forward: false,
         }
     }
 
@@ -306,13 +317,16 @@ impl ModelConfig {
     /// Set one field by its command-line name (`teraio trace gen --help`): `layers`,
     /// `hidden`, `heads`, `kv-heads`, `ffn`, `vocab`, `seq`, `micro-batch`, `micro-batches`,
     /// `dtype`, `tp`, `pp`, `stage`, `gpu`, `iteration-s`, `checkpoint-layers`, and the flags
-    /// `activation-checkpointing` (every layer), `selective-recompute` and
-    /// `optimizer-in-backward` (take no value).
+    /// `activation-checkpointing` (every layer), `selective-recompute`,
+    /// `optimizer-in-backward` and `optimizer-in-forward` (take no value).
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<()> {
         let bad = |m: String| Error::InvalidArgument(m);
         let flag = matches!(
             key,
-            "activation-checkpointing" | "selective-recompute" | "optimizer-in-backward"
+            "activation-checkpointing"
+                | "selective-recompute"
+                | "optimizer-in-backward"
+                | "optimizer-in-forward"
         );
         if flag {
             if value.is_some() {
@@ -326,7 +340,8 @@ impl ModelConfig {
             match key {
                 "activation-checkpointing" => self.checkpointed_layers = self.layers,
                 "selective-recompute" => self.selective_recompute = true,
-                _ => self.optimizer_in_backward = true,
+                "optimizer-in-backward" => self.optimizer_in_backward = true,
+                _ => self.optimizer_in_forward = true,
             }
             return Ok(());
         }
@@ -356,7 +371,7 @@ impl ModelConfig {
                     "unknown model option {key:?} (known: layers, hidden, heads, kv-heads, ffn, \
                      vocab, seq, micro-batch, micro-batches, dtype, tp, pp, stage, gpu, \
                      iteration-s, checkpoint-layers, activation-checkpointing, \
-                     selective-recompute, optimizer-in-backward)"
+                     selective-recompute, optimizer-in-backward, optimizer-in-forward)"
                 )));
             }
         }
@@ -389,6 +404,13 @@ impl ModelConfig {
         }
         if self.micro_batches == 0 {
             return bad("micro_batches must be > 0".into());
+        }
+        if self.optimizer_in_backward && self.optimizer_in_forward {
+            return bad(
+                "optimizer-in-backward and optimizer-in-forward are exclusive: the step runs \
+                 either during backward or before the next forward"
+                    .into(),
+            );
         }
         if !self.hidden.is_multiple_of(u64::from(self.heads)) {
             return bad(format!("hidden {} not divisible by heads {}", self.hidden, self.heads));
@@ -911,10 +933,13 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         let layer = layer_of(&name);
         b.kernel_writing(format!("{name}.adamw"), layer, flops, &uses, &modifies, None);
     }
-    let optimizer_in_backward = cfg.optimizer_in_backward;
+    let (in_backward, in_forward) = (cfg.optimizer_in_backward, cfg.optimizer_in_forward);
     let mut trace = b.finish();
-    if optimizer_in_backward {
+    if in_backward {
         step_in_backward(&mut trace);
+    }
+    if in_forward {
+        step_in_forward(&mut trace);
     }
     if let Some(target) = cfg.target_iteration_us {
         trace.scale_to_iteration_time(target)?;
@@ -1022,6 +1047,43 @@ fn step_in_backward(trace: &mut Trace) {
             key[step] = (last, 1, step);
         }
     }
+    reorder(trace, &key);
+}
+
+/// Move each AdamW kernel right before the first kernel of the iteration that uses its
+/// weight (the first micro-batch's forward), as [`ModelConfig::optimizer_in_forward`]
+/// describes. The gradients then live from the backward pass to the next iteration's step:
+/// they become global tensors.
+fn step_in_forward(trace: &mut Trace) {
+    let n = trace.kernels.len();
+    // Sort key per kernel: (position it precedes, 0 for a moved step, original index).
+    let mut key: Vec<(usize, u8, usize)> = (0..n).map(|k| (k, 1, k)).collect();
+    let is_step = |k: usize| trace.kernels[k].name.ends_with(".adamw");
+    for t in &trace.tensors {
+        if t.kind != TensorKind::Weight {
+            continue;
+        }
+        let Some(step) = t.accesses.iter().copied().find(|&k| is_step(k)) else { continue };
+        if let Some(&first) = t.accesses.iter().find(|&&k| !is_step(k)) {
+            key[step] = (first, 0, step);
+        }
+    }
+    reorder(trace, &key);
+    let kernels = &trace.kernels;
+    for t in &mut trace.tensors {
+        let stepped_first =
+            t.accesses.first().is_some_and(|&k| kernels[k].name.ends_with(".adamw"));
+        if t.kind == TensorKind::Gradient && stepped_first {
+            t.global = true;
+            t.created_by = None;
+            t.dies_after = None;
+        }
+    }
+}
+
+/// Reorder the kernels by `key` (sorted ascending) and renumber every access.
+fn reorder(trace: &mut Trace, key: &[(usize, u8, usize)]) {
+    let n = trace.kernels.len();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by_key(|&k| key[k]);
     let mut new_index = vec![0; n];
@@ -1200,6 +1262,51 @@ mod tests {
         let first_step = t.kernels.iter().position(|k| k.name.ends_with(".adamw")).unwrap();
         let last_bwd = t.kernels.iter().rposition(|k| k.name.contains(".bwd")).unwrap();
         assert!(first_step < last_bwd);
+    }
+
+    #[test]
+    fn optimizer_in_forward_steps_each_parameter_before_its_first_forward_use() {
+        let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
+        cfg.micro_batches = 2;
+        let plain = generate(&cfg).unwrap();
+        cfg.optimizer_in_forward = true;
+        let t = generate(&cfg).unwrap();
+        t.validate().unwrap();
+        let names = |t: &Trace| {
+            let mut v: Vec<String> = t.kernels.iter().map(|k| k.name.clone()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&t), names(&plain));
+        assert!((t.iteration_time_us() - plain.iteration_time_us()).abs() < 1e-3);
+        let is_step = |k: usize| t.kernels[k].name.ends_with(".adamw");
+        let mut steps = 0;
+        for w in t.tensors.iter().filter(|x| x.kind == TensorKind::Weight) {
+            // The step is the weight's first access, and only other steps stand between it
+            // and the weight's first forward use, in the first micro-batch.
+            let step = w.accesses[0];
+            assert!(is_step(step), "{}", w.name);
+            let first_use = w.accesses[1];
+            assert!(t.kernels[first_use].name.starts_with("mb0."), "{}", w.name);
+            assert!((step + 1..first_use).all(is_step), "{}", w.name);
+            steps += 1;
+        }
+        assert_eq!(steps, plain.kernels.iter().filter(|k| k.name.ends_with(".adamw")).count());
+        // Gradients outlive the iteration: written in backward, read by the next step.
+        for g in t.tensors.iter().filter(|x| x.kind == TensorKind::Gradient) {
+            assert!(g.global && g.created_by.is_none() && g.dies_after.is_none(), "{}", g.name);
+            assert!(is_step(g.accesses[0]), "{}", g.name);
+            assert!(!g.writes.as_ref().unwrap().contains(&g.accesses[0]), "{}", g.name);
+        }
+        // The last layer's steps run long after the iteration starts; backward ends it.
+        let last_step = t.kernels.iter().rposition(|k| k.name.ends_with(".adamw")).unwrap();
+        let first_bwd = t.kernels.iter().position(|k| k.name.contains(".bwd")).unwrap();
+        assert!(last_step < first_bwd);
+        assert!(!t.kernels.last().unwrap().name.ends_with(".adamw"));
+        // Both moves at once are refused.
+        cfg.optimizer_in_backward = true;
+        let e = generate(&cfg).unwrap_err().to_string();
+        assert!(e.contains("exclusive"), "{e}");
     }
 
     #[test]

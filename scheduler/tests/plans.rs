@@ -289,10 +289,11 @@ fn golden_llama3_8b_and_granite_8b() {
     }
 }
 
-/// Golden: the headline comparison on llama3-8b. ZeRO-Infinity runs with activation
-/// checkpointing (as DeepSpeed must) and its CPU step read, compute, write in turn; `teraio`
-/// offloads instead of recomputing. Measured 1.40x (docs/BENCHMARKS.md); a perfect plan would
-/// be 1.43x.
+/// Golden: the headline comparison on llama3-8b. ZeRO-Infinity runs as DeepSpeed does
+/// (activation checkpointing, CPU step read, compute, write in turn, parameters moved by its
+/// prefetcher's rules); `teraio` offloads instead of recomputing. Measured 1.43x with the
+/// step at the end and 1.46x with the step in the next forward pass (docs/BENCHMARKS.md); a
+/// plan with no I/O cost at all would be 1.46x.
 #[test]
 fn golden_teraio_vs_zero_infinity_on_llama3_8b() {
     let t = preset_row("llama3-8b", Policy::Teraio);
@@ -305,9 +306,50 @@ fn golden_teraio_vs_zero_infinity_on_llama3_8b() {
     let z = check_report(&ckpt, &hw, &zp);
     assert_eq!(z.outcome, Outcome::Completed);
     let speedup = z.iteration_time_us / t.iteration_time_us;
-    assert!(speedup > 1.3, "teraio only {speedup:.3}x zero-infinity");
+    assert!(speedup > 1.4, "teraio only {speedup:.3}x zero-infinity");
     let ideal = generate(&ModelConfig::preset("llama3-8b").unwrap()).unwrap().iteration_time_us();
     assert!(speedup < z.iteration_time_us / ideal, "faster than ideal?");
+    // The optimizer step in the next forward pass: the same updates, overlapped.
+    let mut cfg = ModelConfig::preset("llama3-8b").unwrap();
+    cfg.optimizer_in_forward = true;
+    let fwd = generate(&cfg).unwrap();
+    assert!((fwd.iteration_time_us() - ideal).abs() < 1.0, "the same kernels");
+    let p = plan(&fwd, &hw, Policy::Teraio).unwrap();
+    check_plan(&fwd, &p);
+    let r = check_report(&fwd, &hw, &p);
+    assert_eq!(r.outcome, Outcome::Completed);
+    assert!(r.iteration_time_us < t.iteration_time_us, "no faster with the step overlapped");
+    assert!(r.percent_of_ideal > 99.0, "{:.2}% of ideal", r.percent_of_ideal);
+}
+
+/// The target, on the paper's three presets and hardware: `teraio` at least 1.47x
+/// `zero-infinity` on average, with the training loop stepping each parameter's optimizer in
+/// the next forward pass (the same updates; measured 1.473x, docs/BENCHMARKS.md), and ahead
+/// of `zero-infinity` on each preset with the step at the end too (measured 1.43-1.48x).
+#[test]
+fn golden_paper_target_over_the_presets() {
+    let hw = Hardware::paper();
+    let mut ratios = Vec::new();
+    for name in ["llama3-8b", "granite-8b", "llama3-70b"] {
+        let run = |cfg: &ModelConfig, policy| {
+            let trace = generate(cfg).unwrap();
+            let p = plan(&trace, &hw, policy).unwrap();
+            check_plan(&trace, &p);
+            let r = check_report(&trace, &hw, &p);
+            assert_eq!(r.outcome, Outcome::Completed, "{name}: {policy}");
+            r.iteration_time_us
+        };
+        let mut ckpt = ModelConfig::preset(name).unwrap();
+        ckpt.checkpointed_layers = ckpt.layers;
+        let zero = run(&ckpt, Policy::ZeroInfinity);
+        let at_end = run(&ModelConfig::preset(name).unwrap(), Policy::Teraio);
+        assert!(zero / at_end > 1.4, "{name}: {:.3}x with the step at the end", zero / at_end);
+        let mut fwd = ModelConfig::preset(name).unwrap();
+        fwd.optimizer_in_forward = true;
+        ratios.push(zero / run(&fwd, Policy::Teraio));
+    }
+    let average = ratios.iter().sum::<f64>() / 3.0;
+    assert!(average >= 1.47, "teraio {average:.4}x zero-infinity on average ({ratios:?})");
 }
 
 /// Golden: the 70B case completes within memory with teraio.

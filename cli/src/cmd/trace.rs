@@ -83,8 +83,13 @@ pub struct GenArgs {
     /// Step each parameter's optimizer as soon as its gradient is final (during the last
     /// micro-batch's backward), as PyTorch's optimizer-in-backward hooks do. Same training
     /// math, except that it rules out clipping by the global gradient norm.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "optimizer_in_forward")]
     pub optimizer_in_backward: bool,
+    /// Step each parameter's optimizer right before its first use in the next iteration's
+    /// forward pass, so the step's transfers overlap the forward pass. The same updates as
+    /// the step at the end, clipping by the global gradient norm included.
+    #[arg(long)]
+    pub optimizer_in_forward: bool,
     /// Leave out which accesses write (`writes`), as traces made before that field did:
     /// every access then counts as a write and no plan can drop a clean copy. For comparisons.
     #[arg(long)]
@@ -121,6 +126,7 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
         ("activation-checkpointing", a.activation_checkpointing),
         ("selective-recompute", a.selective_recompute),
         ("optimizer-in-backward", a.optimizer_in_backward),
+        ("optimizer-in-forward", a.optimizer_in_forward),
     ];
     let set = |c: &mut ModelConfig, key: &str, value: Option<&str>| {
         c.set(key, value).map_err(|e| CliError::Usage(format!("--{key}: {e}")))

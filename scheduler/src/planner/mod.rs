@@ -44,13 +44,15 @@ pub enum Policy {
     /// budgets, SSD only for intervals longer than 2 x (latency + size/bw) x 1.5; what that
     /// leaves above capacity is paged on demand, as its unified memory would.
     G10,
-    /// ZeRO-Infinity-like: parameters on NVMe, fetched one layer ahead and released after
-    /// use; gradients to host memory (NVMe when full); optimizer states always on NVMe and
-    /// the optimizer step on the CPU (CPU-Adam at [`Hardware::cpu_adam_params_per_s`],
-    /// streaming its states NVMe -> host -> NVMe) while the GPU waits; activations saved for
-    /// backward to host memory (NVMe when full). The CPU step reads its states, computes and
-    /// writes them back one after the other (DeepSpeed's default, `pipeline_read` and
-    /// `pipeline_write` off).
+    /// ZeRO-Infinity-like (DeepSpeed ZeRO-3, defaults of DeepSpeed 0.19): parameters on
+    /// NVMe (the first 10^9 elements in host memory), released after a use unless reused
+    /// within 10^9 elements and prefetched by elements ahead; gradients to host memory (NVMe
+    /// when full, and for the step); optimizer states always on NVMe and the optimizer step
+    /// on the CPU (CPU-Adam at [`Hardware::cpu_adam_params_per_s`], streaming states and
+    /// gradients NVMe -> host -> NVMe) while the GPU waits; activations saved for backward to
+    /// host memory (NVMe when full). The CPU step reads, computes and writes one after the
+    /// other (DeepSpeed's default, `pipeline_read` and `pipeline_write` off). Checked against
+    /// real DeepSpeed runs (docs/BENCHMARKS.md).
     ZeroInfinity,
     /// `zero-infinity` with DeepSpeed's `pipeline_read`/`pipeline_write` on: the CPU step's
     /// read, compute and write overlap perfectly.

@@ -1,28 +1,39 @@
 //! A ZeRO-Infinity-like baseline (DeepSpeed ZeRO-3 with `offload_param` and
-//! `offload_optimizer` on NVMe; Rajbhandari et al., SC'21): layer-granular, not
-//! bandwidth-aware.
+//! `offload_optimizer` on NVMe; Rajbhandari et al., SC'21): static, not bandwidth-aware;
+//! parameters move as ZeRO-3's prefetcher moves them, activations and gradients by layer.
 //!
-//! What it models, per tensor kind:
+//! What it models, per tensor kind, following DeepSpeed 0.19's code and checked against real
+//! DeepSpeed runs on an H200 (`benches/gpu/zero_infinity_ds.py`, docs/BENCHMARKS.md):
 //! - **Optimizer step on the CPU.** Every kernel that accesses an optimizer state (the AdamW
-//!   kernels) and creates no tensor becomes a [`HostKernel`]: DeepSpeed's CPU-Adam updates the parameter in host
-//!   memory at [`Hardware::cpu_adam_params_per_s`] while the states stream NVMe -> host ->
-//!   NVMe. Parameters of the step = bytes of one optimizer state / 4 (AdamW moments are fp32).
-//!   The step reads every optimizer state (and the weight itself when it is fp32, i.e. its
-//!   own master copy: same size as a moment) and the gradient when it sits on NVMe, and
-//!   writes every optimizer state and the updated weight. Read, compute and write run one
-//!   after the other, as with DeepSpeed's default (`pipeline_read`/`pipeline_write` off);
-//!   `zero-infinity-pipelined` overlaps them perfectly instead. The GPU runs nothing
-//!   meanwhile.
+//!   kernels) and creates no tensor becomes a [`HostKernel`]: DeepSpeed's CPU-Adam updates the
+//!   parameter in host memory at [`Hardware::cpu_adam_params_per_s`] while its states stream
+//!   NVMe -> host -> NVMe. Parameters of the step = bytes of one optimizer state / 4 (AdamW
+//!   moments are fp32). The step reads the moments and the fp32 master (an optimizer state
+//!   of its own in bf16; for an fp32 weight DeepSpeed still keeps a separate fp32 partition)
+//!   and the gradient, which DeepSpeed swaps out to NVMe at the accumulation boundary; it
+//!   writes the moments and the master back, and the updated parameter copy where that lives
+//!   on NVMe: 16 bytes read and 16 written per fp32 parameter on NVMe. Read, compute and
+//!   write run one after the other, as with DeepSpeed's default (`pipeline_read`/
+//!   `pipeline_write` off); `zero-infinity-pipelined` overlaps them perfectly instead. The GPU
+//!   runs nothing meanwhile.
 //! - **Optimizer states** never enter GPU memory: they live on NVMe.
-//! - **Parameters** are offloaded to NVMe after every use and fetched back at the start of
-//!   the layer block before the one that uses them (one layer of lookahead), as ZeRO-3's
-//!   parameter partitioning does whether or not memory is short; they stay on NVMe across the
-//!   CPU step. A release writes nothing: the parameter is unchanged since the CPU step
-//!   updated its NVMe copy, so the release is a clean drop ([`crate::plan`]), as in real
-//!   ZeRO-3, which only rereads.
+//! - **Parameters** are released after a use unless they are used again before
+//!   `stage3_max_reuse_distance` (10^9) parameter elements have been used in between, and
+//!   fetched back ahead of their next use by elements, as ZeRO-3's prefetcher does: from
+//!   `stage3_prefetch_bucket_size` (5 x 10^7) elements ahead, twice that for those on NVMe
+//!   (the NVMe prefetch reads up to twice what is being gathered), and at the latest when the
+//!   kernel before them is fetched. The first `offload_param.max_in_cpu` (10^9) elements live
+//!   in host memory, the rest on NVMe; parameters under `stage3_param_persistence_threshold`
+//!   (10^5 elements: the norms) stay on the GPU but for the CPU step. A release to NVMe writes
+//!   nothing: the parameter is unchanged since the CPU step updated its NVMe copy, so it is a
+//!   clean drop ([`crate::plan`]), as in real ZeRO-3, which only rereads. A release of a
+//!   parameter held in host memory is a write in the plan (a host copy does not outlive a
+//!   prefetch there), which DeepSpeed does not do: that device-to-host traffic is the one
+//!   place where the model charges ZeRO-Infinity more than DeepSpeed pays.
 //! - **Gradients** are offloaded after every use to host memory (NVMe when the host tier is
-//!   full), fetched back one layer ahead for the next micro-batch's accumulation, and after the
-//!   last backward use stay off the GPU: the CPU step consumes them and they die there.
+//!   full), fetched back one layer ahead for the next micro-batch's accumulation; after the
+//!   last backward use they go to NVMe (DeepSpeed swaps the fp32 gradients out with the
+//!   optimizer states) and die there, consumed by the CPU step.
 //! - **Activations** saved across layers go to host memory (activation checkpoint offload,
 //!   `cpu_checkpointing`) while the host tier has room, else to NVMe, with the same
 //!   lookahead. DeepSpeed can offload only activation *checkpoints*, so ZeRO-Infinity runs
@@ -46,6 +57,30 @@ use crate::trace::{TensorId, TensorKind, Trace};
 
 /// Bytes per element of the AdamW moments (fp32 in every precision the generator makes).
 const MOMENT_BYTES: u64 = 4;
+
+/// DeepSpeed's `stage3_max_reuse_distance` default, parameter elements: a parameter is not
+/// released after a use when it is used again before this many parameter elements have been
+/// used in between (`PartitionedParameterCoordinator::__params_to_release`).
+const MAX_REUSE_DISTANCE_ELEMENTS: u64 = 1_000_000_000;
+
+/// DeepSpeed's `stage3_param_persistence_threshold` default, elements: smaller parameters
+/// (the norms) are never partitioned, they stay in GPU memory (but for the CPU step, which
+/// updates their fp32 master copy on the host).
+const PERSISTENCE_THRESHOLD_ELEMENTS: u64 = 100_000;
+
+/// DeepSpeed's `stage3_prefetch_bucket_size` default, parameter elements: how far ahead of
+/// their use parameters are fetched to the GPU.
+const PREFETCH_BUCKET_ELEMENTS: u64 = 50_000_000;
+
+/// How far ahead parameters on NVMe are read: DeepSpeed swaps in the NVMe partitions of
+/// upcoming parameters up to twice the elements being prefetched to the GPU at the time
+/// (`__prefetch_nvme_param_partitions`), i.e. at most twice the prefetch bucket.
+const NVME_LOOKAHEAD_ELEMENTS: u64 = 2 * PREFETCH_BUCKET_ELEMENTS;
+
+/// DeepSpeed's `offload_param.max_in_cpu` default, parameter elements: with parameters
+/// offloaded to NVMe, the first this many (in parameter order) stay in host memory instead
+/// (stage 3's CPU flat buffer).
+const MAX_IN_CPU_ELEMENTS: u64 = 1_000_000_000;
 
 pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
     let n = trace.kernel_count();
@@ -92,6 +127,47 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
                 })
         })
         .collect();
+
+    // Parameter elements per weight: an AdamW moment's bytes / 4 (bytes / 4 without one).
+    let mut elements: HashMap<TensorId, u64> = HashMap::new();
+    for ts in &per_kernel {
+        let moment =
+            ts.iter().map(|&t| trace.tensor(t)).find(|t| t.kind == TensorKind::OptimizerState);
+        if let Some(m) = moment {
+            for &w in ts.iter().filter(|&&t| trace.tensor(t).kind == TensorKind::Weight) {
+                elements.insert(w, m.bytes / MOMENT_BYTES);
+            }
+        }
+    }
+    let elements_of =
+        |t: &crate::trace::Tensor| elements.get(&t.id).copied().unwrap_or(t.bytes / MOMENT_BYTES);
+    // Parameter elements used by GPU kernels [0, x) of the unrolled iteration.
+    let mut used = vec![0u64; 2 * n + 1];
+    for x in 0..2 * n {
+        let k = x % n;
+        let here: u64 = if on_host[k] {
+            0
+        } else {
+            per_kernel[k]
+                .iter()
+                .map(|&t| trace.tensor(t))
+                .filter(|t| t.kind == TensorKind::Weight)
+                .map(elements_of)
+                .filter(|&e| e >= PERSISTENCE_THRESHOLD_ELEMENTS)
+                .sum()
+        };
+        used[x + 1] = used[x] + here;
+    }
+    // The weights DeepSpeed keeps in host memory rather than on NVMe.
+    let mut in_cpu = vec![false; trace.tensors.len()];
+    let mut cpu_elements = 0u64;
+    for t in trace.tensors.iter().filter(|t| t.kind == TensorKind::Weight) {
+        cpu_elements += elements_of(t);
+        if cpu_elements > MAX_IN_CPU_ELEMENTS {
+            break;
+        }
+        in_cpu[t.id.index()] = true;
+    }
 
     let mut moves = Vec::new();
     let mut always = Vec::new();
@@ -144,17 +220,46 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
                 continue;
             }
             let prefetch_at = b.map(|b| {
-                let s = bs(b);
-                let look = if s == 0 { 0 } else { bs(s - 1) };
+                let look = if t.kind == TensorKind::Weight {
+                    // ZeRO-3 prefetches parameters by elements, not layers: from the first
+                    // kernel after which at most the lookahead's elements are used before
+                    // `b`, and at the latest when the kernel using the parameters before
+                    // them is fetched (the next parameter in the queue is always taken).
+                    let ahead = if in_cpu[t.id.index()] {
+                        PREFETCH_BUCKET_ELEMENTS
+                    } else {
+                        NVME_LOOKAHEAD_ELEMENTS
+                    };
+                    let within = used[..=b].partition_point(|&u| u + ahead < used[b]);
+                    let previous = used[..=b].partition_point(|&u| u < used[b]).saturating_sub(1);
+                    within.min(previous)
+                } else {
+                    let s = bs(b);
+                    if s == 0 { 0 } else { bs(s - 1) }
+                };
                 // After the host kernels that need the tensor off the GPU.
                 hosted.iter().map(|&h| h + 1).fold(look, usize::max).min(b)
             });
             if hosted.is_empty() && prefetch_at.is_some_and(|p| p < a + 2) {
                 continue; // gap shorter than the lookahead: keep it resident
             }
-            // Weights to NVMe; gradients and activations to host memory while it has room.
+            if hosted.is_empty()
+                && t.kind == TensorKind::Weight
+                && (elements_of(t) < PERSISTENCE_THRESHOLD_ELEMENTS
+                    || b.is_some_and(|b| used[b] - used[a + 1] < MAX_REUSE_DISTANCE_ELEMENTS))
+            {
+                // Persistent, or reused soon enough: DeepSpeed does not release it.
+                continue;
+            }
+            // Weights to NVMe (the first `MAX_IN_CPU_ELEMENTS` to host memory), and the
+            // gradients the CPU step consumes (DeepSpeed swaps the fp32 gradients out to
+            // NVMe at the accumulation boundary and the step swaps them in with the
+            // optimizer states); other gradients and activations to host memory while it
+            // has room.
+            let to_nvme = (t.kind == TensorKind::Weight && !in_cpu[t.id.index()])
+                || (t.kind == TensorKind::Gradient && !hosted.is_empty());
             let mut tier = Tier::Ssd;
-            if t.kind != TensorKind::Weight || !hw.has_ssd() {
+            if !to_nvme || !hw.has_ssd() {
                 // Held from the offload until the prefetch completes (by `b`) or until death.
                 if take_host(a + 1, end + 1, t.bytes) {
                     tier = Tier::Host;
@@ -193,12 +298,18 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
                     read += t.bytes;
                     write += t.bytes;
                 }
-                // The updated weight goes back to NVMe; an fp32 weight is its own master
-                // copy and is read too.
+                // The updated weight goes back to its partition. An fp32 weight has no
+                // master tensor in the trace, but DeepSpeed keeps one beside the parameter
+                // partition all the same (stage 3's fp32 partitions), with the optimizer
+                // states: it is read and written with them, and the parameter copy is
+                // written too (16 bytes written per fp32 parameter, 12 read).
                 TensorKind::Weight => {
-                    write += t.bytes;
-                    if t.bytes == moment && on_ssd {
+                    if on_ssd {
+                        write += t.bytes;
+                    }
+                    if t.bytes == moment {
                         read += t.bytes;
+                        write += t.bytes;
                     }
                 }
                 _ if on_ssd => read += t.bytes,
