@@ -291,9 +291,9 @@ fn golden_llama3_8b_and_granite_8b() {
 
 /// Golden: the headline comparison on llama3-8b. ZeRO-Infinity runs as DeepSpeed does
 /// (activation checkpointing, CPU step read, compute, write in turn, parameters moved by its
-/// prefetcher's rules); `teraio` offloads instead of recomputing. Measured 1.43x with the
-/// step at the end and 1.46x with the step in the next forward pass (docs/BENCHMARKS.md); a
-/// plan with no I/O cost at all would be 1.46x.
+/// prefetcher's rules); `teraio` offloads instead of recomputing. Measured 1.45x with the
+/// step at the end and 1.475x with the step in the next forward pass (docs/BENCHMARKS.md); a
+/// plan with no I/O cost at all would be 1.48x.
 #[test]
 fn golden_teraio_vs_zero_infinity_on_llama3_8b() {
     let t = preset_row("llama3-8b", Policy::Teraio);
@@ -324,8 +324,8 @@ fn golden_teraio_vs_zero_infinity_on_llama3_8b() {
 
 /// The target, on the paper's three presets and hardware: `teraio` at least 1.47x
 /// `zero-infinity` on average, with the training loop stepping each parameter's optimizer in
-/// the next forward pass (the same updates; measured 1.473x, docs/BENCHMARKS.md), and ahead
-/// of `zero-infinity` on each preset with the step at the end too (measured 1.43-1.48x).
+/// the next forward pass (the same updates; measured 1.488x, docs/BENCHMARKS.md), and ahead
+/// of `zero-infinity` on each preset with the step at the end too (measured 1.45-1.49x).
 #[test]
 fn golden_paper_target_over_the_presets() {
     let hw = Hardware::paper();

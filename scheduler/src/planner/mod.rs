@@ -45,9 +45,10 @@ pub enum Policy {
     /// leaves above capacity is paged on demand, as its unified memory would.
     G10,
     /// ZeRO-Infinity-like (DeepSpeed ZeRO-3, defaults of DeepSpeed 0.19): parameters on
-    /// NVMe (the first 10^9 elements in host memory), released after a use unless reused
-    /// within 10^9 elements and prefetched by elements ahead; gradients to host memory (NVMe
-    /// when full, and for the step); optimizer states always on NVMe and the optimizer step
+    /// NVMe (the first 10^9 elements in host memory), released after a use (those in host
+    /// memory unless reused within 10^9 elements) and prefetched by elements ahead; gradients
+    /// to host memory (NVMe when full, and through NVMe in the step); optimizer states
+    /// always on NVMe and the optimizer step
     /// on the CPU (CPU-Adam at [`Hardware::cpu_adam_params_per_s`], streaming states and
     /// gradients NVMe -> host -> NVMe) while the GPU waits; activations saved for backward to
     /// host memory (NVMe when full). The CPU step reads, computes and writes one after the
