@@ -12,12 +12,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from gpu_timing import timeit
+from llama import Layer
 
 quick = "--quick" in sys.argv
 dev = "cuda"
-H, FFN, HEADS, KV, HD = 4096, 14336, 32, 8, 128
+H, FFN, HEADS, KV = 4096, 14336, 32, 8
 B, S = (1, 1024) if quick else (4, 4096)
 T = B * S
 
@@ -41,32 +41,9 @@ def matmul_tflops(p, m, k, n):
     return 2 * m * k * n / s / 1e12
 
 
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n1 = torch.nn.RMSNorm(H)
-        self.q = torch.nn.Linear(H, HEADS * HD, bias=False)
-        self.kv = torch.nn.Linear(H, 2 * KV * HD, bias=False)
-        self.o = torch.nn.Linear(HEADS * HD, H, bias=False)
-        self.n2 = torch.nn.RMSNorm(H)
-        self.gate_up = torch.nn.Linear(H, 2 * FFN, bias=False)
-        self.down = torch.nn.Linear(FFN, H, bias=False)
-
-    def forward(self, x):
-        h = self.n1(x)
-        q = self.q(h).view(B, S, HEADS, HD).transpose(1, 2)
-        k, v = self.kv(h).view(B, S, 2, KV, HD).unbind(2)
-        k = k.transpose(1, 2).repeat_interleave(HEADS // KV, dim=1)
-        v = v.transpose(1, 2).repeat_interleave(HEADS // KV, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(B, S, HEADS * HD))
-        g, u = self.gate_up(self.n2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
-
-
 def layer_ms(p):
     set_precision(p)
-    layer = Layer().to(dev, dtype_of(p))
+    layer = Layer(H, HEADS, KV, FFN).to(dev, dtype_of(p))
     x = torch.randn(B, S, H, device=dev, dtype=dtype_of(p), requires_grad=True)
     dy = torch.randn(B, S, H, device=dev, dtype=dtype_of(p))
 

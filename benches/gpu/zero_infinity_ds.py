@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from llama import Layer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hidden", type=int, default=1024)
@@ -47,38 +48,14 @@ torch.backends.cuda.matmul.allow_tf32 = args.tf32
 torch.backends.cudnn.allow_tf32 = args.tf32
 dev = "cuda"
 H, L, HEADS, KV, FFN, V = args.hidden, args.layers, args.heads, args.kv_heads, args.ffn, args.vocab
-HD = H // HEADS
 B, S = args.micro_batch, args.seq
-
-
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n1 = torch.nn.RMSNorm(H)
-        self.q = torch.nn.Linear(H, HEADS * HD, bias=False)
-        self.kv = torch.nn.Linear(H, 2 * KV * HD, bias=False)
-        self.o = torch.nn.Linear(HEADS * HD, H, bias=False)
-        self.n2 = torch.nn.RMSNorm(H)
-        self.gate_up = torch.nn.Linear(H, 2 * FFN, bias=False)
-        self.down = torch.nn.Linear(FFN, H, bias=False)
-
-    def forward(self, x):
-        h = self.n1(x)
-        q = self.q(h).view(B, S, HEADS, HD).transpose(1, 2)
-        k, v = self.kv(h).view(B, S, 2, KV, HD).unbind(2)
-        k = k.transpose(1, 2).repeat_interleave(HEADS // KV, dim=1)
-        v = v.transpose(1, 2).repeat_interleave(HEADS // KV, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(B, S, HEADS * HD))
-        g, u = self.gate_up(self.n2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
 
 
 class Model(torch.nn.Module):
     def __init__(self, checkpointing):
         super().__init__()
         self.embed = torch.nn.Embedding(V, H)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(L))
+        self.layers = torch.nn.ModuleList(Layer(H, HEADS, KV, FFN) for _ in range(L))
         self.norm = torch.nn.RMSNorm(H)
         self.head = torch.nn.Linear(H, V, bias=False)
         self.checkpointing = checkpointing

@@ -1226,6 +1226,18 @@ mod tests {
         assert!(Dtype::parse("fp16").unwrap_err().to_string().contains("tf32"));
     }
 
+    /// `t` is valid and has `plain`'s kernels in another order: the same ideal time.
+    fn assert_reordered(t: &Trace, plain: &Trace) {
+        t.validate().unwrap();
+        let names = |t: &Trace| {
+            let mut v: Vec<String> = t.kernels.iter().map(|k| k.name.clone()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(t), names(plain));
+        assert!((t.iteration_time_us() - plain.iteration_time_us()).abs() < 1e-3);
+    }
+
     #[test]
     fn optimizer_in_backward_steps_each_parameter_after_its_last_gradient_write() {
         let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
@@ -1233,15 +1245,7 @@ mod tests {
         let plain = generate(&cfg).unwrap();
         cfg.optimizer_in_backward = true;
         let t = generate(&cfg).unwrap();
-        t.validate().unwrap();
-        // The same kernels, in another order: the same ideal time.
-        let names = |t: &Trace| {
-            let mut v: Vec<String> = t.kernels.iter().map(|k| k.name.clone()).collect();
-            v.sort();
-            v
-        };
-        assert_eq!(names(&t), names(&plain));
-        assert!((t.iteration_time_us() - plain.iteration_time_us()).abs() < 1e-3);
+        assert_reordered(&t, &plain);
         // Every step directly follows its gradient's last write, in the last micro-batch;
         // nothing touches the parameter or its states after the step.
         let mut steps = 0;
@@ -1271,14 +1275,7 @@ mod tests {
         let plain = generate(&cfg).unwrap();
         cfg.optimizer_in_forward = true;
         let t = generate(&cfg).unwrap();
-        t.validate().unwrap();
-        let names = |t: &Trace| {
-            let mut v: Vec<String> = t.kernels.iter().map(|k| k.name.clone()).collect();
-            v.sort();
-            v
-        };
-        assert_eq!(names(&t), names(&plain));
-        assert!((t.iteration_time_us() - plain.iteration_time_us()).abs() < 1e-3);
+        assert_reordered(&t, &plain);
         let is_step = |k: usize| t.kernels[k].name.ends_with(".adamw");
         let mut steps = 0;
         for w in t.tensors.iter().filter(|x| x.kind == TensorKind::Weight) {
