@@ -141,3 +141,25 @@ fn zero_infinity_without_checkpointing_gets_a_note() {
     let teraio_only = text(&["simulate", "preset:gpt2-small", "--policy", "teraio"]);
     assert!(!teraio_only.contains("note:"));
 }
+
+#[test]
+fn stalls_lists_where_each_policy_waits_longest() {
+    let args = ["simulate", "preset:gpt2-replay", "--hw", "dev", "--policy", "teraio,lru"];
+    let out = teraio(&[&args[..], &["--stalls", "3"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("where lru waits: 3 kernels"), "{text}");
+    assert!(text.contains("where teraio waits:"), "{text}");
+    let v = json_of(&teraio(&[&args[..], &["--stalls", "3", "--json"]].concat()));
+    for r in v.as_array().unwrap() {
+        let list = r["stalls"].as_array().unwrap();
+        assert!(list.len() <= 3, "{r}");
+        assert!(r["timeline"].is_null(), "the timeline stays out of the JSON");
+        let waits: Vec<f64> = list.iter().map(|s| s["stall_us"].as_f64().unwrap()).collect();
+        assert!(waits.windows(2).all(|w| w[0] >= w[1]), "{waits:?}");
+        assert!(waits.iter().sum::<f64>() <= r["stall_us"].as_f64().unwrap() + 1e-6);
+        assert!(list.iter().all(|s| s["name"].as_str().is_some_and(|n| !n.is_empty())));
+    }
+    let lru = &v.as_array().unwrap()[1];
+    assert_eq!(lru["stalls"].as_array().unwrap().len(), 3, "lru waits here: {lru}");
+}

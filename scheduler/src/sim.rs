@@ -89,6 +89,23 @@ pub struct Timeline {
     pub bandwidth: Vec<(f64, [f64; Resource::COUNT])>,
     /// Start time of every kernel, us.
     pub kernel_starts_us: Vec<f64>,
+    /// How long every kernel waited to start once the one before it had finished, us: its
+    /// tensors were not resident yet, or memory for its creations was not free. Sums to
+    /// [`SimReport::stall_us`].
+    #[serde(default)]
+    pub kernel_stalls_us: Vec<f64>,
+}
+
+impl Timeline {
+    /// The `n` kernels that waited longest to start, longest first: (kernel, wait us), only
+    /// those that waited at all.
+    pub fn longest_stalls(&self, n: usize) -> Vec<(usize, f64)> {
+        let mut v: Vec<(usize, f64)> =
+            self.kernel_stalls_us.iter().copied().enumerate().filter(|s| s.1 > 0.0).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        v.truncate(n);
+        v
+    }
 }
 
 /// What a simulation reports.
@@ -642,6 +659,7 @@ impl<'a> Sim<'a> {
                     stall += self.t - ready_t;
                     if let Some(tl) = &mut self.timeline {
                         tl.kernel_starts_us.push(self.t - self.iter_start);
+                        tl.kernel_stalls_us.push(self.t - ready_t);
                     }
                 }
                 started_at = self.t;

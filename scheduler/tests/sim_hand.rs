@@ -617,3 +617,37 @@ fn teraio_falls_back_to_lru_where_its_greedy_cannot_fit() {
         assert_eq!(p.policy, format!("{policy}+lru-fallback"));
     }
 }
+
+/// The timeline's per-kernel waits account for the whole stall, kernel by kernel, and
+/// `longest_stalls` lists the longest first. gpt2-replay on the dev machine's model (about
+/// half the memory it needs, a slow array), where `lru` waits a lot.
+#[test]
+fn kernel_stalls_add_up_to_the_reported_stall() {
+    let trace = generate(&ModelConfig::preset("gpt2-replay").unwrap()).unwrap();
+    let hw = Hardware::dev();
+    let p = plan(&trace, &hw, Policy::Lru).unwrap();
+    let opts = SimOptions { iterations: 2, record_timeline: true };
+    let r = simulate(&trace, &p, &hw, &opts).unwrap();
+    assert_eq!(r.outcome, Outcome::Completed);
+    assert!(r.stall_us > 1e5, "lru should stall here: {} us", r.stall_us);
+    let tl = r.timeline.as_ref().unwrap();
+    assert_eq!(tl.kernel_stalls_us.len(), trace.kernel_count());
+    let sum: f64 = tl.kernel_stalls_us.iter().sum();
+    assert!((sum - r.stall_us).abs() < 1e-6 * r.stall_us.max(1.0), "{sum} vs {}", r.stall_us);
+    // Each wait is the gap between the kernel before it finishing and this one starting.
+    for k in 1..trace.kernel_count() {
+        let gap =
+            tl.kernel_starts_us[k] - tl.kernel_starts_us[k - 1] - trace.kernels[k - 1].duration_us;
+        assert!(
+            (gap - tl.kernel_stalls_us[k]).abs() < 1e-3,
+            "kernel {k}: {gap} vs {}",
+            tl.kernel_stalls_us[k]
+        );
+    }
+    let top = tl.longest_stalls(5);
+    assert_eq!(top.len(), 5);
+    assert!(top.windows(2).all(|w| w[0].1 >= w[1].1), "{top:?}");
+    let max = tl.kernel_stalls_us.iter().copied().fold(0.0, f64::max);
+    assert_eq!(top[0].1, max);
+    assert!(tl.longest_stalls(usize::MAX).iter().all(|s| s.1 > 0.0));
+}

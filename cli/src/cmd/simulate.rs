@@ -16,7 +16,8 @@ Examples:
   teraio simulate llama3-8b.json --plan plan.json --plot llama3-8b.svg
   teraio simulate preset:llama3-8b --checkpointed-trace preset:llama3-8b,activation-checkpointing \\
       --policy teraio,teraio+checkpointing,zero-infinity     # ZeRO-Infinity as DeepSpeed runs it
-  teraio simulate preset:llama3-8b,dtype=tf32,selective-recompute --ssds 8 --policy teraio,teraio-hybrid")]
+  teraio simulate preset:llama3-8b,dtype=tf32,selective-recompute --ssds 8 --policy teraio,teraio-hybrid
+  teraio simulate preset:llama3-70b --stalls 10                # where the plan makes the GPU wait")]
 pub struct Args {
     /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
@@ -46,6 +47,20 @@ pub struct Args {
     /// Write an SVG plot (memory over time without/with plan and capacity; bandwidth use).
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// List the N kernels each policy waits on longest (the GPU idle before them: their
+    /// tensors not back yet, or no memory free for what they create). With --json, each
+    /// report gets a `stalls` array.
+    #[arg(long, value_name = "N")]
+    pub stalls: Option<usize>,
+}
+
+/// One kernel's wait, as `--stalls` lists it.
+#[derive(serde::Serialize)]
+struct Stall<'a> {
+    kernel: usize,
+    name: &'a str,
+    stall_us: f64,
+    duration_us: f64,
 }
 
 /// One row of the comparison.
@@ -114,7 +129,10 @@ pub fn print_table(rows: &[Row]) {
 pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
     let hw = args.hw.hardware()?;
-    let opts = SimOptions { iterations: args.iterations, record_timeline: args.plot.is_some() };
+    let opts = SimOptions {
+        iterations: args.iterations,
+        record_timeline: args.plot.is_some() || args.stalls.is_some(),
+    };
     let ckpt = args.checkpointed_trace.as_deref().map(crate::cmd::trace::load).transpose()?;
     if let Some(c) = &ckpt
         && c.name != trace.name
@@ -175,10 +193,40 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(path) = &args.plot {
         crate::plot::memory_and_bandwidth(path, &trace, &rows[0].report, &hw)?;
     }
+    // The longest waits of every row, from its timeline (dropped from the report unless a
+    // plot asked for it: it is large).
+    let mut stalls: Vec<Vec<Stall>> = Vec::new();
+    if let Some(n) = args.stalls {
+        for (row, (_, _, on_ckpt)) in rows.iter_mut().zip(&plans) {
+            let t = if *on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
+            let tl = row.report.timeline.as_ref();
+            let top = tl.map(|tl| tl.longest_stalls(n)).unwrap_or_default();
+            stalls.push(
+                top.into_iter()
+                    .map(|(k, us)| Stall {
+                        kernel: k,
+                        name: &t.kernels[k].name,
+                        stall_us: us,
+                        duration_us: t.kernels[k].duration_us,
+                    })
+                    .collect(),
+            );
+            if args.plot.is_none() {
+                row.report.timeline = None;
+            }
+        }
+    }
     if args.json {
-        let reports: Vec<&SimReport> = rows.iter().map(|r| &r.report).collect();
+        let mut reports = Vec::new();
+        for (i, row) in rows.iter().enumerate() {
+            let mut v = serde_json::to_value(&row.report)?;
+            if let (Some(list), Some(obj)) = (stalls.get(i), v.as_object_mut()) {
+                obj.insert("stalls".into(), serde_json::to_value(list)?);
+            }
+            reports.push(v);
+        }
         if reports.len() == 1 {
-            outln!("{}", serde_json::to_string_pretty(reports[0])?);
+            outln!("{}", serde_json::to_string_pretty(&reports[0])?);
         } else {
             outln!("{}", serde_json::to_string_pretty(&reports)?);
         }
@@ -201,6 +249,26 @@ pub fn run(args: Args) -> Result<()> {
         outln!("SSD reads and writes share {:.1} GB/s per SSD", d / 1e9);
     }
     print_table(&rows);
+    for (row, list) in rows.iter().zip(&stalls) {
+        let r = &row.report;
+        let shown: f64 = list.iter().map(|s| s.stall_us).sum();
+        outln!(
+            "where {} waits: {} kernels, {:.3} of its {:.3} s of stall",
+            r.policy,
+            list.len(),
+            shown / 1e6,
+            r.stall_us / 1e6
+        );
+        for s in list {
+            outln!(
+                "  kernel {:>7}  {:<40} waited {:>10.1} ms  (runs {:.1} ms)",
+                s.kernel,
+                s.name,
+                s.stall_us / 1e3,
+                s.duration_us / 1e3
+            );
+        }
+    }
     if ckpt.is_none()
         && plans.iter().any(|p| p.0.policy.starts_with("zero-infinity"))
         && !trace.kernels.iter().any(|k| k.name.contains(".rc."))
