@@ -20,10 +20,12 @@
 //!   `pipeline_write` off); `zero-infinity-pipelined` overlaps them perfectly instead. The GPU
 //!   runs nothing meanwhile.
 //! - **Optimizer states** never enter GPU memory: they live on NVMe.
-//! - **Parameters** on NVMe are released after every use: DeepSpeed re-read them on every
-//!   use in the runs we measured (7.1 passes over its NVMe parameters per step, 2
-//!   micro-batches with forward, recomputation and backward each), although its reuse rule
-//!   would keep some. Those held in host memory are kept when used again before
+//! - **Parameters** on NVMe are released after every use and read again, even when the next
+//!   use is within the prefetch lookahead (the swap buffer goes with the release), unless
+//!   that use is the very next kernel: DeepSpeed re-read them on every use in the runs we
+//!   measured (7.1 passes over its NVMe parameters per step, 2 micro-batches with forward,
+//!   recomputation and backward each; the model reads 5.9), although its reuse rule would
+//!   keep some. Those held in host memory are kept when used again before
 //!   `stage3_max_reuse_distance` (10^9) parameter elements have been used in between (that
 //!   rule, as DeepSpeed's code has it). Parameters are fetched back ahead of their next use
 //!   by elements, as ZeRO-3's prefetcher does: from
@@ -247,7 +249,14 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
                     if s == 0 { 0 } else { bs(s - 1) }
                 };
                 // After the host kernels that need the tensor off the GPU.
-                hosted.iter().map(|&h| h + 1).fold(look, usize::max).min(b)
+                let at = hosted.iter().map(|&h| h + 1).fold(look, usize::max);
+                // A released NVMe parameter is read again even when its next use is within
+                // the lookahead (its swap buffer went with it), unless that use is the very
+                // next kernel.
+                let nvme = t.kind == TensorKind::Weight
+                    && !in_cpu[t.id.index()]
+                    && elements_of(t) >= PERSISTENCE_THRESHOLD_ELEMENTS;
+                if nvme { at.max(a + 2) } else { at }.min(b)
             });
             if hosted.is_empty() && prefetch_at.is_some_and(|p| p < a + 2) {
                 continue; // gap shorter than the lookahead: keep it resident
