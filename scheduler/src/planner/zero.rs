@@ -201,6 +201,11 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
             continue;
         }
         // (Optimizer states reach here only without an SSD tier: AdamW then runs on the GPU.)
+        let weight = t.kind == TensorKind::Weight;
+        // Weights live on NVMe but the first `MAX_IN_CPU_ELEMENTS`, held in host memory;
+        // persistent ones stay on the GPU (but for the CPU step).
+        let on_nvme = weight && !in_cpu[t.id.index()];
+        let persistent = weight && elements_of(t) < PERSISTENCE_THRESHOLD_ELEMENTS;
         let state_like = matches!(
             t.kind,
             TensorKind::Weight | TensorKind::Gradient | TensorKind::OptimizerState
@@ -231,16 +236,13 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
                 continue;
             }
             let prefetch_at = b.map(|b| {
-                let look = if t.kind == TensorKind::Weight {
+                let look = if weight {
                     // ZeRO-3 prefetches parameters by elements, not layers: from the first
                     // kernel after which at most the lookahead's elements are used before
                     // `b`, and at the latest when the kernel using the parameters before
                     // them is fetched (the next parameter in the queue is always taken).
-                    let ahead = if in_cpu[t.id.index()] {
-                        PREFETCH_BUCKET_ELEMENTS
-                    } else {
-                        NVME_LOOKAHEAD_ELEMENTS
-                    };
+                    let ahead =
+                        if on_nvme { NVME_LOOKAHEAD_ELEMENTS } else { PREFETCH_BUCKET_ELEMENTS };
                     let within = used[..=b].partition_point(|&u| u + ahead < used[b]);
                     let previous = used[..=b].partition_point(|&u| u < used[b]).saturating_sub(1);
                     within.min(previous)
@@ -253,31 +255,22 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
                 // A released NVMe parameter is read again even when its next use is within
                 // the lookahead (its swap buffer went with it), unless that use is the very
                 // next kernel.
-                let nvme = t.kind == TensorKind::Weight
-                    && !in_cpu[t.id.index()]
-                    && elements_of(t) >= PERSISTENCE_THRESHOLD_ELEMENTS;
-                if nvme { at.max(a + 2) } else { at }.min(b)
+                if on_nvme && !persistent { at.max(a + 2) } else { at }.min(b)
             });
             if hosted.is_empty() && prefetch_at.is_some_and(|p| p < a + 2) {
                 continue; // gap shorter than the lookahead: keep it resident
             }
-            if hosted.is_empty()
-                && t.kind == TensorKind::Weight
-                && (elements_of(t) < PERSISTENCE_THRESHOLD_ELEMENTS
-                    || (in_cpu[t.id.index()]
-                        && b.is_some_and(|b| used[b] - used[a + 1] < MAX_REUSE_DISTANCE_ELEMENTS)))
-            {
-                // Persistent, or reused soon enough: DeepSpeed does not release it.
-                continue;
+            let reused_soon = weight
+                && !on_nvme
+                && b.is_some_and(|b| used[b] - used[a + 1] < MAX_REUSE_DISTANCE_ELEMENTS);
+            if hosted.is_empty() && (persistent || reused_soon) {
+                continue; // DeepSpeed does not release it
             }
-            // Weights to NVMe (the first `MAX_IN_CPU_ELEMENTS` to host memory), and the
-            // gradients the CPU step consumes (DeepSpeed swaps the fp32 gradients out to
-            // NVMe at the accumulation boundary and the step swaps them in with the
-            // optimizer states); other gradients and activations to host memory while it
-            // has room.
-            let to_nvme = t.kind == TensorKind::Weight && !in_cpu[t.id.index()];
+            // Weights on NVMe there; everything else (host-held weights, gradients, and
+            // activations) to host memory while it has room, else NVMe. The gradients the
+            // CPU step consumes go through NVMe within the step (see the host kernels below).
             let mut tier = Tier::Ssd;
-            if !to_nvme || !hw.has_ssd() {
+            if !on_nvme || !hw.has_ssd() {
                 // Held from the offload until the prefetch completes (by `b`) or until death.
                 if take_host(a + 1, end + 1, t.bytes) {
                     tier = Tier::Host;
