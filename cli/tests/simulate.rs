@@ -140,6 +140,27 @@ fn zero_infinity_without_checkpointing_gets_a_note() {
     assert!(!fair.contains("note:") && fair.contains("zero-infinity*"), "{fair}");
     let teraio_only = text(&["simulate", "preset:gpt2-small", "--policy", "teraio"]);
     assert!(!teraio_only.contains("note:"));
+    // Optimizer steps moved into the forward or backward pass: not how DeepSpeed runs.
+    for moved in ["optimizer-in-forward", "optimizer-in-backward"] {
+        let out = text(&[
+            "simulate",
+            &format!("preset:gpt2-small,{moved}"),
+            "--policy",
+            "teraio,zero-infinity",
+            "--checkpointed-trace",
+            &format!("preset:gpt2-small,activation-checkpointing,{moved}"),
+        ]);
+        assert!(out.contains("DeepSpeed steps after the backward pass"), "{moved}: {out}");
+    }
+    let split = text(&[
+        "simulate",
+        "preset:gpt2-small,optimizer-in-forward",
+        "--policy",
+        "teraio,zero-infinity",
+        "--checkpointed-trace",
+        "preset:gpt2-small,activation-checkpointing",
+    ]);
+    assert!(!split.contains("note:"), "teraio's trace may move its steps: {split}");
 }
 
 #[test]

@@ -125,6 +125,13 @@ pub fn print_table(rows: &[Row]) {
     }
 }
 
+/// Whether some optimizer step (an `.adamw` kernel) runs before the last backward kernel.
+fn steps_moved(t: &teraio_scheduler::Trace) -> bool {
+    let last_bwd = t.kernels.iter().rposition(|k| k.name.contains(".bwd"));
+    let first_step = t.kernels.iter().position(|k| k.name.ends_with(".adamw"));
+    matches!((first_step, last_bwd), (Some(s), Some(b)) if s < b)
+}
+
 /// Run `teraio simulate`.
 pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
@@ -277,6 +284,19 @@ pub fn run(args: Args) -> Result<()> {
             "note: zero-infinity was planned on a trace without activation checkpointing, whose \
              saved activations DeepSpeed cannot offload (generous to it); compare it as it runs \
              with --checkpointed-trace (e.g. preset:NAME,activation-checkpointing)"
+        );
+    }
+    // DeepSpeed steps after the backward pass: a ZeRO-Infinity row on a trace whose steps
+    // were moved (optimizer in forward or in backward) is not how it runs.
+    let moved = plans.iter().any(|(p, _, on_ckpt)| {
+        let t = if *on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
+        p.policy.starts_with("zero-infinity") && steps_moved(t)
+    });
+    if moved {
+        outln!(
+            "note: zero-infinity was planned on a trace whose optimizer steps run inside the \
+             forward or backward pass; DeepSpeed steps after the backward pass (generate its \
+             trace without optimizer-in-forward/-backward)"
         );
     }
     if let Some(c) = &ckpt
