@@ -39,6 +39,8 @@ ap.add_argument("--steps", type=int, default=4, help="timed steps after one warm
 ap.add_argument("--nvme", default="/tmp/dsnvme")
 ap.add_argument("--tf32", action="store_true")
 ap.add_argument("--modes", default="aio,cpuadam,ideal,zero")
+ap.add_argument("--log-trace", action="store_true",
+                help="let ZeRO-3 print when its module trace is invalidated (no prefetching then)")
 ap.add_argument("--param-buffers", type=int, default=5,
                 help="offload_param.buffer_count (DeepSpeed's default 5 runs out on models over "
                 "about 1e9 parameters: 'Not enough buffers 0 for swapping 1')")
@@ -128,6 +130,7 @@ def ds_config():
             "offload_param": {"device": "nvme", "nvme_path": args.nvme, "pin_memory": True,
                               "buffer_count": args.param_buffers},
             "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "pin_memory": True},
+            "log_trace_cache_warnings": args.log_trace,
         },
         "steps_per_print": 1 << 30,
     }
