@@ -696,13 +696,14 @@ impl Builder {
 pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
     cfg.validate()?;
     let e = cfg.dtype.bytes();
+    let (attn_fwd, attn_bwd) = attention_flops(cfg.gpu, cfg.dtype);
     let mut b = Builder {
         trace: Trace::new(&cfg.name),
         cfg: cfg.clone(),
         params: Vec::new(),
         flops_div: cfg.gpu.peak_flops(cfg.dtype) * matmul_efficiency(cfg.dtype),
-        attn_fwd: attention_flops(cfg.gpu, cfg.dtype).0,
-        attn_bwd: attention_flops(cfg.gpu, cfg.dtype).1,
+        attn_fwd,
+        attn_bwd,
         hbm: cfg.gpu.hbm_bytes_per_s() * MEMORY_EFFICIENCY,
     };
     let tokens = cfg.seq_len * cfg.micro_batch;
@@ -1037,8 +1038,7 @@ fn step_in_backward(trace: &mut Trace) {
         if t.kind != TensorKind::Gradient {
             continue;
         }
-        let Some(step) =
-            t.accesses.iter().copied().find(|&k| trace.kernels[k].name.ends_with(".adamw"))
+        let Some(step) = t.accesses.iter().copied().find(|&k| is_optimizer_step(&trace.kernels[k]))
         else {
             continue;
         };
@@ -1058,7 +1058,7 @@ fn step_in_forward(trace: &mut Trace) {
     let n = trace.kernels.len();
     // Sort key per kernel: (position it precedes, 0 for a moved step, original index).
     let mut key: Vec<(usize, u8, usize)> = (0..n).map(|k| (k, 1, k)).collect();
-    let is_step = |k: usize| trace.kernels[k].name.ends_with(".adamw");
+    let is_step = |k: usize| is_optimizer_step(&trace.kernels[k]);
     for t in &trace.tensors {
         if t.kind != TensorKind::Weight {
             continue;
@@ -1071,14 +1071,32 @@ fn step_in_forward(trace: &mut Trace) {
     reorder(trace, &key);
     let kernels = &trace.kernels;
     for t in &mut trace.tensors {
-        let stepped_first =
-            t.accesses.first().is_some_and(|&k| kernels[k].name.ends_with(".adamw"));
+        let stepped_first = t.accesses.first().is_some_and(|&k| is_optimizer_step(&kernels[k]));
         if t.kind == TensorKind::Gradient && stepped_first {
             t.global = true;
             t.created_by = None;
             t.dies_after = None;
         }
     }
+}
+
+/// Whether `k` is an optimizer step of a generated trace (the AdamW kernels, `NAME.adamw`).
+pub fn is_optimizer_step(k: &Kernel) -> bool {
+    k.name.ends_with(".adamw")
+}
+
+/// Whether a generated trace runs some optimizer step before its last backward kernel
+/// ([`ModelConfig::optimizer_in_backward`], [`ModelConfig::optimizer_in_forward`]).
+pub fn optimizer_steps_moved(trace: &Trace) -> bool {
+    let last_bwd = trace.kernels.iter().rposition(|k| k.name.contains(".bwd"));
+    let first_step = trace.kernels.iter().position(is_optimizer_step);
+    matches!((first_step, last_bwd), (Some(s), Some(b)) if s < b)
+}
+
+/// Whether a generated trace recomputes activations in backward (kernels `mbM.LL.rc.*`:
+/// [`ModelConfig::checkpointed_layers`], [`ModelConfig::selective_recompute`]).
+pub fn recomputes_activations(trace: &Trace) -> bool {
+    trace.kernels.iter().any(|k| k.name.contains(".rc."))
 }
 
 /// Reorder the kernels by `key` (sorted ascending) and renumber every access.

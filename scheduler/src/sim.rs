@@ -1,10 +1,10 @@
 //! Discrete-event replay of iterations under a plan and a hardware model.
 //!
 //! The semantics are those documented in [`crate::plan`](mod@crate::plan): kernels run one at
-//! a time; at each boundary the plan's instructions are issued in order; offloads release GPU memory when
-//! their copy completes; prefetches and tensor creations allocate GPU memory in issue order
-//! (FIFO), waiting while memory is full; a kernel starts once its creations are allocated and
-//! every tensor it accesses is resident. A prefetch issued while the same tensor's offload is
+//! a time; at each boundary the plan's instructions are issued in order; offloads release GPU
+//! memory when their copy completes; prefetches and tensor creations allocate GPU memory in
+//! issue order (FIFO), waiting while memory is full; a kernel starts once its creations are
+//! allocated and every tensor it accesses is resident. A prefetch issued while the same tensor's offload is
 //! still copying keeps the GPU copy: the offload completes (the tier copy is written) and the
 //! tensor is resident again without a read. A clean drop ([`crate::Instruction::clean`])
 //! releases the GPU memory when issued and moves nothing (a valid plan drops only resident

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use teraio_scheduler::model::{optimizer_steps_moved, recomputes_activations};
 use teraio_scheduler::{Outcome, Plan, Policy, Resource, SimOptions, SimReport, plan, simulate};
 
 use crate::cmd::plan::{HwArgs, gb, outln};
@@ -125,13 +126,6 @@ pub fn print_table(rows: &[Row]) {
     }
 }
 
-/// Whether some optimizer step (an `.adamw` kernel) runs before the last backward kernel.
-fn steps_moved(t: &teraio_scheduler::Trace) -> bool {
-    let last_bwd = t.kernels.iter().rposition(|k| k.name.contains(".bwd"));
-    let first_step = t.kernels.iter().position(|k| k.name.ends_with(".adamw"));
-    matches!((first_step, last_bwd), (Some(s), Some(b)) if s < b)
-}
-
 /// Run `teraio simulate`.
 pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
@@ -149,6 +143,8 @@ pub fn run(args: Args) -> Result<()> {
             c.name, trace.name
         )));
     }
+    // The trace a plan was made on: the checkpointed one, or the main one.
+    let trace_for = |on_ckpt: bool| if on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
     // (plan, planning time, planned on the checkpointed trace)
     let mut plans: Vec<(Plan, f64, bool)> = Vec::new();
     if let Some(path) = &args.plan {
@@ -174,9 +170,8 @@ pub fn run(args: Args) -> Result<()> {
                     (p, ckpt.is_some() && p.needs_activation_checkpointing())
                 }
             };
-            let t = if on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
             let start = Instant::now();
-            let p = plan(t, &hw, policy)?;
+            let p = plan(trace_for(on_ckpt), &hw, policy)?;
             plans.push((p, start.elapsed().as_secs_f64(), on_ckpt));
         }
     }
@@ -186,8 +181,7 @@ pub fn run(args: Args) -> Result<()> {
     let ideal_us = trace.iteration_time_us();
     let mut rows = Vec::new();
     for (p, plan_s, on_ckpt) in &plans {
-        let t = if *on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
-        let mut report = simulate(t, p, &hw, &opts)?;
+        let mut report = simulate(trace_for(*on_ckpt), p, &hw, &opts)?;
         if *on_ckpt {
             // Against the main trace's ideal: the recomputation is part of the baseline's cost.
             if report.iteration_time_us > 0.0 {
@@ -205,7 +199,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut stalls: Vec<Vec<Stall>> = Vec::new();
     if let Some(n) = args.stalls {
         for (row, (_, _, on_ckpt)) in rows.iter_mut().zip(&plans) {
-            let t = if *on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
+            let t = trace_for(*on_ckpt);
             let tl = row.report.timeline.as_ref();
             let top = tl.map(|tl| tl.longest_stalls(n)).unwrap_or_default();
             stalls.push(
@@ -278,7 +272,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     if ckpt.is_none()
         && plans.iter().any(|p| p.0.policy.starts_with("zero-infinity"))
-        && !trace.kernels.iter().any(|k| k.name.contains(".rc."))
+        && !recomputes_activations(&trace)
     {
         outln!(
             "note: zero-infinity was planned on a trace without activation checkpointing, whose \
@@ -289,8 +283,7 @@ pub fn run(args: Args) -> Result<()> {
     // DeepSpeed steps after the backward pass: a ZeRO-Infinity row on a trace whose steps
     // were moved (optimizer in forward or in backward) is not how it runs.
     let moved = plans.iter().any(|(p, _, on_ckpt)| {
-        let t = if *on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
-        p.policy.starts_with("zero-infinity") && steps_moved(t)
+        p.policy.starts_with("zero-infinity") && optimizer_steps_moved(trace_for(*on_ckpt))
     });
     if moved {
         outln!(

@@ -48,10 +48,10 @@ pub enum Policy {
     /// NVMe (the first 10^9 elements in host memory), released after a use (those in host
     /// memory unless reused within 10^9 elements) and prefetched by elements ahead; gradients
     /// to host memory (NVMe when full, and through NVMe in the step); optimizer states
-    /// always on NVMe and the optimizer step
-    /// on the CPU (CPU-Adam at [`Hardware::cpu_adam_params_per_s`], streaming states and
-    /// gradients NVMe -> host -> NVMe) while the GPU waits; activations saved for backward to
-    /// host memory (NVMe when full). The CPU step reads, computes and writes one after the
+    /// always on NVMe and the optimizer step on the CPU (CPU-Adam at
+    /// [`Hardware::cpu_adam_params_per_s`], streaming states and gradients NVMe -> host ->
+    /// NVMe) while the GPU waits; activations saved for backward to host memory (NVMe when
+    /// full). The CPU step reads, computes and writes one after the
     /// other (DeepSpeed's default, `pipeline_read` and `pipeline_write` off). Checked against
     /// real DeepSpeed runs (docs/BENCHMARKS.md).
     ZeroInfinity,
@@ -121,24 +121,20 @@ impl std::fmt::Display for Policy {
 pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
     trace.validate()?;
     hw.validate()?;
-    match policy {
+    let mut plan = match policy {
+        // The teraio policies are complete here: feasibility pass, forced phase, fallback.
         Policy::Teraio => return Ok(plan_teraio(trace, hw, false)?.0),
         Policy::TeraioHybrid => {
             // Keep whichever of its own plan and `teraio`'s simulates faster, so the
             // improvement policy is never worse than the one it improves.
             let (hybrid, hybrid_us) = plan_teraio(trace, hw, true)?;
-            let (plain, plain_us) = plan_teraio(trace, hw, false)?;
+            let (mut plain, plain_us) = plan_teraio(trace, hw, false)?;
             if plain_us < hybrid_us {
-                let mut p = plain;
-                p.policy = p.policy.replacen("teraio", "teraio-hybrid", 1);
-                return Ok(p);
+                plain.policy = plain.policy.replacen("teraio", "teraio-hybrid", 1);
+                return Ok(plain);
             }
             return Ok(hybrid);
         }
-        _ => {}
-    }
-    let mut plan = match policy {
-        Policy::Teraio | Policy::TeraioHybrid => unreachable!("planned above"),
         Policy::G10 => g10::plan(trace, hw),
         Policy::ZeroInfinity => zero::plan(trace, hw, false),
         Policy::ZeroInfinityPipelined => zero::plan(trace, hw, true),

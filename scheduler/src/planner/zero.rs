@@ -15,10 +15,9 @@
 //!   the master, and the updated parameter copy where that lives on NVMe: 16 bytes read and
 //!   16 (20 with the parameter copy) written per fp32 parameter, as the disk counters of a
 //!   real DeepSpeed step showed (29.05 GB read, 35 GB written for 1.82 B parameters; the
-//!   model 29.05 and 32.3). Read, compute and
-//!   write run one after the other, as with DeepSpeed's default (`pipeline_read`/
-//!   `pipeline_write` off); `zero-infinity-pipelined` overlaps them perfectly instead. The GPU
-//!   runs nothing meanwhile.
+//!   model 29.05 and 32.3). Read, compute and write run one after the other, as with
+//!   DeepSpeed's default (`pipeline_read`/`pipeline_write` off); `zero-infinity-pipelined`
+//!   overlaps them perfectly instead. The GPU runs nothing meanwhile.
 //! - **Optimizer states** never enter GPU memory: they live on NVMe.
 //! - **Parameters** on NVMe are released after every use and read again, even when the next
 //!   use is within the prefetch lookahead (the swap buffer goes with the release), unless
@@ -28,8 +27,8 @@
 //!   keep some. Those held in host memory are kept when used again before
 //!   `stage3_max_reuse_distance` (10^9) parameter elements have been used in between (that
 //!   rule, as DeepSpeed's code has it). Parameters are fetched back ahead of their next use
-//!   by elements, as ZeRO-3's prefetcher does: from
-//!   `stage3_prefetch_bucket_size` (5 x 10^7) elements ahead, twice that for those on NVMe
+//!   by elements, as ZeRO-3's prefetcher does: from `stage3_prefetch_bucket_size` (5 x 10^7)
+//!   elements ahead, twice that for those on NVMe
 //!   (the NVMe prefetch reads up to twice what is being gathered), and at the latest when the
 //!   kernel before them is fetched. The first `offload_param.max_in_cpu` (10^9) elements live
 //!   in host memory, the rest on NVMe; parameters under `stage3_param_persistence_threshold`
@@ -309,11 +308,10 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
                     read += t.bytes;
                     write += t.bytes;
                 }
-                // The updated weight goes back to its partition. An fp32 weight has no
-                // master tensor in the trace, but DeepSpeed keeps one beside the parameter
-                // partition all the same (stage 3's fp32 partitions), with the optimizer
-                // states: it is read and written with them, and the parameter copy is
-                // written too (16 bytes written per fp32 parameter, 12 read).
+                // The updated parameter copy is written where it lives on NVMe. An fp32
+                // weight has no master tensor in the trace, but DeepSpeed keeps one beside
+                // the parameter partition all the same (stage 3's fp32 partitions), with the
+                // optimizer states: it is read and written with them.
                 TensorKind::Weight => {
                     if on_ssd {
                         write += t.bytes;
