@@ -1,4 +1,26 @@
-//! Byte counts for people: binary units (KiB, MiB, ...) for storage sizes and rates.
+//! Byte counts for people, the one place for them: parsing sizes given on the command line
+//! (`4k`, `1M`, `1G`: powers of 1024, as fio and the engine configuration read them), binary
+//! units (KiB, MiB, ...) for storage sizes and rates, decimal GB for training-scale figures.
+
+/// Parse a size option: `4096`, `4k`, `1M`, `1GiB` (see [`teraio_engine::units::parse_bytes`]).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    teraio_engine::units::parse_bytes(s)
+}
+
+/// [`parse_size`] that also takes `0` (an option that can be switched off).
+pub fn parse_size_or_zero(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" { Ok(0) } else { parse_size(s) }
+}
+
+/// Bytes as decimal gigabytes: `12.35 GB`.
+pub fn gb(bytes: f64) -> String {
+    format!("{:.2} GB", bytes / 1e9)
+}
+
+/// Bytes per second as decimal gigabytes per second: `3.10 GB/s`.
+pub fn gbps(bytes_per_s: f64) -> String {
+    format!("{:.2} GB/s", bytes_per_s / 1e9)
+}
 
 const BINARY: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
 
@@ -32,6 +54,20 @@ pub fn binary_spaced(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_parse_like_fio() {
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("512"), Ok(512));
+        assert!(parse_size("0").is_err());
+        assert_eq!(parse_size_or_zero("0"), Ok(0));
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("").is_err());
+        assert_eq!(gb(1.5e9), "1.50 GB");
+        assert_eq!(gbps(2e9), "2.00 GB/s");
+    }
 
     #[test]
     fn scales_and_names_units() {

@@ -1,5 +1,8 @@
 //! teraio's engine: everything that touches bytes.
 //!
+//! Front ends open an [`Engine`] from an [`EngineConfig`] (code, TOML or JSON): the array, the
+//! tensor store, the host tier and host buffers in one call. Below it:
+//!
 //! - [`backend`]: how I/O is submitted and completed (io_uring, psync, sim). Backends only
 //!   submit and complete; they do not know tensors.
 //! - [`device`] and [`array`]: where bytes live: opening targets, block sizes, the overwrite
@@ -13,11 +16,14 @@
 pub mod array;
 pub mod backend;
 pub mod device;
+mod engine;
 mod error;
 pub mod migrate;
 pub mod pool;
 pub mod runtime;
 pub mod store;
 pub mod tier;
+pub mod units;
 
+pub use engine::{BackendName, Engine, EngineConfig, Overwrite, parse_size};
 pub use error::{Error, Result};

@@ -8,7 +8,6 @@
 //! `"99.000000"`) so the result can be put next to fio's.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -17,11 +16,12 @@ use hdrhistogram::Histogram;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Map, Value, json};
-use teraio_engine::array::{
-    ArrayConfig, BackendKind, CompletionSignal, DeviceArray, ExistingData, IoTicket, Target,
-};
+use teraio_engine::array::{CompletionSignal, DeviceArray, IoTicket, Target};
 use teraio_engine::pool::{BufferPool, IoBuf, PoolConfig};
+use teraio_engine::{EngineConfig, Overwrite};
 
+use super::engine_args::ArrayArgs;
+use crate::units::parse_size;
 use crate::{CliError, Result};
 
 /// The I/O pattern (fio's `--rw`).
@@ -61,28 +61,18 @@ impl Rw {
     }
 }
 
-/// I/O backend of the run.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackendArg {
-    /// io_uring (falls back to psync with a notice when unavailable).
-    Uring,
-    /// pread/pwrite on a thread pool.
-    Psync,
-}
-
 /// Options of `teraio bench`.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  teraio bench --rw write --bs 1M --iodepth 32          # 4 files in ./teraio-data
+  teraio bench --target /dev/nvme1n1 --target /dev/nvme2n1 --rw randread --bs 4k --force
+  teraio bench --config teraio.toml --rw read --json     # the array an engine config names
+  teraio bench --tensors                                 # 1 MiB - 1 GiB tensors via the store")]
 pub struct Args {
-    /// A file or raw block device to test; repeat for several. Default: `--files` files in
-    /// `--dir`.
-    #[arg(long = "target", visible_alias = "device", value_name = "PATH")]
-    pub targets: Vec<PathBuf>,
-    /// Folder of the default data files (`dev0`, `dev1`, ...), created if missing.
-    #[arg(long, default_value = "./teraio-data")]
-    pub dir: PathBuf,
-    /// Number of data files in `--dir` when no `--target` is given.
-    #[arg(long, default_value_t = 4)]
-    pub files: u32,
+    /// The array: --config FILE, --target PATH (repeat), or --files N in --dir.
+    #[command(flatten)]
+    pub array: ArrayArgs,
     /// I/O pattern.
     #[arg(long, value_enum, default_value = "read")]
     pub rw: Rw,
@@ -92,7 +82,8 @@ pub struct Args {
     /// Requests in flight per device.
     #[arg(long, default_value_t = 32)]
     pub iodepth: u32,
-    /// Bytes per device (files are created or extended to it; devices use at most this).
+    /// Bytes per device to run over (new files are created with this size unless --file-size
+    /// says otherwise; devices use at most this).
     #[arg(long, default_value = "1G", value_parser = parse_size)]
     pub size: u64,
     /// Run for this many seconds, wrapping around (default: one pass over `--size`).
@@ -101,15 +92,9 @@ pub struct Args {
     /// Percentage of reads in mixed workloads.
     #[arg(long, default_value_t = 50)]
     pub rwmixread: u32,
-    /// I/O backend.
-    #[arg(long, value_enum, default_value = "uring")]
-    pub backend: BackendArg,
     /// Print fio-style JSON instead of the text summary.
     #[arg(long)]
     pub json: bool,
-    /// Overwrite targets that hold a filesystem, partition table or teraio array.
-    #[arg(long)]
-    pub force: bool,
     /// Do not write new files before a read workload (reads of never-written blocks of a
     /// preallocated file do not touch the disk).
     #[arg(long)]
@@ -130,21 +115,21 @@ pub struct Args {
     pub no_checksums: bool,
 }
 
-/// Parse "4k", "1M", "1GiB", "512" (powers of 1024, as fio does by default).
-pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim();
-    let t = t.strip_suffix('B').or_else(|| t.strip_suffix('b')).unwrap_or(t);
-    let t = t.strip_suffix('i').unwrap_or(t);
-    let (num, mult) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
-        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
-        Some('t' | 'T') => (&t[..t.len() - 1], 1 << 40),
-        _ => (t, 1),
-    };
-    let n: u64 =
-        num.trim().parse().map_err(|_| format!("{s:?} is not a size (e.g. 4k, 1M, 1G)"))?;
-    n.checked_mul(mult).filter(|&v| v > 0).ok_or_else(|| format!("{s:?} is zero or too large"))
+impl Args {
+    /// The engine configuration of the run: the array options, files sized to `--size` unless
+    /// `--file-size` is given, the queue depth of `--iodepth`; an existing teraio array is
+    /// reused (the benchmark overwrites it).
+    pub fn engine_config(&self) -> Result<EngineConfig> {
+        let mut cfg = self.array.engine_config()?;
+        if self.array.file_size.is_none() {
+            cfg.file_size_bytes.0 = self.size;
+        }
+        cfg.queue_depth = self.iodepth;
+        if cfg.overwrite == Overwrite::Refuse {
+            cfg.overwrite = Overwrite::Teraio;
+        }
+        Ok(cfg)
+    }
 }
 
 /// Latency histograms of one direction (nanoseconds).
@@ -364,35 +349,21 @@ fn execute(args: &Args) -> Result<Report> {
     if args.runtime.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
         return Err(CliError::Usage("--runtime must be a positive number of seconds".into()));
     }
-    let targets: Vec<PathBuf> = if args.targets.is_empty() {
-        if args.files == 0 {
-            return Err(CliError::Usage("--files must be at least 1".into()));
-        }
-        std::fs::create_dir_all(&args.dir)
-            .map_err(|e| CliError::File { path: args.dir.clone(), source: e })?;
-        (0..args.files).map(|i| args.dir.join(format!("dev{i}"))).collect()
-    } else {
-        args.targets.clone()
-    };
+    let cfg = args.engine_config()?;
     // Files that do not yet hold `size` bytes get written before a read workload.
-    let needs_prefill: Vec<bool> = targets
+    let needs_prefill: Vec<bool> = cfg
+        .resolved_targets()
         .iter()
-        .map(|p| match std::fs::metadata(p) {
-            Ok(m) if m.file_type().is_file() => m.len() < args.size,
-            Ok(_) => false,
-            Err(_) => true,
+        .map(|t| match t {
+            Target::Path(p) => match std::fs::metadata(p) {
+                Ok(m) if m.file_type().is_file() => m.len() < args.size,
+                Ok(_) => false,
+                Err(_) => true,
+            },
+            Target::Sim(_) => false,
         })
         .collect();
-    let mut config = ArrayConfig::new(targets.iter().cloned().map(Target::Path).collect());
-    config.file_size_bytes = args.size;
-    config.queue_depth = args.iodepth;
-    config.backend = match args.backend {
-        BackendArg::Uring => BackendKind::Uring,
-        BackendArg::Psync => BackendKind::Psync,
-    };
-    config.existing =
-        if args.force { ExistingData::AllowAnything } else { ExistingData::AllowTeraio };
-    let array = DeviceArray::open(config)?;
+    let array = cfg.open_array()?;
     let block = u64::from(array.geometry().block_bytes);
     if !args.bs.is_multiple_of(block) {
         return Err(CliError::Usage(format!(
@@ -489,7 +460,8 @@ struct Report {
 /// Run `teraio bench`.
 pub fn run(args: Args) -> Result<()> {
     if args.tensors {
-        return super::bench_tensors::from_args(&args);
+        let cfg = args.engine_config()?;
+        return super::bench_tensors::from_config(cfg, !args.no_checksums, args.seed, args.json);
     }
     let report = execute(&args)?;
     let Report { rd, wr, runtime, names, backend, backing } = report;
@@ -605,17 +577,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_parse_like_fio() {
-        assert_eq!(parse_size("4k"), Ok(4096));
-        assert_eq!(parse_size("1M"), Ok(1 << 20));
-        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
-        assert_eq!(parse_size("512"), Ok(512));
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("x").is_err());
-        assert!(parse_size("").is_err());
-    }
-
-    #[test]
     fn percentile_keys_match_fio() {
         let mut h = Histogram::<u64>::new_with_bounds(1, 1_000_000, 3).unwrap();
         for v in 1..=1000 {
@@ -636,18 +597,18 @@ mod tests {
     fn a_small_run_over_files_reports_what_it_moved() {
         let dir = tempfile::tempdir().unwrap();
         let args = Args {
-            targets: vec![],
-            dir: dir.path().to_path_buf(),
-            files: 2,
+            array: ArrayArgs {
+                dir: Some(dir.path().to_path_buf()),
+                files: Some(2),
+                ..Default::default()
+            },
             rw: Rw::Write,
             bs: 64 << 10,
             iodepth: 4,
             size: 1 << 20,
             runtime: None,
             rwmixread: 50,
-            backend: BackendArg::Uring,
             json: true,
-            force: false,
             no_prefill: false,
             no_huge_pages: false,
             seed: 1,

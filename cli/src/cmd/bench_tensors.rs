@@ -5,17 +5,16 @@
 //! devices), then prefetched back (striped reads, checksum verification). The figure to compare
 //! with `teraio bench --rw write|read` on the same files is bytes over wall time per phase.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
 use teraio_engine::migrate::Priority;
-use teraio_engine::pool::{BufferPool, PoolConfig};
-use teraio_engine::store::{OffloadOptions, StoreConfig, TensorStore};
-use teraio_engine::tier::TensorMem;
+use teraio_engine::pool::BufferPool;
+use teraio_engine::store::OffloadOptions;
+use teraio_engine::units::ByteSize;
+use teraio_engine::{Engine, EngineConfig};
 
 use crate::Result;
 
@@ -59,33 +58,23 @@ pub fn tensor_mix(total: u64, seed: u64) -> Vec<u64> {
     sizes
 }
 
-/// Offload every tensor of `sizes` through a store on `array`, then prefetch them all back.
-/// Host buffers for all of them are allocated and touched before the clock starts.
-pub fn run(
-    array: Arc<DeviceArray>,
-    sizes: &[u64],
-    checksums: bool,
-    workers: usize,
-) -> Result<TensorBench> {
+/// Offload every tensor of `sizes` through the engine's store, then prefetch them all back.
+/// Host buffers (the engine's own, so the store moves them without a copy) for all of them are
+/// allocated and touched before the clock starts; `config.host_buffers` is raised to hold them.
+pub fn run(mut config: EngineConfig, sizes: &[u64]) -> Result<TensorBench> {
     let total: u64 = sizes.iter().sum();
-    let pool = BufferPool::new(PoolConfig {
-        capacity_bytes: sizes
-            .iter()
-            .map(|&s| BufferPool::capacity_for(s as usize) as u64)
-            .sum::<u64>()
-            + (64 << 20),
-        ..PoolConfig::default()
-    })?;
-    let mut cfg = StoreConfig::new(array);
-    cfg.checksums = checksums;
-    cfg.workers = workers;
-    let store = TensorStore::open(cfg)?;
+    let buffers: u64 =
+        sizes.iter().map(|&s| BufferPool::capacity_for(s as usize) as u64).sum::<u64>()
+            + (64 << 20);
+    config.host_buffers_bytes = ByteSize(config.host_buffers_bytes.0.max(buffers));
+    let engine = Engine::open(config)?;
+    let store = engine.store();
     // Buffers are allocated and touched before the clock starts.
     let mut mems = Vec::with_capacity(sizes.len());
     for (i, &s) in sizes.iter().enumerate() {
-        let mut b = pool.alloc(s as usize)?;
-        b.fill(i as u8);
-        mems.push(TensorMem::Host(b));
+        let mut m = engine.alloc_host(s)?;
+        m.host_mut().expect("engine buffers are host memory").fill(i as u8);
+        mems.push(m);
     }
     let start = Instant::now();
     let handles = mems
@@ -117,29 +106,17 @@ pub fn run(
     Ok(TensorBench { sizes: sizes.to_vec(), offload, prefetch })
 }
 
-/// `teraio bench --tensors`: open the same targets as the raw benchmark and run the mix.
-pub fn from_args(args: &super::bench::Args) -> Result<()> {
-    let targets: Vec<std::path::PathBuf> = if args.targets.is_empty() {
-        std::fs::create_dir_all(&args.dir)
-            .map_err(|e| crate::CliError::File { path: args.dir.clone(), source: e })?;
-        (0..args.files).map(|i| args.dir.join(format!("dev{i}"))).collect()
-    } else {
-        args.targets.clone()
+/// `teraio bench --tensors`: on the array `config` names, a mix of tensors adding up to 60% of
+/// its capacity.
+pub fn from_config(mut config: EngineConfig, checksums: bool, seed: u64, json: bool) -> Result<()> {
+    let capacity = {
+        let array = config.open_array()?;
+        (0..array.device_count()).map(|d| array.device_capacity(d)).sum::<u64>()
     };
-    let mut config = ArrayConfig::new(targets.into_iter().map(Target::Path).collect());
-    config.file_size_bytes = args.size;
-    config.queue_depth = args.iodepth;
-    config.backend = match args.backend {
-        super::bench::BackendArg::Uring => BackendKind::Uring,
-        super::bench::BackendArg::Psync => BackendKind::Psync,
-    };
-    config.existing =
-        if args.force { ExistingData::AllowAnything } else { ExistingData::AllowTeraio };
-    let array = DeviceArray::open(config)?;
-    let capacity: u64 = (0..array.device_count()).map(|d| array.device_capacity(d)).sum();
-    let sizes = tensor_mix(capacity * 6 / 10, args.seed);
-    let r = run(array, &sizes, !args.no_checksums, 4)?;
-    report(&r, args.json)
+    config.checksums = checksums;
+    let sizes = tensor_mix(capacity * 6 / 10, seed);
+    let r = run(config, &sizes)?;
+    report(&r, json)
 }
 
 /// Print a tensor benchmark as text or JSON.
@@ -202,12 +179,10 @@ mod tests {
     fn a_small_mix_round_trips_through_the_store() {
         use teraio_engine::backend::sim::SimDisk;
         let disks: Vec<_> = (0..2).map(|i| SimDisk::new(256 << 20, 4096, i)).collect();
-        let array = DeviceArray::open(ArrayConfig::new(
-            disks.iter().map(|d| Target::Sim(d.clone())).collect(),
-        ))
-        .unwrap();
+        let mut cfg = EngineConfig::with_sim_disks(disks);
+        cfg.workers = 2;
         let sizes = [1 << 20, 3 << 20, 40 << 20, (5 << 20) + 7];
-        let r = run(array, &sizes, true, 2).unwrap();
+        let r = run(cfg, &sizes).unwrap();
         assert_eq!(r.offload.bytes, sizes.iter().sum::<u64>());
         assert!(r.offload.bandwidth() > 0.0 && r.prefetch.bandwidth() > 0.0);
     }

@@ -3,8 +3,7 @@
 
 use std::path::PathBuf;
 
-use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
-use teraio_engine::store::Persistence;
+use teraio_engine::{Engine, EngineConfig};
 
 use crate::Result;
 use crate::units::binary_spaced;
@@ -13,12 +12,16 @@ use crate::units::binary_spaced;
 #[derive(clap::Args, Debug)]
 #[command(
     after_help = "Examples:\n  teraio inspect teraio-data/dev0 teraio-data/dev1 teraio-data/dev2 teraio-data/dev3\n  \
-teraio inspect --json /dev/nvme1n1 /dev/nvme2n1"
+teraio inspect --json /dev/nvme1n1 /dev/nvme2n1\n  \
+teraio inspect --config teraio.toml"
 )]
 pub struct Args {
     /// The array's devices or files, in array order (as given when it was created).
-    #[arg(required = true, value_name = "DEVICE")]
+    #[arg(value_name = "DEVICE", required_unless_present = "config")]
     pub devices: Vec<PathBuf>,
+    /// The engine configuration file naming the array (instead of DEVICE...).
+    #[arg(long, value_name = "FILE", conflicts_with = "devices")]
+    pub config: Option<PathBuf>,
     /// List every tensor (default: the first 20).
     #[arg(long)]
     pub all: bool,
@@ -29,16 +32,18 @@ pub struct Args {
 
 /// Run `teraio inspect`.
 pub fn run(args: Args) -> Result<()> {
-    for d in &args.devices {
-        if !d.exists() {
-            return Err(crate::CliError::Usage(format!("{}: no such file or device", d.display())));
+    let cfg = match &args.config {
+        Some(path) => EngineConfig::from_file(path)?,
+        None => EngineConfig::with_targets(args.devices.clone()),
+    };
+    for t in cfg.resolved_targets() {
+        if let teraio_engine::array::Target::Path(p) = t
+            && !p.exists()
+        {
+            return Err(crate::CliError::Usage(format!("{}: no such file or device", p.display())));
         }
     }
-    let mut cfg = ArrayConfig::new(args.devices.iter().cloned().map(Target::Path).collect());
-    cfg.existing = ExistingData::AllowTeraio;
-    cfg.backend = BackendKind::Psync;
-    let array = DeviceArray::open(cfg)?;
-    let meta = Persistence::inspect(&array)?;
+    let meta = Engine::inspect(&cfg)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&meta)?);
         return Ok(());

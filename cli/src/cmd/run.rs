@@ -3,22 +3,23 @@
 //! an SSD array, compared with the simulator's prediction and with ideal.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use teraio_engine::Engine;
 use teraio_engine::migrate::Priority;
-use teraio_engine::pool::{BufferPool, PoolConfig};
+use teraio_engine::pool::BufferPool;
 use teraio_engine::runtime::{ReplayConfig, ReplayReport, replay};
-use teraio_engine::store::{OffloadOptions, StoreConfig, TensorStore};
-use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
+use teraio_engine::store::OffloadOptions;
+use teraio_engine::tier::{HostTier, TensorMem};
+use teraio_engine::units::ByteSize;
 use teraio_scheduler::{
     Hardware, ModelConfig, Policy, SimOptions, SimReport, Trace, generate, plan, simulate,
 };
 
-use super::bench::{BackendArg, parse_size};
+use super::engine_args::ArrayArgs;
+use crate::units::{gb, gbps, parse_size, parse_size_or_zero};
 use crate::{CliError, Result};
 
 /// Options of `teraio run`.
@@ -57,22 +58,9 @@ pub struct Args {
     /// Planning policy.
     #[arg(long, default_value = "teraio")]
     pub policy: String,
-    /// A file or raw block device of the array; repeat for several. Default: --files files
-    /// in --dir.
-    #[arg(long = "device", value_name = "PATH")]
-    pub devices: Vec<PathBuf>,
-    /// Folder of the default array files (`dev0`, `dev1`, ...), created if missing.
-    #[arg(long, default_value = "./teraio-data")]
-    pub dir: PathBuf,
-    /// Number of files in --dir.
-    #[arg(long, default_value_t = 4)]
-    pub files: u32,
-    /// Size of each file of the default array.
-    #[arg(long, default_value = "1G", value_parser = parse_size)]
-    pub file_size: u64,
-    /// I/O backend.
-    #[arg(long, value_enum, default_value = "uring")]
-    pub backend: BackendArg,
+    /// The SSD array: --config FILE, --device PATH (repeat), or --files N in --dir.
+    #[command(flatten)]
+    pub array: ArrayArgs,
     /// Multiply kernel durations (0.5: a twice faster GPU, so twice the bandwidth pressure).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
@@ -85,27 +73,12 @@ pub struct Args {
     /// Skip filling and verifying tensor contents (and the store's checksums).
     #[arg(long)]
     pub no_verify: bool,
-    /// Use targets that hold a filesystem, partition table or teraio array.
-    #[arg(long)]
-    pub force: bool,
     /// Machine-readable output.
     #[arg(long)]
     pub json: bool,
     /// Write an SVG: GPU memory over time (replayed, simulated, all resident) and capacity.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
-}
-
-fn parse_size_or_zero(s: &str) -> std::result::Result<u64, String> {
-    if s.trim() == "0" { Ok(0) } else { parse_size(s) }
-}
-
-fn gb(b: f64) -> String {
-    format!("{:.2} GB", b / 1e9)
-}
-
-fn gbps(b: f64) -> String {
-    format!("{:.2} GB/s", b / 1e9)
 }
 
 fn load_trace(args: &Args) -> Result<Trace> {
@@ -119,27 +92,6 @@ fn load_trace(args: &Args) -> Result<Trace> {
     }
 }
 
-fn open_array(args: &Args) -> Result<(Arc<DeviceArray>, String)> {
-    let (targets, what) = if args.devices.is_empty() {
-        std::fs::create_dir_all(&args.dir)
-            .map_err(|source| CliError::File { path: args.dir.clone(), source })?;
-        let t: Vec<_> = (0..args.files).map(|i| args.dir.join(format!("dev{i}"))).collect();
-        (t, format!("{} files in {}", args.files, args.dir.display()))
-    } else {
-        (args.devices.clone(), format!("{} devices", args.devices.len()))
-    };
-    let mut cfg = ArrayConfig::new(targets.into_iter().map(Target::Path).collect());
-    cfg.file_size_bytes = if args.devices.is_empty() { args.file_size } else { 0 };
-    cfg.backend = match args.backend {
-        BackendArg::Uring => BackendKind::Uring,
-        BackendArg::Psync => BackendKind::Psync,
-    };
-    cfg.existing = if args.force { ExistingData::AllowAnything } else { ExistingData::Refuse };
-    let array = DeviceArray::open(cfg)?;
-    let what = format!("{what} ({})", array.backend_name());
-    Ok((array, what))
-}
-
 /// The array's bandwidth through the store, bytes/s: writing alone, reading alone, and the
 /// sum of both directions when they run at the same time (one disk serves both).
 struct Measured {
@@ -148,19 +100,23 @@ struct Measured {
     mixed: f64,
 }
 
+/// Size of the tensors that measure the array.
+const PROBE_TENSOR_BYTES: u64 = 32 << 20;
+
+/// How many probe tensors measure `total` bytes.
+fn probe_tensors(total: u64) -> u64 {
+    total.div_ceil(PROBE_TENSOR_BYTES).max(4)
+}
+
 /// Write, read, then write and read at once `total` bytes of 32 MiB tensors through the store.
-fn measure(store: &TensorStore, total: u64) -> Result<Measured> {
-    const TENSOR: u64 = 32 << 20;
+fn measure(engine: &Engine, total: u64) -> Result<Measured> {
     const BASE: u64 = u64::MAX - (1 << 20);
-    let count = total.div_ceil(TENSOR).max(4);
-    let pool = BufferPool::new(PoolConfig {
-        capacity_bytes: (2 * count + 2) * TENSOR,
-        ..PoolConfig::default()
-    })?;
+    let count = probe_tensors(total);
+    let store = engine.store();
     let mem = |i: u64| -> Result<TensorMem> {
-        let mut b = pool.alloc(TENSOR as usize)?;
-        b.fill(i as u8 ^ 0x5a);
-        Ok(TensorMem::Host(b))
+        let mut m = engine.alloc_host(PROBE_TENSOR_BYTES)?;
+        m.host_mut().expect("engine buffers are host memory").fill(i as u8 ^ 0x5a);
+        Ok(m)
     };
     let offload_all = |first: u64, mems: Vec<TensorMem>| {
         mems.into_iter()
@@ -171,12 +127,12 @@ fn measure(store: &TensorStore, total: u64) -> Result<Measured> {
     let prefetch_all = |first: u64| {
         (0..count)
             .map(|i| {
-                let dst = TensorMem::Host(pool.alloc(TENSOR as usize)?);
+                let dst = engine.alloc_host(PROBE_TENSOR_BYTES)?;
                 store.prefetch(first + i, dst, Priority::Normal)
             })
             .collect::<std::result::Result<Vec<_>, _>>()
     };
-    let bytes = (count * TENSOR) as f64;
+    let bytes = (count * PROBE_TENSOR_BYTES) as f64;
     // Writing alone.
     let mems = (0..count).map(mem).collect::<Result<Vec<_>>>()?;
     let start = Instant::now();
@@ -199,7 +155,7 @@ fn measure(store: &TensorStore, total: u64) -> Result<Measured> {
     for (i, m) in mems.into_iter().enumerate() {
         let i = i as u64;
         let w = store.offload(BASE - count + i, m, OffloadOptions::default())?;
-        let dst = TensorMem::Host(pool.alloc(TENSOR as usize)?);
+        let dst = engine.alloc_host(PROBE_TENSOR_BYTES)?;
         let r = store.prefetch(BASE + i, dst, Priority::Normal)?;
         handles.push((w, r));
     }
@@ -241,17 +197,20 @@ pub fn run(args: Args) -> Result<()> {
         gb(capacity as f64)
     ));
 
-    let (array, array_what) = open_array(&args)?;
-    let host_tier: Option<Arc<dyn MemoryTier>> =
-        if args.host_memory > 0 { Some(HostTier::new("host", args.host_memory)?) } else { None };
-    let mut scfg = StoreConfig::new(array.clone());
-    scfg.host_tier = host_tier;
-    scfg.checksums = !args.no_verify;
+    let mut ecfg = args.array.engine_config()?;
+    ecfg.host_tier_bytes = ByteSize(args.host_memory);
+    ecfg.checksums = !args.no_verify;
     // Copies stay valid after a prefetch, so the plan's clean drops write nothing.
-    scfg.retain_on_prefetch = true;
-    let store = TensorStore::open(scfg)?;
+    ecfg.retain_on_prefetch = true;
+    // The probe's buffers: two sets of probe tensors in flight at once.
+    let probe_buffers = (2 * probe_tensors(args.probe_size) + 2) * PROBE_TENSOR_BYTES;
+    ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers));
+    let engine = Engine::open(ecfg)?;
+    let array = engine.array().clone();
+    let store = engine.store();
+    let array_what = engine.describe();
     say(format!("array: {array_what}; measuring it with {} ...", gb(args.probe_size as f64)));
-    let m = measure(&store, args.probe_size)?;
+    let m = measure(&engine, args.probe_size)?;
     let (write_bw, read_bw) = (m.write, m.read);
     say(format!(
         "array: write {}, read {}, both at once {} in total",
@@ -346,7 +305,7 @@ pub fn run(args: Args) -> Result<()> {
         iterations: args.iterations,
         verify: !args.no_verify,
     };
-    let report = replay(&trace, &p, &store, gpu.as_ref(), &cfg, &mut |pr| {
+    let report = replay(&trace, &p, store, gpu.as_ref(), &cfg, &mut |pr| {
         bar.set_message(format!("iteration {}/{}", pr.iteration + 1, args.iterations));
         bar.set_position((pr.iteration * pr.kernels + pr.kernel) as u64);
     });

@@ -1,0 +1,577 @@
+//! The engine entry point: one [`Engine`] opened from one [`EngineConfig`], used by every
+//! front end (the CLI, the C ABI, the Python package) so none of them assembles arrays, stores
+//! and tiers itself.
+//!
+//! An engine is the SSD array ([`DeviceArray`]), the tensor store on it ([`TensorStore`]), the
+//! optional host-memory offload tier ([`HostTier`]) and a pool of aligned host buffers that
+//! callers can fill and hand to the store without a copy ([`Engine::alloc_host`]).
+//!
+//! The configuration comes from code or from a small TOML or JSON file, so one array is
+//! described once for every front end:
+//!
+//! ```toml
+//! # teraio.toml
+//! targets = ["/mnt/nvme0/teraio.dat", "/mnt/nvme1/teraio.dat"]
+//! file_size = "64G"          # files are created or grown to this size (0: keep)
+//! persistent = true          # reopen after a crash with every acknowledged tensor
+//! host_tier = "32G"          # host memory as a second offload tier (0: none)
+//! ```
+//!
+//! ```no_run
+//! use teraio_engine::{Engine, EngineConfig};
+//! use teraio_engine::store::OffloadOptions;
+//! # fn main() -> teraio_engine::Result<()> {
+//! let engine = Engine::open(EngineConfig::from_file("teraio.toml")?)?;
+//! let mut buf = engine.alloc_host(10 << 20)?;
+//! buf.host_mut().expect("host memory").fill(7);
+//! engine.store().offload(1, buf, OffloadOptions::default())?.wait()?;
+//! let back = engine.store().prefetch_sync(1, engine.alloc_host(10 << 20)?)?;
+//! assert!(back.host().expect("host memory").iter().all(|&b| b == 7));
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use crate::pool::{BufferPool, PoolConfig};
+use crate::store::{StoreConfig, StoreMeta, TensorStore};
+use crate::tier::{HostTier, MemoryTier, TensorMem};
+use crate::units::{ByteSize, parse_bytes};
+use crate::{Error, Result};
+
+/// How I/O is submitted, as named in a configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendName {
+    /// io_uring (falls back to psync with a notice where io_uring is unavailable).
+    #[default]
+    Uring,
+    /// pread/pwrite on a thread pool.
+    Psync,
+}
+
+impl From<BackendName> for BackendKind {
+    fn from(b: BackendName) -> Self {
+        match b {
+            BackendName::Uring => BackendKind::Uring,
+            BackendName::Psync => BackendKind::Psync,
+        }
+    }
+}
+
+/// What to do with targets that already hold data, as named in a configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Overwrite {
+    /// Refuse a target holding a partition table, filesystem, RAID/LVM signature or a teraio
+    /// array (a persistent engine accepts its own teraio array: that is how it reopens).
+    #[default]
+    Refuse,
+    /// Accept a teraio array (reuse it), refuse everything else.
+    Teraio,
+    /// Overwrite whatever the targets hold (`--force`).
+    Anything,
+}
+
+/// Everything needed to open an [`Engine`]. Every field has a default, so a file may name only
+/// its targets; unknown keys are refused (a misspelt option is an error, not a silent default).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// The devices, in array order: files (created if missing) or raw block devices. Empty:
+    /// `files` files named `dev0`, `dev1`, ... in `dir`.
+    pub targets: Vec<PathBuf>,
+    /// Folder of the default files when `targets` is empty (created if missing).
+    pub dir: PathBuf,
+    /// Number of default files in `dir` when `targets` is empty.
+    pub files: u32,
+    /// Files are created or grown (never shrunk) to this size; 0 keeps their size. Raw block
+    /// devices are used whole.
+    #[serde(rename = "file_size")]
+    pub file_size_bytes: ByteSize,
+    /// I/O backend.
+    pub backend: BackendName,
+    /// Requests in flight per device.
+    pub queue_depth: u32,
+    /// I/O threads per device (io_uring: one ring each).
+    pub io_threads: usize,
+    /// Stripe unit: a tensor's bytes go round-robin over the devices in pieces of this size.
+    #[serde(rename = "stripe_unit")]
+    pub stripe_unit_bytes: ByteSize,
+    /// Persistent mode: metadata journal and checkpoints on the array; reopening finds every
+    /// acknowledged tensor, by id and name, also after a crash. Volatile (the default) starts
+    /// empty each time and never writes metadata.
+    pub persistent: bool,
+    /// Keep a tensor's SSD copy after a prefetch, so an unmodified tensor can be dropped again
+    /// without a write (what plan executors want; a persistent engine always keeps copies).
+    pub retain_on_prefetch: bool,
+    /// Host memory usable as a second offload tier, bytes (0: SSD only).
+    #[serde(rename = "host_tier")]
+    pub host_tier_bytes: ByteSize,
+    /// Upper bound of the engine's own aligned host buffers handed to callers
+    /// ([`Engine::alloc_host`]); mapped lazily, so a large bound costs nothing until used.
+    #[serde(rename = "host_buffers")]
+    pub host_buffers_bytes: ByteSize,
+    /// crc32c per stripe unit on every write, verified on every read (off only for
+    /// benchmarks that want raw bandwidth).
+    pub checksums: bool,
+    /// Worker threads of the migration engine.
+    pub workers: usize,
+    /// Bytes that may be in flight (being written or read) at once.
+    #[serde(rename = "inflight_max")]
+    pub inflight_bytes_max: ByteSize,
+    /// Allocation unit of the extent allocator (a power of two, at least 4 KiB).
+    #[serde(rename = "alloc_unit")]
+    pub alloc_unit_bytes: ByteSize,
+    /// Targets that already hold data.
+    pub overwrite: Overwrite,
+    /// Simulated disks instead of `targets` (tests and examples; not expressible in a file).
+    #[serde(skip)]
+    pub sim_disks: Vec<Arc<crate::backend::sim::SimDisk>>,
+}
+
+impl Default for EngineConfig {
+    /// Four 1 GiB files in `./teraio-data`, io_uring, queue depth 32, 1 MiB stripe unit,
+    /// volatile, checksums on, no host tier, 4 workers, 1 GiB in flight.
+    fn default() -> Self {
+        Self {
+            targets: Vec::new(),
+            dir: PathBuf::from("./teraio-data"),
+            files: 4,
+            file_size_bytes: ByteSize(1 << 30),
+            backend: BackendName::Uring,
+            queue_depth: 32,
+            io_threads: 1,
+            stripe_unit_bytes: ByteSize(teraio_layout::geometry::DEFAULT_STRIPE_UNIT_BYTES),
+            persistent: false,
+            retain_on_prefetch: false,
+            host_tier_bytes: ByteSize(0),
+            host_buffers_bytes: ByteSize(8 << 30),
+            checksums: true,
+            workers: 4,
+            inflight_bytes_max: ByteSize(1 << 30),
+            alloc_unit_bytes: ByteSize(1 << 20),
+            overwrite: Overwrite::Refuse,
+            sim_disks: Vec::new(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// A configuration over these targets, everything else default.
+    pub fn with_targets(targets: Vec<PathBuf>) -> Self {
+        Self { targets, ..Self::default() }
+    }
+
+    /// A configuration over simulated in-memory disks (tests, examples).
+    pub fn with_sim_disks(disks: Vec<Arc<crate::backend::sim::SimDisk>>) -> Self {
+        Self { sim_disks: disks, ..Self::default() }
+    }
+
+    /// Parse a TOML configuration.
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let cfg: Self = toml::from_str(text)
+            .map_err(|e| Error::InvalidArgument(format!("engine configuration (TOML): {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parse a JSON configuration.
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text)
+            .map_err(|e| Error::InvalidArgument(format!("engine configuration (JSON): {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Read a configuration file: JSON when its name ends in `.json`, TOML otherwise. Relative
+    /// paths in the file (targets, dir) are taken relative to the file's folder.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Os {
+            context: format!("reading the engine configuration {}", path.display()),
+            source: e,
+        })?;
+        let is_json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+        let mut cfg = if is_json { Self::from_json_str(&text) } else { Self::from_toml_str(&text) }
+            .map_err(|e| match e {
+                Error::InvalidArgument(m) => {
+                    Error::InvalidArgument(format!("{}: {m}", path.display()))
+                }
+                e => e,
+            })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let rebase = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        cfg.targets.iter_mut().for_each(rebase);
+        rebase(&mut cfg.dir);
+        Ok(cfg)
+    }
+
+    /// The configuration as TOML (what `from_toml_str` reads back).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("an engine configuration always serializes")
+    }
+
+    /// Check values that have a valid range. Called by every constructor and by
+    /// [`Engine::open`].
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.targets.is_empty() && self.sim_disks.is_empty() && self.files == 0 {
+            return bad("no targets: name `targets`, or `dir` and `files` >= 1".into());
+        }
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return bad(format!("queue_depth {} is outside 1..=4096", self.queue_depth));
+        }
+        if self.workers == 0 || self.workers > 256 {
+            return bad(format!("workers {} is outside 1..=256", self.workers));
+        }
+        if self.io_threads > 64 {
+            return bad(format!("io_threads {} is above 64", self.io_threads));
+        }
+        let unit = self.alloc_unit_bytes.0;
+        if unit < 4096 || !unit.is_power_of_two() {
+            return bad(format!("alloc_unit {unit} is not a power of two >= 4096"));
+        }
+        let stripe = self.stripe_unit_bytes.0;
+        if stripe < 4096 || !stripe.is_power_of_two() {
+            return bad(format!("stripe_unit {stripe} is not a power of two >= 4096"));
+        }
+        if self.inflight_bytes_max.0 < 1 << 20 {
+            return bad(format!("inflight_max {} is below 1 MiB", self.inflight_bytes_max.0));
+        }
+        if self.host_buffers_bytes.0 < 1 << 20 {
+            return bad(format!("host_buffers {} is below 1 MiB", self.host_buffers_bytes.0));
+        }
+        Ok(())
+    }
+
+    /// The targets this configuration opens, in array order.
+    pub fn resolved_targets(&self) -> Vec<Target> {
+        if !self.sim_disks.is_empty() {
+            return self.sim_disks.iter().cloned().map(Target::Sim).collect();
+        }
+        if !self.targets.is_empty() {
+            return self.targets.iter().cloned().map(Target::Path).collect();
+        }
+        (0..self.files).map(|i| Target::Path(self.dir.join(format!("dev{i}")))).collect()
+    }
+
+    /// A short description of the targets: "4 files in ./teraio-data", "2 devices".
+    pub fn describe_targets(&self) -> String {
+        if !self.sim_disks.is_empty() {
+            format!("{} simulated disks", self.sim_disks.len())
+        } else if !self.targets.is_empty() {
+            let files = self.targets.iter().filter(|t| !is_block_device(t)).count();
+            match (files, self.targets.len() - files) {
+                (n, 0) => format!("{n} file{}", if n == 1 { "" } else { "s" }),
+                (0, n) => format!("{n} device{}", if n == 1 { "" } else { "s" }),
+                (f, d) => format!("{f} files and {d} devices"),
+            }
+        } else {
+            format!("{} files in {}", self.files, self.dir.display())
+        }
+    }
+
+    /// Open only the device array (for raw-block tools such as `teraio bench` and `inspect`;
+    /// [`Engine::open`] opens the array and everything above it). The default folder is
+    /// created when the configuration names no targets.
+    pub fn open_array(&self) -> Result<Arc<DeviceArray>> {
+        self.validate()?;
+        if self.targets.is_empty() && self.sim_disks.is_empty() {
+            std::fs::create_dir_all(&self.dir).map_err(|e| Error::Os {
+                context: format!("creating the array folder {}", self.dir.display()),
+                source: e,
+            })?;
+        }
+        let mut cfg = ArrayConfig::new(self.resolved_targets());
+        // Raw block devices are used whole; files are sized as asked.
+        cfg.file_size_bytes = self.file_size_bytes.0;
+        cfg.backend = self.backend.into();
+        cfg.queue_depth = self.queue_depth;
+        cfg.io_threads = self.io_threads.max(1);
+        cfg.stripe_unit_bytes = self.stripe_unit_bytes.0;
+        cfg.existing = match (self.overwrite, self.persistent) {
+            (Overwrite::Anything, _) => ExistingData::AllowAnything,
+            (Overwrite::Teraio, _) | (Overwrite::Refuse, true) => ExistingData::AllowTeraio,
+            (Overwrite::Refuse, false) => ExistingData::Refuse,
+        };
+        DeviceArray::open(cfg)
+    }
+}
+
+fn is_block_device(p: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(p).is_ok_and(|m| m.file_type().is_block_device())
+}
+
+/// The engine: array, tensor store, host tier and host buffers, opened from one configuration.
+/// `Send + Sync`: share it behind an `Arc` between threads. Dropping it drains queued
+/// operations and, when persistent, writes a checkpoint.
+pub struct Engine {
+    config: EngineConfig,
+    // Field order is drop order: the store (workers, queues) goes before the tiers and pools
+    // whose memory its operations may hold.
+    store: TensorStore,
+    host_tier: Option<Arc<HostTier>>,
+    buffers: Arc<BufferPool>,
+    array: Arc<DeviceArray>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("array", &self.array)
+            .field("persistent", &self.config.persistent)
+            .field("host_tier_bytes", &self.config.host_tier_bytes.0)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Open the array, the store on it (a persistent store reopens what is there), the host
+    /// tier and the host buffer pool.
+    pub fn open(config: EngineConfig) -> Result<Engine> {
+        let array = config.open_array()?;
+        let host_tier = match config.host_tier_bytes.0 {
+            0 => None,
+            n => Some(HostTier::new("host", n)?),
+        };
+        let mut scfg = StoreConfig::new(array.clone());
+        scfg.host_tier = host_tier.clone().map(|t| t as Arc<dyn MemoryTier>);
+        scfg.checksums = config.checksums;
+        scfg.workers = config.workers;
+        scfg.inflight_bytes_max = config.inflight_bytes_max.0;
+        scfg.persistent = config.persistent;
+        scfg.retain_on_prefetch = config.retain_on_prefetch;
+        scfg.alloc_unit_bytes = config.alloc_unit_bytes.0;
+        let store = TensorStore::open(scfg)?;
+        let buffers = BufferPool::new(PoolConfig {
+            capacity_bytes: config.host_buffers_bytes.0,
+            ..PoolConfig::default()
+        })?;
+        Ok(Engine { config, store, host_tier, buffers, array })
+    }
+
+    /// Read `path` ([`EngineConfig::from_file`]) and open it.
+    pub fn open_file(path: impl AsRef<Path>) -> Result<Engine> {
+        Self::open(EngineConfig::from_file(path)?)
+    }
+
+    /// The configuration it was opened with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The tensor store: offload, prefetch, free, wait, list.
+    pub fn store(&self) -> &TensorStore {
+        &self.store
+    }
+
+    /// The SSD array under the store.
+    pub fn array(&self) -> &Arc<DeviceArray> {
+        &self.array
+    }
+
+    /// The host offload tier, when configured.
+    pub fn host_tier(&self) -> Option<&Arc<HostTier>> {
+        self.host_tier.as_ref()
+    }
+
+    /// The pool behind [`alloc_host`](Self::alloc_host).
+    pub fn host_buffers(&self) -> &Arc<BufferPool> {
+        &self.buffers
+    }
+
+    /// An aligned host buffer of `bytes` bytes (contents undefined) that the store moves to and
+    /// from the array without a copy. `NoSpace` when the engine's `host_buffers` bound is
+    /// reached; never blocks.
+    pub fn alloc_host(&self, bytes: u64) -> Result<TensorMem> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("a host buffer of 0 bytes".into()));
+        }
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::InvalidArgument(format!("{bytes} bytes do not fit in memory")))?;
+        match self.buffers.alloc(len) {
+            Ok(b) => Ok(TensorMem::Host(b)),
+            Err(Error::NoSpace(why)) => Err(Error::NoSpace(format!(
+                "engine host buffers ({why}); raise `host_buffers` in the engine configuration"
+            ))),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// "4 files in ./teraio-data (uring, volatile)".
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({}, {})",
+            self.config.describe_targets(),
+            self.array.backend_name(),
+            if self.config.persistent { "persistent" } else { "volatile" }
+        )
+    }
+
+    /// Usable bytes of the array (all devices, data regions only, as the allocator sees them).
+    pub fn capacity_bytes(&self) -> u64 {
+        self.store.space().total.capacity_bytes
+    }
+
+    /// What a persistent array holds (superblocks, tensors, free space), read without writing
+    /// a byte. The configuration's targets must be those of the array, in order.
+    pub fn inspect(config: &EngineConfig) -> Result<StoreMeta> {
+        let mut cfg = config.clone();
+        cfg.overwrite = Overwrite::Teraio;
+        cfg.file_size_bytes = ByteSize(0);
+        cfg.backend = BackendName::Psync;
+        let array = cfg.open_array()?;
+        crate::store::Persistence::inspect(&array)
+    }
+}
+
+/// Parse a byte size as in a configuration or on a command line: `4096`, `4k`, `1M`, `1GiB`
+/// (powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64> {
+    parse_bytes(text).map_err(Error::InvalidArgument)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimDisk;
+    use crate::store::OffloadOptions;
+
+    #[test]
+    fn a_toml_file_names_only_what_differs_from_the_defaults() {
+        let cfg = EngineConfig::from_toml_str(
+            "targets = [\"/a\", \"/b\"]\nfile_size = \"2G\"\npersistent = true\nhost_tier = 1048576\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.targets, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(cfg.file_size_bytes.0, 2 << 30);
+        assert!(cfg.persistent);
+        assert_eq!(cfg.host_tier_bytes.0, 1 << 20);
+        assert_eq!(cfg.queue_depth, 32);
+        // What it writes, it reads back.
+        let again = EngineConfig::from_toml_str(&cfg.to_toml()).unwrap();
+        assert_eq!(again.to_toml(), cfg.to_toml());
+    }
+
+    #[test]
+    fn json_and_toml_describe_the_same_engine() {
+        let t =
+            EngineConfig::from_toml_str("dir = \"/x\"\nfiles = 2\nbackend = \"psync\"\n").unwrap();
+        let j = EngineConfig::from_json_str(r#"{"dir": "/x", "files": 2, "backend": "psync"}"#)
+            .unwrap();
+        assert_eq!(t.to_toml(), j.to_toml());
+        assert_eq!(t.backend, BackendName::Psync);
+    }
+
+    #[test]
+    fn misspelt_keys_and_bad_values_are_errors_that_name_them() {
+        let e = EngineConfig::from_toml_str("target = [\"/a\"]\n").unwrap_err().to_string();
+        assert!(e.contains("target"), "{e}");
+        let e = EngineConfig::from_toml_str("queue_depth = 0\n").unwrap_err().to_string();
+        assert!(e.contains("queue_depth"), "{e}");
+        let e = EngineConfig::from_toml_str("stripe_unit = \"3k\"\n").unwrap_err().to_string();
+        assert!(e.contains("stripe_unit"), "{e}");
+        let e = EngineConfig::from_toml_str("file_size = \"lots\"\n").unwrap_err().to_string();
+        assert!(e.contains("lots"), "{e}");
+        let e = EngineConfig::from_json_str("{\"files\": 0}").unwrap_err().to_string();
+        assert!(e.contains("no targets"), "{e}");
+        let e = EngineConfig::from_json_str("{").unwrap_err().to_string();
+        assert!(e.contains("JSON"), "{e}");
+    }
+
+    #[test]
+    fn relative_paths_in_a_file_are_relative_to_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("engine.toml");
+        std::fs::write(&path, "targets = [\"d0\", \"/abs/d1\"]\ndir = \"data\"\n").unwrap();
+        let cfg = EngineConfig::from_file(&path).unwrap();
+        assert_eq!(cfg.targets[0], dir.path().join("d0"));
+        assert_eq!(cfg.targets[1], PathBuf::from("/abs/d1"));
+        assert_eq!(cfg.dir, dir.path().join("data"));
+        let e = EngineConfig::from_file(dir.path().join("missing.toml")).unwrap_err();
+        assert!(e.to_string().contains("missing.toml"), "{e}");
+    }
+
+    #[test]
+    fn an_engine_over_sim_disks_round_trips_a_tensor_without_a_copy() {
+        let disks: Vec<_> = (0..3).map(|i| SimDisk::new(64 << 20, 4096, i)).collect();
+        let engine = Engine::open(EngineConfig::with_sim_disks(disks)).unwrap();
+        assert_eq!(engine.array().device_count(), 3);
+        assert!(engine.describe().contains("3 simulated disks"), "{}", engine.describe());
+        let size = (5 << 20) + 77;
+        let mut buf = engine.alloc_host(size).unwrap();
+        for (i, b) in buf.host_mut().unwrap().iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        engine.store().offload(9, buf, OffloadOptions::default()).unwrap().wait().unwrap();
+        let back = engine.store().prefetch_sync(9, engine.alloc_host(size).unwrap()).unwrap();
+        assert!(back.host().unwrap().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        assert!(engine.capacity_bytes() > 0);
+    }
+
+    #[test]
+    fn the_host_buffer_bound_is_a_clear_error() {
+        let disks = vec![SimDisk::new(16 << 20, 4096, 1)];
+        let mut cfg = EngineConfig::with_sim_disks(disks);
+        cfg.host_buffers_bytes = ByteSize(4 << 20);
+        let engine = Engine::open(cfg).unwrap();
+        let _a = engine.alloc_host(3 << 20).unwrap();
+        let e = engine.alloc_host(3 << 20).unwrap_err().to_string();
+        assert!(e.contains("host_buffers"), "{e}");
+        assert!(engine.alloc_host(0).is_err());
+    }
+
+    #[test]
+    fn a_persistent_engine_over_files_reopens_with_its_tensors_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = EngineConfig {
+            dir: dir.path().to_path_buf(),
+            files: 2,
+            file_size_bytes: ByteSize(64 << 20),
+            persistent: true,
+            backend: BackendName::Psync,
+            ..Default::default()
+        };
+        {
+            let engine = Engine::open(cfg.clone()).unwrap();
+            let mut buf = engine.alloc_host(3 << 20).unwrap();
+            buf.host_mut().unwrap().fill(0x3c);
+            let opts = OffloadOptions { name: Some("layer0.w".into()), ..Default::default() };
+            engine.store().offload(4, buf, opts).unwrap().wait().unwrap();
+        }
+        let meta = Engine::inspect(&cfg).unwrap();
+        assert_eq!(meta.tensors.len(), 1);
+        let engine = Engine::open(cfg).unwrap();
+        let id = engine.store().lookup("layer0.w").expect("found by name after reopen");
+        let back = engine.store().prefetch_sync(id, engine.alloc_host(3 << 20).unwrap()).unwrap();
+        assert!(back.host().unwrap().iter().all(|&b| b == 0x3c));
+    }
+
+    #[test]
+    fn a_volatile_engine_refuses_files_holding_a_teraio_array_unless_told() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = EngineConfig {
+            dir: dir.path().to_path_buf(),
+            files: 1,
+            file_size_bytes: ByteSize(32 << 20),
+            backend: BackendName::Psync,
+            ..Default::default()
+        };
+        let mut persistent = cfg.clone();
+        persistent.persistent = true;
+        drop(Engine::open(persistent).unwrap());
+        let e = Engine::open(cfg.clone()).unwrap_err().to_string();
+        assert!(e.contains("refusing to overwrite"), "{e}");
+        cfg.overwrite = Overwrite::Anything;
+        Engine::open(cfg).unwrap();
+    }
+}
