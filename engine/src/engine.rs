@@ -36,6 +36,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use crate::executor::{AllocFor, Executor, ExecutorConfig, TensorAllocator};
 use crate::pool::{BufferPool, PoolConfig};
 use crate::store::{StoreConfig, StoreMeta, TensorStore};
 use crate::tier::{HostTier, MemoryTier, TensorMem};
@@ -318,7 +319,7 @@ pub struct Engine {
     config: EngineConfig,
     // Field order is drop order: the store (workers, queues) goes before the tiers and pools
     // whose memory its operations may hold.
-    store: TensorStore,
+    store: Arc<TensorStore>,
     host_tier: Option<Arc<HostTier>>,
     buffers: Arc<BufferPool>,
     array: Arc<DeviceArray>,
@@ -351,7 +352,7 @@ impl Engine {
         scfg.persistent = config.persistent;
         scfg.retain_on_prefetch = config.retain_on_prefetch;
         scfg.alloc_unit_bytes = config.alloc_unit_bytes.0;
-        let store = TensorStore::open(scfg)?;
+        let store = Arc::new(TensorStore::open(scfg)?);
         let buffers = BufferPool::new(PoolConfig {
             capacity_bytes: config.host_buffers_bytes.0,
             ..PoolConfig::default()
@@ -372,6 +373,30 @@ impl Engine {
     /// The tensor store: offload, prefetch, free, wait, list.
     pub fn store(&self) -> &TensorStore {
         &self.store
+    }
+
+    /// The store, shared (executors and bindings keep it alive).
+    pub fn store_arc(&self) -> &Arc<TensorStore> {
+        &self.store
+    }
+
+    /// A plan executor over this engine's store (see [`crate::executor`]); prefetched tensors
+    /// (and created ones, with `allocate_created`) land in memory from `alloc`.
+    pub fn executor(
+        &self,
+        trace: teraio_scheduler::Trace,
+        plan: teraio_scheduler::Plan,
+        config: ExecutorConfig,
+        alloc: Box<dyn TensorAllocator>,
+    ) -> Result<Executor> {
+        Executor::new(self.store.clone(), alloc, trace, plan, config)
+    }
+
+    /// A [`TensorAllocator`] over this engine's host buffers ([`alloc_host`](Self::alloc_host)):
+    /// the executor's memory when the "GPU" is emulated in host memory or the trainer runs on
+    /// the CPU.
+    pub fn host_allocator(&self) -> Box<dyn TensorAllocator> {
+        Box::new(HostBufferAllocator(self.buffers.clone()))
     }
 
     /// The SSD array under the store.
@@ -431,6 +456,27 @@ impl Engine {
         cfg.backend = BackendName::Psync;
         let array = cfg.open_array()?;
         crate::store::Persistence::inspect(&array)
+    }
+}
+
+/// Host buffers from the engine's pool, for an executor.
+struct HostBufferAllocator(Arc<BufferPool>);
+
+impl TensorAllocator for HostBufferAllocator {
+    fn alloc(
+        &mut self,
+        t: teraio_scheduler::TensorId,
+        bytes: u64,
+        _why: AllocFor,
+    ) -> Result<TensorMem> {
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::InvalidArgument(format!("{bytes} bytes do not fit in memory")))?;
+        self.0.alloc(len).map(TensorMem::Host).map_err(|e| match e {
+            Error::NoSpace(why) => Error::NoSpace(format!(
+                "engine host buffers, for tensor {t} ({why}); raise `host_buffers` in the engine configuration"
+            )),
+            e => e,
+        })
     }
 }
 

@@ -11,6 +11,7 @@
 //! - [`tier`]: memory tiers (host now, CUDA behind a feature later) behind one trait.
 //! - [`store`]: the tensor store (location table, checksums, persistent metadata).
 //! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
+//! - [`executor`]: executes a scheduler plan for a trainer that drives it (any front end).
 //! - [`runtime`]: replays a training iteration under a scheduler plan on the real engine.
 
 pub mod array;
@@ -18,6 +19,7 @@ pub mod backend;
 pub mod device;
 mod engine;
 mod error;
+pub mod executor;
 pub mod migrate;
 pub mod pool;
 pub mod runtime;
@@ -27,3 +29,4 @@ pub mod units;
 
 pub use engine::{BackendName, Engine, EngineConfig, Overwrite, parse_size};
 pub use error::{Error, Result};
+pub use executor::{Executor, ExecutorConfig};
