@@ -593,6 +593,7 @@ impl Builder {
             accesses: Vec::new(),
             dies_after: None,
             writes: Some(Vec::new()),
+            producer: None,
         });
         id
     }
@@ -945,8 +946,42 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
     if let Some(target) = cfg.target_iteration_us {
         trace.scale_to_iteration_time(target)?;
     }
+    mark_producers(&mut trace);
     trace.validate()?;
     Ok(trace)
+}
+
+/// Say how to recompute every activation that a forward op (`*.fwd`, recomputations
+/// included) creates alone, modifying nothing else: the op again, on the other tensors it
+/// reads ([`crate::trace::Producer`]). Attention (which creates its output, the softmax
+/// statistics and a workspace at once), communication and backward ops are left out.
+fn mark_producers(trace: &mut Trace) {
+    let n = trace.kernels.len();
+    let mut created: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut modified = vec![false; n];
+    let mut reads: Vec<Vec<TensorId>> = vec![Vec::new(); n];
+    for (i, t) in trace.tensors.iter().enumerate() {
+        for &k in &t.accesses {
+            if t.created_by == Some(k) && !t.global {
+                created[k].push(i);
+            } else {
+                reads[k].push(t.id);
+                modified[k] |= t.writes_at(k);
+            }
+        }
+    }
+    for k in 0..n {
+        let [i] = created[k][..] else { continue };
+        let t = &trace.tensors[i];
+        let forward = trace.kernels[k].name.ends_with(".fwd");
+        if !forward || modified[k] || t.kind != TensorKind::Activation || reads[k].is_empty() {
+            continue;
+        }
+        trace.tensors[i].producer = Some(crate::trace::Producer {
+            inputs: std::mem::take(&mut reads[k]),
+            duration_us: trace.kernels[k].duration_us,
+        });
+    }
 }
 
 /// Activations of one layer's forward pass that its backward reads.
