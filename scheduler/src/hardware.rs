@@ -326,3 +326,28 @@ impl Hardware {
         self.ssd_count > 0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The example: 670 GB written per 75 s iteration to 4 drives of 2,400 TBW wears
+    /// them out in about two weeks (190 TB a day per drive).
+    #[test]
+    fn drive_life_from_endurance() {
+        let hw = Hardware::paper();
+        let days = hw.drive_life_days(670_000_000_000, 75e6).unwrap();
+        assert!((days - 12.44).abs() < 0.01, "{days}");
+        assert_eq!(hw.drive_life_days(0, 75e6), None);
+        let mut none = hw.clone();
+        none.ssd_endurance_tbw = None;
+        assert_eq!(none.drive_life_days(1, 1.0), None);
+        assert_eq!(hw.ssd_array_capacity_bytes(), Some(16_000_000_000_000));
+        let mut bad = hw.clone();
+        bad.ssd_capacity_bytes = Some(0);
+        assert!(bad.validate().unwrap_err().to_string().contains("ssd_capacity_bytes"));
+        bad.ssd_capacity_bytes = None;
+        bad.ssd_endurance_tbw = Some(-1.0);
+        assert!(bad.validate().unwrap_err().to_string().contains("ssd_endurance_tbw"));
+    }
+}

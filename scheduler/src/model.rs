@@ -1253,6 +1253,27 @@ mod tests {
         }
     }
 
+    /// Activations made by a forward op alone can be recomputed from the op's other tensors:
+    /// the norms' outputs from the layer input and the norm weight, the MLP activation from
+    /// the up projection; attention's outputs (made together) and backward tensors cannot.
+    #[test]
+    fn forward_activations_say_how_to_recompute_them() {
+        let t = generate(&ModelConfig::preset("gpt2-small").unwrap()).unwrap();
+        let by = |n: &str| t.tensors.iter().find(|x| x.name == n).unwrap();
+        let names = |ids: &[TensorId]| -> Vec<String> {
+            ids.iter().map(|&i| t.tensor(i).name.clone()).collect()
+        };
+        let n1 = by("mb0.L3.n1").recomputable().unwrap();
+        assert_eq!(names(&n1.inputs), vec!["L3.norm1.w", "mb0.x3"]);
+        let c = by("mb0.L3.n1").created_by.unwrap();
+        assert_eq!(n1.duration_us, t.kernels[c].duration_us);
+        assert_eq!(names(&by("mb0.L3.a").recomputable().unwrap().inputs), vec!["mb0.L3.u"]);
+        assert!(by("mb0.L3.ctx").producer.is_none() && by("mb0.L3.lse").producer.is_none());
+        assert!(by("mb0.L3.da").producer.is_none(), "backward tensors are not recomputed");
+        assert!(t.tensors.iter().filter(|x| x.producer.is_some()).count() > 12 * 6);
+        assert!(t.tensors.iter().all(|x| x.producer.is_none() || x.kind == TensorKind::Activation));
+    }
+
     #[test]
     fn bf16_adds_master_weights() {
         let mut cfg = ModelConfig::preset("gpt2-small").unwrap();

@@ -175,12 +175,12 @@ pub fn plan_with(trace: &Trace, hw: &Hardware, policy: Policy, opts: &PlanOption
     let mut plan = match policy {
         Policy::Auto => return Ok(plan_auto(trace, hw, opts)?.0),
         // The teraio policies are complete here: feasibility pass, forced phase, fallback.
-        Policy::Teraio => return Ok(plan_teraio(trace, hw, Mode::PAPER)?.0),
+        Policy::Teraio => return Ok(first(plan_teraio(trace, hw, Mode::PAPER)?).0),
         Policy::TeraioHybrid => {
             // Keep whichever of its own plan and `teraio`'s simulates faster, so the
             // improvement policy is never worse than the one it improves.
-            let (hybrid, hybrid_r) = plan_teraio(trace, hw, Mode::HYBRID)?;
-            let (mut plain, plain_r) = plan_teraio(trace, hw, Mode::PAPER)?;
+            let (hybrid, hybrid_r) = first(plan_teraio(trace, hw, Mode::HYBRID)?);
+            let (mut plain, plain_r) = first(plan_teraio(trace, hw, Mode::PAPER)?);
             if time_of(&plain_r) < time_of(&hybrid_r) {
                 plain.policy = plain.policy.replacen("teraio", "teraio-hybrid", 1);
                 return Ok(plain);
@@ -302,23 +302,20 @@ fn plan_auto(
     opts: &PlanOptions,
 ) -> Result<(Plan, Option<SimReport>)> {
     let recompute = opts.recompute && trace.tensors.iter().any(|t| t.recomputable().is_some());
-    let mut modes = Vec::new();
-    for wear in [false, true] {
-        modes.push(Mode { wear, ..Mode::PAPER });
-        modes.push(Mode { wear, ..Mode::HYBRID });
-        if recompute {
-            modes.push(Mode { wear, recompute: RecomputeIn::Relaxed, ..Mode::HYBRID });
-            modes.push(Mode { wear, recompute: RecomputeIn::Every, ..Mode::HYBRID });
-        }
+    // Each mode gives two candidates: its plan and the plan after the wear pass.
+    let wear = true;
+    let mut modes = vec![Mode { wear, ..Mode::PAPER }, Mode { wear, ..Mode::HYBRID }];
+    if recompute {
+        modes.push(Mode { wear, recompute: RecomputeIn::Every, ..Mode::HYBRID });
     }
-    let mut results: Vec<Result<(Plan, Option<SimReport>)>> = std::thread::scope(|scope| {
+    let mut results: Vec<Result<Vec<(Plan, Option<SimReport>)>>> = std::thread::scope(|scope| {
         let handles: Vec<_> =
             modes.iter().map(|&m| scope.spawn(move || plan_teraio(trace, hw, m))).collect();
-        let lru = (|| -> Result<(Plan, Option<SimReport>)> {
+        let lru = (|| -> Result<Vec<(Plan, Option<SimReport>)>> {
             let mut p = lru::plan(trace, hw);
             p.mark_clean_drops(trace)?;
             let r = crate::sim::simulate(trace, &p, hw, &crate::sim::SimOptions::default())?;
-            Ok((p, Some(r)))
+            Ok(vec![(p, Some(r))])
         })();
         let mut out: Vec<_> = handles
             .into_iter()
@@ -333,7 +330,7 @@ fn plan_auto(
     });
     let mut candidates = Vec::new();
     for r in results.drain(..) {
-        candidates.push(r?);
+        candidates.extend(r?);
     }
     let fastest = candidates
         .iter()
@@ -380,8 +377,6 @@ pub(crate) struct Mode {
 pub(crate) enum RecomputeIn {
     /// Never.
     Never,
-    /// Only once bandwidth-feasible moves are not enough (transfers would stall).
-    Relaxed,
     /// In every phase.
     Every,
 }
@@ -395,8 +390,7 @@ impl Mode {
         let mut s = String::from(if self.hybrid { "teraio-hybrid" } else { "teraio" });
         match self.recompute {
             RecomputeIn::Never => {}
-            RecomputeIn::Relaxed => s.push_str("+recompute"),
-            RecomputeIn::Every => s.push_str("+recompute-early"),
+            RecomputeIn::Every => s.push_str("+recompute"),
         }
         if self.wear {
             s.push_str("+wear");
@@ -405,12 +399,17 @@ impl Mode {
     }
 }
 
+/// The first of [`plan_teraio`]'s plans (the one without the wear pass).
+fn first(mut v: Vec<(Plan, Option<SimReport>)>) -> (Plan, Option<SimReport>) {
+    v.swap_remove(0)
+}
+
 /// `teraio` (Algorithm 1) or one of its variants, with the feasibility pass, the forced phase
 /// and the `lru` fallback (see the module documentation of `teraio`); re-planned with less
-/// SSD room while its copies need more than the array holds. Returns the plan and its
-/// simulation (`None` for an error of the simulator itself, reported where the plan is
-/// simulated).
-fn plan_teraio(trace: &Trace, hw: &Hardware, mode: Mode) -> Result<(Plan, Option<SimReport>)> {
+/// SSD room while its copies need more than the array holds. Returns the plan, and with
+/// [`Mode::wear`] the plan after the wear pass too, each with its simulation (`None` for an
+/// error of the simulator itself, reported where the plan is simulated).
+fn plan_teraio(trace: &Trace, hw: &Hardware, mode: Mode) -> Result<Vec<(Plan, Option<SimReport>)>> {
     let mut planning = hw.clone();
     let mut result = plan_teraio_once(trace, hw, &planning, mode)?;
     let (Some(cap), true) = (hw.ssd_array_capacity_bytes(), hw.has_ssd()) else {
@@ -418,13 +417,18 @@ fn plan_teraio(trace: &Trace, hw: &Hardware, mode: Mode) -> Result<(Plan, Option
     };
     let mut limit = cap;
     for _ in 0..4 {
-        let Some(r) = &result.1 else { break };
-        if r.peak_ssd_bytes <= cap || r.outcome != crate::sim::Outcome::Completed {
+        let over = result
+            .iter()
+            .filter_map(|(_, r)| r.as_ref())
+            .filter(|r| r.outcome == crate::sim::Outcome::Completed)
+            .map(|r| r.peak_ssd_bytes.saturating_sub(cap))
+            .max()
+            .unwrap_or(0);
+        if over == 0 {
             break;
         }
         // The planner's model of the copies' space is approximate: plan again with the
         // overshoot (and a quarter more) taken off.
-        let over = r.peak_ssd_bytes - cap;
         limit = limit.saturating_sub(over + over / 4).max(1);
         planning.ssd_capacity_bytes = Some(limit.div_ceil(u64::from(hw.ssd_count)).max(1));
         result = plan_teraio_once(trace, hw, &planning, mode)?;
@@ -439,15 +443,33 @@ fn plan_teraio_once(
     hw: &Hardware,
     planning: &Hardware,
     mode: Mode,
+) -> Result<Vec<(Plan, Option<SimReport>)>> {
+    let (plain, worn) = teraio::plan(trace, planning, mode, false);
+    let mut out = Vec::new();
+    for (i, plan) in std::iter::once(plain).chain(worn).enumerate() {
+        out.push(make_feasible(trace, hw, planning, mode, plan, i == 1)?);
+    }
+    Ok(out)
+}
+
+/// The feasibility pass on one plan of [`plan_teraio_once`] (`worn`: the one after the wear
+/// pass), then, while it runs out of memory, the forced phase and the `lru` fallback.
+fn make_feasible(
+    trace: &Trace,
+    hw: &Hardware,
+    planning: &Hardware,
+    mode: Mode,
+    mut plan: Plan,
+    worn: bool,
 ) -> Result<(Plan, Option<SimReport>)> {
-    let name = mode.name();
-    let mut plan = teraio::plan(trace, planning, mode, false);
+    let name = Mode { wear: worn, ..mode }.name();
     plan.mark_clean_drops(trace)?;
     let mut report = delay_prefetches_until_feasible(trace, hw, &mut plan);
     if report.as_ref().is_some_and(|r| r.outcome != crate::sim::Outcome::Completed) {
         // Still out of memory: plan again, taking intervals too short for their transfers as
         // on-demand fetches (`State::forced`).
-        let mut forced = teraio::plan(trace, planning, mode, true);
+        let (plain, w) = teraio::plan(trace, planning, Mode { wear: worn, ..mode }, true);
+        let mut forced = if worn { w.unwrap_or(plain) } else { plain };
         forced.mark_clean_drops(trace)?;
         let forced_report = delay_prefetches_until_feasible(trace, hw, &mut forced);
         if forced_report.as_ref().is_none_or(|r| r.outcome == crate::sim::Outcome::Completed) {
@@ -551,6 +573,7 @@ pub(crate) struct Fit {
 }
 
 /// Skip list over slots whose budget is exhausted (monotone: budgets only shrink).
+#[derive(Clone)]
 struct Skip {
     next: Vec<u32>,
     prev: Vec<u32>,
@@ -596,6 +619,7 @@ impl Skip {
 }
 
 /// Shared planning state (see the module documentation).
+#[derive(Clone)]
 pub(crate) struct State<'a> {
     pub trace: &'a Trace,
     pub hw: &'a Hardware,

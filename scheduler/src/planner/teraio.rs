@@ -32,9 +32,8 @@
 //! Recomputation (`Mode::recompute`): an interval of a recomputable tensor may instead be
 //! dropped and remade before its next access ([`crate::plan::Recompute`]); its benefit is the
 //! area of the whole interval, its cost the producer's GPU time, and it competes with the
-//! moves by the same score, in the relaxed and forced phases only (when transfers would
-//! stall: a hidden transfer costs no GPU time, a recomputation always does) or in every
-//! phase. A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
+//! moves by the same score in every phase (a transfer's cost is its time on its path; `auto`
+//! compares the plan with the one that does not recompute, by simulation). A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
 //! runs before: their intervals across that kernel are split there (both halves stay
 //! candidates). The wear pass (`Mode::wear`, [`State::reduce_writes`]) runs last.
 
@@ -172,10 +171,10 @@ impl Candidates {
     }
 }
 
-/// Plan with `mode`. With `forced`, a third phase takes intervals too short for their
-/// transfers as on-demand fetches when nominal bandwidth still leaves memory above capacity
-/// (`State::forced`).
-pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> Plan {
+/// Plan with `mode`; with [`Mode::wear`], also the same plan after the wear pass (second).
+/// With `forced`, a third phase takes intervals too short for their transfers as on-demand
+/// fetches when nominal bandwidth still leaves memory above capacity (`State::forced`).
+pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (Plan, Option<Plan>) {
     let mut st = State::new(trace, hw);
     let ivs = inactive_intervals(trace);
     let count = ivs.len();
@@ -194,7 +193,6 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> Pl
         // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
         // (they will stall, but the iteration fits in memory where that is possible at all).
         st.relaxed = true;
-        st.recompute = mode.recompute != RecomputeIn::Never;
         greedy(&mut st, &mut c, mode.hybrid);
     }
     if forced && st.mem.max() > 0 {
@@ -203,10 +201,12 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> Pl
         st.forced = true;
         greedy(&mut st, &mut c, mode.hybrid);
     }
-    if mode.wear {
-        st.reduce_writes();
-    }
-    st.into_plan(&mode.name(), count)
+    let worn = mode.wear.then(|| {
+        let mut w = st.clone();
+        w.reduce_writes();
+        w.into_plan(&mode.name(), count)
+    });
+    (st.into_plan(&Mode { wear: false, ..mode }.name(), count), worn)
 }
 
 /// Lazy greedy by benefit/cost over the intervals not yet taken.
