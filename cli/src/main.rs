@@ -3,6 +3,7 @@
 
 mod cmd;
 mod error;
+mod output;
 mod plot;
 mod units;
 

@@ -5,6 +5,7 @@ pub mod analyze;
 pub mod bench;
 pub mod bench_tensors;
 pub mod engine_args;
+pub mod hw_args;
 pub mod inspect;
 pub mod plan;
 pub mod run;
