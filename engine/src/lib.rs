@@ -18,6 +18,7 @@ pub mod backend;
 pub mod device;
 mod engine;
 mod error;
+pub mod gpucrc;
 pub mod migrate;
 pub mod pool;
 pub mod runtime;
