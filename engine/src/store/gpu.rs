@@ -289,7 +289,8 @@ impl Latch {
 struct Job {
     write: bool,
     file: u32,
-    addr: u64,
+    base: u64,
+    buf_offset: u64,
     len: usize,
     offset: u64,
     latch: Arc<Latch>,
@@ -325,11 +326,23 @@ impl DirectPool {
                                 // SAFETY: the submitter keeps the device memory alive and
                                 // unused by others until the latch reaches zero (it waits).
                                 Ok(()) if job.write => unsafe {
-                                    direct.write(job.file, job.addr, job.len, job.offset)
+                                    direct.write(
+                                        job.file,
+                                        job.base,
+                                        job.buf_offset,
+                                        job.len,
+                                        job.offset,
+                                    )
                                 },
                                 // SAFETY: as above.
                                 Ok(()) => unsafe {
-                                    direct.read(job.file, job.addr, job.len, job.offset)
+                                    direct.read(
+                                        job.file,
+                                        job.base,
+                                        job.buf_offset,
+                                        job.len,
+                                        job.offset,
+                                    )
                                 },
                             };
                             job.latch.done(r);
@@ -795,7 +808,8 @@ impl GpuState {
             let job = Job {
                 write,
                 file: dev,
-                addr: base + off,
+                base,
+                buf_offset: off,
                 len: len as usize,
                 offset: dev_off,
                 latch: latch.clone(),

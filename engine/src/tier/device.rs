@@ -89,16 +89,35 @@ pub trait DirectStorage: Send + Sync {
     /// Register device memory for direct I/O once (cuFileBufRegister; a no-op where it does not
     /// matter). Failure is not an error: I/O works on unregistered memory, slower.
     fn prepare(&self, mem: &dyn DeviceMemory);
-    /// Write `len` bytes from device address `src` to array device `file` at byte `offset`.
+    /// Write `len` bytes at `buf_offset` of the device buffer starting at `base` (the tensor's
+    /// memory; registered memory must be named by its base) to array device `file` at byte
+    /// `offset`.
     ///
     /// # Safety
-    /// `[src, src + len)` must lie in live device memory not written while the call runs.
-    unsafe fn write(&self, file: u32, src: u64, len: usize, offset: u64) -> Result<()>;
-    /// Read `len` bytes of array device `file` at byte `offset` into device address `dst`.
+    /// `[base + buf_offset, + len)` must lie in live device memory not written while the call
+    /// runs.
+    unsafe fn write(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()>;
+    /// Read `len` bytes of array device `file` at byte `offset` into the device buffer at
+    /// `base`, `buf_offset` bytes in.
     ///
     /// # Safety
-    /// `[dst, dst + len)` must lie in live device memory nobody else uses while the call runs.
-    unsafe fn read(&self, file: u32, dst: u64, len: usize, offset: u64) -> Result<()>;
+    /// `[base + buf_offset, + len)` must lie in live device memory nobody else uses while the
+    /// call runs.
+    unsafe fn read(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()>;
 }
 
 /// A device (a GPU, or the host emulation): copies, fences, pinning, crc32c, direct storage.
@@ -362,7 +381,15 @@ impl DirectStorage for HostDirect {
 
     fn prepare(&self, _mem: &dyn DeviceMemory) {}
 
-    unsafe fn write(&self, file: u32, src: u64, len: usize, offset: u64) -> Result<()> {
+    unsafe fn write(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()> {
+        let src = base + buf_offset;
         self.device.check_live(src, len)?;
         // SAFETY: live emulated device memory (host memory) of `len` bytes, checked above.
         let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
@@ -371,7 +398,15 @@ impl DirectStorage for HostDirect {
             .map_err(|e| Error::Os { context: format!("direct write to file {file}"), source: e })
     }
 
-    unsafe fn read(&self, file: u32, dst: u64, len: usize, offset: u64) -> Result<()> {
+    unsafe fn read(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()> {
+        let dst = base + buf_offset;
         self.device.check_live(dst, len)?;
         // SAFETY: as in `write`; the caller guarantees nobody else uses the range.
         let bytes = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
