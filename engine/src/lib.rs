@@ -31,5 +31,5 @@ pub mod store;
 pub mod tier;
 pub mod units;
 
-pub use engine::{BackendName, Engine, EngineConfig, Overwrite, parse_size};
+pub use engine::{BackendName, Engine, EngineConfig, GpuConfig, Overwrite, parse_size};
 pub use error::{Error, Result};
