@@ -110,6 +110,9 @@ pub enum Error {
     /// The feature is not available on this system or build.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A CUDA call (driver, NVRTC or cuFile) failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// The engine (or the component) was shut down.
     #[error("shut down: {0}")]
     Closed(&'static str),
