@@ -154,6 +154,14 @@ pub enum Error {
     /// A panic caught at the boundary (a bug).
     #[error("internal error (a bug, please report): {0}")]
     Internal(String),
+    /// An error reported before, again (an operation's stored result, waited twice).
+    #[error("{message}")]
+    Reported {
+        /// Its status.
+        status: Status,
+        /// Its message.
+        message: String,
+    },
 }
 
 /// Result alias of the bindings.
@@ -198,7 +206,13 @@ impl Error {
             Error::Closed(_) => Status::Closed,
             Error::File { .. } => Status::Io,
             Error::Internal(_) => Status::Internal,
+            Error::Reported { status, .. } => *status,
         }
+    }
+
+    /// The same error again (same status, same message), for results reported more than once.
+    pub fn duplicate(&self) -> Error {
+        Error::Reported { status: self.status(), message: self.to_string() }
     }
 }
 
