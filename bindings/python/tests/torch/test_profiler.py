@@ -43,9 +43,12 @@ def test_lifetimes_and_writes_of_a_small_sequence():
     assert a["bytes"] == 64 * 64 * 4
     b = t[(1, 2, 3)]
     assert (b["created_by"], b["dies_after"], b["writes"]) == (1, 3, [1, 2])
-    # x and w exist before and after the window: global, never written
-    xs = [s for s in tr["tensors"] if s["global"]]
-    assert len(xs) == 2 and all(s["accesses"] == [0] and s["writes"] == [] for s in xs)
+    # x and w exist before and after the window but are not parameters, gradients, buffers or
+    # optimizer states (a runtime could not find them by name): traced from their first use to
+    # the end
+    xs = [s for s in tr["tensors"] if s["accesses"] == [0]]
+    assert len(xs) == 2
+    assert all((s["global"], s["created_by"], s["dies_after"]) == (False, 0, 3) for s in xs)
 
 
 def test_views_share_their_storage_and_reuse_is_a_new_tensor():
@@ -59,7 +62,9 @@ def test_views_share_their_storage_and_reuse_is_a_new_tensor():
             del y, v
 
     tr = record(fn)
-    made = [t for t in tr["tensors"] if not t["global"] and t["bytes"] == 4096]
+    base_t = [t for t in tr["tensors"] if t["accesses"] == [0, 3, 6]]
+    assert len(base_t) == 1  # base, read by the three multiplications
+    made = [t for t in tr["tensors"] if t is not base_t[0]]
     assert len(made) == 3  # three lifetimes, three tensors
     for t in made:
         assert len(t["accesses"]) == 3  # mul, view, sum

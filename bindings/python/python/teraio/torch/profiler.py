@@ -107,6 +107,7 @@ class Profiler:
         optimizer: torch.optim.Optimizer | None = None,
         device: torch.device | str | None = None,
         name: str = "torch",
+        pager: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -117,6 +118,7 @@ class Profiler:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
+        self.pager = pager
         self._reset()
 
     def _reset(self) -> None:
@@ -125,11 +127,12 @@ class Profiler:
         self._live: dict[int, _Storage] = {}
         self._finalizers: list[weakref.finalize] = []
         self._events: list[Any] = []
+        self._ends: list[Any] = []
+        self._paged_before: list[bool] = []
         self._times: list[float] = []
         self._phase = "fwd"
         self._layer: list[int | None] = [None]
         self._lock = threading.Lock()
-        self._recording = False
         self._trace: dict | None = None
         self.wall_s = 0.0
 
@@ -144,12 +147,13 @@ class Profiler:
         if cuda:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        self._recording = True
+        if self.pager is not None:
+            for s in self._global_storages():
+                self.pager.seen(s, -1)
         try:
             with _Mode(self):
                 yield self
         finally:
-            self._recording = False
             if cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
@@ -159,6 +163,25 @@ class Profiler:
             for h in hooks:
                 h.remove()
         self._finish()
+
+    def _global_storages(self) -> list[torch.UntypedStorage]:
+        """Parameters, gradients, buffers and optimizer states on the traced device."""
+        ts: list[torch.Tensor] = []
+        if self.model is not None:
+            for p in self.model.parameters():
+                ts.append(p)
+                if p.grad is not None:
+                    ts.append(p.grad)
+            ts.extend(self.model.buffers())
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                ts.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        out = []
+        for t in ts:
+            s = storage_of(t) if t.device == self.device else None
+            if s is not None and s.nbytes() > 0:
+                out.append(s)
+        return out
 
     def _install_hooks(self) -> list[Any]:
         hooks: list[Any] = []
@@ -230,12 +253,21 @@ class Profiler:
         ins = [self._storage(t, op, created, False) for t in iter_tensors((args, kwargs))]
         written = {id(t) for t in written_tensors(func, args, kwargs)}
         in_tensors = list(iter_tensors((args, kwargs)))
+        pager = self.pager
+        if pager is not None:
+            stor = [s for s in (storage_of(t) for t in in_tensors if t.device == self.device) if s is not None]
+            before = pager.fetches + pager.evictions
+            pager.before(stor, op)
+            self._paged_before.append(pager.fetches + pager.evictions != before)
         cuda = self.device.type == "cuda"
         if cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self._events.append(ev)
             out = func(*args, **kwargs)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._ends.append(end)
         else:
             t0 = time.perf_counter()
             out = func(*args, **kwargs)
@@ -249,6 +281,14 @@ class Profiler:
                 st.touch(op, st.created_by == op or id(t) in written)
         for idx in created:
             self._storages[idx].phase = phase
+        if pager is not None:
+            outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == self.device) if s is not None]
+            for s in stor + outs:
+                pager.seen(s, op)
+            before = pager.fetches + pager.evictions
+            pager.after(stor + outs, op)
+            if pager.fetches + pager.evictions != before:
+                self._paged_before[-1] = True
         self.ops.append(
             OpRecord(
                 name=f"{phase}.{op_name(func)}",
@@ -301,8 +341,15 @@ class Profiler:
         self._label_globals()
         n = len(self.ops)
         if self.device.type == "cuda":
-            ev = self._events
-            durations = [ev[i].elapsed_time(ev[i + 1]) * 1000.0 for i in range(n)]
+            # GPU time from an operator's start to the next one's (CPU launch gaps included,
+            # as the iteration really takes them), except where the pager moved bytes in
+            # between: there only the operator's own span counts (no stall in the trace)
+            ev, ends = self._events, self._ends
+            paged = self._paged_before + [False]
+            durations = [
+                (ev[i].elapsed_time(ends[i]) if (paged[i] or paged[i + 1]) else ev[i].elapsed_time(ev[i + 1])) * 1000.0
+                for i in range(n)
+            ]
         else:
             durations = list(self._times)
         kernels = []
@@ -317,7 +364,11 @@ class Profiler:
             if not st.accesses:
                 continue
             alive_at_end = st.dies_after is None
-            is_global = st.preexisting and alive_at_end
+            # global: alive across the iteration and known by name (parameters, gradients,
+            # buffers, optimizer states), so a runtime can find it before the iteration starts;
+            # other storages alive across (a cached input batch) are traced as created at their
+            # first use and dying at the end
+            is_global = st.preexisting and alive_at_end and bool(st.name)
             kind = st.kind
             if kind is None:
                 if st.phase == "opt":
