@@ -20,3 +20,8 @@ __all__ = [
     "check_working_sets",
     "WorkingSetTooLarge",
 ]
+
+from .runtime import Pager, StorageMover  # noqa: E402
+from .session import Session  # noqa: E402
+
+__all__ += ["Pager", "StorageMover", "Session"]

@@ -166,11 +166,13 @@ class Pager:
 
     def before(self, storages: list[torch.UntypedStorage], op: int) -> None:
         """Make the operator's storages resident."""
-        want = []
+        want = {}
         for s in storages:
-            p = self.known.get(storage_key(s))
+            key = storage_key(s)
+            p = self.known.get(key)
             if p is not None and not p.resident:
-                want.append((s, p))
+                want[key] = (s, p)  # once per storage, however often the operator names it
+        want = list(want.values())
         if not want:
             return
         t0 = time.perf_counter()
