@@ -77,6 +77,10 @@ def parse_args(argv=None):
     ap.add_argument("--mode-timeout-s", type=float, default=600.0)
     ap.add_argument("--out", default="train_gpt_results", help="driver: output folder")
     ap.add_argument("--result", help="one mode: write the JSON result here (else stdout)")
+    ap.add_argument("--profile-dir",
+                    help="ideal mode: after the timed steps, time steps under a no-op dispatch mode "
+                         "and under teraio's profiler, record one step's trace into this folder and "
+                         "compare its peak with torch.cuda.max_memory_allocated")
     return ap.parse_args(argv)
 
 
@@ -244,6 +248,8 @@ def run_mode(args):
                 step_s.append(t1 - t0)
             print(f"[{mode}] step {i} loss {loss:.6f} {t1 - t0:.3f} s", file=sys.stderr, flush=True)
         res.update(finish() or {})
+        if args.profile_dir and mode == "ideal":
+            res["profile"] = profile_check(args, torch, model, opt, autocast, dev, data[-1].to(dev))
         res["outcome"] = "ok"
     except torch.cuda.OutOfMemoryError as e:
         res["outcome"] = "oom"
@@ -270,6 +276,64 @@ def run_mode(args):
     if sampler is not None:
         res["memory_samples"] = sampler.samples[::max(1, len(sampler.samples) // 2000)]
     return res
+
+
+def profile_check(args, torch, model, opt, autocast, dev, tokens):
+    """The profiler's cost and accuracy on this model (ideal mode only). Losses of these extra
+    steps are not reported (the timed steps are done)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from teraio.torch import Profiler, peak_bytes
+
+    class Noop(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            return func(*a, **(kw or {}))
+
+    cuda = dev.type == "cuda"
+
+    def one(ctx):
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with ctx:
+            with autocast:
+                loss = model(tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    out = {"plain_s": [one(contextlib.nullcontext()) for _ in range(3)],
+           "noop_mode_s": [one(Noop()) for _ in range(3)]}
+    prof = Profiler(model, opt, name=f"gpt-{args.layers}l-{args.hidden}h-b{args.batch}x{args.seq}-{args.dtype}")
+    rec = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        rec.append(one(prof.record()))
+        if cuda:
+            out.setdefault("max_memory_allocated", []).append(torch.cuda.max_memory_allocated(dev))
+            out.setdefault("allocated_before", []).append(base)
+    out["profiled_s"] = rec
+    tr = prof.trace()
+    out["trace_peak_bytes"] = peak_bytes(tr)
+    out["kernels"] = len(tr["kernels"])
+    out["tensors"] = len(tr["tensors"])
+    out["trace_kernel_time_s"] = sum(k["duration_us"] for k in tr["kernels"]) / 1e6
+    if cuda:
+        out["peak_ratio"] = out["trace_peak_bytes"] / out["max_memory_allocated"][-1]
+    os.makedirs(args.profile_dir, exist_ok=True)
+    path = os.path.join(args.profile_dir, tr["name"] + ".trace.json")
+    prof.save(path)
+    out["trace_path"] = path
+    med = statistics.median
+    out["noop_overhead"] = med(out["noop_mode_s"]) / med(out["plain_s"]) - 1
+    out["profiler_overhead"] = med(rec) / med(out["plain_s"]) - 1
+    return out
 
 
 def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
