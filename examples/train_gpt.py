@@ -194,6 +194,8 @@ def run_mode(args):
     mode = args.mode
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
+    if cuda and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     res = {"mode": mode, "config": {k: v for k, v in vars(args).items() if k not in ("modes",)}}
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False

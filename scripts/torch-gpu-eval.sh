@@ -48,3 +48,5 @@ python3 examples/train_gpt.py --modes "$MODES_FP32" $CONFIG --dtype fp32 --cap-g
   --ssd-dir "$SSD" --profile-dir "$OUT/fp32" --out "$OUT/fp32" --mode-timeout-s 260
 rm -rf "$SSD"
 date -u
+# one archive: the device tool brings back a bounded number of files
+tar -C "$OUT" -czf "$OUT/../gpu-eval.tgz" --exclude=gpu-eval.tgz . && mv "$OUT/../gpu-eval.tgz" "$OUT/"

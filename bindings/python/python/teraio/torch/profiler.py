@@ -345,7 +345,7 @@ class Profiler:
             # as the iteration really takes them), except where the pager moved bytes in
             # between: there only the operator's own span counts (no stall in the trace)
             ev, ends = self._events, self._ends
-            paged = self._paged_before + [False]
+            paged = (self._paged_before if self.pager is not None else [False] * n) + [False]
             durations = [
                 (ev[i].elapsed_time(ends[i]) if (paged[i] or paged[i + 1]) else ev[i].elapsed_time(ev[i + 1])) * 1000.0
                 for i in range(n)
