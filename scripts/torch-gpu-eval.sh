@@ -2,7 +2,7 @@
 # The GPU evaluation of teraio.torch (issue 13): examples/train_gpt.py in every mode under one
 # memory cap, in fp32 (TF32 off, the paper's setting) and in bf16 autocast, on the GPU machine
 # (../shared/DEVICE.md). Run from the repository root on that machine; results go to $OUT
-# (default ./gpu-eval): per setting a folder with one JSON per mode, table.md, losses.csv,
+# (default ./gpu-eval) as gpu-eval.tgz of $RES: per setting a folder with one JSON per mode, table.md, losses.csv,
 # memory.csv, train_gpt.png when matplotlib is there, and the profiled trace of the ideal run.
 #
 # Carried from the development machine (git-ignored, see docs/TORCH.md):
@@ -12,8 +12,9 @@
 # MODES_FP32 / MODES_BF16 / CONFIG / CAP_FP32_GIB / CAP_BF16_GIB override the defaults.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-eval}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/eval.log") 2>&1
+RES=${RES:-/tmp/teraio-gpu-eval}  # the device tool brings back few files: results go here, $OUT gets an archive
+mkdir -p "$OUT" "$RES"
+exec > >(tee -a "$RES/eval.log") 2>&1
 date -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 # cuFile's udev fix (DEVICE.md): harmless when unused
@@ -42,11 +43,11 @@ CAP_BF16_GIB=${CAP_BF16_GIB:-4}
 
 # shellcheck disable=SC2086
 python3 examples/train_gpt.py --modes "$MODES_BF16" $CONFIG --dtype bf16 --cap-gib "$CAP_BF16_GIB" \
-  --ssd-dir "$SSD" --profile-dir "$OUT/bf16" --out "$OUT/bf16" --mode-timeout-s 120
+  --ssd-dir "$SSD" --profile-dir "$RES/bf16" --out "$RES/bf16" --mode-timeout-s 120
 # shellcheck disable=SC2086
 python3 examples/train_gpt.py --modes "$MODES_FP32" $CONFIG --dtype fp32 --cap-gib "$CAP_FP32_GIB" \
-  --ssd-dir "$SSD" --profile-dir "$OUT/fp32" --out "$OUT/fp32" --mode-timeout-s 260
+  --ssd-dir "$SSD" --profile-dir "$RES/fp32" --out "$RES/fp32" --mode-timeout-s 260
 rm -rf "$SSD"
 date -u
-# one archive: the device tool brings back a bounded number of files
-tar -C "$OUT" -czf "$OUT/../gpu-eval.tgz" --exclude=gpu-eval.tgz . && mv "$OUT/../gpu-eval.tgz" "$OUT/"
+tar -C "$RES" -czf "$OUT/gpu-eval.tgz" .
+cat "$RES"/*/table.md > "$OUT/tables.md" 2>/dev/null || true
