@@ -6,6 +6,7 @@ untied head; AdamW. Every mode trains the same model from the same seed on the s
 tokens, so their losses can be compared exactly:
 
   ideal            no memory cap (the upper bound)
+  ideal-repeat     ideal again in a fresh process (are ideal's own losses reproducible?)
   plain            plain PyTorch under the cap (expected: out of memory, showing the cap binds)
   teraio-ssd       teraio.torch under the cap, offloading to the SSD array only
   teraio-host      teraio.torch under the cap, SSD array plus a host-memory tier (--host-gib)
@@ -41,7 +42,7 @@ import threading
 import time
 import traceback
 
-MODES = ["ideal", "plain", "teraio-ssd", "teraio-host", "teraio-noop", "save_on_cpu",
+MODES = ["ideal", "ideal-repeat", "plain", "teraio-ssd", "teraio-host", "teraio-noop", "save_on_cpu",
          "checkpointing", "zero-infinity"]
 
 
@@ -201,7 +202,7 @@ def run_mode(args):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         total = torch.cuda.get_device_properties(dev).total_memory
-        capped = mode not in ("ideal", "teraio-noop") and args.cap_gib > 0
+        capped = mode not in ("ideal", "ideal-repeat", "teraio-noop") and args.cap_gib > 0
         if capped:
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
         res["gpu"] = torch.cuda.get_device_name(dev)
@@ -326,6 +327,7 @@ def profile_check(args, torch, model, opt, autocast, dev, tokens):
     out["kernels"] = len(tr["kernels"])
     out["tensors"] = len(tr["tensors"])
     out["trace_kernel_time_s"] = sum(k["duration_us"] for k in tr["kernels"]) / 1e6
+    out["profiled_gpu_span_s"] = prof.gpu_span_s
     if cuda:
         out["peak_ratio"] = out["trace_peak_bytes"] / out["max_memory_allocated"][-1]
     os.makedirs(args.profile_dir, exist_ok=True)

@@ -17,9 +17,9 @@ step alike. Each operator is one *kernel* of the trace; each storage lifetime on
 
 Kinds: a parameter's storage is ``weight``, ``param.grad`` ``gradient``, the optimizer's state
 ``optimizer_state``, short-lived results of one operator's neighbour ``workspace``, everything
-else ``activation``. Durations: on CUDA one event before each operator (and one at the end),
-so a kernel's duration is the GPU time from its start to the next operator's start (the sum is
-the iteration's GPU time); on the CPU the operator's wall time.
+else ``activation``. Durations: on CUDA an event right before and one right after each
+operator's launch, so a kernel's duration is its GPU time (not the profiler's own Python time
+between operators, nor paging stalls); on the CPU the operator's wall time.
 
 Use::
 
@@ -128,13 +128,13 @@ class Profiler:
         self._finalizers: list[weakref.finalize] = []
         self._events: list[Any] = []
         self._ends: list[Any] = []
-        self._paged_before: list[bool] = []
         self._times: list[float] = []
         self._phase = "fwd"
         self._layer: list[int | None] = [None]
         self._lock = threading.Lock()
         self._trace: dict | None = None
         self.wall_s = 0.0
+        self.gpu_span_s = 0.0
 
     # ---- recording -------------------------------------------------------------------
 
@@ -256,9 +256,7 @@ class Profiler:
         pager = self.pager
         if pager is not None:
             stor = [s for s in (storage_of(t) for t in in_tensors if t.device == self.device) if s is not None]
-            before = pager.fetches + pager.evictions
             pager.before(stor, op)
-            self._paged_before.append(pager.fetches + pager.evictions != before)
         cuda = self.device.type == "cuda"
         if cuda:
             ev = torch.cuda.Event(enable_timing=True)
@@ -285,10 +283,7 @@ class Profiler:
             outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == self.device) if s is not None]
             for s in stor + outs:
                 pager.seen(s, op)
-            before = pager.fetches + pager.evictions
             pager.after(stor + outs, op)
-            if pager.fetches + pager.evictions != before:
-                self._paged_before[-1] = True
         self.ops.append(
             OpRecord(
                 name=f"{phase}.{op_name(func)}",
@@ -341,15 +336,12 @@ class Profiler:
         self._label_globals()
         n = len(self.ops)
         if self.device.type == "cuda":
-            # GPU time from an operator's start to the next one's (CPU launch gaps included,
-            # as the iteration really takes them), except where the pager moved bytes in
-            # between: there only the operator's own span counts (no stall in the trace)
+            # GPU time from an event recorded right before the operator's launch to one right
+            # after it: the operator's kernels (and their launch, when the GPU was waiting),
+            # not the profiler's own bookkeeping between operators nor any paging stall
             ev, ends = self._events, self._ends
-            paged = (self._paged_before if self.pager is not None else [False] * n) + [False]
-            durations = [
-                (ev[i].elapsed_time(ends[i]) if (paged[i] or paged[i + 1]) else ev[i].elapsed_time(ev[i + 1])) * 1000.0
-                for i in range(n)
-            ]
+            durations = [ev[i].elapsed_time(ends[i]) * 1000.0 for i in range(n)]
+            self.gpu_span_s = ev[0].elapsed_time(ev[n]) / 1000.0 if n else 0.0
         else:
             durations = list(self._times)
         kernels = []
