@@ -33,21 +33,22 @@ export LD_LIBRARY_PATH=$AIO/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export TORCH_EXTENSIONS_DIR=/tmp/teraio-eval-ext
 # DeepSpeed's JIT builder cannot parse torch's "9.0a" architecture names
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+# (the machine's environment sets it so): name the H200's plainly
+export TORCH_CUDA_ARCH_LIST=9.0 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 SSD=${SSD:-/var/tmp/teraio-eval}
 mkdir -p "$SSD"
 
 CONFIG=${CONFIG:---layers 12 --hidden 1024 --heads 16 --vocab 8192 --seq 1024 --batch 16 --steps 4 --warmup 2}
-MODES_FP32=${MODES_FP32:-ideal,ideal-repeat,plain,save_on_cpu,checkpointing,zero-infinity}
-MODES_BF16=${MODES_BF16:-ideal,ideal-repeat,plain,save_on_cpu,checkpointing}
+MODES_FP32=${MODES_FP32-ideal,ideal-repeat,plain,save_on_cpu,checkpointing,zero-infinity}
+MODES_BF16=${MODES_BF16-ideal,ideal-repeat,plain,save_on_cpu,checkpointing}
 CAP_FP32_GIB=${CAP_FP32_GIB:-6}
 CAP_BF16_GIB=${CAP_BF16_GIB:-4}
 
 # shellcheck disable=SC2086
-python3 examples/train_gpt.py --modes "$MODES_BF16" $CONFIG --dtype bf16 --cap-gib "$CAP_BF16_GIB" \
+[ -n "$MODES_BF16" ] && python3 examples/train_gpt.py --modes "$MODES_BF16" $CONFIG --dtype bf16 --cap-gib "$CAP_BF16_GIB" \
   --ssd-dir "$SSD" --profile-dir "$RES/bf16" --out "$RES/bf16" --mode-timeout-s 120
 # shellcheck disable=SC2086
-python3 examples/train_gpt.py --modes "$MODES_FP32" $CONFIG --dtype fp32 --cap-gib "$CAP_FP32_GIB" \
+[ -n "$MODES_FP32" ] && python3 examples/train_gpt.py --modes "$MODES_FP32" ${CONFIG_FP32:-$CONFIG} --dtype fp32 --cap-gib "$CAP_FP32_GIB" \
   --ssd-dir "$SSD" --profile-dir "$RES/fp32" --out "$RES/fp32" --mode-timeout-s ${ZERO_TIMEOUT_S:-300}
 rm -rf "$SSD"
 date -u
