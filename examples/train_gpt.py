@@ -532,16 +532,24 @@ def plot(results, out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(16, 4))
+    ideal = next((r for r in results if r["mode"] == "ideal" and r.get("losses")), None)
     for r in results:
         if r.get("losses"):
             a.plot(r["losses"], label=r["mode"], marker="o", markersize=3)
+            if ideal is not None:
+                n = min(len(r["losses"]), len(ideal["losses"]))
+                c.plot([r["losses"][i] - ideal["losses"][i] for i in range(n)], label=r["mode"],
+                       marker="o", markersize=3)
         if r.get("memory_samples"):
             t, m = zip(*r["memory_samples"])
-            b.plot(t, [x / 2**30 for x in m], label=r["mode"])
+            span = max(t) or 1.0
+            b.plot([x / span for x in t], [x / 2**30 for x in m], label=f"{r['mode']} ({span:.2f} s)")
     a.set_xlabel("step"), a.set_ylabel("loss"), a.legend(fontsize=7), a.set_title("loss")
-    b.set_xlabel("s into the last step"), b.set_ylabel("GiB allocated"), b.legend(fontsize=7)
-    b.set_title("GPU memory, last step")
+    c.set_xlabel("step"), c.set_ylabel("loss - ideal loss"), c.legend(fontsize=7)
+    c.set_title("difference to ideal (0: identical)")
+    b.set_xlabel("fraction of the last step"), b.set_ylabel("GiB allocated"), b.legend(fontsize=7)
+    b.set_title("GPU memory over the last step")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "train_gpt.png"), dpi=120)
 
