@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed steps first (teraio: the profiled ones among them)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True): without it a GPU run's losses "
+                         "vary between processes in the last bits (measured: ideal vs ideal)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cap-gib", type=float, default=0.0,
@@ -198,6 +201,9 @@ def run_mode(args):
     if cuda and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     res = {"mode": mode, "config": {k: v for k, v in vars(args).items() if k not in ("modes",)}}
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -397,7 +403,7 @@ def make_session(args, torch, mode, model, opt, dev):
     host = int(args.host_gib * 2**30) if mode == "teraio-host" else 0
     return tt.Session(model, opt, engine=engine, gpu_budget_bytes=budget, host_budget_bytes=host,
                       policy="none" if mode == "teraio-noop" else args.teraio_policy,
-                      hardware=args.hw, optimizer_chunk_bytes=int(args.chunk_mib * 2**20),
+                      hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=int(args.chunk_mib * 2**20),
                       profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1)
 
 
