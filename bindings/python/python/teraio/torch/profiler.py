@@ -88,7 +88,7 @@ class _Mode(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.rec._dispatch(func, args, kwargs or {})
+        return self.rec.dispatch(func, args, kwargs or {})
 
 
 class Profiler:
@@ -133,6 +133,9 @@ class Profiler:
         self._layer: list[int | None] = [None]
         self._lock = threading.Lock()
         self._trace: dict | None = None
+        self._hooks: list[Any] = []
+        self._t0 = 0.0
+        self.created_ids: list[list[int]] = []
         self.wall_s = 0.0
         self.gpu_span_s = 0.0
 
@@ -141,28 +144,52 @@ class Profiler:
     @contextlib.contextmanager
     def record(self) -> Iterator["Profiler"]:
         """Record the iteration run inside the ``with`` block (replaces any earlier one)."""
-        self._reset()
-        hooks = self._install_hooks()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        if self.pager is not None:
-            for s in self._global_storages():
-                self.pager.seen(s, -1)
+        self.begin()
         try:
             with _Mode(self):
                 yield self
         finally:
-            if cuda:
+            self.end()
+
+    def begin(self) -> None:
+        """Start recording an iteration; operators then go through :meth:`dispatch` (what
+        :meth:`record`'s dispatch mode does; a caller with its own mode calls it)."""
+        self._reset()
+        self._hooks = self._install_hooks()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._t0 = time.perf_counter()
+        if self.pager is not None:
+            for s in self._global_storages():
+                self.pager.seen(s, -1)
+
+    def end(self) -> None:
+        """Stop recording and build the trace."""
+        try:
+            if self.device.type == "cuda":
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self._events.append(end)
                 torch.cuda.synchronize(self.device)
-            self.wall_s = time.perf_counter() - t0
-            for h in hooks:
+            self.wall_s = time.perf_counter() - self._t0
+        finally:
+            for h in self._hooks:
                 h.remove()
+            self._hooks = []
         self._finish()
+
+    def abort(self) -> None:
+        """Stop recording without building a trace (the iteration runs otherwise)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for f in self._finalizers:
+            f.detach()
+        self._reset()
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run and record one operator."""
+        return self._dispatch(func, args, kwargs)
 
     def _global_storages(self) -> list[torch.UntypedStorage]:
         """Parameters, gradients, buffers and optimizer states on the traced device."""
@@ -389,6 +416,9 @@ class Profiler:
                     "created_by": created, "accesses": st.accesses, "dies_after": dies,
                     "writes": writes,
                 })
+        self.created_ids = [
+            [self.tensor_of_storage[i] for i in r.created if i in self.tensor_of_storage] for r in self.ops
+        ]
         self._trace = {
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,

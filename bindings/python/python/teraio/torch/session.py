@@ -40,7 +40,10 @@ import torch
 
 from .optimizer import check_working_sets, make_plannable
 from .profiler import Profiler, peak_bytes
+from ._storages import signature
+from .planned import Diverged, PlannedRun
 from .runtime import Pager, StorageMover, Store
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _open_engine(engine: Any) -> Any:
@@ -61,7 +64,10 @@ class Session:
     tensors may use (None: no budget, nothing is paged). ``host_budget_bytes``: the host tier
     the planner may use (0: SSD only). ``policy``/``hardware``: the planner's (``teraio plan``).
     ``store`` (tests): any object with the engine's ``offload``/``prefetch``/``free``.
-    ``page_min_bytes``: the pager leaves smaller storages in place.
+    ``page_min_bytes``: the pager leaves smaller storages in place. ``executor_factory``
+    (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
+    ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
+    host_budget_bytes)`` returning a plan (default: ``teraio.plan`` with ``policy``/``hardware``).
     """
 
     def __init__(
@@ -81,6 +87,8 @@ class Session:
         device: torch.device | str | None = None,
         store: Store | None = None,
         page_min_bytes: int = 1 << 16,
+        executor_factory: Callable[..., Any] | None = None,
+        planner: Callable[[dict, int, int], Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
         if gpu_budget_bytes is not None and gpu_budget_bytes <= 0:
@@ -99,6 +107,8 @@ class Session:
         self.warmup_steps = warmup_steps
         self.report_every = report_every
         self.log = log
+        self.executor_factory = executor_factory
+        self.planner = planner
         self._engine = None
         if store is None and gpu_budget_bytes is not None:
             store = self._engine = _open_engine(engine)
@@ -132,26 +142,65 @@ class Session:
         moved0 = (self.mover.bytes_out + self.mover.bytes_in) if self.mover else 0
         wait0 = self.pager.wait_s if self.pager else 0.0
         t0 = time.perf_counter()
-        with self.profiler.record():
-            yield self
-        if self.pager is not None:
-            self.pager.restore_all()
+        mode = _StepMode(self, n)
+        self.profiler.begin()
+        try:
+            with mode:
+                yield self
+        finally:
+            if mode.run is None:
+                self.profiler.end()
+                if self.pager is not None:
+                    self.pager.restore_all()
+        rec: dict[str, Any] = {"step": n}
+        if mode.run is not None:
+            run = mode.run
+            rep = run.end_iteration()
+            rec["mode"] = "planned"
+            rec["executor"] = rep
+            # the executor's own figure when its report has one, else the time in before_kernel
+            rec["stall_s"] = rep["stall_s"] if isinstance(rep, dict) and "stall_s" in rep \
+                else run.stall_s - mode.stall0
+            if run.diverged is not None:
+                rec["diverged"] = str(run.diverged)
+                self._drop_plan(mode.key)
+        else:
+            rec["mode"] = "paged" if self.pager is not None else "profiled"
+            rec["stall_s"] = (self.pager.wait_s - wait0) if self.pager else 0.0
+            if mode.fallback:
+                rec["planned_failed"] = mode.fallback
         if cuda:
             torch.cuda.synchronize(self.device)
-        rec: dict[str, Any] = {
-            "step": n,
-            "mode": "paged" if self.pager is not None else "profiled",
-            "time_s": time.perf_counter() - t0,
-            "stall_s": (self.pager.wait_s - wait0) if self.pager else 0.0,
-            "bytes_moved": ((self.mover.bytes_out + self.mover.bytes_in) - moved0) if self.mover else 0,
-            "ops": len(self.profiler.ops),
-        }
+        rec["time_s"] = time.perf_counter() - t0
+        rec["bytes_moved"] = ((self.mover.bytes_out + self.mover.bytes_in) - moved0) if self.mover else 0
+        rec["ops"] = mode.k
         if cuda:
             rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        self._after_profile(n, rec)
+        if mode.run is None:
+            self._after_profile(n, rec)
         self.steps.append(rec)
         if self.report_every and (n + 1) % self.report_every == 0:
             self.log(self.line(rec))
+
+    def _planned_run(self, key: Any, n: int) -> Any:
+        """The executor run for this key's plan, or None (no plan, or no executor here)."""
+        entry = self.plans.get(key)
+        if n < self.warmup_steps or entry is None or entry.get("plan") is None or entry.get("run") is False:
+            return None
+        if entry.get("run") is None:
+            try:
+                entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.budget, self.device,
+                                          self.executor_factory)
+            except (NotImplementedError, Diverged) as e:
+                entry["run"] = False
+                entry["no_run"] = str(e)
+                return None
+        return entry["run"]
+
+    def _drop_plan(self, key: Any) -> None:
+        entry = self.plans.pop(key, None)
+        if entry and entry.get("run"):
+            _finish_run(entry["run"])
 
     def _after_profile(self, n: int, rec: dict[str, Any]) -> None:
         if n < self.warmup_steps or not self.profiler.ops:
@@ -166,7 +215,8 @@ class Session:
             return
         trace = self.profiler.trace()
         rec["trace_peak_bytes"] = peak_bytes(trace)
-        entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None}
+        entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None,
+                 "created": self.profiler.created_ids}
         self.plans[key] = entry
         if self.budget is None:
             return
@@ -175,7 +225,11 @@ class Session:
             import teraio
         except ImportError:
             teraio = None
-        if teraio is not None and hasattr(teraio, "plan"):
+        if self.planner is not None:
+            t0 = time.perf_counter()
+            entry["plan"] = self.planner(trace, self.budget, self.host_budget)
+            rec["plan_s"] = time.perf_counter() - t0
+        elif teraio is not None and hasattr(teraio, "plan"):
             hw = self.hardware if self.hardware is not None else "paper"
             over = {"gpu_memory_bytes": self.budget, "host_memory_cap_bytes": self.host_budget}
             t0 = time.perf_counter()
@@ -213,6 +267,9 @@ class Session:
         """Bring every paged-out tensor back and close the engine the session opened."""
         if self.closed:
             return
+        for entry in self.plans.values():
+            if entry.get("run"):
+                _finish_run(entry["run"])
         if self.pager is not None:
             self.pager.restore_all()
         if self._engine is not None and hasattr(self._engine, "close"):
@@ -224,3 +281,47 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _finish_run(run: PlannedRun) -> None:
+    restore = getattr(run.ex, "restore_all", None)
+    if restore is not None:  # bring offloaded globals back before the executor lets go
+        restore()
+    run.finish()
+
+
+class _StepMode(TorchDispatchMode):
+    """Decides at the step's first operator whether a cached plan runs (by that operator's
+    signature: the iteration's input shapes) or the step is profiled (and paged)."""
+
+    def __init__(self, session: Session, n: int) -> None:
+        super().__init__()
+        self.session = session
+        self.n = n
+        self.k = 0
+        self.key: Any = None
+        self.run: PlannedRun | None = None
+        self.stall0 = 0.0
+        self.fallback = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        k = self.k
+        self.k += 1
+        if k == 0:
+            self.key = signature(func, args, kwargs)
+            run = self.session._planned_run(self.key, self.n)
+            entry = self.session.plans.get(self.key)
+            if entry is not None and entry.get("no_run"):
+                self.fallback = entry["no_run"]
+            if run is not None:
+                self.session.profiler.abort()
+                self.run = run
+                self.stall0 = run.stall_s
+                run.begin_iteration()
+        if self.run is not None:
+            self.run.before(k, func, args, kwargs)
+            out = func(*args, **kwargs)
+            self.run.after(k, args, kwargs, out)
+            return out
+        return self.session.profiler.dispatch(func, args, kwargs)
