@@ -399,7 +399,9 @@ def make_session(args, torch, mode, model, opt, dev):
     os.makedirs(args.ssd_dir, exist_ok=True)
     engine = dict(dir=args.ssd_dir, files=args.ssd_files, file_size=int(args.ssd_file_gib * 2**30),
                   overwrite="anything")
-    budget = None if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None
+    # teraio-noop: a budget nothing reaches and the `none` policy: a plan that moves nothing,
+    # so the step pays only the runtime's own overhead
+    budget = 1 << 50 if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None
     host = int(args.host_gib * 2**30) if mode == "teraio-host" else 0
     return tt.Session(model, opt, engine=engine, gpu_budget_bytes=budget, host_budget_bytes=host,
                       policy="none" if mode == "teraio-noop" else args.teraio_policy,

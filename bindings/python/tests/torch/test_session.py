@@ -128,3 +128,25 @@ def test_report_line_and_bad_arguments():
         tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=0)
     with pytest.raises(ValueError, match="profile_steps"):
         tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1, profile_steps=0)
+
+
+def test_a_plan_without_an_executor_pages_without_recording():
+    ref_losses, ref_model = reference(5)
+    model, opt = make()
+
+    def no_executor(*a):
+        raise NotImplementedError("no executor in this build")
+
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(ref_model), page_min_bytes=0,
+                   warmup_steps=1, planner=lambda tr, b, h: {"policy": "scripted"},
+                   executor_factory=no_executor, log=lambda _: None)
+    losses = []
+    for t in batches(5):
+        with s.step():
+            losses.append(train_step(model, opt, t))
+        assert s.steps[-1]["mode"] == "paged"
+    assert losses == ref_losses
+    assert s.steps[1].get("plan") == "made"
+    assert all(r.get("planned_failed") == "no executor in this build" for r in s.steps[2:])
+    assert not s.profiler.ops, "steps after the plan are not recorded"
+    assert all(r["bytes_moved"] > 0 for r in s.steps[2:])

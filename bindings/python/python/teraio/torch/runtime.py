@@ -36,7 +36,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._storages import storage_key
+from ._storages import iter_tensors, storage_key, storage_of
 
 _ids = itertools.count(1 << 40)
 
@@ -225,3 +225,15 @@ class Pager:
                 p.resident = True
                 self.resident_bytes += p.bytes
                 self.fetches += 1
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict, op: int, device: torch.device) -> Any:
+        """Run one operator under the pager alone (no recording)."""
+        stor = [s for s in (storage_of(t) for t in iter_tensors((args, kwargs)) if t.device == device)
+                if s is not None]
+        self.before(stor, op)
+        out = func(*args, **kwargs)
+        outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == device) if s is not None]
+        for s in stor + outs:
+            self.seen(s, op)
+        self.after(stor + outs, op)
+        return out

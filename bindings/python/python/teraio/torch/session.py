@@ -149,7 +149,8 @@ class Session:
                 yield self
         finally:
             if mode.run is None:
-                self.profiler.end()
+                if not mode.paged_only:
+                    self.profiler.end()
                 if self.pager is not None:
                     self.pager.restore_all()
         rec: dict[str, Any] = {"step": n}
@@ -176,7 +177,7 @@ class Session:
         rec["ops"] = mode.k
         if cuda:
             rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        if mode.run is None:
+        if mode.run is None and not mode.paged_only:
             self._after_profile(n, rec)
         self.steps.append(rec)
         if self.report_every and (n + 1) % self.report_every == 0:
@@ -303,6 +304,7 @@ class _StepMode(TorchDispatchMode):
         self.run: PlannedRun | None = None
         self.stall0 = 0.0
         self.fallback = ""
+        self.paged_only = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -319,9 +321,18 @@ class _StepMode(TorchDispatchMode):
                 self.run = run
                 self.stall0 = run.stall_s
                 run.begin_iteration()
+            elif self.fallback and self.session.pager is not None:
+                # a plan exists but cannot run here: page without recording
+                self.session.profiler.abort()
+                self.paged_only = True
+                pager = self.session.pager
+                for s in self.session.profiler._global_storages():
+                    pager.seen(s, -1)
         if self.run is not None:
             self.run.before(k, func, args, kwargs)
             out = func(*args, **kwargs)
             self.run.after(k, args, kwargs, out)
             return out
+        if self.paged_only:
+            return self.session.pager.dispatch(func, args, kwargs, k, self.session.device)
         return self.session.profiler.dispatch(func, args, kwargs)
