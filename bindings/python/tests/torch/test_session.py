@@ -150,3 +150,26 @@ def test_a_plan_without_an_executor_pages_without_recording():
     assert all(r.get("planned_failed") == "no executor in this build" for r in s.steps[2:])
     assert not s.profiler.ops, "steps after the plan are not recorded"
     assert all(r["bytes_moved"] > 0 for r in s.steps[2:])
+
+
+def test_pager_retries_an_operator_that_ran_out_of_memory():
+    store = MemStore()
+    pager = tt.Pager(tt.StorageMover(store), budget_bytes=1 << 30, min_bytes=0)
+    xs = [torch.full((1024,), float(i)) for i in range(4)]
+    for i, x in enumerate(xs):
+        pager.seen(x.untyped_storage(), i)
+    calls = []
+
+    def op(a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("scripted")
+        return a * 2
+
+    out = pager.run_op(op, (xs[0],), {}, [xs[0].untyped_storage()], 4)
+    assert len(calls) == 2 and torch.equal(out, xs[0] * 2)
+    # everything the operator did not use went out, and comes back intact
+    assert [x.untyped_storage().nbytes() for x in xs] == [4096, 0, 0, 0]
+    pager.restore_all()
+    assert all(torch.equal(x, torch.full((1024,), float(i))) for i, x in enumerate(xs))
+    assert store.d == {}

@@ -289,13 +289,13 @@ class Profiler:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self._events.append(ev)
-            out = func(*args, **kwargs)
+            out = pager.run_op(func, args, kwargs, stor, op) if pager is not None else func(*args, **kwargs)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._ends.append(end)
         else:
             t0 = time.perf_counter()
-            out = func(*args, **kwargs)
+            out = pager.run_op(func, args, kwargs, stor, op) if pager is not None else func(*args, **kwargs)
             self._times.append((time.perf_counter() - t0) * 1e6)
         for t, st in zip(in_tensors, ins):
             if st is not None:

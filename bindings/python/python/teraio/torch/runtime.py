@@ -216,6 +216,26 @@ class Pager:
             evicted += 1
         return evicted
 
+    def make_room(self, keep: list[torch.UntypedStorage], op: int) -> int:
+        """An operator ran out of memory: page out everything it does not use. Returns how many
+        storages went."""
+        budget, self.budget = self.budget, 0
+        try:
+            return self._evict(op, {storage_key(s) for s in keep}, extra=0)
+        finally:
+            self.budget = budget
+
+    def run_op(self, func: Any, args: tuple, kwargs: dict, keep: list[torch.UntypedStorage], op: int) -> Any:
+        """Run an operator; if the GPU runs out of memory, page out everything it does not use and
+        run it once more (an allocation fails before the operator writes anything)."""
+        try:
+            return func(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            if not self.make_room(keep, op):
+                raise
+            torch.cuda.empty_cache()
+            return func(*args, **kwargs)
+
     def restore_all(self) -> None:
         """Bring every paged-out storage back (the end of a paged iteration)."""
         for key, p in list(self.known.items()):
@@ -231,7 +251,7 @@ class Pager:
         stor = [s for s in (storage_of(t) for t in iter_tensors((args, kwargs)) if t.device == device)
                 if s is not None]
         self.before(stor, op)
-        out = func(*args, **kwargs)
+        out = self.run_op(func, args, kwargs, stor, op)
         outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == device) if s is not None]
         for s in stor + outs:
             self.seen(s, op)

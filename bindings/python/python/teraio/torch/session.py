@@ -64,7 +64,8 @@ class Session:
     tensors may use (None: no budget, nothing is paged). ``host_budget_bytes``: the host tier
     the planner may use (0: SSD only). ``policy``/``hardware``: the planner's (``teraio plan``).
     ``store`` (tests): any object with the engine's ``offload``/``prefetch``/``free``.
-    ``page_min_bytes``: the pager leaves smaller storages in place. ``executor_factory``
+    ``page_min_bytes``: the pager leaves smaller storages in place; ``page_fraction``: on the
+    GPU it pages down to this share of the budget. ``executor_factory``
     (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
     ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
     host_budget_bytes)`` returning a plan (default: ``teraio.plan`` with ``policy``/``hardware``).
@@ -87,6 +88,7 @@ class Session:
         device: torch.device | str | None = None,
         store: Store | None = None,
         page_min_bytes: int = 1 << 16,
+        page_fraction: float = 0.85,
         executor_factory: Callable[..., Any] | None = None,
         planner: Callable[[dict, int, int], Any] | None = None,
         log: Callable[[str], None] = print,
@@ -120,7 +122,11 @@ class Session:
         self.pager = None
         if gpu_budget_bytes is not None and self.mover is not None:
             used = (lambda: torch.cuda.memory_allocated(self.device)) if cuda else None
-            self.pager = Pager(self.mover, gpu_budget_bytes, min_bytes=page_min_bytes, used_bytes=used)
+            # on the GPU the next operator's results must fit beside what stays: page down to
+            # `page_fraction` of the budget (an operator that still runs out is retried after
+            # everything it does not use went out)
+            target = int(gpu_budget_bytes * (page_fraction if cuda else 1.0))
+            self.pager = Pager(self.mover, target, min_bytes=page_min_bytes, used_bytes=used)
             self.profiler.pager = self.pager
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
