@@ -73,6 +73,10 @@ def parse_args(argv=None):
     ap.add_argument("--ssd-dir", default="/var/tmp/teraio-train", help="teraio's and DeepSpeed's files")
     ap.add_argument("--ssd-files", type=int, default=1)
     ap.add_argument("--ssd-file-gib", type=float, default=48.0)
+    ap.add_argument("--ssd-alloc-kib", type=int, default=0,
+                    help="teraio: the engine's allocation unit (0: its default, 1 MiB)")
+    ap.add_argument("--page-min-kib", type=int, default=64,
+                    help="teraio: storages the pager leaves in place when smaller")
     ap.add_argument("--host-gib", type=float, default=0.0, help="teraio-host: host tier cap")
     ap.add_argument("--teraio-policy", default="teraio")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
@@ -399,6 +403,10 @@ def make_session(args, torch, mode, model, opt, dev):
     os.makedirs(args.ssd_dir, exist_ok=True)
     engine = dict(dir=args.ssd_dir, files=args.ssd_files, file_size=int(args.ssd_file_gib * 2**30),
                   overwrite="anything")
+    if args.ssd_alloc_kib:
+        engine.update(alloc_unit=args.ssd_alloc_kib * 1024, stripe_unit=max(64, args.ssd_alloc_kib) * 1024)
+    if mode == "teraio-host":
+        engine["host_tier"] = int(args.host_gib * 2**30)
     # teraio-noop: a budget nothing reaches and the `none` policy: a plan that moves nothing,
     # so the step pays only the runtime's own overhead
     budget = 1 << 50 if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None
@@ -406,7 +414,9 @@ def make_session(args, torch, mode, model, opt, dev):
     return tt.Session(model, opt, engine=engine, gpu_budget_bytes=budget, host_budget_bytes=host,
                       policy="none" if mode == "teraio-noop" else args.teraio_policy,
                       hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=int(args.chunk_mib * 2**20),
-                      profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1)
+                      profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1,
+                      page_min_bytes=args.page_min_kib * 1024,
+                      log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def setup_zero(args, torch, model, autocast):

@@ -46,7 +46,8 @@ def engine_store(tmp_path):
     teraio = pytest.importorskip("teraio")
     if not hasattr(teraio, "Engine"):
         pytest.fail("the teraio package has no Engine: the bindings are not installed")
-    return teraio.Engine(dir=str(tmp_path), files=2, file_size="64M")
+    # the tiny model's storages are small: a 4 KiB allocation unit (the default is 1 MiB)
+    return teraio.Engine(dir=str(tmp_path), files=2, file_size="64M", alloc_unit="4k", stripe_unit="64k")
 
 
 def reference(n, **kw):

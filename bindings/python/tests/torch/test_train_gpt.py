@@ -41,7 +41,8 @@ def test_teraio_mode_pages_through_the_engine_and_matches_ideal(tmp_path):
         pytest.fail("the teraio package has no Engine: the bindings are not installed")
     # a 150 KiB budget: far below the tiny model's iteration, so the pager must move storages
     res, _ = drive(tmp_path, "ideal,teraio-ssd", "--cap-gib", str(150 / 2**20),
-                   "--ssd-dir", str(tmp_path / "ssd"), "--ssd-file-gib", "0.0625")
+                   "--ssd-dir", str(tmp_path / "ssd"), "--ssd-file-gib", "0.0625", "--ssd-alloc-kib", "4",
+                   "--page-min-kib", "0")
     t = res["teraio-ssd"]
     assert t["outcome"] == "ok", t.get("error")
     assert t["losses"] == res["ideal"]["losses"]
