@@ -18,8 +18,13 @@ python3 -m venv "$VENV"
   || "$VENV/bin/pip" install -q torch
 "$VENV/bin/pip" install -q numpy pytest
 
-step "the teraio wheel (maturin, from bindings/python)"
-"$VENV/bin/pip" install -q ./bindings/python
+step "the teraio wheel"
+# The wheel .ci/bindings.sh built (TERAIO_WHEEL_DIR), else build it from bindings/python.
+if compgen -G "${TERAIO_WHEEL_DIR:-/nonexistent}/teraio-*.whl" >/dev/null; then
+  "$VENV/bin/pip" install -q "$TERAIO_WHEEL_DIR"/teraio-*.whl
+else
+  "$VENV/bin/pip" install -q ./bindings/python
+fi
 
 step "pytest bindings/python/tests/torch"
 cd bindings/python/tests/torch
