@@ -156,7 +156,7 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
     let rho = trace
         .tensors
         .iter()
-        .filter_map(|t| t.recomputable().map(|p| p.duration_us / t.bytes as f64))
+        .filter_map(|t| trace.recompute_us(t.id).map(|us| us / t.bytes as f64))
         .fold(f64::INFINITY, f64::min);
 
     // Tier capacity: what is away at a kernel and cannot be remade sits on a tier.

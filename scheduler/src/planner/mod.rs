@@ -529,15 +529,25 @@ fn delay_prefetches_until_feasible(
             return last;
         }
         let mut moved = Vec::new();
+        // A tensor is used by its accesses, and before the kernels where it is an input of a
+        // recomputation.
+        let mut uses: HashMap<TensorId, Vec<usize>> = HashMap::new();
+        for r in &p.recomputations {
+            for x in trace.tensor(r.tensor).producer.iter().flat_map(|pr| &pr.inputs) {
+                uses.entry(*x).or_default().push(r.before_kernel);
+            }
+        }
         p.instructions.retain(|ins| {
+            let at = ins.issue_before_kernel;
+            let real = trace.tensor(ins.tensor).accesses.iter().find(|&&a| a >= at);
+            let input = uses.get(&ins.tensor).and_then(|v| v.iter().filter(|&&b| b >= at).min());
+            let next = match (real, input) {
+                (Some(&a), Some(&b)) => Some(a.min(b)),
+                (a, b) => a.or(b).copied(),
+            };
             let movable = ins.op == crate::plan::Op::Prefetch
-                && ins.issue_before_kernel <= k
-                && trace
-                    .tensor(ins.tensor)
-                    .accesses
-                    .iter()
-                    .find(|&&a| a >= ins.issue_before_kernel)
-                    .is_some_and(|&u| u > k);
+                && at <= k
+                && next.is_some_and(|u| u > k);
             if movable {
                 moved.push(Instruction { issue_before_kernel: k + 1, ..*ins });
             }
@@ -972,6 +982,7 @@ impl<'a> State<'a> {
         let n = self.n;
         let t = self.trace.tensor(iv.tensor);
         let (p, c) = (t.recomputable()?, t.created_by?);
+        let duration_us = self.trace.recompute_us(iv.tensor)?;
         let (a, b) = (iv.last_access, iv.next_access);
         if b >= n || t.accesses.binary_search(&b).is_err() {
             return None;
@@ -1001,7 +1012,7 @@ impl<'a> State<'a> {
             tier: Tier::Ssd,
             offload_end: a,
             prefetch_start: b,
-            cost_us: p.duration_us.max(1e-3),
+            cost_us: duration_us.max(1e-3),
             benefit,
             clean: false,
             recompute: true,
