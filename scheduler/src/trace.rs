@@ -160,6 +160,12 @@ impl Tensor {
         self.dies_after.unwrap_or(kernel_count.saturating_sub(1))
     }
 
+    /// Whether the tensor occupies memory while kernel `k` runs in an all-resident run (a
+    /// global tensor always does).
+    pub fn alive_at(&self, k: usize, kernel_count: usize) -> bool {
+        self.global || (self.alloc_kernel() <= k && k <= self.free_kernel(kernel_count))
+    }
+
     /// Whether kernel `k` writes the tensor (false if `k` does not access it at all).
     pub fn writes_at(&self, k: usize) -> bool {
         match &self.writes {

@@ -233,15 +233,15 @@ pub fn run(args: Args) -> Result<()> {
         return Err(CliError::Usage(format!("--plot needs exactly one plan or policy{why}")));
     }
     if plans.is_empty()
-        && let Some(r) = refused.first()
+        && let [r] = &refused[..]
+        && !args.json
     {
-        if refused.len() == 1 && !args.json {
-            // One policy asked for and refused: an error with the option that changes it.
-            return Err(match plan_checked(&trace, &hw, args.policy.parse()?, &plan_opts) {
-                Err(e) => crate::cmd::hw_args::explain(e),
-                Ok(_) => CliError::Usage(r.why.clone()),
-            });
-        }
+        // One policy asked for and refused: an error with the option that changes it.
+        let again = args.policy.parse().ok().map(|p| plan_checked(&trace, &hw, p, &plan_opts));
+        return Err(match again {
+            Some(Err(e)) => crate::cmd::hw_args::explain(e),
+            _ => CliError::Usage(r.why.clone()),
+        });
     }
     let ideal_us = trace.iteration_time_us();
     let bound = lower_bound(&trace, &hw)?;
