@@ -11,8 +11,9 @@ T=target/release/teraio
 OUT=${1:-$(mktemp -d)}
 mkdir -p "$OUT"
 times() {
-  python3 -c "import json,sys; print(' '.join('%.3f' % (x['iteration_time_us'] / 1e6)
-    if x['outcome']['outcome'] == 'completed' else 'OOM' for x in json.load(sys.stdin)))"
+  python3 -c "import json,sys; print(' '.join('refused' if 'refused' in x else
+    '%.3f' % (x['iteration_time_us'] / 1e6) if x['outcome']['outcome'] == 'completed' else 'OOM'
+    for x in json.load(sys.stdin)))"
 }
 for d in fp32 tf32; do
   for seq in 1024 4096 8192; do

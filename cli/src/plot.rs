@@ -1,5 +1,6 @@
 //! SVG plots of a simulation: GPU memory over time without a plan (every tensor resident),
-//! with the plan (simulated), and the capacity line; and bandwidth use per resource.
+//! with the plan (simulated), and the capacity line; and bandwidth use per resource, with the
+//! bytes written to the SSDs per iteration and the drives' projected life.
 
 use std::path::Path;
 
@@ -144,8 +145,15 @@ pub fn memory_and_bandwidth(
         })
         .collect();
     let bw_max = Resource::ALL.iter().map(|&x| hw.bandwidth(x) / 1e9).fold(1.0, f64::max) * 1.05;
+    let written =
+        r.bytes_moved.iter().find(|b| b.resource == Resource::SsdWrite).map_or(0, |b| b.bytes);
+    let caption = format!(
+        "bandwidth use (time-averaged); SSD writes {:.1} GB per iteration, drive life {}",
+        written as f64 / 1e9,
+        crate::cmd::plan::drive_life(r.drive_life_days, hw.ssd_endurance_tbw)
+    );
     let mut chart = ChartBuilder::on(&lower)
-        .caption("bandwidth use (time-averaged)", ("sans-serif", 20))
+        .caption(caption, ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)

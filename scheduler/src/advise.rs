@@ -1,6 +1,8 @@
 //! Capacity advisor: the fewest SSDs, or the least host memory, that let a policy reach a
-//! target % of ideal in the simulator; and how many layers to checkpoint (recompute rather
-//! than keep or offload their activations) for the fastest iteration.
+//! target % of ideal in the simulator (a probe whose plan needs more SSD or host space than
+//! the hardware has counts as failing); how big the SSD array must be for a plan
+//! ([`array_size`]); and how many layers to checkpoint (recompute rather than keep or offload
+//! their activations) for the fastest iteration.
 //!
 //! Both searches assume throughput does not fall when a resource grows (true of the model:
 //! more bandwidth or host room only widens the planner's choices) and binary-search it; each
@@ -8,9 +10,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::hardware::Hardware;
+use crate::hardware::{Hardware, Resource};
 use crate::model::{ModelConfig, generate};
-use crate::planner::{Policy, plan};
+use crate::planner::{PlanOptions, Policy, plan, plan_checked};
 use crate::sim::{Outcome, SimOptions, SimReport, simulate};
 use crate::trace::Trace;
 use crate::{Error, Result};
@@ -45,7 +47,60 @@ fn probe(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<SimReport> {
 }
 
 fn pct(r: &SimReport) -> f64 {
-    if r.outcome == Outcome::Completed { r.percent_of_ideal } else { 0.0 }
+    let fits = !r.ssd_cap_exceeded && !r.host_cap_exceeded;
+    if r.outcome == Outcome::Completed && fits { r.percent_of_ideal } else { 0.0 }
+}
+
+/// What a plan needs of the SSD array ([`array_size`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArraySize {
+    /// Policy of the plan (as it names itself).
+    pub policy: String,
+    /// Peak bytes of the plan's copies on the array (the array must hold this), bytes.
+    pub ssd_bytes: u64,
+    /// Peak host-tier bytes of the plan.
+    pub host_bytes: u64,
+    /// SSDs the plan was made for.
+    pub ssd_count: u32,
+    /// Usable bytes each of them must have at least: `ssd_bytes / ssd_count`, rounded up.
+    pub bytes_per_ssd: u64,
+    /// With [`Hardware::ssd_capacity_bytes`] given: SSDs of that size the array needs.
+    pub ssds_of_given_size: Option<u64>,
+    /// Bytes written to the SSDs per iteration.
+    pub ssd_written_bytes: u64,
+    /// Simulated iteration, microseconds.
+    pub iteration_us: f64,
+    /// How long the drives last ([`Hardware::drive_life_days`]).
+    pub drive_life_days: Option<f64>,
+}
+
+/// How big the SSD array must be for `policy`'s plan on `hw`: the plan is made with the
+/// array unlimited (so the size does not shape it) and checked in the simulator; its peak SSD
+/// space is what the array must hold ([`crate::plan`](mod@crate::plan), "Tier space").
+pub fn array_size(
+    trace: &Trace,
+    hw: &Hardware,
+    policy: Policy,
+    opts: &PlanOptions,
+) -> Result<ArraySize> {
+    let mut free = hw.clone();
+    free.ssd_capacity_bytes = None;
+    let c = plan_checked(trace, &free, policy, opts)?;
+    let r = &c.report;
+    let count = u64::from(hw.ssd_count.max(1));
+    let written =
+        r.bytes_moved.iter().find(|b| b.resource == Resource::SsdWrite).map_or(0, |b| b.bytes);
+    Ok(ArraySize {
+        policy: c.plan.policy.clone(),
+        ssd_bytes: r.peak_ssd_bytes,
+        host_bytes: r.peak_host_bytes,
+        ssd_count: hw.ssd_count,
+        bytes_per_ssd: r.peak_ssd_bytes.div_ceil(count),
+        ssds_of_given_size: hw.ssd_capacity_bytes.map(|each| r.peak_ssd_bytes.div_ceil(each)),
+        ssd_written_bytes: written,
+        iteration_us: r.iteration_time_us,
+        drive_life_days: hw.drive_life_days(written, r.iteration_time_us),
+    })
 }
 
 fn search(

@@ -156,7 +156,7 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
     let rho = trace
         .tensors
         .iter()
-        .filter_map(|t| t.recomputable().map(|p| p.duration_us / t.bytes as f64))
+        .filter_map(|t| trace.recompute_us(t.id).map(|us| us / t.bytes as f64))
         .fold(f64::INFINITY, f64::min);
 
     // Tier capacity: what is away at a kernel and cannot be remade sits on a tier.
@@ -228,11 +228,11 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
     let m = cuts.len();
     let mut best = vec![0.0f64; m];
     for j in 1..m {
-        let mut b = f64::NEG_INFINITY;
-        for i in 0..j {
-            b = b.max(best[i] + window(i, j));
-        }
-        best[j] = b;
+        best[j] = best[..j]
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| b + window(i, j))
+            .fold(f64::NEG_INFINITY, f64::max);
     }
     bound.iteration_us = best[m - 1].max(compute_us);
     if !bound.iteration_us.is_finite() {
@@ -288,8 +288,7 @@ fn read_cut(trace: &Trace, s: usize) -> Cut {
     }
     let mut seen = Vec::new();
     for t in &trace.tensors {
-        let alive = t.global || (t.alloc_kernel() <= s && s <= t.free_kernel(n));
-        if !alive || t.accesses.binary_search(&s).is_ok() {
+        if !t.alive_at(s, n) || t.accesses.binary_search(&s).is_ok() {
             continue;
         }
         let i = t.accesses.partition_point(|&k| k <= s);
@@ -309,8 +308,7 @@ fn write_cut(trace: &Trace, p: usize) -> Cut {
     }
     let mut seen = Vec::new();
     for t in &trace.tensors {
-        let alive = t.global || (t.alloc_kernel() <= p && p <= t.free_kernel(n));
-        if !alive || t.accesses.binary_search(&p).is_ok() {
+        if !t.alive_at(p, n) || t.accesses.binary_search(&p).is_ok() {
             continue;
         }
         let last_write = t.accesses[..t.accesses.partition_point(|&k| k < p)]

@@ -313,7 +313,7 @@ impl Hardware {
     /// endurance is unknown, there is no SSD, or nothing is written.
     pub fn drive_life_days(&self, written_bytes: u64, iteration_us: f64) -> Option<f64> {
         let tbw = self.ssd_endurance_tbw?;
-        if !self.has_ssd() || written_bytes == 0 || !(iteration_us > 0.0) {
+        if !self.has_ssd() || written_bytes == 0 || iteration_us.is_nan() || iteration_us <= 0.0 {
             return None;
         }
         let per_drive_per_s =

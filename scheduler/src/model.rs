@@ -953,7 +953,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
 
 /// Say how to recompute every activation that a forward op (`*.fwd`, recomputations
 /// included) creates alone, modifying nothing else: the op again, on the other tensors it
-/// reads ([`crate::trace::Producer`]). Attention (which creates its output, the softmax
+/// reads, in the op's own time ([`crate::trace::Producer`] without a duration). Attention (which creates its output, the softmax
 /// statistics and a workspace at once), communication and backward ops are left out.
 fn mark_producers(trace: &mut Trace) {
     let n = trace.kernels.len();
@@ -979,7 +979,7 @@ fn mark_producers(trace: &mut Trace) {
         }
         trace.tensors[i].producer = Some(crate::trace::Producer {
             inputs: std::mem::take(&mut reads[k]),
-            duration_us: trace.kernels[k].duration_us,
+            duration_us: None,
         });
     }
 }
@@ -1265,8 +1265,9 @@ mod tests {
         };
         let n1 = by("mb0.L3.n1").recomputable().unwrap();
         assert_eq!(names(&n1.inputs), vec!["L3.norm1.w", "mb0.x3"]);
-        let c = by("mb0.L3.n1").created_by.unwrap();
-        assert_eq!(n1.duration_us, t.kernels[c].duration_us);
+        let n1_t = by("mb0.L3.n1");
+        let c = n1_t.created_by.unwrap();
+        assert_eq!(t.recompute_us(n1_t.id), Some(t.kernels[c].duration_us));
         assert_eq!(names(&by("mb0.L3.a").recomputable().unwrap().inputs), vec!["mb0.L3.u"]);
         assert!(by("mb0.L3.ctx").producer.is_none() && by("mb0.L3.lse").producer.is_none());
         assert!(by("mb0.L3.da").producer.is_none(), "backward tensors are not recomputed");

@@ -491,7 +491,7 @@ impl Plan {
         }
         for &x in &pr.inputs {
             let input = trace.tensor(x);
-            if !input.global && !(input.alloc_kernel() <= b && b <= input.free_kernel(n)) {
+            if !input.alive_at(b, n) {
                 return Err(Error::plan(
                     path,
                     format!("input {x} of {tid} is not alive at kernel {b}"),

@@ -290,7 +290,7 @@ impl<'a> Sim<'a> {
             created[r.before_kernel].push(r.tensor);
             drops_at[r.drop_at].push(r.tensor);
             if let Some(p) = &t.producer {
-                recompute_us_at[r.before_kernel] += p.duration_us;
+                recompute_us_at[r.before_kernel] += trace.recompute_us(r.tensor).unwrap_or(0.0);
                 per_kernel[r.before_kernel].extend(&p.inputs);
             }
         }

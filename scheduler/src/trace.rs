@@ -134,9 +134,10 @@ pub struct Producer {
     /// Tensors the op reads, each accessed by the creating kernel (the tensor itself and
     /// duplicates excluded). They must be resident when the op runs again.
     pub inputs: Vec<TensorId>,
-    /// GPU time of the op alone, microseconds (the creating kernel's duration when it creates
-    /// nothing else).
-    pub duration_us: f64,
+    /// GPU time of the op alone, microseconds. `None` (JSON: absent): the creating kernel's
+    /// duration (it makes nothing else); see [`Trace::recompute_us`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_us: Option<f64>,
 }
 
 impl Tensor {
@@ -157,6 +158,12 @@ impl Tensor {
     /// Last kernel (inclusive) at which the tensor occupies memory in an all-resident run.
     pub fn free_kernel(&self, kernel_count: usize) -> usize {
         self.dies_after.unwrap_or(kernel_count.saturating_sub(1))
+    }
+
+    /// Whether the tensor occupies memory while kernel `k` runs in an all-resident run (a
+    /// global tensor always does).
+    pub fn alive_at(&self, k: usize, kernel_count: usize) -> bool {
+        self.global || (self.alloc_kernel() <= k && k <= self.free_kernel(kernel_count))
     }
 
     /// Whether kernel `k` writes the tensor (false if `k` does not access it at all).
@@ -257,6 +264,13 @@ impl Trace {
         v
     }
 
+    /// GPU time to recompute tensor `id` ([`Producer`]), if it is recomputable.
+    pub fn recompute_us(&self, id: TensorId) -> Option<f64> {
+        let t = self.tensors.get(id.index())?;
+        let p = t.recomputable()?;
+        Some(p.duration_us.unwrap_or_else(|| self.kernels[t.created_by.unwrap_or(0)].duration_us))
+    }
+
     /// Multiply every kernel duration by `factor` (> 0, finite). Used to make a trace replay
     /// in a chosen wall time on slower hardware.
     pub fn scale_durations(&mut self, factor: f64) -> Result<()> {
@@ -268,8 +282,8 @@ impl Trace {
         for k in &mut self.kernels {
             k.duration_us *= factor;
         }
-        for p in self.tensors.iter_mut().filter_map(|t| t.producer.as_mut()) {
-            p.duration_us *= factor;
+        for d in self.tensors.iter_mut().filter_map(|t| t.producer.as_mut()?.duration_us.as_mut()) {
+            *d *= factor;
         }
         Ok(())
     }
@@ -400,10 +414,12 @@ impl Trace {
         let Some(c) = t.created_by.filter(|_| !t.global) else {
             return Err(Error::trace(p(""), "only a non-global tensor can be recomputed"));
         };
-        if !(pr.duration_us.is_finite() && pr.duration_us >= 0.0) {
+        if let Some(d) = pr.duration_us
+            && !(d.is_finite() && d >= 0.0)
+        {
             return Err(Error::trace(
                 p(".duration_us"),
-                format!("must be finite and >= 0, got {}", pr.duration_us),
+                format!("must be finite and >= 0, got {d}"),
             ));
         }
         for (j, &x) in pr.inputs.iter().enumerate() {
@@ -598,10 +614,15 @@ fn decode_producer(v: &Value, path: &str) -> Result<Producer> {
         let id = u32::try_from(u64_of(x, &p)?).map_err(|_| Error::trace(&p, "id too large"))?;
         inputs.push(TensorId(id));
     }
-    let dv = field(o, path, "duration_us")?;
-    let duration_us = dv.as_f64().ok_or_else(|| {
-        Error::trace(format!("{path}.duration_us"), format!("expected a number, got {}", show(dv)))
-    })?;
+    let duration_us = match o.get("duration_us") {
+        None | Some(Value::Null) => None,
+        Some(dv) => Some(dv.as_f64().ok_or_else(|| {
+            Error::trace(
+                format!("{path}.duration_us"),
+                format!("expected a number, got {}", show(dv)),
+            )
+        })?),
+    };
     Ok(Producer { inputs, duration_us })
 }
 
@@ -729,13 +750,18 @@ mod tests {
         t.tensors[1].writes = Some(vec![1]);
         // Kernel 1 creates `a`; let it read `w` too, the input of the recomputation.
         t.tensors[0].accesses = vec![0, 1, 3];
-        t.tensors[1].producer = Some(Producer { inputs: vec![TensorId(0)], duration_us: 4.0 });
+        t.tensors[1].producer =
+            Some(Producer { inputs: vec![TensorId(0)], duration_us: Some(4.0) });
         t.validate().unwrap();
         let back = Trace::from_json(&t.to_json()).unwrap();
         assert_eq!(back, t);
         let mut s = t.clone();
         s.scale_durations(2.0).unwrap();
-        assert_eq!(s.tensors[1].producer.as_ref().unwrap().duration_us, 8.0);
+        assert_eq!(s.recompute_us(TensorId(1)), Some(8.0));
+        // Without a duration: the creating kernel's.
+        s.tensors[1].producer.as_mut().unwrap().duration_us = None;
+        assert_eq!(s.recompute_us(TensorId(1)), Some(20.0));
+        assert_eq!(Trace::from_json(&s.to_json()).unwrap(), s);
         let err = |f: &dyn Fn(&mut Trace)| {
             let mut x = t.clone();
             f(&mut x);
@@ -751,10 +777,10 @@ mod tests {
         assert!(e.contains("producer.inputs[0]") && e.contains("itself"), "{e}");
         let e = err(&|x| x.tensors[0].accesses = vec![0, 3]);
         assert!(e.contains("producer.inputs[0]") && e.contains("creating kernel 1"), "{e}");
-        let e = err(&|x| x.tensors[1].producer.as_mut().unwrap().duration_us = f64::NAN);
+        let e = err(&|x| x.tensors[1].producer.as_mut().unwrap().duration_us = Some(f64::NAN));
         assert!(e.contains("producer.duration_us"), "{e}");
         let e =
-            err(&|x| x.tensors[0].producer = Some(Producer { inputs: vec![], duration_us: 1.0 }));
+            err(&|x| x.tensors[0].producer = Some(Producer { inputs: vec![], duration_us: None }));
         assert!(e.contains("tensors[0].producer") && e.contains("non-global"), "{e}");
         let mut v: Value = serde_json::from_str(&t.to_json()).unwrap();
         v["tensors"][1]["producer"]["inputs"] = serde_json::json!(["w"]);

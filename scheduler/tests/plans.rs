@@ -123,11 +123,8 @@ fn check_report(trace: &Trace, hw: &Hardware, p: &Plan) -> teraio_scheduler::Sim
         // Time = GPU kernel time + host-kernel time + recomputation + stalls, exactly.
         let on_host: f64 = p.host_kernels.iter().map(|h| trace.kernels[h.kernel].duration_us).sum();
         let expect = ideal - on_host + r.host_step_us + r.recompute_us + r.stall_us;
-        let planned: f64 = p
-            .recomputations
-            .iter()
-            .map(|x| trace.tensor(x.tensor).producer.as_ref().unwrap().duration_us)
-            .sum();
+        let planned: f64 =
+            p.recomputations.iter().map(|x| trace.recompute_us(x.tensor).unwrap()).sum();
         assert!((r.recompute_us - planned).abs() <= 1e-6 * planned.max(1.0));
         assert!((r.iteration_time_us - expect).abs() <= 1e-6 * ideal.max(1.0));
         assert!(r.percent_of_ideal <= 100.0, "{}", r.percent_of_ideal);

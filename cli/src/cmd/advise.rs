@@ -1,13 +1,15 @@
-//! `teraio advise`: the fewest SSDs / least host memory that reach a target % of ideal, or how
-//! many layers to checkpoint for the fastest iteration.
+//! `teraio advise`: the fewest SSDs / least host memory that reach a target % of ideal, how big
+//! the SSD array must be for a plan, or how many layers to checkpoint for the fastest
+//! iteration.
 
 use indicatif::{ProgressBar, ProgressStyle};
 use teraio_scheduler::advise::{
-    Advice, CheckpointProbe, best_checkpointing, fewest_ssds, least_host_memory,
+    Advice, CheckpointProbe, array_size, best_checkpointing, fewest_ssds, least_host_memory,
 };
 use teraio_scheduler::{ModelConfig, Policy};
 
-use crate::cmd::hw_args::HwArgs;
+use crate::cmd::hw_args::{HwArgs, explain};
+use crate::cmd::plan::{PlanArgs, drive_life};
 use crate::output::outln;
 use crate::units::to_gb;
 use crate::{CliError, Result};
@@ -17,6 +19,7 @@ use crate::{CliError, Result};
 #[command(after_help = "\
 Examples:
   teraio advise llama3-8b.json --target 90                 # fewest SSDs for 90% of ideal
+  teraio advise preset:llama3-70b --what array --ssd-gb 2000   # how big the SSD array must be
   teraio advise preset:llama3-70b --what host --ssds 2      # least host memory with 2 SSDs
   teraio advise preset:llama3-8b,dtype=tf32 --what checkpointing --policy teraio-hybrid
   teraio advise preset:llama3-8b,dtype=bf16,optimizer-in-backward --what checkpointing --json")]
@@ -27,9 +30,12 @@ pub struct Args {
     #[arg(long, default_value_t = 90.0)]
     pub target: f64,
     /// Policy to plan with.
-    #[arg(long, default_value = "teraio")]
+    #[arg(long, default_value = "auto")]
     pub policy: String,
-    /// What to size: `ssds` (SSD count, other hardware fixed), `host` (host-tier memory), or
+    /// What to size: `ssds` (SSD count, other hardware fixed; a count whose array is too
+    /// small for the plan's copies fails), `host` (host-tier memory), `array` (the SSD space
+    /// the plan needs at its peak, and how many SSDs of --ssd-gb that is; --target is not
+    /// used), or
     /// `checkpointing` (how many of the first layers to checkpoint, i.e. recompute in backward
     /// instead of keeping or offloading their activations, and whether to recompute the norms
     /// and activation function in the others, for the fastest iteration; needs a `preset:`
@@ -47,6 +53,8 @@ pub struct Args {
     pub host_step_gb: f64,
     #[command(flatten)]
     pub hw: HwArgs,
+    #[command(flatten)]
+    pub planner: PlanArgs,
     /// Print the advice as JSON.
     #[arg(long)]
     pub json: bool,
@@ -60,6 +68,40 @@ pub fn run(args: Args) -> Result<()> {
         return checkpointing(&args, &hw, policy);
     }
     let trace = crate::cmd::trace::load(&args.trace)?;
+    if args.what == "array" {
+        let a = array_size(&trace, &hw, policy, &args.planner.options()?).map_err(explain)?;
+        if args.json {
+            outln!("{}", serde_json::to_string_pretty(&a)?);
+            return Ok(());
+        }
+        outln!(
+            "{}: the {} plan ({:.3} s per iteration) keeps at most {:.1} GB of copies on the SSD \
+             array and {:.1} GB on the host tier",
+            trace.name,
+            a.policy,
+            a.iteration_us / 1e6,
+            to_gb(a.ssd_bytes),
+            to_gb(a.host_bytes)
+        );
+        outln!(
+            "  with its {} SSDs: at least {:.1} GB usable on each",
+            a.ssd_count,
+            to_gb(a.bytes_per_ssd)
+        );
+        if let (Some(n), Some(each)) = (a.ssds_of_given_size, hw.ssd_capacity_bytes) {
+            outln!(
+                "  SSDs of {:.0} GB: {n} hold it (the bandwidth was planned for {})",
+                to_gb(each),
+                a.ssd_count
+            );
+        }
+        outln!(
+            "  writes {:.1} GB to the SSDs per iteration; drive life {}",
+            to_gb(a.ssd_written_bytes),
+            drive_life(a.drive_life_days, hw.ssd_endurance_tbw)
+        );
+        return Ok(());
+    }
     let advice: Advice = match args.what.as_str() {
         "ssds" => fewest_ssds(&trace, &hw, policy, args.target, args.max_ssds)?,
         "host" => {
@@ -77,7 +119,8 @@ pub fn run(args: Args) -> Result<()> {
         }
         w => {
             return Err(CliError::Usage(format!(
-                "--what must be ssds, host or checkpointing, got {w:?}"
+                "--what must be ssds, host or checkpointing, or array (the SSD space a plan \
+                 needs), got {w:?}"
             )));
         }
     };
@@ -95,19 +138,25 @@ pub fn run(args: Args) -> Result<()> {
     }
     match (advice.value, &advice.report) {
         (Some(v), Some(r)) if advice.resource == "ssd_count" => outln!(
-            "{}: {v} SSDs reach {:.1}% of ideal (target {:.1}%) with {}",
+            "{}: {v} SSDs reach {:.1}% of ideal (target {:.1}%) with {}; the plan keeps {:.1} GB \
+             on them ({:.1} GB per SSD) and {:.1} GB on the host tier",
             trace.name,
             r.percent_of_ideal,
             args.target,
-            policy
+            policy,
+            to_gb(r.peak_ssd_bytes),
+            to_gb(r.peak_ssd_bytes.div_ceil(v.max(1))),
+            to_gb(r.peak_host_bytes)
         ),
         (Some(v), Some(r)) => outln!(
-            "{}: {:.0} GB of host memory reach {:.1}% of ideal (target {:.1}%) with {}",
+            "{}: {:.0} GB of host memory reach {:.1}% of ideal (target {:.1}%) with {}; the plan \
+             keeps {:.1} GB on the SSD array",
             trace.name,
             to_gb(v),
             r.percent_of_ideal,
             args.target,
-            policy
+            policy,
+            to_gb(r.peak_ssd_bytes)
         ),
         _ => outln!(
             "{}: target {:.1}% not reached within the search range with {}",

@@ -1,15 +1,15 @@
-//! The hardware options shared by `plan`, `simulate` and `advise`, turned into one
-//! [`Hardware`] model.
+//! The hardware options shared by `plan`, `simulate`, `analyze` and `advise`, turned into one
+//! [`Hardware`] model; and the planner's refusals explained in terms of those options.
 
 use teraio_scheduler::Hardware;
 
 use crate::{CliError, Result};
 
-/// Hardware selection shared by `plan`, `simulate` and `advise`.
+/// Hardware selection shared by `plan`, `simulate`, `analyze` and `advise`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct HwArgs {
-    /// Hardware preset (`paper`: 94 GB H100 NVL, 4 SSDs x 6.7/6.5 GB/s, PCIe Gen5; `dev`) or
-    /// a JSON file of a `Hardware`.
+    /// Hardware preset (`paper`: 94 GB H100 NVL, 4 SSDs x 6.7/6.5 GB/s of 4 TB and 2,400 TBW
+    /// each, PCIe Gen5, 128 GB host tier; `dev`) or a JSON file of a `Hardware`.
     #[arg(long, default_value = "paper")]
     pub hw: String,
     /// Override GPU memory, GB (10^9 bytes).
@@ -21,6 +21,14 @@ pub struct HwArgs {
     /// Override the host-tier cap, GB.
     #[arg(long)]
     pub host_gb: Option<f64>,
+    /// Override the usable capacity of one SSD, GB (plans keep their SSD copies within the
+    /// array: SSDs x this).
+    #[arg(long)]
+    pub ssd_gb: Option<f64>,
+    /// Override the endurance of one SSD, terabytes written (TBW, from its datasheet): the
+    /// reports project how many days the drives last at the plan's write rate.
+    #[arg(long)]
+    pub ssd_tbw: Option<f64>,
 }
 
 impl HwArgs {
@@ -42,7 +50,41 @@ impl HwArgs {
         if let Some(h) = self.host_gb {
             hw.host_memory_cap_bytes = (h * 1e9) as u64;
         }
+        if let Some(c) = self.ssd_gb {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(CliError::Usage(format!("--ssd-gb must be > 0, got {c}")));
+            }
+            hw.ssd_capacity_bytes = Some((c * 1e9) as u64);
+        }
+        if let Some(t) = self.ssd_tbw {
+            hw.ssd_endurance_tbw = Some(t);
+        }
         hw.validate()?;
         Ok(hw)
     }
+}
+
+/// A planner error, with the option that changes it where there is one: the message says what
+/// is needed and what there is, this adds what to do.
+pub fn explain(e: teraio_scheduler::Error) -> CliError {
+    use teraio_scheduler::Error as E;
+    let hint = match &e {
+        E::GpuMemoryTooSmall { needed_bytes, .. } => format!(
+            "give at least --gpu-mem-gb {:.2}, or split the kernel in the trace",
+            (*needed_bytes as f64 / 1e9 * 100.0).ceil() / 100.0
+        ),
+        E::PlanOutOfMemory { .. } => "raise --gpu-mem-gb, give the plan a tier to move tensors \
+            to (--ssds, --host-gb), or try --policy auto"
+            .to_string(),
+        E::TierTooSmall { tier, needed_bytes, .. } if tier.starts_with("SSD") => format!(
+            "give the array at least {:.1} GB: bigger SSDs (--ssd-gb), more of them (--ssds), or \
+             more host tier (--host-gb) to hold copies instead",
+            *needed_bytes as f64 / 1e9
+        ),
+        E::TierTooSmall { needed_bytes, .. } => {
+            format!("raise --host-gb to at least {:.1}", *needed_bytes as f64 / 1e9)
+        }
+        _ => return e.into(),
+    };
+    CliError::Usage(format!("{e}\n  to change it: {hint}"))
 }

@@ -55,8 +55,9 @@ pub struct Args {
     /// Host memory the planner may use as a second tier (0: SSD only).
     #[arg(long, default_value = "0", value_parser = parse_size_or_zero)]
     pub host_memory: u64,
-    /// Planning policy.
-    #[arg(long, default_value = "teraio")]
+    /// Planning policy (`auto`: the best of several teraio variants; recomputation is left
+    /// out, the runtime does not replay it yet).
+    #[arg(long, default_value = "auto")]
     pub policy: String,
     /// The SSD array: --config FILE, --device PATH (repeat), or --files N in --dir.
     #[command(flatten)]
@@ -171,6 +172,44 @@ fn measure(engine: &Engine, total: u64) -> Result<Measured> {
     Ok(Measured { write, read, mixed })
 }
 
+/// Fail before anything runs when the array cannot hold `needed` bytes at once for `what`:
+/// one message with what is needed, what there is, and the options that change it.
+fn check_room(what: &str, needed: u64, capacity: u64, or: &str) -> Result<()> {
+    if needed <= capacity {
+        return Ok(());
+    }
+    Err(CliError::Usage(format!(
+        "the SSD array is too small for {what}: it needs {} at once, the array holds {} of \
+         tensor data; give it more room (--file-size per file, more --files, or bigger \
+         --device targets) or {or}",
+        gb(needed as f64),
+        gb(capacity as f64)
+    )))
+}
+
+/// Bytes the array must hold for `plan`: the simulated peak of its copies, or, if more, every
+/// tensor it writes to the SSDs at once, rounded up to blocks (the runtime keeps a tensor's
+/// copy until the tensor is offloaded again or the run ends; it frees no copy when the tensor
+/// dies).
+fn runtime_ssd_bytes(trace: &Trace, plan: &teraio_scheduler::Plan, block: u32, peak: u64) -> u64 {
+    let mut written = vec![false; trace.tensors.len()];
+    for i in &plan.instructions {
+        if i.op == (teraio_scheduler::Op::Offload { dest: teraio_scheduler::Tier::Ssd }) {
+            written[i.tensor.index()] = true;
+        }
+    }
+    for p in &plan.initially_offloaded {
+        written[p.tensor.index()] |= p.tier == teraio_scheduler::Tier::Ssd;
+    }
+    let held: u64 = trace
+        .tensors
+        .iter()
+        .filter(|t| written[t.id.index()])
+        .map(|t| t.bytes.div_ceil(u64::from(block)) * u64::from(block))
+        .sum();
+    held.max(peak)
+}
+
 /// Run `teraio run`.
 pub fn run(args: Args) -> Result<()> {
     if args.iterations == 0 {
@@ -179,6 +218,10 @@ pub fn run(args: Args) -> Result<()> {
     let mut trace = load_trace(&args)?;
     if args.time_scale != 1.0 {
         trace.scale_durations(args.time_scale)?;
+    }
+    // The runtime does not replay recomputations yet: plans here move tensors only.
+    for t in &mut trace.tensors {
+        t.producer = None;
     }
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap_or(0);
     let capacity = args.gpu_memory.unwrap_or(peak * 6 / 10);
@@ -208,6 +251,12 @@ pub fn run(args: Args) -> Result<()> {
     let engine = Engine::open(ecfg)?;
     let array = engine.array().clone();
     let array_what = engine.describe();
+    check_room(
+        "measuring it",
+        2 * probe_tensors(args.probe_size) * PROBE_TENSOR_BYTES,
+        engine.capacity_bytes(),
+        "lower --probe-size",
+    )?;
     say(format!("array: {array_what}; measuring it with {} ...", gb(args.probe_size as f64)));
     let m = measure(&engine, args.probe_size)?;
     let (write_bw, read_bw) = (m.write, m.read);
@@ -233,6 +282,12 @@ pub fn run(args: Args) -> Result<()> {
     hw.host_memory_bytes_per_s = 50e9;
     hw.host_memory_cap_bytes = args.host_memory;
     hw.gpudirect = true;
+    // Plans keep their copies within the array (less a block per tensor and device of slack
+    // for the padding of stripe tails).
+    let devices = u64::from(array.device_count());
+    let slack =
+        trace.tensors.len() as u64 * u64::from(array.geometry().block_bytes) * (devices + 1);
+    hw.ssd_capacity_bytes = Some((engine.capacity_bytes().saturating_sub(slack) / devices).max(1));
 
     // The plan is checked in the simulator before it runs. A plan that cannot run (an
     // allocation that nothing in flight could ever satisfy) is made again for a little less
@@ -252,6 +307,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     let (p, sim, headroom_percent) = attempt.expect("at least one attempt");
     let plan_s = started.elapsed().as_secs_f64();
+    check_room(
+        &format!("the `{}` plan", p.policy),
+        runtime_ssd_bytes(&trace, &p, array.geometry().block_bytes, sim.peak_ssd_bytes),
+        engine.capacity_bytes(),
+        "raise --gpu-memory or --host-memory so that less goes to the SSDs",
+    )?;
     if let teraio_scheduler::Outcome::OutOfMemory { kernel, needed_bytes, used_bytes, .. } =
         sim.outcome
     {

@@ -4,9 +4,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use teraio_scheduler::model::{optimizer_steps_moved, recomputes_activations};
-use teraio_scheduler::{Outcome, Plan, Policy, Resource, SimOptions, SimReport, plan, simulate};
+use teraio_scheduler::{
+    Bound, Error as PlanError, Outcome, Plan, Policy, Resource, SimOptions, SimReport, lower_bound,
+    plan_checked, simulate,
+};
 
 use crate::cmd::hw_args::HwArgs;
+use crate::cmd::plan::PlanArgs;
 use crate::output::outln;
 use crate::units::to_gb;
 use crate::{CliError, Result};
@@ -14,6 +18,12 @@ use crate::{CliError, Result};
 /// Options of `teraio simulate`.
 #[derive(clap::Args, Debug)]
 #[command(after_help = "\
+Each policy's plan is checked before it is simulated: one that cannot run (out of memory, more
+SSD or host space than there is) is listed as refused, with why. `gap %` is how far each
+iteration is above the lower bound no plan can beat (printed above the table); `ssd GB` the
+peak space the plan's copies take on the SSD array; `life d` how many days the SSDs last at
+the plan's write rate (from the drives' TBW, --ssd-tbw).
+
 Examples:
   teraio simulate preset:llama3-8b --policy all              # every policy side by side
   teraio simulate llama3-8b.json --plan plan.json --plot llama3-8b.svg
@@ -37,10 +47,12 @@ pub struct Args {
     /// Policy, or a comma-separated list for a comparison table (`all`: every policy). With
     /// --checkpointed-trace, `NAME+checkpointing` plans any policy on that trace too (e.g.
     /// `teraio,teraio+checkpointing`: offload activations, or recompute them).
-    #[arg(long, default_value = "teraio")]
+    #[arg(long, default_value = "auto")]
     pub policy: String,
     #[command(flatten)]
     pub hw: HwArgs,
+    #[command(flatten)]
+    pub planner: PlanArgs,
     /// Iterations replayed (the last is reported).
     #[arg(long, default_value_t = 2)]
     pub iterations: usize,
@@ -72,6 +84,14 @@ pub struct Row {
     pub report: SimReport,
     /// Planning time, seconds.
     pub plan_s: f64,
+    /// % above the lower bound of the trace it ran on (`None`: no finite bound).
+    pub gap_percent: Option<f64>,
+}
+
+/// A policy whose plan was refused, and why.
+struct Refused {
+    policy: String,
+    why: String,
 }
 
 fn moved(r: &SimReport, res: Resource) -> u64 {
@@ -79,33 +99,46 @@ fn moved(r: &SimReport, res: Resource) -> u64 {
 }
 
 /// Print a comparison table.
-pub fn print_table(rows: &[Row]) {
-    let w = rows.iter().map(|r| r.report.policy.len()).max().unwrap_or(0).max(14);
+fn print_table(rows: &[Row], refused: &[Refused]) {
+    let w = rows
+        .iter()
+        .map(|r| r.report.policy.len())
+        .chain(refused.iter().map(|r| r.policy.len()))
+        .max()
+        .unwrap_or(0)
+        .max(14);
     outln!(
-        "{:<w$} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "{:<w$} {:>10} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8}",
         "policy",
         "iter s",
         "% ideal",
+        "gap %",
         "stall s",
         "peak GB",
         "ssd rd GB",
         "ssd wr GB",
+        "ssd GB",
         "host GB",
+        "life d",
         "plan s"
     );
     for row in rows {
         let r = &row.report;
         match &r.outcome {
             Outcome::Completed => outln!(
-                "{:<w$} {:>10.3} {:>8.1} {:>9.3} {:>9.2} {:>9.1} {:>9.1} {:>9.1} {:>8.3}",
+                "{:<w$} {:>10.3} {:>8.1} {:>7} {:>9.3} {:>9.2} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7} \
+                 {:>8.3}",
                 r.policy,
                 r.iteration_time_us / 1e6,
                 r.percent_of_ideal,
+                row.gap_percent.map_or("-".into(), |g| format!("{g:.1}")),
                 r.stall_us / 1e6,
                 to_gb(r.peak_gpu_bytes),
                 to_gb(moved(r, Resource::SsdRead)),
                 to_gb(moved(r, Resource::SsdWrite)),
+                to_gb(r.peak_ssd_bytes),
                 to_gb(r.peak_host_bytes),
+                r.drive_life_days.map_or("-".into(), |d| format!("{d:.0}")),
                 row.plan_s
             ),
             Outcome::OutOfMemory {
@@ -126,12 +159,16 @@ pub fn print_table(rows: &[Row]) {
             }
         }
     }
+    for r in refused {
+        outln!("{:<w$} refused: {}", r.policy, r.why);
+    }
 }
 
 /// Run `teraio simulate`.
 pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
     let hw = args.hw.hardware()?;
+    let plan_opts = args.planner.options()?;
     let opts = SimOptions {
         iterations: args.iterations,
         record_timeline: args.plot.is_some() || args.stalls.is_some(),
@@ -149,6 +186,7 @@ pub fn run(args: Args) -> Result<()> {
     let trace_for = |on_ckpt: bool| if on_ckpt { ckpt.as_ref().unwrap_or(&trace) } else { &trace };
     // (plan, planning time, planned on the checkpointed trace)
     let mut plans: Vec<(Plan, f64, bool)> = Vec::new();
+    let mut refused: Vec<Refused> = Vec::new();
     if let Some(path) = &args.plan {
         let text = std::fs::read_to_string(path)
             .map_err(|source| CliError::File { path: path.clone(), source })?;
@@ -173,17 +211,51 @@ pub fn run(args: Args) -> Result<()> {
                 }
             };
             let start = Instant::now();
-            let p = plan(trace_for(on_ckpt), &hw, policy)?;
-            plans.push((p, start.elapsed().as_secs_f64(), on_ckpt));
+            match plan_checked(trace_for(on_ckpt), &hw, policy, &plan_opts) {
+                Ok(c) => plans.push((c.plan, start.elapsed().as_secs_f64(), on_ckpt)),
+                Err(
+                    e @ (PlanError::GpuMemoryTooSmall { .. }
+                    | PlanError::PlanOutOfMemory { .. }
+                    | PlanError::TierTooSmall { .. }),
+                ) => {
+                    let mut policy = name.clone();
+                    if on_ckpt && !policy.ends_with("+checkpointing") {
+                        policy.push('*');
+                    }
+                    refused.push(Refused { policy, why: e.to_string() });
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
     }
     if args.plot.is_some() && plans.len() != 1 {
-        return Err(CliError::Usage("--plot needs exactly one plan or policy".into()));
+        let why = refused.first().map_or(String::new(), |r| format!(" ({})", r.why));
+        return Err(CliError::Usage(format!("--plot needs exactly one plan or policy{why}")));
+    }
+    if plans.is_empty()
+        && let [r] = &refused[..]
+        && !args.json
+    {
+        // One policy asked for and refused: an error with the option that changes it.
+        let again = args.policy.parse().ok().map(|p| plan_checked(&trace, &hw, p, &plan_opts));
+        return Err(match again {
+            Some(Err(e)) => crate::cmd::hw_args::explain(e),
+            _ => CliError::Usage(r.why.clone()),
+        });
     }
     let ideal_us = trace.iteration_time_us();
+    let bound = lower_bound(&trace, &hw)?;
+    let ckpt_bound = ckpt.as_ref().map(|c| lower_bound(c, &hw)).transpose()?;
+    let bound_for = |on_ckpt: bool| -> &Bound {
+        if on_ckpt { ckpt_bound.as_ref().unwrap_or(&bound) } else { &bound }
+    };
     let mut rows = Vec::new();
     for (p, plan_s, on_ckpt) in &plans {
         let mut report = simulate(trace_for(*on_ckpt), p, &hw, &opts)?;
+        // The bound is for plans within the GPU memory: none for `ideal`.
+        let gap_percent = (report.outcome == Outcome::Completed && !p.unlimited_memory)
+            .then(|| bound_for(*on_ckpt).gap_percent(report.iteration_time_us))
+            .flatten();
         if *on_ckpt {
             // Against the main trace's ideal: the recomputation is part of the baseline's cost.
             if report.iteration_time_us > 0.0 {
@@ -191,7 +263,7 @@ pub fn run(args: Args) -> Result<()> {
             }
             report.policy.push('*');
         }
-        rows.push(Row { report, plan_s: *plan_s });
+        rows.push(Row { report, plan_s: *plan_s, gap_percent });
     }
     if let Some(path) = &args.plot {
         crate::plot::memory_and_bandwidth(path, &trace, &rows[0].report, &hw)?;
@@ -221,12 +293,21 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.json {
         let mut reports = Vec::new();
-        for (i, row) in rows.iter().enumerate() {
+        for (i, (row, (_, _, on_ckpt))) in rows.iter().zip(&plans).enumerate() {
             let mut v = serde_json::to_value(&row.report)?;
-            if let (Some(list), Some(obj)) = (stalls.get(i), v.as_object_mut()) {
-                obj.insert("stalls".into(), serde_json::to_value(list)?);
+            if let Some(obj) = v.as_object_mut() {
+                if let Some(list) = stalls.get(i) {
+                    obj.insert("stalls".into(), serde_json::to_value(list)?);
+                }
+                let b = bound_for(*on_ckpt);
+                obj.insert("lower_bound_us".into(), serde_json::json!(b.iteration_us));
+                obj.insert("gap_to_bound_percent".into(), serde_json::json!(row.gap_percent));
+                obj.insert("plan_time_s".into(), serde_json::json!(row.plan_s));
             }
             reports.push(v);
+        }
+        for r in &refused {
+            reports.push(serde_json::json!({ "policy": r.policy, "refused": r.why }));
         }
         if reports.len() == 1 {
             outln!("{}", serde_json::to_string_pretty(&reports[0])?);
@@ -251,7 +332,17 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(d) = hw.ssd_duplex_bytes_per_s {
         outln!("SSD reads and writes share {:.1} GB/s per SSD", d / 1e9);
     }
-    print_table(&rows);
+    match &bound.infeasible {
+        None => outln!(
+            "lower bound {:.3} s (no plan is faster); least GPU memory {:.2} GB (kernel {}, {})",
+            bound.iteration_us / 1e6,
+            to_gb(bound.min_gpu_bytes),
+            bound.min_gpu_kernel,
+            trace.kernels[bound.min_gpu_kernel].name
+        ),
+        Some(why) => outln!("no plan can run: {why}"),
+    }
+    print_table(&rows, &refused);
     for (row, list) in rows.iter().zip(&stalls) {
         let r = &row.report;
         let shown: f64 = list.iter().map(|s| s.stall_us).sum();

@@ -295,12 +295,11 @@ fn ssd_written(r: &SimReport) -> u64 {
     r.bytes_moved.iter().find(|b| b.resource == Resource::SsdWrite).map_or(0, |b| b.bytes)
 }
 
+/// A candidate plan and its check in the simulator (`None`: the simulator failed).
+type Candidate = (Plan, Option<SimReport>);
+
 /// The `auto` policy (see [`Policy::Auto`]): its plan and that plan's simulation.
-fn plan_auto(
-    trace: &Trace,
-    hw: &Hardware,
-    opts: &PlanOptions,
-) -> Result<(Plan, Option<SimReport>)> {
+fn plan_auto(trace: &Trace, hw: &Hardware, opts: &PlanOptions) -> Result<Candidate> {
     let recompute = opts.recompute && trace.tensors.iter().any(|t| t.recomputable().is_some());
     // Each mode gives two candidates: its plan and the plan after the wear pass.
     let wear = true;
@@ -308,10 +307,10 @@ fn plan_auto(
     if recompute {
         modes.push(Mode { wear, recompute: RecomputeIn::Every, ..Mode::HYBRID });
     }
-    let mut results: Vec<Result<Vec<(Plan, Option<SimReport>)>>> = std::thread::scope(|scope| {
+    let mut results: Vec<Result<Vec<Candidate>>> = std::thread::scope(|scope| {
         let handles: Vec<_> =
             modes.iter().map(|&m| scope.spawn(move || plan_teraio(trace, hw, m))).collect();
-        let lru = (|| -> Result<Vec<(Plan, Option<SimReport>)>> {
+        let lru = (|| -> Result<Vec<Candidate>> {
             let mut p = lru::plan(trace, hw);
             p.mark_clean_drops(trace)?;
             let r = crate::sim::simulate(trace, &p, hw, &crate::sim::SimOptions::default())?;
@@ -400,7 +399,7 @@ impl Mode {
 }
 
 /// The first of [`plan_teraio`]'s plans (the one without the wear pass).
-fn first(mut v: Vec<(Plan, Option<SimReport>)>) -> (Plan, Option<SimReport>) {
+fn first(mut v: Vec<Candidate>) -> Candidate {
     v.swap_remove(0)
 }
 
@@ -409,7 +408,7 @@ fn first(mut v: Vec<(Plan, Option<SimReport>)>) -> (Plan, Option<SimReport>) {
 /// SSD room while its copies need more than the array holds. Returns the plan, and with
 /// [`Mode::wear`] the plan after the wear pass too, each with its simulation (`None` for an
 /// error of the simulator itself, reported where the plan is simulated).
-fn plan_teraio(trace: &Trace, hw: &Hardware, mode: Mode) -> Result<Vec<(Plan, Option<SimReport>)>> {
+fn plan_teraio(trace: &Trace, hw: &Hardware, mode: Mode) -> Result<Vec<Candidate>> {
     let mut planning = hw.clone();
     let mut result = plan_teraio_once(trace, hw, &planning, mode)?;
     let (Some(cap), true) = (hw.ssd_array_capacity_bytes(), hw.has_ssd()) else {
@@ -443,7 +442,7 @@ fn plan_teraio_once(
     hw: &Hardware,
     planning: &Hardware,
     mode: Mode,
-) -> Result<Vec<(Plan, Option<SimReport>)>> {
+) -> Result<Vec<Candidate>> {
     let (plain, worn) = teraio::plan(trace, planning, mode, false);
     let mut out = Vec::new();
     for (i, plan) in std::iter::once(plain).chain(worn).enumerate() {
@@ -461,7 +460,7 @@ fn make_feasible(
     mode: Mode,
     mut plan: Plan,
     worn: bool,
-) -> Result<(Plan, Option<SimReport>)> {
+) -> Result<Candidate> {
     let name = Mode { wear: worn, ..mode }.name();
     plan.mark_clean_drops(trace)?;
     let mut report = delay_prefetches_until_feasible(trace, hw, &mut plan);
@@ -529,15 +528,24 @@ fn delay_prefetches_until_feasible(
             return last;
         }
         let mut moved = Vec::new();
+        // A tensor is used by its accesses, and before the kernels where it is an input of a
+        // recomputation.
+        let mut uses: HashMap<TensorId, Vec<usize>> = HashMap::new();
+        for r in &p.recomputations {
+            for x in trace.tensor(r.tensor).producer.iter().flat_map(|pr| &pr.inputs) {
+                uses.entry(*x).or_default().push(r.before_kernel);
+            }
+        }
         p.instructions.retain(|ins| {
-            let movable = ins.op == crate::plan::Op::Prefetch
-                && ins.issue_before_kernel <= k
-                && trace
-                    .tensor(ins.tensor)
-                    .accesses
-                    .iter()
-                    .find(|&&a| a >= ins.issue_before_kernel)
-                    .is_some_and(|&u| u > k);
+            let at = ins.issue_before_kernel;
+            let real = trace.tensor(ins.tensor).accesses.iter().find(|&&a| a >= at);
+            let input = uses.get(&ins.tensor).and_then(|v| v.iter().filter(|&&b| b >= at).min());
+            let next = match (real, input) {
+                (Some(&a), Some(&b)) => Some(a.min(b)),
+                (a, b) => a.or(b).copied(),
+            };
+            let movable =
+                ins.op == crate::plan::Op::Prefetch && at <= k && next.is_some_and(|u| u > k);
             if movable {
                 moved.push(Instruction { issue_before_kernel: k + 1, ..*ins });
             }
@@ -972,6 +980,7 @@ impl<'a> State<'a> {
         let n = self.n;
         let t = self.trace.tensor(iv.tensor);
         let (p, c) = (t.recomputable()?, t.created_by?);
+        let duration_us = self.trace.recompute_us(iv.tensor)?;
         let (a, b) = (iv.last_access, iv.next_access);
         if b >= n || t.accesses.binary_search(&b).is_err() {
             return None;
@@ -979,7 +988,7 @@ impl<'a> State<'a> {
         let mut extra = 0u64;
         for &x in &p.inputs {
             let xt = self.trace.tensor(x);
-            if !xt.global && !(xt.alloc_kernel() <= b && b <= xt.free_kernel(n)) {
+            if !xt.alive_at(b, n) {
                 return None;
             }
             if xt.accesses.iter().any(|&k| c < k && k < b && xt.writes_at(k)) {
@@ -1001,7 +1010,7 @@ impl<'a> State<'a> {
             tier: Tier::Ssd,
             offload_end: a,
             prefetch_start: b,
-            cost_us: p.duration_us.max(1e-3),
+            cost_us: duration_us.max(1e-3),
             benefit,
             clean: false,
             recompute: true,
