@@ -245,7 +245,7 @@ impl CudaDevice {
             self.compute_capability.0, self.compute_capability.1
         );
         // SAFETY: `prog` was just created and is destroyed once below.
-        let compiled = unsafe { nvrtc::compile_program(prog, &[arch.as_str(), "-std=c++14"]) };
+        let compiled = unsafe { nvrtc::compile_program(prog, &[arch.as_str()]) };
         // SAFETY: as above.
         let ptx = compiled.and_then(|()| unsafe { nvrtc::get_ptx(prog) });
         let ptx = match ptx {
@@ -341,10 +341,27 @@ impl CudaFence {
 }
 
 impl DeviceFence for CudaFence {
+    /// Polls the event (sleeping 20 us between polls after a few yields) instead of
+    /// cuEventSynchronize, which spins a core per waiting worker under the primary context's
+    /// default scheduling (and teraio does not change the flags of a context it shares).
     fn wait(&self) -> Result<()> {
         self.device.bind()?;
-        // SAFETY: a live, recorded event.
-        check(unsafe { cu::cuEventSynchronize(self.event) }, "cuEventSynchronize")
+        let mut polls = 0u32;
+        loop {
+            // SAFETY: a live, recorded event.
+            let r = unsafe { cu::cuEventQuery(self.event) };
+            match r {
+                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                cu::CUresult::CUDA_ERROR_NOT_READY => {}
+                r => return check(r, "cuEventQuery"),
+            }
+            polls += 1;
+            if polls < 16 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        }
     }
 
     fn is_done(&self) -> bool {
@@ -497,6 +514,18 @@ impl DeviceRuntime for CudaDevice {
         })();
         self.give_stream(stream);
         result
+    }
+
+    unsafe fn memset(&self, ptr: u64, len: u64, value: u8) -> Result<()> {
+        self.bind()?;
+        let stream = self.take_stream()?;
+        // SAFETY: the caller guarantees the device range (trait contract).
+        let r = unsafe { cu::cuMemsetD8Async(ptr, value, len as usize, stream) };
+        // SAFETY: a stream of this context.
+        let synced = unsafe { cu::cuStreamSynchronize(stream) };
+        self.give_stream(stream);
+        check(r, "cuMemsetD8Async")?;
+        check(synced, "cuStreamSynchronize")
     }
 
     fn direct_storage(&self, paths: &[PathBuf]) -> Result<Arc<dyn DirectStorage>> {

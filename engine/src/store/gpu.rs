@@ -413,6 +413,9 @@ pub(crate) struct GpuState {
     stats: Mutex<GpuStats>,
 }
 
+/// Operations that hold staging buffers at once (per device).
+const MAX_STAGED_OPS: usize = 8;
+
 /// Lock a route decision for one device: opening cuFile happens once.
 static ROUTE_LOCK: Mutex<()> = Mutex::new(());
 
@@ -445,7 +448,9 @@ impl GpuState {
         {
             return Ok(s.clone());
         }
-        let count = self.workers * self.config.depth;
+        // At most 8 operations pipeline through staging at once (each has `depth` chunks in
+        // flight, plenty for PCIe and the array); more would only pin more host memory.
+        let count = self.workers.min(MAX_STAGED_OPS) * self.config.depth;
         let s = Staging::new(rt.clone(), count, chunk as usize)?;
         self.stats.lock().pinned_staging_bytes += (count * s.buf_bytes) as u64;
         self.staging.lock().insert(key, s.clone());
