@@ -71,7 +71,7 @@ for r in $(seq "$ROUNDS"); do
       log "round $r: $bs tensors, $d in flight: $what"
       drop
       if [ "$what" = kvikio ]; then
-        python3 scripts/kvikio-bench.py --files "$B"/dev0 "$B"/dev1 "$B"/dev2 "$B"/dev3 --bs "$bs" --iodepth "$d" --size "$PER_FILE" > "$OUT/one.json" 2> "$OUT/one.err"
+        python3 "$(dirname "$0")/kvikio-bench.py" --files "$B"/dev0 "$B"/dev1 "$B"/dev2 "$B"/dev3 --bs "$bs" --iodepth "$d" --size "$PER_FILE" > "$OUT/one.json" 2> "$OUT/one.err"
       else
         gpu_bench "$what" "$bs" "$d" > "$OUT/one.json" 2> "$OUT/one.err"
       fi

@@ -27,8 +27,9 @@ use crate::{CliError, Result};
 pub fn engine_config(args: &Args, gpu: u32) -> Result<EngineConfig> {
     let mut cfg = args.engine_config()?;
     if args.array.file_size.is_none() {
-        // Every tensor is on the array at the end of the write phase: room for metadata too.
-        cfg.file_size_bytes = ByteSize(args.size + (64 << 20));
+        // Every tensor is on the array at the end of the write phase, and the metadata regions
+        // (journal, checkpoints) take up to 1/8 of each file.
+        cfg.file_size_bytes = ByteSize(args.size / 4 * 5 + (64 << 20));
     }
     cfg.gpu.device = Some(gpu);
     cfg.gpu.path = args.gpu_path.into();
