@@ -64,6 +64,9 @@ pub struct GpuBench {
     pub gpu_crc_s: f64,
 }
 
+/// An offload in flight that hands its GPU buffer back.
+type OffloadHandle = Handle<(OffloadOutcome, TensorMem)>;
+
 fn record(stats: &mut DirStats, bytes: u64, took: Duration) {
     let ns = (took.as_nanos() as u64).max(1);
     stats.ios += 1;
@@ -110,8 +113,7 @@ pub fn execute(args: &Args, gpu: u32) -> Result<GpuBench> {
     }
     // Write phase: tensor t goes out of whichever buffer is free; `iodepth` in flight.
     let mut writes = DirStats::new();
-    let mut in_flight: VecDeque<(usize, Instant, Handle<(OffloadOutcome, TensorMem)>)> =
-        VecDeque::new();
+    let mut in_flight: VecDeque<(usize, Instant, OffloadHandle)> = VecDeque::new();
     let mut owner = vec![0usize; tensors as usize];
     let start = Instant::now();
     for t in 0..tensors {

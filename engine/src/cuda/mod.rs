@@ -462,26 +462,31 @@ impl DeviceRuntime for CudaDevice {
         }
         let kernel = self.crc_kernel()?;
         self.bind()?;
-        let n = len.div_ceil(unit);
+        let (part, parts_per_unit) = crate::gpucrc::parts_of(unit);
+        let units = len.div_ceil(unit);
+        let n = units * parts_per_unit;
         let blocks = u32::try_from(n)
-            .map_err(|_| Error::InvalidArgument(format!("{n} crc32c units in one call")))?;
+            .map_err(|_| Error::InvalidArgument(format!("{n} crc32c parts in one call")))?;
+        let ppu = parts_per_unit as u32;
         let stream = self.take_stream()?;
         let result = (|| {
             let mut out: cu::CUdeviceptr = 0;
             // SAFETY: context current; valid out pointer; freed below on the same stream.
             let r = unsafe { cu::cuMemAllocAsync(&mut out, n as usize * 4, stream) };
             check(r, "cuMemAllocAsync")?;
-            let (mut a0, mut a1, mut a2, mut a3) = (ptr, len, unit, out);
-            let mut params: [*mut c_void; 4] = [
+            let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (ptr, len, unit, part, ppu, out);
+            let mut params: [*mut c_void; 6] = [
                 (&raw mut a0).cast(),
                 (&raw mut a1).cast(),
                 (&raw mut a2).cast(),
                 (&raw mut a3).cast(),
+                (&raw mut a4).cast(),
+                (&raw mut a5).cast(),
             ];
             let mut host = vec![0u32; n as usize];
             // SAFETY: the kernel reads `[ptr, ptr + len)` (live device memory, caller's
             // contract) and writes `n` u32 into `out`; the parameters match its signature
-            // (const uchar*, u64, u64, uint*) and outlive the launch call.
+            // (const uchar*, u64, u64, u64, uint, uint*) and outlive the launch call.
             let r = unsafe {
                 cu::cuLaunchKernel(
                     kernel.function,
@@ -510,7 +515,7 @@ impl DeviceRuntime for CudaDevice {
             let synced = check(unsafe { cu::cuStreamSynchronize(stream) }, "cuStreamSynchronize");
             launched?;
             synced?;
-            Ok(host)
+            Ok(crate::gpucrc::combine_parts(&host, len, unit))
         })();
         self.give_stream(stream);
         result

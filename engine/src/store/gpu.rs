@@ -852,7 +852,6 @@ impl GpuState {
         let size = map.size_bytes();
         let unit = map.unit_bytes();
         let block = u64::from(map.block_bytes());
-        let crcs = if checksums { self.gpu_crcs(mem, size, unit)? } else { Vec::new() };
         let full = size / block * block;
         let pieces = self.direct_pieces(map, full)?;
         // The tail block: copy to host, pad, write with the array's own I/O, while the direct
@@ -871,12 +870,23 @@ impl GpuState {
         } else {
             None
         };
-        let r = self.run_direct(pool, true, mem.device_ptr(), &pieces);
+        // The GPU checksums the tensor while the direct writes read it (both only read).
+        let (crcs, r) = std::thread::scope(|s| {
+            let crc = checksums.then(|| s.spawn(|| self.gpu_crcs(mem, size, unit)));
+            let r = self.run_direct(pool, true, mem.device_ptr(), &pieces);
+            let crcs = match crc {
+                Some(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::Cuda("the crc32c thread panicked".into()))),
+                None => Ok(Vec::new()),
+            };
+            (crcs, r)
+        });
         if let Some(t) = tail {
             t.wait().1?;
         }
         r?;
-        Ok(crcs)
+        crcs
     }
 
     #[allow(clippy::too_many_arguments)]
