@@ -106,9 +106,9 @@ kv = [r for r in rows if r["what"] == "kvikio"]
 if kv:
     k = kv[0]["result"]
     print(f"KvikIO {k['version']}: compat_mode={k['compat_mode']}, direct_io={k['direct_io']}, threads={k['threads']}, task_size={k['task_size']}")
-g = [r for r in rows if r["what"] in ("gds", "bounce")]
+g = [r for r in rows if r["what"] == "gds"]
 if g:
-    print("teraio gds path: cuFile", g[0]["result"]["gpu"]["cufile_mode"] if any(r["what"] == "gds" for r in g) else "-")
+    print("teraio gds path: cuFile", g[0]["result"]["gpu"]["cufile_mode"])
 print("| tensors | path | GPU->SSD GB/s | vs KvikIO | vs disk | SSD->GPU GB/s | vs KvikIO | vs disk | runs |")
 print("|---|---|---|---|---|---|---|---|---|")
 for bs in dict.fromkeys(r["bs"] for r in rows if r["what"] in ("gds", "bounce", "kvikio")):
@@ -126,8 +126,7 @@ if on and off:
     tw_on, tw_off = med([bw(r, "write") for r in on]), med([bw(r, "write") for r in off])
     tr_on, tr_off = med([bw(r, "read") for r in on]), med([bw(r, "read") for r in off])
     crc = med([r["result"]["gpu"]["gpu_crc_s"] for r in on])
-    t = med([sum(j["job_runtime"] for j in r["result"]["jobs"]) / 1e3 for r in on])
-    print(f"GPU crc32c (gds, 64M): {crc:.3f} s of {t:.2f} s ({100*crc/t:.2f}%); throughput with/without checksums: write {tw_on/tw_off:.3f}, read {tr_on/tr_off:.3f}")
+    print(f"GPU crc32c (gds, 64M): throughput with/without checksums: write {tw_on/tw_off:.3f}, read {tr_on/tr_off:.3f}; crc calls took {crc:.3f} s summed over the operations (they overlap)")
 PY
 rm -f "$OUT/one.json" "$OUT/one.err"
 log "done: $fails failure(s)"
