@@ -3,15 +3,17 @@
 //! The store checksums every stripe unit with crc32c (Castagnoli, reflected polynomial
 //! 0x82F63B78, initial value and final xor 0xFFFFFFFF). The GDS path must record the very same
 //! values, so a tensor written by one path reads and verifies through the other. The kernel
-//! ([`KERNEL_SOURCE`], compiled at run time with NVRTC) gives each stripe unit one thread block:
+//! ([`KERNEL_SOURCE`], compiled at run time with NVRTC) cuts each stripe unit into parts of
+//! [`PART_BYTES`] and gives each part one thread block (so a tensor keeps the whole GPU busy):
 //!
-//! 1. the unit is cut into [`THREADS`] pieces of equal length (a multiple of 16 bytes; the last
+//! 1. the part is cut into [`THREADS`] pieces of equal length (a multiple of 16 bytes; the last
 //!    ones shorter or empty); each thread computes the crc32c of its piece, 8 bytes per step
 //!    with slicing-by-8 tables in shared memory (byte by byte where the piece is not 8-byte
 //!    aligned, and for its tail);
 //! 2. the block combines the pieces' crcs pairwise in a tree, with zlib's crc32_combine rule:
 //!    `crc(A || B) = (x^(8|B|) mod P) * crc(A) xor crc(B)` in GF(2)\[x\] (the initial value and
-//!    final xor cancel out, so full crc32c values combine directly).
+//!    final xor cancel out, so full crc32c values combine directly);
+//! 3. the host combines each unit's part crcs the same way ([`combine_parts`]).
 //!
 //! [`crc32c_like_kernel`] is a CPU mirror of exactly that algorithm (same pieces, same tables,
 //! same tree); CI checks it against the `crc32c` crate for random data of odd sizes and
@@ -52,9 +54,11 @@ __device__ unsigned int x2nmodp(unsigned long long n, unsigned int k, const unsi
     return p;
 }
 
-extern "C" __global__ void teraio_crc32c_units(const unsigned char* data,
+extern "C" __global__ void teraio_crc32c_parts(const unsigned char* data,
                                                unsigned long long len,
                                                unsigned long long unit,
+                                               unsigned long long part,
+                                               unsigned int parts_per_unit,
                                                unsigned int* out) {
     __shared__ unsigned int tab[8][256];
     __shared__ unsigned int x2n[32];
@@ -78,8 +82,15 @@ extern "C" __global__ void teraio_crc32c_units(const unsigned char* data,
         x2n[0] = p;
         for (int n = 1; n < 32; n++) { p = multmodp(p, p); x2n[n] = p; }
     }
-    const unsigned long long start = (unsigned long long)blockIdx.x * unit;
-    const unsigned long long ulen = (len - start < unit) ? (len - start) : unit;
+    /* Block b: part b % parts_per_unit of unit b / parts_per_unit. */
+    const unsigned long long u = blockIdx.x / parts_per_unit;
+    const unsigned long long pidx = blockIdx.x % parts_per_unit;
+    const unsigned long long ustart = u * unit;
+    const unsigned long long unit_len = (len - ustart < unit) ? (len - ustart) : unit;
+    const unsigned long long pstart = pidx * part;
+    const unsigned long long ulen =
+        pstart >= unit_len ? 0 : ((unit_len - pstart < part) ? (unit_len - pstart) : part);
+    const unsigned long long start = ustart + pstart;
     unsigned long long piece = (ulen + THREADS - 1) / THREADS;
     piece = (piece + 15) & ~15ull;
     unsigned long long from = (unsigned long long)t * piece;
@@ -122,7 +133,44 @@ extern "C" __global__ void teraio_crc32c_units(const unsigned char* data,
 "#;
 
 /// Name of the kernel in [`KERNEL_SOURCE`].
-pub const KERNEL_NAME: &str = "teraio_crc32c_units";
+pub const KERNEL_NAME: &str = "teraio_crc32c_parts";
+
+/// Bytes one thread block checksums: a stripe unit is cut into parts of this size (so a 1 MiB
+/// unit keeps 16 blocks busy, and a 1 GiB tensor 16384: the whole GPU), whose crcs the host
+/// combines per unit ([`combine_parts`]).
+pub const PART_BYTES: u64 = 64 << 10;
+
+/// The part size and parts per unit for units of `unit` bytes.
+pub fn parts_of(unit: u64) -> (u64, u64) {
+    let part = unit.clamp(1, PART_BYTES);
+    (part, unit.div_ceil(part))
+}
+
+/// The crc32c of each unit of `len` bytes from the crcs of its parts (`parts_per_unit` per
+/// unit, `part` bytes each, the unit's last parts shorter or empty), as the kernel leaves them.
+pub fn combine_parts(parts: &[u32], len: u64, unit: u64) -> Vec<u32> {
+    let (part, k) = parts_of(unit);
+    let x2n = x2n_table();
+    let full_op = x2nmodp(part, 3, &x2n);
+    let units = len.div_ceil(unit);
+    let mut out = Vec::with_capacity(units as usize);
+    for u in 0..units {
+        let unit_len = (len - u * unit).min(unit);
+        let base = (u * k) as usize;
+        let mut acc = parts[base];
+        for i in 1..k {
+            let start = i * part;
+            if start >= unit_len {
+                break;
+            }
+            let n = (unit_len - start).min(part);
+            let op = if n == part { full_op } else { x2nmodp(n, 3, &x2n) };
+            acc = multmodp(op, acc) ^ parts[base + i as usize];
+        }
+        out.push(acc);
+    }
+    out
+}
 
 fn multmodp(a: u32, mut b: u32) -> u32 {
     let mut m = 1u32 << 31;
@@ -193,9 +241,21 @@ pub fn combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
 }
 
 /// crc32c of one stripe unit computed by the kernel's algorithm on the CPU (see the module
-/// docs). Equal to `crc32c::crc32c(unit)`; tested in CI, so the GPU path's on-disk checksums
+/// docs): parts of [`PART_BYTES`] checksummed as one thread block does, combined as the host
+/// does. Equal to `crc32c::crc32c(unit)`; tested in CI, so the GPU path's on-disk checksums
 /// are the bounce path's.
 pub fn crc32c_like_kernel(unit: &[u8]) -> u32 {
+    let len = unit.len() as u64;
+    if len == 0 {
+        return 0;
+    }
+    let (part, _) = parts_of(len);
+    let parts: Vec<u32> = unit.chunks(part as usize).map(block_crc).collect();
+    combine_parts(&parts, len, len)[0]
+}
+
+/// What one thread block computes: the crc32c of one part, cut over [`THREADS`] threads.
+fn block_crc(unit: &[u8]) -> u32 {
     let tab = slice8_tables();
     let x2n = x2n_table();
     let ulen = unit.len() as u64;
@@ -266,6 +326,29 @@ mod tests {
                     "{n} bytes at alignment offset {shift}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn parts_of_a_tensor_combine_into_its_unit_crcs() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
+        let mut data = vec![0u8; (5 << 20) + 999];
+        rng.fill(&mut data[..]);
+        for unit in [4096u64, 65_536, 100_003, 1 << 20, 4 << 20] {
+            let len = data.len() as u64;
+            let (part, k) = parts_of(unit);
+            // What the kernel leaves: one crc per (unit, part) block, empty parts as 0.
+            let mut parts = Vec::new();
+            for u in 0..len.div_ceil(unit) {
+                let unit_bytes = &data[(u * unit) as usize..((u + 1) * unit).min(len) as usize];
+                for i in 0..k {
+                    let from = ((i * part) as usize).min(unit_bytes.len());
+                    let to = (((i + 1) * part) as usize).min(unit_bytes.len());
+                    parts.push(if from < to { block_crc(&unit_bytes[from..to]) } else { 0 });
+                }
+            }
+            let cpu: Vec<u32> = data.chunks(unit as usize).map(crc32c::crc32c).collect();
+            assert_eq!(combine_parts(&parts, len, unit), cpu, "units of {unit}");
         }
     }
 

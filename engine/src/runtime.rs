@@ -113,22 +113,15 @@ fn word(t: usize, i: usize) -> u64 {
 }
 
 /// Overwrite one word in every 512 bytes (the smallest block a device reads) so that bytes a
-/// prefetch failed to read cannot pass verification with stale content.
+/// prefetch failed to read cannot pass verification with stale content. Memory the CPU cannot
+/// address (GPU memory) is poisoned whole with one device memset instead (a byte pattern no
+/// tensor's content has), not with a copy per 512 bytes.
 fn poison(mem: &mut TensorMem) -> Result<()> {
     const MARK: [u8; 8] = *b"poisoned";
-    let len = mem.len();
-    if let Some(h) = mem.host_mut() {
-        for c in h.chunks_mut(512) {
-            let n = c.len().min(8);
-            c[..n].copy_from_slice(&MARK[..n]);
-        }
-        return Ok(());
-    }
-    let mut off = 0;
-    while off < len {
-        let n = (len - off).min(8) as usize;
-        mem.copy_in(off, &MARK[..n])?;
-        off += 512;
+    let Some(h) = mem.host_mut() else { return mem.fill_byte(0xA5) };
+    for c in h.chunks_mut(512) {
+        let n = c.len().min(8);
+        c[..n].copy_from_slice(&MARK[..n]);
     }
     Ok(())
 }

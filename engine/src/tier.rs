@@ -154,6 +154,28 @@ impl TensorMem {
         self.copy_out(0, dst)
     }
 
+    /// Set every byte of the tensor to `value` (a device memset for GPU memory: no host copy).
+    pub fn fill_byte(&mut self, value: u8) -> Result<()> {
+        match self {
+            TensorMem::Host(b) => {
+                b.fill(value);
+                Ok(())
+            }
+            TensorMem::Device(m) => {
+                if let Some(f) = m.ready() {
+                    f.wait()?;
+                }
+                m.set_ready(None);
+                // SAFETY: the tensor's own live device memory, exclusively borrowed.
+                unsafe { m.runtime().memset(m.device_ptr(), m.len(), value) }
+            }
+            TensorMem::Staged(_) => {
+                let v = vec![value; self.len() as usize];
+                self.copy_in(0, &v)
+            }
+        }
+    }
+
     /// Make work queued later on the caller's CUDA `stream` wait until the last prefetch into
     /// this memory is complete, without blocking the host (no-op for host memory or when
     /// nothing is pending).

@@ -91,10 +91,11 @@ impl GdsIo {
             }
             // SAFETY: a fresh fd nobody else owns.
             let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-            // SAFETY: an all-zero descriptor is valid (null fs_ops); fields are set below.
-            let mut descr: cf::CUfileDescr_t = unsafe { std::mem::zeroed() };
-            descr.type_ = cf::CUfileFileHandleType::CU_FILE_HANDLE_TYPE_OPAQUE_FD;
-            descr.handle.fd = fd;
+            let mut descr = cf::CUfileDescr_t {
+                type_: cf::CUfileFileHandleType::CU_FILE_HANDLE_TYPE_OPAQUE_FD,
+                handle: cf::CUfileDescr_t__bindgen_ty_1 { fd },
+                fs_ops: std::ptr::null(),
+            };
             let mut handle: cf::CUfileHandle_t = std::ptr::null_mut();
             // SAFETY: valid out pointer and descriptor of an open O_DIRECT fd.
             let r = unsafe { cf::cuFileHandleRegister(&mut handle, &mut descr) };

@@ -245,7 +245,7 @@ impl CudaDevice {
             self.compute_capability.0, self.compute_capability.1
         );
         // SAFETY: `prog` was just created and is destroyed once below.
-        let compiled = unsafe { nvrtc::compile_program(prog, &[arch.as_str(), "-std=c++14"]) };
+        let compiled = unsafe { nvrtc::compile_program(prog, &[arch.as_str()]) };
         // SAFETY: as above.
         let ptx = compiled.and_then(|()| unsafe { nvrtc::get_ptx(prog) });
         let ptx = match ptx {
@@ -341,10 +341,27 @@ impl CudaFence {
 }
 
 impl DeviceFence for CudaFence {
+    /// Polls the event (sleeping 20 us between polls after a few yields) instead of
+    /// cuEventSynchronize, which spins a core per waiting worker under the primary context's
+    /// default scheduling (and teraio does not change the flags of a context it shares).
     fn wait(&self) -> Result<()> {
         self.device.bind()?;
-        // SAFETY: a live, recorded event.
-        check(unsafe { cu::cuEventSynchronize(self.event) }, "cuEventSynchronize")
+        let mut polls = 0u32;
+        loop {
+            // SAFETY: a live, recorded event.
+            let r = unsafe { cu::cuEventQuery(self.event) };
+            match r {
+                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                cu::CUresult::CUDA_ERROR_NOT_READY => {}
+                r => return check(r, "cuEventQuery"),
+            }
+            polls += 1;
+            if polls < 16 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        }
     }
 
     fn is_done(&self) -> bool {
@@ -445,26 +462,31 @@ impl DeviceRuntime for CudaDevice {
         }
         let kernel = self.crc_kernel()?;
         self.bind()?;
-        let n = len.div_ceil(unit);
+        let (part, parts_per_unit) = crate::gpucrc::parts_of(unit);
+        let units = len.div_ceil(unit);
+        let n = units * parts_per_unit;
         let blocks = u32::try_from(n)
-            .map_err(|_| Error::InvalidArgument(format!("{n} crc32c units in one call")))?;
+            .map_err(|_| Error::InvalidArgument(format!("{n} crc32c parts in one call")))?;
+        let ppu = parts_per_unit as u32;
         let stream = self.take_stream()?;
         let result = (|| {
             let mut out: cu::CUdeviceptr = 0;
             // SAFETY: context current; valid out pointer; freed below on the same stream.
             let r = unsafe { cu::cuMemAllocAsync(&mut out, n as usize * 4, stream) };
             check(r, "cuMemAllocAsync")?;
-            let (mut a0, mut a1, mut a2, mut a3) = (ptr, len, unit, out);
-            let mut params: [*mut c_void; 4] = [
+            let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (ptr, len, unit, part, ppu, out);
+            let mut params: [*mut c_void; 6] = [
                 (&raw mut a0).cast(),
                 (&raw mut a1).cast(),
                 (&raw mut a2).cast(),
                 (&raw mut a3).cast(),
+                (&raw mut a4).cast(),
+                (&raw mut a5).cast(),
             ];
             let mut host = vec![0u32; n as usize];
             // SAFETY: the kernel reads `[ptr, ptr + len)` (live device memory, caller's
             // contract) and writes `n` u32 into `out`; the parameters match its signature
-            // (const uchar*, u64, u64, uint*) and outlive the launch call.
+            // (const uchar*, u64, u64, u64, uint, uint*) and outlive the launch call.
             let r = unsafe {
                 cu::cuLaunchKernel(
                     kernel.function,
@@ -493,10 +515,22 @@ impl DeviceRuntime for CudaDevice {
             let synced = check(unsafe { cu::cuStreamSynchronize(stream) }, "cuStreamSynchronize");
             launched?;
             synced?;
-            Ok(host)
+            Ok(crate::gpucrc::combine_parts(&host, len, unit))
         })();
         self.give_stream(stream);
         result
+    }
+
+    unsafe fn memset(&self, ptr: u64, len: u64, value: u8) -> Result<()> {
+        self.bind()?;
+        let stream = self.take_stream()?;
+        // SAFETY: the caller guarantees the device range (trait contract).
+        let r = unsafe { cu::cuMemsetD8Async(ptr, value, len as usize, stream) };
+        // SAFETY: a stream of this context.
+        let synced = unsafe { cu::cuStreamSynchronize(stream) };
+        self.give_stream(stream);
+        check(r, "cuMemsetD8Async")?;
+        check(synced, "cuStreamSynchronize")
     }
 
     fn direct_storage(&self, paths: &[PathBuf]) -> Result<Arc<dyn DirectStorage>> {

@@ -145,6 +145,11 @@ pub trait DeviceRuntime: Send + Sync {
     /// # Safety
     /// `[ptr, ptr + len)` must lie in live device memory not written while the call runs.
     unsafe fn crc32c_units(&self, ptr: u64, len: u64, unit: u64) -> Result<Vec<u32>>;
+    /// Set `len` device bytes at `ptr` to `value` (cuMemsetD8), synchronously.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must lie in live device memory nobody else uses during the call.
+    unsafe fn memset(&self, ptr: u64, len: u64, value: u8) -> Result<()>;
     /// Direct storage to these files (the array's devices, in order). `Unsupported` where there
     /// is none (no cuFile, simulated disks).
     fn direct_storage(&self, paths: &[PathBuf]) -> Result<Arc<dyn DirectStorage>>;
@@ -336,6 +341,13 @@ impl DeviceRuntime for HostDevice {
         // SAFETY: a live emulated allocation of at least `len` bytes (checked above).
         let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
         Ok(bytes.chunks(unit as usize).map(crate::gpucrc::crc32c_like_kernel).collect())
+    }
+
+    unsafe fn memset(&self, ptr: u64, len: u64, value: u8) -> Result<()> {
+        self.state.check_live(ptr, len as usize)?;
+        // SAFETY: a live emulated allocation of at least `len` bytes (checked above).
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, value, len as usize) };
+        Ok(())
     }
 
     fn direct_storage(&self, paths: &[PathBuf]) -> Result<Arc<dyn DirectStorage>> {
