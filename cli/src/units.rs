@@ -12,6 +12,12 @@ pub fn parse_size_or_zero(s: &str) -> Result<u64, String> {
     if s.trim() == "0" { Ok(0) } else { parse_size(s) }
 }
 
+/// Bytes as a number of decimal gigabytes (10^9 bytes), for tables that print the unit in
+/// their header.
+pub fn to_gb(bytes: u64) -> f64 {
+    bytes as f64 / 1e9
+}
+
 /// Bytes as decimal gigabytes: `12.35 GB`.
 pub fn gb(bytes: f64) -> String {
     format!("{:.2} GB", bytes / 1e9)

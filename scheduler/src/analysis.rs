@@ -214,6 +214,34 @@ pub struct Summary {
     pub tensor_size_histogram: Vec<Bucket>,
     /// Tensors by kind.
     pub by_kind: Vec<KindBytes>,
+    /// The least GPU memory any plan can run the trace in: the largest working set (see
+    /// [`largest_working_set`]), bytes.
+    #[serde(default)]
+    pub min_gpu_bytes: u64,
+    /// The kernel with that working set.
+    #[serde(default)]
+    pub min_gpu_kernel: usize,
+}
+
+/// The kernel that needs the most bytes resident at once, and those bytes: every tensor it
+/// accesses (creations included) must be in GPU memory while it runs, so no plan runs the
+/// trace in less GPU memory. (And every trace runs in that much, given room on a tier for the
+/// rest: on-demand swapping moves everything else away around each kernel.) The first such
+/// kernel on ties.
+pub fn largest_working_set(trace: &Trace) -> (usize, u64) {
+    let mut ws = vec![0u64; trace.kernel_count()];
+    for t in &trace.tensors {
+        for &k in &t.accesses {
+            ws[k] = ws[k].saturating_add(t.bytes);
+        }
+    }
+    let mut best = (0, 0);
+    for (k, &b) in ws.iter().enumerate() {
+        if b > best.1 {
+            best = (k, b);
+        }
+    }
+    best
 }
 
 /// Analyse a trace.
@@ -293,6 +321,8 @@ pub fn summarize(trace: &Trace) -> Summary {
         inactive_period_histogram: periods,
         tensor_size_histogram: sizes,
         by_kind,
+        min_gpu_bytes: largest_working_set(trace).1,
+        min_gpu_kernel: largest_working_set(trace).0,
     }
 }
 
@@ -317,6 +347,7 @@ mod tests {
             accesses: vec![1, 2, 4],
             dies_after: None,
             writes: None,
+            producer: None,
         });
         t.validate().unwrap();
         let iv = inactive_intervals(&t);
@@ -353,6 +384,7 @@ mod tests {
             accesses: vec![1, 3, 5, 7],
             dies_after: None,
             writes: Some(vec![7]),
+            producer: None,
         });
         // Created (written) at 0, read at 2, written at 4, read at 6.
         t.tensors.push(Tensor {
@@ -365,6 +397,7 @@ mod tests {
             accesses: vec![0, 2, 4, 6],
             dies_after: Some(6),
             writes: Some(vec![0, 4]),
+            producer: None,
         });
         t.validate().unwrap();
         let got: Vec<(u32, usize, Option<usize>, usize)> = inactive_intervals(&t)

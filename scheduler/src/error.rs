@@ -26,6 +26,57 @@ pub enum Error {
     /// A parameter is out of its valid range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The GPU memory is smaller than what one kernel needs resident at once (the trace's
+    /// largest working set): no plan can run the trace.
+    #[error(
+        "GPU memory too small: kernel {kernel} ({name}) needs {needed_bytes} bytes resident at \
+         once (the trace's largest working set; no plan runs it in less), the GPU has \
+         {capacity_bytes}"
+    )]
+    GpuMemoryTooSmall {
+        /// The kernel with the largest working set.
+        kernel: usize,
+        /// Its name.
+        name: String,
+        /// Its working set, bytes.
+        needed_bytes: u64,
+        /// GPU memory, bytes.
+        capacity_bytes: u64,
+    },
+    /// A plan runs out of GPU memory in the simulator: refused.
+    #[error(
+        "the {policy} plan runs out of GPU memory at kernel {kernel} ({name}): it needs \
+         {needed_bytes} more bytes with {used_bytes} of {capacity_bytes} in use"
+    )]
+    PlanOutOfMemory {
+        /// Policy of the plan.
+        policy: String,
+        /// Kernel about to start.
+        kernel: usize,
+        /// Its name.
+        name: String,
+        /// Bytes the blocked allocation needs.
+        needed_bytes: u64,
+        /// GPU bytes in use then.
+        used_bytes: u64,
+        /// GPU memory, bytes.
+        capacity_bytes: u64,
+    },
+    /// A plan needs more room on a tier than the hardware has: refused.
+    #[error(
+        "the {policy} plan needs {needed_bytes} bytes on the {tier} at its peak, which holds \
+         {capacity_bytes}"
+    )]
+    TierTooSmall {
+        /// Policy of the plan.
+        policy: String,
+        /// `SSD array` or `host tier`.
+        tier: String,
+        /// Peak bytes the plan keeps there.
+        needed_bytes: u64,
+        /// What the tier holds, bytes.
+        capacity_bytes: u64,
+    },
     /// The simulator could not make progress for a reason other than running out of memory
     /// (which is a normal outcome reported in the simulation report).
     #[error("simulation stuck at iteration {iteration}, kernel {kernel}: {detail}")]

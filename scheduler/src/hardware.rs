@@ -108,6 +108,17 @@ pub struct Hardware {
     /// CPU (`zero-infinity`). The JSON default is [`DEFAULT_CPU_ADAM_PARAMS_PER_S`].
     #[serde(default = "default_cpu_adam")]
     pub cpu_adam_params_per_s: f64,
+    /// Usable capacity of one SSD for tensor copies, bytes (the array holds `ssd_count` times
+    /// this). `None` (the JSON default): unlimited. Planners keep the SSD copies of a plan
+    /// under the array's capacity at every point of the iteration (what occupies it:
+    /// [`crate::plan`](mod@crate::plan), "Tier space").
+    #[serde(default)]
+    pub ssd_capacity_bytes: Option<u64>,
+    /// Endurance of one SSD: terabytes (10^12 bytes) its maker guarantees can be written
+    /// (TBW). `None` (the JSON default): unknown. With it, simulations project how long the
+    /// drives last at the plan's write rate ([`crate::SimReport::drive_life_days`]).
+    #[serde(default)]
+    pub ssd_endurance_tbw: Option<f64>,
 }
 
 /// Default [`Hardware::cpu_adam_params_per_s`]: 4e9 parameters/s.
@@ -131,7 +142,8 @@ fn default_cpu_adam() -> f64 {
 impl Hardware {
     /// The paper's machine, per GPU: H100 NVL (94 GB), 4 x Samsung 990 PRO (6.7 GB/s read,
     /// 6.5 GB/s write each), PCIe Gen5 x16 (50 GB/s each way achieved), 128 GB of host
-    /// memory as a tier, GPUDirect Storage.
+    /// memory as a tier, GPUDirect Storage. The paper does not state the drives' capacity:
+    /// taken as the 4 TB model (4 x 10^12 bytes each, 2,400 TBW, Samsung's datasheet).
     pub fn paper() -> Self {
         Hardware {
             gpu_memory_bytes: 94_000_000_000,
@@ -146,12 +158,15 @@ impl Hardware {
             gpudirect: true,
             ssd_duplex_bytes_per_s: None,
             cpu_adam_params_per_s: DEFAULT_CPU_ADAM_PARAMS_PER_S,
+            ssd_capacity_bytes: Some(4_000_000_000_000),
+            ssd_endurance_tbw: Some(2400.0),
         }
     }
 
     /// A laptop-class replay target (this repository's dev machine): 1 GiB of emulated GPU
     /// memory, 4 file-backed "SSDs" of 250 MB/s each (about 1 GB/s together), a 4 GB/s copy
-    /// path, 1 GiB of host tier.
+    /// path, 1 GiB of host tier; capacity and endurance unknown (`teraio run` measures the
+    /// array it opens).
     pub fn dev() -> Self {
         Hardware {
             gpu_memory_bytes: 1 << 30,
@@ -166,6 +181,8 @@ impl Hardware {
             gpudirect: true,
             ssd_duplex_bytes_per_s: None,
             cpu_adam_params_per_s: DEFAULT_CPU_ADAM_PARAMS_PER_S,
+            ssd_capacity_bytes: None,
+            ssd_endurance_tbw: None,
         }
     }
 
@@ -266,11 +283,71 @@ impl Hardware {
         if !(self.ssd_latency_us.is_finite() && self.ssd_latency_us >= 0.0) {
             return Err(Error::InvalidArgument("hardware.ssd_latency_us must be >= 0".into()));
         }
+        if self.ssd_capacity_bytes == Some(0) {
+            return Err(Error::InvalidArgument(
+                "hardware.ssd_capacity_bytes must be > 0 (for no SSD tier, set ssd_count to 0)"
+                    .into(),
+            ));
+        }
+        if let Some(tbw) = self.ssd_endurance_tbw
+            && !(tbw.is_finite() && tbw > 0.0)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "hardware.ssd_endurance_tbw must be finite and > 0, got {tbw}"
+            )));
+        }
         Ok(())
+    }
+
+    /// Usable capacity of the whole SSD array, bytes (`None`: unlimited; 0 without SSDs).
+    pub fn ssd_array_capacity_bytes(&self) -> Option<u64> {
+        if !self.has_ssd() {
+            return Some(0);
+        }
+        self.ssd_capacity_bytes.map(|c| c.saturating_mul(u64::from(self.ssd_count)))
+    }
+
+    /// How many days the array's drives last when the array takes `written_bytes` every
+    /// `iteration_us` microseconds, spread evenly over its drives (teraio stripes every
+    /// tensor over all of them), from [`Hardware::ssd_endurance_tbw`]. `None` when the
+    /// endurance is unknown, there is no SSD, or nothing is written.
+    pub fn drive_life_days(&self, written_bytes: u64, iteration_us: f64) -> Option<f64> {
+        let tbw = self.ssd_endurance_tbw?;
+        if !self.has_ssd() || written_bytes == 0 || !(iteration_us > 0.0) {
+            return None;
+        }
+        let per_drive_per_s =
+            written_bytes as f64 / f64::from(self.ssd_count) / (iteration_us * 1e-6);
+        Some(tbw * 1e12 / per_drive_per_s / 86_400.0)
     }
 
     /// Whether the SSD tier exists.
     pub fn has_ssd(&self) -> bool {
         self.ssd_count > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The example: 670 GB written per 75 s iteration to 4 drives of 2,400 TBW wears
+    /// them out in about two weeks (190 TB a day per drive).
+    #[test]
+    fn drive_life_from_endurance() {
+        let hw = Hardware::paper();
+        let days = hw.drive_life_days(670_000_000_000, 75e6).unwrap();
+        assert!((days - 12.44).abs() < 0.01, "{days}");
+        assert_eq!(hw.drive_life_days(0, 75e6), None);
+        let mut none = hw.clone();
+        none.ssd_endurance_tbw = None;
+        assert_eq!(none.drive_life_days(1, 1.0), None);
+        assert_eq!(hw.ssd_array_capacity_bytes(), Some(16_000_000_000_000));
+        let mut bad = hw.clone();
+        bad.ssd_capacity_bytes = Some(0);
+        assert!(bad.validate().unwrap_err().to_string().contains("ssd_capacity_bytes"));
+        bad.ssd_capacity_bytes = None;
+        bad.ssd_endurance_tbw = Some(-1.0);
+        assert!(bad.validate().unwrap_err().to_string().contains("ssd_endurance_tbw"));
     }
 }

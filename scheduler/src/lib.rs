@@ -4,8 +4,12 @@
 //! - [`Trace`]: one training iteration (kernels = the clock, tensors with their accesses);
 //!   JSON schema in `docs/TRACE.md`. [`model::generate`] makes synthetic transformer traces.
 //! - [`analysis`]: active/inactive intervals and the paper's characterization.
-//! - [`planner::plan`]: policies `teraio` (the paper's Algorithm 1), `teraio-hybrid`, `g10`,
-//!   `zero-infinity`, `lru`, `ideal`, `none`, all producing a [`Plan`].
+//! - [`planner::plan`]: policies `auto` (the default: the fastest of several `teraio`
+//!   variants, with recomputation, writing the fewest SSD bytes within 1% of the fastest),
+//!   `teraio` (the paper's Algorithm 1), `teraio-hybrid`, `g10`, `zero-infinity`, `lru`,
+//!   `ideal`, `none`, all producing a [`Plan`]; [`plan_checked`] refuses a plan that cannot
+//!   run (GPU memory below the largest working set, out of memory, tiers too small).
+//! - [`bound::lower_bound`]: no plan's iteration is faster than this.
 //! - [`sim::simulate`]: discrete-event replay of a plan on a [`Hardware`] model.
 //! - [`advise`]: the fewest SSDs / least host memory that reach a target % of ideal.
 //!
@@ -26,6 +30,7 @@
 
 pub mod advise;
 pub mod analysis;
+pub mod bound;
 mod error;
 pub mod hardware;
 pub mod model;
@@ -34,10 +39,11 @@ pub mod planner;
 pub mod sim;
 pub mod trace;
 
+pub use bound::{Bound, lower_bound};
 pub use error::{Error, Result};
 pub use hardware::{Hardware, Resource, Tier};
 pub use model::{Dtype, Gpu, ModelConfig, generate};
-pub use plan::{HostKernel, InitialPlacement, Instruction, Op, Plan, PlanStats};
-pub use planner::{Policy, plan};
+pub use plan::{HostKernel, InitialPlacement, Instruction, Op, Plan, PlanStats, Recompute};
+pub use planner::{Checked, PlanOptions, Policy, plan, plan_checked, plan_with};
 pub use sim::{Outcome, SimOptions, SimReport, simulate};
-pub use trace::{Kernel, Tensor, TensorId, TensorKind, Trace};
+pub use trace::{Kernel, Producer, Tensor, TensorId, TensorKind, Trace};

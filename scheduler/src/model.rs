@@ -593,6 +593,7 @@ impl Builder {
             accesses: Vec::new(),
             dies_after: None,
             writes: Some(Vec::new()),
+            producer: None,
         });
         id
     }
@@ -945,8 +946,42 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
     if let Some(target) = cfg.target_iteration_us {
         trace.scale_to_iteration_time(target)?;
     }
+    mark_producers(&mut trace);
     trace.validate()?;
     Ok(trace)
+}
+
+/// Say how to recompute every activation that a forward op (`*.fwd`, recomputations
+/// included) creates alone, modifying nothing else: the op again, on the other tensors it
+/// reads ([`crate::trace::Producer`]). Attention (which creates its output, the softmax
+/// statistics and a workspace at once), communication and backward ops are left out.
+fn mark_producers(trace: &mut Trace) {
+    let n = trace.kernels.len();
+    let mut created: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut modified = vec![false; n];
+    let mut reads: Vec<Vec<TensorId>> = vec![Vec::new(); n];
+    for (i, t) in trace.tensors.iter().enumerate() {
+        for &k in &t.accesses {
+            if t.created_by == Some(k) && !t.global {
+                created[k].push(i);
+            } else {
+                reads[k].push(t.id);
+                modified[k] |= t.writes_at(k);
+            }
+        }
+    }
+    for k in 0..n {
+        let [i] = created[k][..] else { continue };
+        let t = &trace.tensors[i];
+        let forward = trace.kernels[k].name.ends_with(".fwd");
+        if !forward || modified[k] || t.kind != TensorKind::Activation || reads[k].is_empty() {
+            continue;
+        }
+        trace.tensors[i].producer = Some(crate::trace::Producer {
+            inputs: std::mem::take(&mut reads[k]),
+            duration_us: trace.kernels[k].duration_us,
+        });
+    }
 }
 
 /// Activations of one layer's forward pass that its backward reads.
@@ -1216,6 +1251,27 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Activations made by a forward op alone can be recomputed from the op's other tensors:
+    /// the norms' outputs from the layer input and the norm weight, the MLP activation from
+    /// the up projection; attention's outputs (made together) and backward tensors cannot.
+    #[test]
+    fn forward_activations_say_how_to_recompute_them() {
+        let t = generate(&ModelConfig::preset("gpt2-small").unwrap()).unwrap();
+        let by = |n: &str| t.tensors.iter().find(|x| x.name == n).unwrap();
+        let names = |ids: &[TensorId]| -> Vec<String> {
+            ids.iter().map(|&i| t.tensor(i).name.clone()).collect()
+        };
+        let n1 = by("mb0.L3.n1").recomputable().unwrap();
+        assert_eq!(names(&n1.inputs), vec!["L3.norm1.w", "mb0.x3"]);
+        let c = by("mb0.L3.n1").created_by.unwrap();
+        assert_eq!(n1.duration_us, t.kernels[c].duration_us);
+        assert_eq!(names(&by("mb0.L3.a").recomputable().unwrap().inputs), vec!["mb0.L3.u"]);
+        assert!(by("mb0.L3.ctx").producer.is_none() && by("mb0.L3.lse").producer.is_none());
+        assert!(by("mb0.L3.da").producer.is_none(), "backward tensors are not recomputed");
+        assert!(t.tensors.iter().filter(|x| x.producer.is_some()).count() > 12 * 6);
+        assert!(t.tensors.iter().all(|x| x.producer.is_none() || x.kind == TensorKind::Activation));
     }
 
     #[test]

@@ -50,6 +50,33 @@
 //! iteration of a run no copy exists yet: a runtime executes a clean drop of a tensor it holds
 //! no tier copy of as a plain offload (a write). [`Plan::mark_clean_drops`] turns every
 //! offload where a drop is valid into one; every policy's plan goes through it.
+//!
+//! # Recomputation
+//! A [`Recompute`] entry releases a tensor's GPU memory at boundary `drop_at`, without any
+//! copy, and makes the tensor again right before kernel `before_kernel` by running its
+//! producer ([`crate::Tensor::recomputable`]) once more on the GPU: at that boundary, after
+//! the boundary's instructions were issued, the tensor's memory is allocated (in issue order,
+//! ahead of the kernel's own creations); once it is granted and every input of the producer
+//! is resident, the GPU spends the producer's duration, then runs the kernel. Several
+//! recomputations before one kernel run in plan order. The producer's inputs count as read
+//! by kernel `before_kernel`: they must be resident then, and none of them may be written
+//! between the tensor's creation and the recomputation (the result would differ). Only
+//! non-global tensors, within one iteration; nothing moves the tensor between its drop and
+//! its recomputation, and an SSD copy made before stays valid (the value is the same).
+//!
+//! # Tier space
+//! - Host tier: an offload to the host holds the tensor's bytes there from its issue until
+//!   the prefetch that reads it back completes, or the tensor dies.
+//! - SSD array: an offload to the SSD that writes allocates the tensor's bytes on the array
+//!   when it is issued. That copy stays (a prefetch and a clean drop keep it: a later drop
+//!   may need it) until the tensor dies, or until a later write of the tensor to the SSD
+//!   completes, which replaces it (both are held while the new copy is written). In the
+//!   steady state a global tensor written to the SSD at some point of the iteration holds its
+//!   bytes there all the time.
+//!
+//! The simulator reports the peaks ([`crate::SimReport::peak_ssd_bytes`],
+//! [`crate::SimReport::peak_host_bytes`]); planners keep them under
+//! [`crate::Hardware::ssd_array_capacity_bytes`] and the host cap.
 
 use std::collections::HashMap;
 
@@ -165,6 +192,17 @@ fn yes() -> bool {
     true
 }
 
+/// A tensor dropped and recomputed instead of kept or moved (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Recompute {
+    /// The tensor; it must be [`crate::Tensor::recomputable`].
+    pub tensor: TensorId,
+    /// Boundary at which its GPU memory is released, without a copy.
+    pub drop_at: usize,
+    /// Kernel right before which its producer runs again (a kernel that accesses it).
+    pub before_kernel: usize,
+}
+
 /// Planner-side figures, for reporting.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PlanStats {
@@ -179,6 +217,19 @@ pub struct PlanStats {
     pub clean_drop_bytes: u64,
     /// Offload bytes to host memory per iteration.
     pub host_offload_bytes: u64,
+    /// Bytes dropped and recomputed per iteration ([`Plan::recomputations`]).
+    #[serde(default)]
+    pub recompute_bytes: u64,
+    /// GPU time the recomputations add per iteration, microseconds.
+    #[serde(default)]
+    pub recompute_us: f64,
+    /// Peak bytes the plan holds on the SSD array (module documentation, "Tier space"), as
+    /// simulated when the plan was checked ([`crate::planner::plan_checked`]); 0 if not.
+    #[serde(default)]
+    pub peak_ssd_bytes: u64,
+    /// Peak host-tier bytes, as simulated when the plan was checked; 0 if not.
+    #[serde(default)]
+    pub peak_host_bytes: u64,
     /// Inactive intervals considered.
     pub candidates: usize,
     /// Candidate evaluations (including lazy re-evaluations).
@@ -205,6 +256,9 @@ pub struct Plan {
     /// policy but `zero-infinity`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub host_kernels: Vec<HostKernel>,
+    /// Tensors dropped and recomputed, sorted by `before_kernel` (module documentation).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recomputations: Vec<Recompute>,
     /// Planner figures.
     #[serde(default)]
     pub stats: PlanStats,
@@ -221,6 +275,7 @@ impl Plan {
             initially_offloaded: Vec::new(),
             instructions: Vec::new(),
             host_kernels: Vec::new(),
+            recomputations: Vec::new(),
             stats: PlanStats {
                 peak_resident_bytes: trace
                     .resident_memory_per_kernel()
@@ -313,8 +368,8 @@ impl Plan {
             }
             on_host[h.kernel] = true;
         }
-        // Per tensor: its instructions in plan order.
-        let mut per: HashMap<TensorId, Vec<usize>> = HashMap::new();
+        // Per tensor: its instructions in plan order, and its drops and recomputations.
+        let mut per: HashMap<TensorId, Vec<Event>> = HashMap::new();
         for (i, ins) in self.instructions.iter().enumerate() {
             let path = format!("instructions[{i}]");
             if ins.issue_before_kernel > n {
@@ -336,13 +391,42 @@ impl Plan {
                      outlive a prefetch)",
                 ));
             }
-            per.entry(ins.tensor).or_default().push(i);
+            per.entry(ins.tensor).or_default().push((ins.issue_before_kernel, 0, Ev::Ins(i)));
         }
-        let none: Vec<usize> = Vec::new();
+        // Inputs of recomputations are read by the kernel they run before.
+        let mut extra_reads: HashMap<TensorId, Vec<usize>> = HashMap::new();
+        for (i, r) in self.recomputations.iter().enumerate() {
+            self.check_recompute(trace, i, r, &on_host)?;
+            let b = r.before_kernel;
+            for x in trace.tensor(r.tensor).producer.iter().flat_map(|p| &p.inputs) {
+                extra_reads.entry(*x).or_default().push(b);
+            }
+            let list = per.entry(r.tensor).or_default();
+            list.push((r.drop_at, 1, Ev::Drop(i)));
+            list.push((b, 2, Ev::Remake(i)));
+        }
         for t in &trace.tensors {
-            let list = per.get(&t.id).unwrap_or(&none);
+            let mut events = per.remove(&t.id).unwrap_or_default();
+            events.sort_by_key(|&(at, class, ev)| (at, class, ev.index()));
+            let accesses = match extra_reads.get(&t.id) {
+                None => t.accesses.clone(),
+                Some(extra) => {
+                    let mut v: Vec<usize> = t.accesses.iter().chain(extra).copied().collect();
+                    v.sort_unstable();
+                    v.dedup();
+                    v
+                }
+            };
             let init = initial.get(&t.id).copied();
-            let walk = TensorWalk { plan: self, trace, t, list, initial: init, on_host: &on_host };
+            let walk = TensorWalk {
+                plan: self,
+                trace,
+                t,
+                events: &events,
+                accesses: &accesses,
+                initial: init,
+                on_host: &on_host,
+            };
             if t.global {
                 // Steady state: the SSD copy's validity at iteration start is what the
                 // iteration leaves behind. A first pass from "no copy" (or, offloaded to the
@@ -358,22 +442,115 @@ impl Plan {
         }
         Ok(())
     }
+
+    /// The rules of one [`Recompute`] entry that do not depend on the other instructions.
+    fn check_recompute(
+        &self,
+        trace: &Trace,
+        i: usize,
+        r: &Recompute,
+        on_host: &[bool],
+    ) -> Result<()> {
+        let n = trace.kernel_count();
+        let path = format!("recomputations[{i}]");
+        let Some(t) = trace.tensors.get(r.tensor.index()) else {
+            return Err(Error::plan(path, format!("no tensor {}", r.tensor)));
+        };
+        let tid = t.id;
+        if i > 0 && r.before_kernel < self.recomputations[i - 1].before_kernel {
+            return Err(Error::plan(path, "recomputations not sorted by before_kernel"));
+        }
+        let (Some(pr), Some(c)) = (t.recomputable(), t.created_by) else {
+            return Err(Error::plan(
+                path,
+                format!(
+                    "{tid} cannot be recomputed (no producer in the trace, global, or written \
+                     after its creation)"
+                ),
+            ));
+        };
+        let b = r.before_kernel;
+        if b >= n || t.accesses.binary_search(&b).is_err() {
+            return Err(Error::plan(
+                format!("{path}.before_kernel"),
+                format!("kernel {b} does not access {tid}"),
+            ));
+        }
+        if !(c < r.drop_at && r.drop_at < b) {
+            return Err(Error::plan(
+                format!("{path}.drop_at"),
+                format!(
+                    "{tid} must be dropped after its creation (kernel {c}) and before its \
+                     recomputation (kernel {b}), got boundary {}",
+                    r.drop_at
+                ),
+            ));
+        }
+        if on_host[b] {
+            return Err(Error::plan(path, format!("kernel {b} runs on the host")));
+        }
+        for &x in &pr.inputs {
+            let input = trace.tensor(x);
+            if !input.global && !(input.alloc_kernel() <= b && b <= input.free_kernel(n)) {
+                return Err(Error::plan(
+                    path,
+                    format!("input {x} of {tid} is not alive at kernel {b}"),
+                ));
+            }
+            let written = input.accesses.iter().find(|&&k| c < k && k < b && input.writes_at(k));
+            if let Some(k) = written {
+                return Err(Error::plan(
+                    path,
+                    format!(
+                        "input {x} of {tid} is written by kernel {k}, between {tid}'s creation \
+                         and its recomputation: the result would differ"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Serialize to pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
     }
 }
 
+/// Something that happens to one tensor at a boundary, in [`Plan::walk`]'s order: the
+/// boundary's instructions (in plan order), then drops, then recomputations.
+#[derive(Debug, Clone, Copy)]
+enum Ev {
+    /// Instruction (index).
+    Ins(usize),
+    /// The drop of recomputation entry (index).
+    Drop(usize),
+    /// The recomputation of entry (index).
+    Remake(usize),
+}
+
+impl Ev {
+    fn index(self) -> usize {
+        match self {
+            Ev::Ins(i) | Ev::Drop(i) | Ev::Remake(i) => i,
+        }
+    }
+}
+
+/// (boundary, class: 0 instruction, 1 drop, 2 recomputation, event).
+type Event = (usize, u8, Ev);
+
 /// One tensor's instructions and accesses replayed in logical order (see [`Plan::walk`]).
 struct TensorWalk<'a> {
     plan: &'a Plan,
     trace: &'a Trace,
     t: &'a crate::trace::Tensor,
-    list: &'a [usize],
+    events: &'a [Event],
+    /// The tensor's accesses, and the kernels before which it is read by a recomputation.
+    accesses: &'a [usize],
     initial: Option<Tier>,
     on_host: &'a [bool],
 }
-
 impl TensorWalk<'_> {
     /// Replay from `ssd_valid` (whether the SSD copy is valid at iteration start); returns
     /// whether it is valid at the end. With `report` (the checking pass), clean drops are
@@ -395,10 +572,17 @@ impl TensorWalk<'_> {
         // A GPU kernel needs the tensor resident, a host kernel needs it offloaded.
         let access = |k: usize,
                       state: Option<Tier>,
+                      dropped: bool,
                       ssd_valid: &mut bool,
                       unused_prefetch: &mut bool,
                       path: &str|
          -> Result<()> {
+            if dropped {
+                return Err(Error::plan(
+                    path,
+                    format!("{tid} accessed by kernel {k} while dropped for recomputation"),
+                ));
+            }
             match (on_host[k], state) {
                 (false, Some(_)) => {
                     return Err(Error::plan(
@@ -426,14 +610,52 @@ impl TensorWalk<'_> {
             }
             Ok(())
         };
+        let acc = self.accesses;
+        // Dropped for recomputation (and not made again yet).
+        let mut dropped = false;
         let mut ai = 0; // next access index
-        for &ii in self.list {
-            let ins = self.plan.instructions[ii];
-            let path = format!("instructions[{ii}]");
+        for &(at, _, ev) in self.events {
+            let path = match ev {
+                Ev::Ins(ii) => format!("instructions[{ii}]"),
+                Ev::Drop(ri) | Ev::Remake(ri) => format!("recomputations[{ri}]"),
+            };
             // Accesses of kernels before this boundary happen first.
-            while ai < t.accesses.len() && t.accesses[ai] < ins.issue_before_kernel {
-                access(t.accesses[ai], state, &mut ssd_valid, &mut unused_prefetch, &path)?;
+            while ai < acc.len() && acc[ai] < at {
+                access(acc[ai], state, dropped, &mut ssd_valid, &mut unused_prefetch, &path)?;
                 ai += 1;
+            }
+            let ii = match ev {
+                Ev::Ins(ii) => ii,
+                Ev::Drop(_) => {
+                    if dropped || state.is_some() {
+                        return Err(Error::plan(path, format!("{tid} dropped while not resident")));
+                    }
+                    if acc.get(ai) == Some(&at) {
+                        return Err(Error::plan(
+                            path,
+                            format!("{tid} dropped right before kernel {at} that accesses it"),
+                        ));
+                    }
+                    dropped = true;
+                    continue;
+                }
+                Ev::Remake(_) => {
+                    if !dropped {
+                        return Err(Error::plan(
+                            path,
+                            format!("{tid} recomputed before kernel {at} but not dropped before"),
+                        ));
+                    }
+                    dropped = false;
+                    continue;
+                }
+            };
+            let ins = self.plan.instructions[ii];
+            if dropped {
+                return Err(Error::plan(
+                    path,
+                    format!("{tid} moved while dropped for recomputation"),
+                ));
             }
             match ins.op {
                 Op::Offload { dest } => {
@@ -446,7 +668,7 @@ impl TensorWalk<'_> {
                             format!("{tid} offloaded outside its lifetime"),
                         ));
                     }
-                    if t.accesses.get(ai) == Some(&ins.issue_before_kernel)
+                    if acc.get(ai) == Some(&ins.issue_before_kernel)
                         && !on_host[ins.issue_before_kernel]
                     {
                         return Err(Error::plan(
@@ -493,9 +715,16 @@ impl TensorWalk<'_> {
                 }
             }
         }
-        while ai < t.accesses.len() {
-            access(t.accesses[ai], state, &mut ssd_valid, &mut unused_prefetch, "instructions")?;
+        while ai < acc.len() {
+            let (k, path) = (acc[ai], "instructions");
+            access(k, state, dropped, &mut ssd_valid, &mut unused_prefetch, path)?;
             ai += 1;
+        }
+        if dropped {
+            return Err(Error::plan(
+                "recomputations",
+                format!("{tid} ends the iteration dropped (never recomputed)"),
+            ));
         }
         // A non-global tensor last used by a host kernel may die on its tier.
         let dies_on_tier = !t.global && t.accesses.last().is_some_and(|&k| on_host[k]);

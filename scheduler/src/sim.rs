@@ -22,6 +22,14 @@
 //! read, compute and write), else read, then compute, then write. It ends when all three are
 //! done. The GPU runs nothing meanwhile.
 //!
+//! Recomputations ([`crate::plan::Recompute`]): the drop releases the tensor's memory at its
+//! boundary; before its kernel the tensor is allocated (ahead of the kernel's creations), the
+//! kernel waits for the producer's inputs like for its own tensors, and the GPU spends the
+//! producer's duration before the kernel's ([`SimReport::recompute_us`]).
+//!
+//! Tier space follows [`crate::plan`](mod@crate::plan) ("Tier space"): the SSD bytes held by
+//! copies ([`SimReport::peak_ssd_bytes`]) and the host-tier bytes.
+//!
 //! The run replays `iterations` back-to-back iterations (default 2) starting from the plan's
 //! steady state and reports the last one, so the offloads issued at the end of one iteration
 //! compete with the next one as they would in training.
@@ -127,7 +135,7 @@ pub struct SimReport {
     pub stall_us: f64,
     /// Time host kernels ran (CPU compute and their SSD streams) in the reported iteration,
     /// us; their GPU durations in the trace are not spent. Iteration time = ideal time - GPU
-    /// time of host kernels + `host_step_us` + `stall_us`.
+    /// time of host kernels + `host_step_us` + `recompute_us` + `stall_us`.
     #[serde(default)]
     pub host_step_us: f64,
     /// Peak GPU bytes in use in the reported iteration.
@@ -138,6 +146,23 @@ pub struct SimReport {
     pub peak_host_bytes: u64,
     /// Whether the host tier ever held more than its cap.
     pub host_cap_exceeded: bool,
+    /// Peak bytes of tensor copies on the SSD array in the reported iteration (steady state
+    /// from the second iteration on; see [`crate::plan`](mod@crate::plan), "Tier space").
+    #[serde(default)]
+    pub peak_ssd_bytes: u64,
+    /// Whether the SSD copies ever needed more than
+    /// [`Hardware::ssd_array_capacity_bytes`].
+    #[serde(default)]
+    pub ssd_cap_exceeded: bool,
+    /// GPU time spent recomputing dropped tensors in the reported iteration, us (part of the
+    /// iteration time besides the kernels and the stalls).
+    #[serde(default)]
+    pub recompute_us: f64,
+    /// How many days the SSDs last at this plan's write rate
+    /// ([`Hardware::drive_life_days`]); `None` when the endurance is unknown, nothing is
+    /// written or the run did not complete.
+    #[serde(default)]
+    pub drive_life_days: Option<f64>,
     /// Bytes carried per resource in the reported iteration.
     pub bytes_moved: Vec<ResourceBytes>,
     /// Offloads and prefetches completed in the reported iteration (clean drops not counted).
@@ -226,6 +251,17 @@ struct Sim<'a> {
     peak: u64,
     peak_host: u64,
     host_exceeded: bool,
+    /// Per tensor: it has a copy on the SSD array; a new one is being written over it.
+    ssd_copy: Vec<bool>,
+    ssd_replacing: Vec<bool>,
+    ssd_used: u64,
+    peak_ssd: u64,
+    ssd_exceeded: bool,
+    ssd_cap: Option<u64>,
+    /// Per boundary: tensors dropped for recomputation.
+    drops_at: Vec<Vec<TensorId>>,
+    /// Per kernel: GPU time of the recomputations that run before it.
+    recompute_us_at: Vec<f64>,
     moved: [f64; Resource::COUNT],
     migrations: u64,
     clean_drops: u64,
@@ -241,8 +277,27 @@ struct Sim<'a> {
 impl<'a> Sim<'a> {
     fn new(trace: &'a Trace, plan: &'a Plan, hw: &'a Hardware, opts: &'a SimOptions) -> Self {
         let n = trace.kernel_count();
+        // Per kernel: what it allocates before it runs (recomputed tensors first, in plan
+        // order, then its creations) and what it needs resident (its accesses and the inputs
+        // of the recomputations before it).
         let mut created = vec![Vec::new(); n];
         let mut dying = vec![Vec::new(); n];
+        let mut per_kernel = trace.accesses_per_kernel();
+        let mut drops_at = vec![Vec::new(); n + 1];
+        let mut recompute_us_at = vec![0.0; n];
+        for r in &plan.recomputations {
+            let t = trace.tensor(r.tensor);
+            created[r.before_kernel].push(r.tensor);
+            drops_at[r.drop_at].push(r.tensor);
+            if let Some(p) = &t.producer {
+                recompute_us_at[r.before_kernel] += p.duration_us;
+                per_kernel[r.before_kernel].extend(&p.inputs);
+            }
+        }
+        for list in &mut per_kernel {
+            list.sort_unstable();
+            list.dedup();
+        }
         for t in &trace.tensors {
             if !t.global {
                 created[t.alloc_kernel()].push(t.id);
@@ -265,7 +320,7 @@ impl<'a> Sim<'a> {
             opts,
             n,
             cap: if plan.unlimited_memory { u64::MAX } else { hw.gpu_memory_bytes },
-            per_kernel: trace.accesses_per_kernel(),
+            per_kernel,
             created,
             dying,
             instr_at,
@@ -280,6 +335,14 @@ impl<'a> Sim<'a> {
             peak: 0,
             peak_host: 0,
             host_exceeded: false,
+            ssd_copy: vec![false; trace.tensors.len()],
+            ssd_replacing: vec![false; trace.tensors.len()],
+            ssd_used: 0,
+            peak_ssd: 0,
+            ssd_exceeded: false,
+            ssd_cap: hw.ssd_array_capacity_bytes(),
+            drops_at,
+            recompute_us_at,
             moved: [0.0; Resource::COUNT],
             migrations: 0,
             clean_drops: 0,
@@ -315,6 +378,25 @@ impl<'a> Sim<'a> {
         if self.measuring {
             self.peak_host = self.peak_host.max(host);
         }
+    }
+
+    fn set_ssd(&mut self, ssd: u64) {
+        self.ssd_used = ssd;
+        if self.ssd_cap.is_some_and(|c| ssd > c) {
+            self.ssd_exceeded = true;
+        }
+        if self.measuring {
+            self.peak_ssd = self.peak_ssd.max(ssd);
+        }
+    }
+
+    /// Release the SSD space `t` holds (its copy, and one being written over it).
+    fn free_ssd(&mut self, t: TensorId) {
+        let i = t.index();
+        let copies = u64::from(std::mem::take(&mut self.ssd_copy[i]))
+            + u64::from(std::mem::take(&mut self.ssd_replacing[i]));
+        let bytes = self.trace.tensor(t).bytes * copies;
+        self.set_ssd(self.ssd_used.saturating_sub(bytes));
     }
 
     fn start_transfer(
@@ -388,6 +470,13 @@ impl<'a> Sim<'a> {
                     self.state[ti] = TState::Offloading { dest, keep: false };
                     if dest == Tier::Host {
                         self.set_host(self.host_used + bytes);
+                    } else {
+                        // New space for the copy; one it replaces goes when the write is done.
+                        if self.ssd_copy[ti] {
+                            self.ssd_replacing[ti] = true;
+                        }
+                        self.ssd_copy[ti] = true;
+                        self.set_ssd(self.ssd_used + bytes);
                     }
                     self.start_transfer(ins.tensor, Some(dest), dest, ins.urgent);
                 }
@@ -404,6 +493,13 @@ impl<'a> Sim<'a> {
                 }
                 // A validated plan never reaches these; keep going without moving anything.
                 _ => {}
+            }
+        }
+        for i in 0..self.drops_at[boundary].len() {
+            let t = self.drops_at[boundary][i];
+            if self.state[t.index()] == TState::Resident {
+                self.state[t.index()] = TState::Absent;
+                self.set_used(self.used - self.trace.tensor(t).bytes);
             }
         }
     }
@@ -497,6 +593,9 @@ impl<'a> Sim<'a> {
         }
         let ti = tr.tensor.index();
         let bytes = self.trace.tensor(tr.tensor).bytes;
+        if tr.offload == Some(Tier::Ssd) && std::mem::take(&mut self.ssd_replacing[ti]) {
+            self.set_ssd(self.ssd_used.saturating_sub(bytes));
+        }
         match tr.offload {
             Some(dest) => match self.state[ti] {
                 TState::Offloading { keep: true, .. } => {
@@ -527,6 +626,7 @@ impl<'a> Sim<'a> {
         self.clean_drops = 0;
         self.peak = self.used;
         self.peak_host = self.host_used;
+        self.peak_ssd = self.ssd_used;
         if self.opts.record_timeline {
             self.timeline =
                 Some(Timeline { memory: vec![(0.0, self.used)], ..Timeline::default() });
@@ -540,9 +640,11 @@ impl<'a> Sim<'a> {
         iteration_time_us: f64,
         stall_us: f64,
         host_step_us: f64,
+        recompute_us: f64,
     ) -> SimReport {
         let ideal = self.trace.iteration_time_us();
         let done = outcome == Outcome::Completed;
+        let written = self.moved[Resource::SsdWrite.index()].round() as u64;
         SimReport {
             policy: self.plan.policy.clone(),
             trace: self.trace.name.clone(),
@@ -556,6 +658,14 @@ impl<'a> Sim<'a> {
             gpu_capacity_bytes: self.cap,
             peak_host_bytes: self.peak_host,
             host_cap_exceeded: self.host_exceeded,
+            peak_ssd_bytes: self.peak_ssd,
+            ssd_cap_exceeded: self.ssd_exceeded,
+            recompute_us,
+            drive_life_days: if done {
+                self.hw.drive_life_days(written, iteration_time_us)
+            } else {
+                None
+            },
             bytes_moved: Resource::ALL
                 .iter()
                 .map(|&r| ResourceBytes {
@@ -584,6 +694,9 @@ impl<'a> Sim<'a> {
                     self.state[t.id.index()] = TState::Offloaded(tier);
                     if tier == Tier::Host {
                         host += t.bytes;
+                    } else {
+                        self.ssd_copy[t.id.index()] = true;
+                        self.ssd_used += t.bytes;
                     }
                 }
                 None => {
@@ -594,6 +707,7 @@ impl<'a> Sim<'a> {
         }
         self.set_used(used);
         self.set_host(host);
+        self.set_ssd(self.ssd_used);
         if self.measuring {
             self.begin_measuring();
         }
@@ -609,9 +723,11 @@ impl<'a> Sim<'a> {
                 0.0,
                 0.0,
                 0.0,
+                0.0,
             ));
         }
         let mut stall = 0.0;
+        let mut recompute = 0.0;
         let mut host_step = 0.0;
         let mut started_at = 0.0;
         let mut iteration = 0;
@@ -663,8 +779,11 @@ impl<'a> Sim<'a> {
                     }
                 }
                 started_at = self.t;
+                if self.measuring {
+                    recompute += self.recompute_us_at[k];
+                }
                 running_until = Some(match host {
-                    None => self.t + self.trace.kernels[k].duration_us,
+                    None => self.t + self.recompute_us_at[k] + self.trace.kernels[k].duration_us,
                     Some(h) if h.pipelined => {
                         let (rd, wr) = (self.hw.ssd_to_host_path(), self.hw.host_to_ssd_path());
                         self.streams_left = usize::from(self.start_stream(&rd, h.ssd_read_bytes))
@@ -714,6 +833,7 @@ impl<'a> Sim<'a> {
                         0.0,
                         stall,
                         host_step,
+                        recompute,
                     ));
                 }
                 let missing: Vec<String> = self.per_kernel[k]
@@ -784,6 +904,7 @@ impl<'a> Sim<'a> {
                 for i in 0..self.dying[k].len() {
                     let t = self.dying[k][i];
                     let b = self.trace.tensor(t).bytes;
+                    self.free_ssd(t);
                     match self.state[t.index()] {
                         TState::Resident => {
                             self.state[t.index()] = TState::Absent;
@@ -806,12 +927,19 @@ impl<'a> Sim<'a> {
                     k = 0;
                     if iteration == self.opts.iterations {
                         let time = self.t - self.iter_start;
-                        return Ok(self.report(Outcome::Completed, time, stall, host_step));
+                        return Ok(self.report(
+                            Outcome::Completed,
+                            time,
+                            stall,
+                            host_step,
+                            recompute,
+                        ));
                     }
                     if iteration + 1 == self.opts.iterations {
                         self.begin_measuring();
                         stall = 0.0;
                         host_step = 0.0;
+                        recompute = 0.0;
                     }
                 }
             }

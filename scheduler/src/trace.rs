@@ -117,9 +117,38 @@ pub struct Tensor {
     /// (see [`crate::plan`](mod@crate::plan): clean drops).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writes: Option<Vec<usize>>,
+    /// How to make the tensor again instead of keeping or moving it (recomputation): its
+    /// creating kernel run once more, from `inputs`. `None` (JSON: absent): it cannot be
+    /// recomputed. Only a non-global tensor can have one, and it is used only while nothing
+    /// writes the tensor after its creation ([`Tensor::recomputable`]); see [`Producer`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub producer: Option<Producer>,
+}
+
+/// What recomputing a tensor takes: the op that created it (kernel [`Tensor::created_by`]),
+/// run again on the same inputs. A plan may drop such a tensor after an access and remake it
+/// right before a later one ([`crate::plan::Recompute`]); the result is the same tensor as
+/// long as no input was written in between (planners check).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Producer {
+    /// Tensors the op reads, each accessed by the creating kernel (the tensor itself and
+    /// duplicates excluded). They must be resident when the op runs again.
+    pub inputs: Vec<TensorId>,
+    /// GPU time of the op alone, microseconds (the creating kernel's duration when it creates
+    /// nothing else).
+    pub duration_us: f64,
 }
 
 impl Tensor {
+    /// How to recompute the tensor, if it can be: it has a [`Producer`] and only its creating
+    /// kernel writes it (with `writes` absent every access counts as a write: not
+    /// recomputable, the op would not make the current value).
+    pub fn recomputable(&self) -> Option<&Producer> {
+        let c = self.created_by?;
+        let only_created = self.writes.as_deref() == Some(&[c][..]);
+        self.producer.as_ref().filter(|_| only_created && !self.global)
+    }
+
     /// First kernel at which the tensor occupies memory in an all-resident run.
     pub fn alloc_kernel(&self) -> usize {
         self.created_by.unwrap_or(0)
@@ -239,6 +268,9 @@ impl Trace {
         for k in &mut self.kernels {
             k.duration_us *= factor;
         }
+        for p in self.tensors.iter_mut().filter_map(|t| t.producer.as_mut()) {
+            p.duration_us *= factor;
+        }
         Ok(())
     }
 
@@ -354,6 +386,42 @@ impl Trace {
                         ),
                     ));
                 }
+            }
+            if let Some(pr) = &t.producer {
+                self.validate_producer(i, t, pr)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rules of [`Producer`] for tensor `i` (after its own fields were checked).
+    fn validate_producer(&self, i: usize, t: &Tensor, pr: &Producer) -> Result<()> {
+        let p = |f: &str| format!("tensors[{i}].producer{f}");
+        let Some(c) = t.created_by.filter(|_| !t.global) else {
+            return Err(Error::trace(p(""), "only a non-global tensor can be recomputed"));
+        };
+        if !(pr.duration_us.is_finite() && pr.duration_us >= 0.0) {
+            return Err(Error::trace(
+                p(".duration_us"),
+                format!("must be finite and >= 0, got {}", pr.duration_us),
+            ));
+        }
+        for (j, &x) in pr.inputs.iter().enumerate() {
+            let path = p(&format!(".inputs[{j}]"));
+            let Some(input) = self.tensors.get(x.index()) else {
+                return Err(Error::trace(path, format!("no tensor {x}")));
+            };
+            if x == t.id || pr.inputs[..j].contains(&x) {
+                return Err(Error::trace(
+                    path,
+                    format!("{x} is the tensor itself or listed twice"),
+                ));
+            }
+            if input.accesses.binary_search(&c).is_err() {
+                return Err(Error::trace(
+                    path,
+                    format!("{x} is not accessed by the creating kernel {c}"),
+                ));
             }
         }
         Ok(())
@@ -502,6 +570,10 @@ fn decode_trace(v: &Value) -> Result<Trace> {
                 Some(w)
             }
         };
+        let producer = match to.get("producer") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(decode_producer(v, &p("producer"))?),
+        };
         tensors.push(Tensor {
             id,
             name,
@@ -512,9 +584,25 @@ fn decode_trace(v: &Value) -> Result<Trace> {
             accesses,
             dies_after,
             writes,
+            producer,
         });
     }
     Ok(Trace { format, version, name, kernels, tensors })
+}
+
+fn decode_producer(v: &Value, path: &str) -> Result<Producer> {
+    let o = obj(v, path)?;
+    let mut inputs = Vec::new();
+    for (j, x) in arr(field(o, path, "inputs")?, &format!("{path}.inputs"))?.iter().enumerate() {
+        let p = format!("{path}.inputs[{j}]");
+        let id = u32::try_from(u64_of(x, &p)?).map_err(|_| Error::trace(&p, "id too large"))?;
+        inputs.push(TensorId(id));
+    }
+    let dv = field(o, path, "duration_us")?;
+    let duration_us = dv.as_f64().ok_or_else(|| {
+        Error::trace(format!("{path}.duration_us"), format!("expected a number, got {}", show(dv)))
+    })?;
+    Ok(Producer { inputs, duration_us })
 }
 
 #[cfg(test)]
@@ -536,6 +624,7 @@ mod tests {
             accesses: vec![0, 3],
             dies_after: None,
             writes: Some(vec![3]),
+            producer: None,
         });
         t.tensors.push(Tensor {
             id: TensorId(1),
@@ -547,6 +636,7 @@ mod tests {
             accesses: vec![1, 2],
             dies_after: Some(2),
             writes: None,
+            producer: None,
         });
         t
     }
@@ -628,6 +718,48 @@ mod tests {
         let t = Trace::from_json(&v.to_string()).unwrap();
         assert!(!t.tensors[0].is_ever_written());
         assert_eq!(Trace::from_json(&t.to_json()).unwrap(), t);
+    }
+
+    /// A producer round-trips through JSON, scales with the kernels, and every rule names the
+    /// field: global tensors, inputs the creating kernel does not read, the tensor itself as
+    /// input. A tensor written after its creation keeps its producer but is not recomputable.
+    #[test]
+    fn producers_are_checked_and_scaled() {
+        let mut t = small();
+        t.tensors[1].writes = Some(vec![1]);
+        // Kernel 1 creates `a`; let it read `w` too, the input of the recomputation.
+        t.tensors[0].accesses = vec![0, 1, 3];
+        t.tensors[1].producer = Some(Producer { inputs: vec![TensorId(0)], duration_us: 4.0 });
+        t.validate().unwrap();
+        let back = Trace::from_json(&t.to_json()).unwrap();
+        assert_eq!(back, t);
+        let mut s = t.clone();
+        s.scale_durations(2.0).unwrap();
+        assert_eq!(s.tensors[1].producer.as_ref().unwrap().duration_us, 8.0);
+        let err = |f: &dyn Fn(&mut Trace)| {
+            let mut x = t.clone();
+            f(&mut x);
+            x.validate().unwrap_err().to_string()
+        };
+        assert!(t.tensors[1].recomputable().is_some());
+        // Written after its creation (here: every access writes), it is not recomputable.
+        let mut x = t.clone();
+        x.tensors[1].writes = None;
+        x.validate().unwrap();
+        assert!(x.tensors[1].recomputable().is_none());
+        let e = err(&|x| x.tensors[1].producer.as_mut().unwrap().inputs = vec![TensorId(1)]);
+        assert!(e.contains("producer.inputs[0]") && e.contains("itself"), "{e}");
+        let e = err(&|x| x.tensors[0].accesses = vec![0, 3]);
+        assert!(e.contains("producer.inputs[0]") && e.contains("creating kernel 1"), "{e}");
+        let e = err(&|x| x.tensors[1].producer.as_mut().unwrap().duration_us = f64::NAN);
+        assert!(e.contains("producer.duration_us"), "{e}");
+        let e =
+            err(&|x| x.tensors[0].producer = Some(Producer { inputs: vec![], duration_us: 1.0 }));
+        assert!(e.contains("tensors[0].producer") && e.contains("non-global"), "{e}");
+        let mut v: Value = serde_json::from_str(&t.to_json()).unwrap();
+        v["tensors"][1]["producer"]["inputs"] = serde_json::json!(["w"]);
+        let e = Trace::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("tensors[1].producer.inputs[0]"), "{e}");
     }
 
     #[test]

@@ -120,9 +120,15 @@ fn check_report(trace: &Trace, hw: &Hardware, p: &Plan) -> teraio_scheduler::Sim
         if p.host_kernels.is_empty() {
             assert!(r.iteration_time_us >= ideal * (1.0 - 1e-9), "{} faster than ideal", p.policy);
         }
-        // Time = GPU kernel time + host-kernel time + stalls, exactly.
+        // Time = GPU kernel time + host-kernel time + recomputation + stalls, exactly.
         let on_host: f64 = p.host_kernels.iter().map(|h| trace.kernels[h.kernel].duration_us).sum();
-        let expect = ideal - on_host + r.host_step_us + r.stall_us;
+        let expect = ideal - on_host + r.host_step_us + r.recompute_us + r.stall_us;
+        let planned: f64 = p
+            .recomputations
+            .iter()
+            .map(|x| trace.tensor(x.tensor).producer.as_ref().unwrap().duration_us)
+            .sum();
+        assert!((r.recompute_us - planned).abs() <= 1e-6 * planned.max(1.0));
         assert!((r.iteration_time_us - expect).abs() <= 1e-6 * ideal.max(1.0));
         assert!(r.percent_of_ideal <= 100.0, "{}", r.percent_of_ideal);
     }
@@ -185,6 +191,7 @@ fn arbitrary_trace() -> impl Strategy<Value = Trace> {
                     dies_after: (!global).then_some((last + extra).min(n - 1)),
                     accesses,
                     writes,
+                    producer: None,
                 });
             }
             t
@@ -235,6 +242,7 @@ fn idle_weight_is_hidden() {
         accesses: vec![0, 9],
         dies_after: None,
         writes: None,
+        producer: None,
     });
     t.tensors.push(Tensor {
         id: TensorId(1),
@@ -246,6 +254,7 @@ fn idle_weight_is_hidden() {
         accesses: vec![4, 5],
         dies_after: Some(5),
         writes: None,
+        producer: None,
     });
     let mut hw = Hardware::paper();
     hw.gpu_memory_bytes = 1_500_000_000;

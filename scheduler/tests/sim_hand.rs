@@ -21,6 +21,7 @@ fn weight(id: u32, bytes: u64, kind: TensorKind, accesses: Vec<usize>) -> Tensor
         accesses,
         dies_after: None,
         writes: None,
+        producer: None,
     }
 }
 
@@ -47,6 +48,8 @@ fn one_ssd(duplex: Option<f64>) -> Hardware {
         gpudirect: true,
         ssd_duplex_bytes_per_s: duplex,
         cpu_adam_params_per_s: 1e9,
+        ssd_capacity_bytes: None,
+        ssd_endurance_tbw: None,
     }
 }
 
@@ -76,6 +79,7 @@ fn overlap_case(urgent_prefetch: bool) -> (Trace, Plan) {
             ins(3, 0, Op::Prefetch, false),
         ],
         host_kernels: Vec::new(),
+        recomputations: Vec::new(),
         stats: Default::default(),
     };
     p.validate(&t).unwrap();
@@ -167,6 +171,7 @@ fn host_case() -> (Trace, Plan) {
             ssd_write_bytes: 2 * GB,
             pipelined: true,
         }],
+        recomputations: Vec::new(),
         stats: Default::default(),
     };
     p.validate(&t).unwrap();
@@ -395,6 +400,7 @@ fn drop_of_an_unused_prefetch_is_rejected() {
             ins(3, 0, Op::Prefetch, false),
         ],
         host_kernels: Vec::new(),
+        recomputations: Vec::new(),
         stats: Default::default(),
     };
     let e = p.validate(&t).unwrap_err().to_string();
@@ -513,6 +519,8 @@ fn teraio_under_heavy_bandwidth_pressure_completes() {
         gpudirect: true,
         ssd_duplex_bytes_per_s: Some(bw / 4.0),
         cpu_adam_params_per_s: Hardware::paper().cpu_adam_params_per_s,
+        ssd_capacity_bytes: None,
+        ssd_endurance_tbw: None,
     };
     for (policy, r) in teraio_completes_where_lru_does(&trace, &hw) {
         assert!(r.iteration_time_us > 0.0 && r.stall_us > 0.0, "{policy}: {r:?}");
@@ -572,6 +580,7 @@ fn temp(id: u32, bytes: u64, kind: TensorKind, accesses: Vec<usize>, dies_after:
         accesses,
         dies_after: Some(dies_after),
         writes: None,
+        producer: None,
     }
 }
 

@@ -7,7 +7,9 @@ use teraio_scheduler::advise::{
 };
 use teraio_scheduler::{ModelConfig, Policy};
 
-use crate::cmd::plan::{HwArgs, gb, outln};
+use crate::cmd::hw_args::HwArgs;
+use crate::output::outln;
+use crate::units::to_gb;
 use crate::{CliError, Result};
 
 /// Options of `teraio advise`.
@@ -87,7 +89,7 @@ pub fn run(args: Args) -> Result<()> {
         let v = if advice.resource == "ssd_count" {
             format!("{} SSDs", p.value)
         } else {
-            format!("{:.0} GB host", gb(p.value))
+            format!("{:.0} GB host", to_gb(p.value))
         };
         outln!("  {v:>14}: {:.1}% of ideal", p.percent_of_ideal);
     }
@@ -102,7 +104,7 @@ pub fn run(args: Args) -> Result<()> {
         (Some(v), Some(r)) => outln!(
             "{}: {:.0} GB of host memory reach {:.1}% of ideal (target {:.1}%) with {}",
             trace.name,
-            gb(v),
+            to_gb(v),
             r.percent_of_ideal,
             args.target,
             policy

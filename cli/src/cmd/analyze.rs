@@ -3,7 +3,8 @@
 use teraio_scheduler::analysis::summarize;
 
 use crate::Result;
-use crate::cmd::plan::{gb, outln};
+use crate::output::outln;
+use crate::units::to_gb;
 
 /// Options of `teraio analyze`.
 #[derive(clap::Args, Debug)]
@@ -25,8 +26,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     outln!("trace {}: {} kernels, {} tensors", s.name, s.kernels, s.tensors);
     outln!("ideal iteration          {:.3} s", s.iteration_time_us / 1e6);
-    outln!("tensor bytes             {:.2} GB", gb(s.total_tensor_bytes));
-    outln!("peak if nothing moves    {:.2} GB", gb(s.peak_resident_bytes));
+    outln!("tensor bytes             {:.2} GB", to_gb(s.total_tensor_bytes));
+    outln!("peak if nothing moves    {:.2} GB", to_gb(s.peak_resident_bytes));
     outln!(
         "active memory            {:.2}% on average (time-weighted), {:.2}% at most",
         100.0 * s.mean_active_fraction,
@@ -39,15 +40,15 @@ pub fn run(args: Args) -> Result<()> {
     );
     outln!("\ninactive period      count        GB");
     for b in &s.inactive_period_histogram {
-        outln!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
+        outln!("  {:<14} {:>9} {:>9.2}", b.label, b.count, to_gb(b.bytes));
     }
     outln!("\ntensor size         count        GB");
     for b in &s.tensor_size_histogram {
-        outln!("  {:<14} {:>9} {:>9.2}", b.label, b.count, gb(b.bytes));
+        outln!("  {:<14} {:>9} {:>9.2}", b.label, b.count, to_gb(b.bytes));
     }
     outln!("\nkind                count        GB");
     for k in &s.by_kind {
-        outln!("  {:<14} {:>9} {:>9.2}", k.kind.as_str(), k.count, gb(k.bytes));
+        outln!("  {:<14} {:>9} {:>9.2}", k.kind.as_str(), k.count, to_gb(k.bytes));
     }
     Ok(())
 }

@@ -207,7 +207,6 @@ pub fn run(args: Args) -> Result<()> {
     ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers));
     let engine = Engine::open(ecfg)?;
     let array = engine.array().clone();
-    let store = engine.store();
     let array_what = engine.describe();
     say(format!("array: {array_what}; measuring it with {} ...", gb(args.probe_size as f64)));
     let m = measure(&engine, args.probe_size)?;
@@ -305,7 +304,7 @@ pub fn run(args: Args) -> Result<()> {
         iterations: args.iterations,
         verify: !args.no_verify,
     };
-    let report = replay(&trace, &p, store, gpu.as_ref(), &cfg, &mut |pr| {
+    let report = replay(&trace, &p, engine.store_arc(), gpu, &cfg, &mut |pr| {
         bar.set_message(format!("iteration {}/{}", pr.iteration + 1, args.iterations));
         bar.set_position((pr.iteration * pr.kernels + pr.kernel) as u64);
     });

@@ -6,7 +6,9 @@ use std::time::Instant;
 use teraio_scheduler::model::{optimizer_steps_moved, recomputes_activations};
 use teraio_scheduler::{Outcome, Plan, Policy, Resource, SimOptions, SimReport, plan, simulate};
 
-use crate::cmd::plan::{HwArgs, gb, outln};
+use crate::cmd::hw_args::HwArgs;
+use crate::output::outln;
+use crate::units::to_gb;
 use crate::{CliError, Result};
 
 /// Options of `teraio simulate`.
@@ -100,10 +102,10 @@ pub fn print_table(rows: &[Row]) {
                 r.iteration_time_us / 1e6,
                 r.percent_of_ideal,
                 r.stall_us / 1e6,
-                gb(r.peak_gpu_bytes),
-                gb(moved(r, Resource::SsdRead)),
-                gb(moved(r, Resource::SsdWrite)),
-                gb(r.peak_host_bytes),
+                to_gb(r.peak_gpu_bytes),
+                to_gb(moved(r, Resource::SsdRead)),
+                to_gb(moved(r, Resource::SsdWrite)),
+                to_gb(r.peak_host_bytes),
                 row.plan_s
             ),
             Outcome::OutOfMemory {
@@ -117,9 +119,9 @@ pub fn print_table(rows: &[Row]) {
                     "{:<w$} out of memory at iteration {iteration}, kernel {kernel}: needs {:.2} GB, \
                      {:.2} of {:.2} GB in use",
                     r.policy,
-                    gb(*needed_bytes),
-                    gb(*used_bytes),
-                    gb(*capacity_bytes)
+                    to_gb(*needed_bytes),
+                    to_gb(*used_bytes),
+                    to_gb(*capacity_bytes)
                 )
             }
         }
@@ -237,13 +239,13 @@ pub fn run(args: Args) -> Result<()> {
         "{} on {:.0} GB GPU, {} SSDs x {:.1}/{:.1} GB/s, PCIe {:.0}/{:.0} GB/s, host tier {:.0} GB; \
          ideal iteration {:.3} s",
         trace.name,
-        gb(hw.gpu_memory_bytes),
+        to_gb(hw.gpu_memory_bytes),
         hw.ssd_count,
         hw.ssd_read_bytes_per_s / 1e9,
         hw.ssd_write_bytes_per_s / 1e9,
         hw.pcie_h2d_bytes_per_s / 1e9,
         hw.pcie_d2h_bytes_per_s / 1e9,
-        gb(hw.host_memory_cap_bytes),
+        to_gb(hw.host_memory_cap_bytes),
         trace.iteration_time_us() / 1e6
     );
     if let Some(d) = hw.ssd_duplex_bytes_per_s {

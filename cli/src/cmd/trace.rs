@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use teraio_scheduler::{ModelConfig, Trace, generate};
 
-use crate::cmd::plan::outln;
+use crate::output::outln;
 use crate::{CliError, Result};
 
 /// Subcommands of `teraio trace`.

@@ -24,7 +24,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::analysis::{InactiveInterval, time_at};
 use crate::hardware::{Hardware, Resource, Tier};
-use crate::plan::{HostKernel, InitialPlacement, Instruction, Plan, PlanStats};
+use crate::plan::{HostKernel, InitialPlacement, Instruction, Plan, PlanStats, Recompute};
+use crate::sim::SimReport;
 use crate::trace::{TensorId, Trace};
 use crate::{Error, Result};
 use tree::ExcessTree;
@@ -33,6 +34,13 @@ use tree::ExcessTree;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Policy {
+    /// The default: plans with several `teraio` variants (the paper's tier order, tiers
+    /// chosen by bandwidth as in `teraio-hybrid`, with and without recomputation, with and
+    /// without a pass that keeps tensors resident where memory allows and moves SSD copies to
+    /// the host tier) and `lru`, simulates each, and keeps, among those within
+    /// [`PlanOptions::wear_tolerance`] of the fastest, the one that writes the fewest bytes to
+    /// the SSDs. Its plan's policy name says which variant won (`auto[...]`).
+    Auto,
     /// The paper's Algorithm 1: lazy greedy benefit/cost over inactive intervals with
     /// bandwidth-aware offload-end / prefetch-start times; SSD first, then host.
     Teraio,
@@ -69,7 +77,8 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy.
-    pub const ALL: [Policy; 8] = [
+    pub const ALL: [Policy; 9] = [
+        Policy::Auto,
         Policy::Teraio,
         Policy::TeraioHybrid,
         Policy::G10,
@@ -89,6 +98,7 @@ impl Policy {
     /// Name as used on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
+            Policy::Auto => "auto",
             Policy::Teraio => "teraio",
             Policy::TeraioHybrid => "teraio-hybrid",
             Policy::G10 => "g10",
@@ -117,19 +127,61 @@ impl std::fmt::Display for Policy {
     }
 }
 
-/// Plan one iteration of `trace` on `hw` with `policy`.
+/// Options of [`plan_with`] and [`plan_checked`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanOptions {
+    /// `auto`: among the candidate plans whose simulated iteration is within this fraction
+    /// of the fastest one's, keep the one that writes the fewest bytes to the SSDs (they wear
+    /// out); 0 keeps the fastest. Default 0.01.
+    pub wear_tolerance: f64,
+    /// `auto`: let plans recompute tensors whose trace says how
+    /// ([`crate::Tensor::recomputable`]) instead of keeping or moving them. Default true.
+    pub recompute: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { wear_tolerance: 0.01, recompute: true }
+    }
+}
+
+/// A plan that was checked in the simulator, and that simulation (two iterations, the
+/// second reported).
+#[derive(Debug, Clone)]
+pub struct Checked {
+    /// The plan; its `stats` carry the simulated peaks of SSD and host-tier space.
+    pub plan: Plan,
+    /// The simulation that checked it.
+    pub report: SimReport,
+}
+
+/// Plan one iteration of `trace` on `hw` with `policy` (default options). The plan may still
+/// run out of memory or need more tier space than there is (the simulator reports where);
+/// [`plan_checked`] refuses such plans.
 pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
+    plan_with(trace, hw, policy, &PlanOptions::default())
+}
+
+/// [`plan`] with options.
+pub fn plan_with(trace: &Trace, hw: &Hardware, policy: Policy, opts: &PlanOptions) -> Result<Plan> {
     trace.validate()?;
     hw.validate()?;
+    if !(opts.wear_tolerance.is_finite() && opts.wear_tolerance >= 0.0) {
+        return Err(Error::InvalidArgument(format!(
+            "wear tolerance must be a fraction >= 0, got {}",
+            opts.wear_tolerance
+        )));
+    }
     let mut plan = match policy {
+        Policy::Auto => return Ok(plan_auto(trace, hw, opts)?.0),
         // The teraio policies are complete here: feasibility pass, forced phase, fallback.
-        Policy::Teraio => return Ok(plan_teraio(trace, hw, false)?.0),
+        Policy::Teraio => return Ok(first(plan_teraio(trace, hw, Mode::PAPER)?).0),
         Policy::TeraioHybrid => {
             // Keep whichever of its own plan and `teraio`'s simulates faster, so the
             // improvement policy is never worse than the one it improves.
-            let (hybrid, hybrid_us) = plan_teraio(trace, hw, true)?;
-            let (mut plain, plain_us) = plan_teraio(trace, hw, false)?;
-            if plain_us < hybrid_us {
+            let (hybrid, hybrid_r) = first(plan_teraio(trace, hw, Mode::HYBRID)?);
+            let (mut plain, plain_r) = first(plan_teraio(trace, hw, Mode::PAPER)?);
+            if time_of(&plain_r) < time_of(&hybrid_r) {
                 plain.policy = plain.policy.replacen("teraio", "teraio-hybrid", 1);
                 return Ok(plain);
             }
@@ -155,22 +207,274 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
     Ok(plan)
 }
 
-/// `teraio` (Algorithm 1) or its hybrid variant, with the feasibility pass, the forced phase
-/// and the `lru` fallback (see the module documentation of `teraio`); and the plan's
-/// simulated iteration time (infinite where it does not complete).
-fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<(Plan, f64)> {
-    let name = if hybrid { "teraio-hybrid" } else { "teraio" };
-    let mut plan = teraio::plan(trace, hw, hybrid, false);
+/// Plan, then check the plan in the simulator and refuse it with a clear error where it
+/// cannot run: GPU memory below the trace's largest working set (before planning,
+/// [`Error::GpuMemoryTooSmall`]), a plan that runs out of GPU memory
+/// ([`Error::PlanOutOfMemory`]), or one that needs more SSD or host-tier space than there is
+/// ([`Error::TierTooSmall`]). A plan this returns runs in the simulator. `ideal` is checked
+/// against nothing (it has unlimited memory).
+pub fn plan_checked(
+    trace: &Trace,
+    hw: &Hardware,
+    policy: Policy,
+    opts: &PlanOptions,
+) -> Result<Checked> {
+    trace.validate()?;
+    hw.validate()?;
+    let (kernel, needed) = crate::analysis::largest_working_set(trace);
+    if policy != Policy::Ideal && needed > hw.gpu_memory_bytes {
+        return Err(Error::GpuMemoryTooSmall {
+            kernel,
+            name: trace.kernels[kernel].name.clone(),
+            needed_bytes: needed,
+            capacity_bytes: hw.gpu_memory_bytes,
+        });
+    }
+    let (mut plan, report) = match policy {
+        Policy::Auto => plan_auto(trace, hw, opts)?,
+        _ => {
+            let p = plan_with(trace, hw, policy, opts)?;
+            let r = crate::sim::simulate(trace, &p, hw, &crate::sim::SimOptions::default())?;
+            (p, Some(r))
+        }
+    };
+    let report = match report {
+        Some(r) => r,
+        None => crate::sim::simulate(trace, &plan, hw, &crate::sim::SimOptions::default())?,
+    };
+    if let crate::sim::Outcome::OutOfMemory { kernel, needed_bytes, used_bytes, .. } =
+        report.outcome
+    {
+        return Err(Error::PlanOutOfMemory {
+            policy: plan.policy,
+            kernel,
+            name: trace.kernels[kernel].name.clone(),
+            needed_bytes,
+            used_bytes,
+            capacity_bytes: hw.gpu_memory_bytes,
+        });
+    }
+    if report.ssd_cap_exceeded {
+        return Err(Error::TierTooSmall {
+            policy: plan.policy,
+            tier: "SSD array".into(),
+            needed_bytes: report.peak_ssd_bytes,
+            capacity_bytes: hw.ssd_array_capacity_bytes().unwrap_or(u64::MAX),
+        });
+    }
+    if report.host_cap_exceeded {
+        return Err(Error::TierTooSmall {
+            policy: plan.policy,
+            tier: "host tier".into(),
+            needed_bytes: report.peak_host_bytes,
+            capacity_bytes: hw.host_memory_cap_bytes,
+        });
+    }
+    plan.stats.peak_ssd_bytes = report.peak_ssd_bytes;
+    plan.stats.peak_host_bytes = report.peak_host_bytes;
+    Ok(Checked { plan, report })
+}
+
+/// Simulated iteration time of a plan's check, infinite where it did not run or complete.
+fn time_of(r: &Option<SimReport>) -> f64 {
+    match r {
+        Some(r) if r.outcome == crate::sim::Outcome::Completed => r.iteration_time_us,
+        _ => f64::INFINITY,
+    }
+}
+
+/// Whether a checked plan runs within every capacity.
+fn fits(r: &Option<SimReport>) -> bool {
+    r.as_ref().is_some_and(|r| {
+        r.outcome == crate::sim::Outcome::Completed && !r.ssd_cap_exceeded && !r.host_cap_exceeded
+    })
+}
+
+/// SSD bytes written per iteration in a simulation.
+fn ssd_written(r: &SimReport) -> u64 {
+    r.bytes_moved.iter().find(|b| b.resource == Resource::SsdWrite).map_or(0, |b| b.bytes)
+}
+
+/// The `auto` policy (see [`Policy::Auto`]): its plan and that plan's simulation.
+fn plan_auto(
+    trace: &Trace,
+    hw: &Hardware,
+    opts: &PlanOptions,
+) -> Result<(Plan, Option<SimReport>)> {
+    let recompute = opts.recompute && trace.tensors.iter().any(|t| t.recomputable().is_some());
+    // Each mode gives two candidates: its plan and the plan after the wear pass.
+    let wear = true;
+    let mut modes = vec![Mode { wear, ..Mode::PAPER }, Mode { wear, ..Mode::HYBRID }];
+    if recompute {
+        modes.push(Mode { wear, recompute: RecomputeIn::Every, ..Mode::HYBRID });
+    }
+    let mut results: Vec<Result<Vec<(Plan, Option<SimReport>)>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> =
+            modes.iter().map(|&m| scope.spawn(move || plan_teraio(trace, hw, m))).collect();
+        let lru = (|| -> Result<Vec<(Plan, Option<SimReport>)>> {
+            let mut p = lru::plan(trace, hw);
+            p.mark_clean_drops(trace)?;
+            let r = crate::sim::simulate(trace, &p, hw, &crate::sim::SimOptions::default())?;
+            Ok(vec![(p, Some(r))])
+        })();
+        let mut out: Vec<_> = handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::InvalidArgument("a planning thread panicked".into()))
+                })
+            })
+            .collect();
+        out.push(lru);
+        out
+    });
+    let mut candidates = Vec::new();
+    for r in results.drain(..) {
+        candidates.extend(r?);
+    }
+    let fastest = candidates
+        .iter()
+        .filter(|c| fits(&c.1))
+        .map(|c| time_of(&c.1))
+        .fold(f64::INFINITY, f64::min);
+    let pick = if fastest.is_finite() {
+        let limit = fastest * (1.0 + opts.wear_tolerance);
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| fits(&c.1) && time_of(&c.1) <= limit)
+            .min_by(|(_, a), (_, b)| {
+                let (ra, rb) = (a.1.as_ref(), b.1.as_ref());
+                let wa = ra.map_or(u64::MAX, ssd_written);
+                let wb = rb.map_or(u64::MAX, ssd_written);
+                wa.cmp(&wb).then(time_of(&a.1).total_cmp(&time_of(&b.1)))
+            })
+            .map_or(0, |(i, _)| i)
+    } else {
+        // Nothing fits: the candidate that completes if any (it needs more tier space than
+        // there is), else the paper's plan; the caller reports why.
+        candidates.iter().position(|c| time_of(&c.1).is_finite()).unwrap_or(0)
+    };
+    let (mut plan, report) = candidates.swap_remove(pick);
+    plan.policy = format!("auto[{}]", plan.policy);
+    Ok((plan, report))
+}
+
+/// Which `teraio` variant [`plan_teraio`] makes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Mode {
+    /// Tiers chosen by bandwidth (`teraio-hybrid`), not SSD first.
+    pub hybrid: bool,
+    /// Where recomputation competes with moving.
+    pub recompute: RecomputeIn,
+    /// After planning, keep resident what memory allows and move SSD copies to free host
+    /// room (fewer SSD writes).
+    pub wear: bool,
+}
+
+/// In which phases of the greedy recomputation is a candidate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum RecomputeIn {
+    /// Never.
+    Never,
+    /// In every phase.
+    Every,
+}
+
+impl Mode {
+    pub const PAPER: Mode = Mode { hybrid: false, recompute: RecomputeIn::Never, wear: false };
+    pub const HYBRID: Mode = Mode { hybrid: true, ..Mode::PAPER };
+
+    /// Policy name of the plan: `teraio` or `teraio-hybrid`, `+recompute`, `+wear`.
+    fn name(self) -> String {
+        let mut s = String::from(if self.hybrid { "teraio-hybrid" } else { "teraio" });
+        match self.recompute {
+            RecomputeIn::Never => {}
+            RecomputeIn::Every => s.push_str("+recompute"),
+        }
+        if self.wear {
+            s.push_str("+wear");
+        }
+        s
+    }
+}
+
+/// The first of [`plan_teraio`]'s plans (the one without the wear pass).
+fn first(mut v: Vec<(Plan, Option<SimReport>)>) -> (Plan, Option<SimReport>) {
+    v.swap_remove(0)
+}
+
+/// `teraio` (Algorithm 1) or one of its variants, with the feasibility pass, the forced phase
+/// and the `lru` fallback (see the module documentation of `teraio`); re-planned with less
+/// SSD room while its copies need more than the array holds. Returns the plan, and with
+/// [`Mode::wear`] the plan after the wear pass too, each with its simulation (`None` for an
+/// error of the simulator itself, reported where the plan is simulated).
+fn plan_teraio(trace: &Trace, hw: &Hardware, mode: Mode) -> Result<Vec<(Plan, Option<SimReport>)>> {
+    let mut planning = hw.clone();
+    let mut result = plan_teraio_once(trace, hw, &planning, mode)?;
+    let (Some(cap), true) = (hw.ssd_array_capacity_bytes(), hw.has_ssd()) else {
+        return Ok(result);
+    };
+    let mut limit = cap;
+    for _ in 0..4 {
+        let over = result
+            .iter()
+            .filter_map(|(_, r)| r.as_ref())
+            .filter(|r| r.outcome == crate::sim::Outcome::Completed)
+            .map(|r| r.peak_ssd_bytes.saturating_sub(cap))
+            .max()
+            .unwrap_or(0);
+        if over == 0 {
+            break;
+        }
+        // The planner's model of the copies' space is approximate: plan again with the
+        // overshoot (and a quarter more) taken off.
+        limit = limit.saturating_sub(over + over / 4).max(1);
+        planning.ssd_capacity_bytes = Some(limit.div_ceil(u64::from(hw.ssd_count)).max(1));
+        result = plan_teraio_once(trace, hw, &planning, mode)?;
+    }
+    Ok(result)
+}
+
+/// One planning of [`plan_teraio`]: planned on `planning` (the hardware, perhaps with less
+/// SSD room), simulated on `hw`.
+fn plan_teraio_once(
+    trace: &Trace,
+    hw: &Hardware,
+    planning: &Hardware,
+    mode: Mode,
+) -> Result<Vec<(Plan, Option<SimReport>)>> {
+    let (plain, worn) = teraio::plan(trace, planning, mode, false);
+    let mut out = Vec::new();
+    for (i, plan) in std::iter::once(plain).chain(worn).enumerate() {
+        out.push(make_feasible(trace, hw, planning, mode, plan, i == 1)?);
+    }
+    Ok(out)
+}
+
+/// The feasibility pass on one plan of [`plan_teraio_once`] (`worn`: the one after the wear
+/// pass), then, while it runs out of memory, the forced phase and the `lru` fallback.
+fn make_feasible(
+    trace: &Trace,
+    hw: &Hardware,
+    planning: &Hardware,
+    mode: Mode,
+    mut plan: Plan,
+    worn: bool,
+) -> Result<(Plan, Option<SimReport>)> {
+    let name = Mode { wear: worn, ..mode }.name();
     plan.mark_clean_drops(trace)?;
-    let mut time = delay_prefetches_until_feasible(trace, hw, &mut plan);
-    if time.is_none() {
+    let mut report = delay_prefetches_until_feasible(trace, hw, &mut plan);
+    if report.as_ref().is_some_and(|r| r.outcome != crate::sim::Outcome::Completed) {
         // Still out of memory: plan again, taking intervals too short for their transfers as
         // on-demand fetches (`State::forced`).
-        let mut forced = teraio::plan(trace, hw, hybrid, true);
+        let (plain, w) = teraio::plan(trace, planning, Mode { wear: worn, ..mode }, true);
+        let mut forced = if worn { w.unwrap_or(plain) } else { plain };
         forced.mark_clean_drops(trace)?;
-        time = delay_prefetches_until_feasible(trace, hw, &mut forced);
-        if time.is_some() {
+        let forced_report = delay_prefetches_until_feasible(trace, hw, &mut forced);
+        if forced_report.as_ref().is_none_or(|r| r.outcome == crate::sim::Outcome::Completed) {
             plan = forced;
+            report = forced_report;
         } else {
             // The greedy still chose badly (e.g. host room taken by an interval that mattered
             // less): fall back to on-demand swapping for the whole iteration when that fits,
@@ -178,19 +482,18 @@ fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<(Plan, f64)
             // its policy name.
             let mut fallback = lru::plan(trace, hw);
             fallback.mark_clean_drops(trace)?;
-            let report =
-                crate::sim::simulate(trace, &fallback, hw, &crate::sim::SimOptions::default());
-            if let Ok(r) = report
+            let r = crate::sim::simulate(trace, &fallback, hw, &crate::sim::SimOptions::default());
+            if let Ok(r) = r
                 && r.outcome == crate::sim::Outcome::Completed
             {
                 fallback.policy = format!("{name}+lru-fallback");
                 plan = fallback;
-                time = Some(r.iteration_time_us);
+                report = Some(r);
             }
         }
     }
     debug_assert!(plan.validate(trace).is_ok(), "{:?}", plan.validate(trace));
-    Ok((plan, time.unwrap_or(f64::INFINITY)))
+    Ok((plan, report))
 }
 
 /// The feasibility pass of `teraio` / `teraio-hybrid`. The planner's memory curve counts a
@@ -204,21 +507,26 @@ fn plan_teraio(trace: &Trace, hw: &Hardware, hybrid: bool) -> Result<(Plan, f64)
 /// kernel `k`, every prefetch issued at or before boundary `k` for a tensor first used after
 /// `k` is issued at boundary `k + 1` instead (after that boundary's own instructions).
 /// Each round moves at least one prefetch later, so the pass ends; the rounds are bounded.
-/// Returns `None` while the plan still runs out of memory in the simulator, else its simulated
-/// iteration time (infinite for an error of the simulator itself, which counts as fitting: it
-/// is reported where the plan is simulated).
-fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) -> Option<f64> {
+/// Returns the last simulation of the plan (out of memory where no prefetch could move), or
+/// `None` for an error of the simulator itself, which is reported where the plan is simulated.
+fn delay_prefetches_until_feasible(
+    trace: &Trace,
+    hw: &Hardware,
+    p: &mut Plan,
+) -> Option<SimReport> {
     let n = trace.kernel_count();
     let opts = crate::sim::SimOptions::default();
+    let mut last = None;
     for _ in 0..p.instructions.len() + 1 {
         let Ok(report) = crate::sim::simulate(trace, p, hw, &opts) else {
-            return Some(f64::INFINITY);
+            return None;
         };
         let crate::sim::Outcome::OutOfMemory { kernel: k, .. } = report.outcome else {
-            return Some(report.iteration_time_us);
+            return Some(report);
         };
+        last = Some(report);
         if k + 1 > n {
-            return None;
+            return last;
         }
         let mut moved = Vec::new();
         p.instructions.retain(|ins| {
@@ -236,12 +544,12 @@ fn delay_prefetches_until_feasible(trace: &Trace, hw: &Hardware, p: &mut Plan) -
             !movable
         });
         if moved.is_empty() {
-            return None;
+            return last;
         }
         p.instructions.extend(moved);
         p.instructions.sort_by_key(|ins| ins.issue_before_kernel);
     }
-    None
+    last
 }
 
 /// Where a chosen interval's transfers fall.
@@ -259,9 +567,13 @@ pub(crate) struct Fit {
     /// The offload is a clean drop (an SSD copy of this epoch exists): no write, the memory
     /// is free from slot `last_access + 1` (`offload_end` = `last_access`).
     pub clean: bool,
+    /// Not moved but dropped and recomputed before `next_access` (`tier` is meaningless):
+    /// the memory is free over the whole interval, `cost_us` is the producer's GPU time.
+    pub recompute: bool,
 }
 
 /// Skip list over slots whose budget is exhausted (monotone: budgets only shrink).
+#[derive(Clone)]
 struct Skip {
     next: Vec<u32>,
     prev: Vec<u32>,
@@ -307,6 +619,7 @@ impl Skip {
 }
 
 /// Shared planning state (see the module documentation).
+#[derive(Clone)]
 pub(crate) struct State<'a> {
     pub trace: &'a Trace,
     pub hw: &'a Hardware,
@@ -339,6 +652,23 @@ pub(crate) struct State<'a> {
     /// Per (tensor, epoch = last write): the earliest position (`reads_since_write`) of a
     /// chosen SSD interval; later intervals of the epoch are clean drops.
     ssd_epochs: HashMap<(TensorId, usize), usize>,
+    /// SSD array occupancy by copies (`plan` module, "Tier space") minus its capacity, per
+    /// kernel; planners keep it <= 0. `None`: unlimited.
+    ssd: Option<ExcessTree>,
+    /// Per non-global tensor with a chosen SSD write: the boundary its copy is held from (to
+    /// its death). A global tensor with one holds it all the time (value 0).
+    ssd_hold: HashMap<TensorId, usize>,
+    /// Whether recomputation is a candidate in the current phase.
+    pub recompute: bool,
+    /// Kernels at which a tensor must be resident: an input of a chosen recomputation.
+    pins: HashMap<TensorId, Vec<usize>>,
+    /// Chosen moves per tensor: (last access, next access unrolled).
+    moved: HashMap<TensorId, Vec<(usize, usize)>>,
+    /// Chosen recomputations per tensor: (last access, next access).
+    dropped: HashMap<TensorId, Vec<(usize, usize)>>,
+    /// Bytes each kernel needs resident while it runs: what it accesses, and the inputs of
+    /// the recomputations before it.
+    working: Vec<u64>,
 }
 
 const EXHAUSTED_BYTES: f64 = 1.0;
@@ -383,6 +713,24 @@ impl<'a> State<'a> {
             retiming: false,
             peak_resident: resident.iter().copied().max().unwrap_or(0),
             ssd_epochs: HashMap::new(),
+            ssd: hw.ssd_array_capacity_bytes().filter(|_| hw.has_ssd()).map(|c| {
+                let c = c.min(i64::MAX as u64 / 2) as i64;
+                ExcessTree::new(&vec![-c; n], &vec![1.0; n])
+            }),
+            ssd_hold: HashMap::new(),
+            recompute: false,
+            pins: HashMap::new(),
+            moved: HashMap::new(),
+            dropped: HashMap::new(),
+            working: {
+                let mut w = vec![0u64; n];
+                for t in &trace.tensors {
+                    for &k in &t.accesses {
+                        w[k] = w[k].saturating_add(t.bytes);
+                    }
+                }
+                w
+            },
         }
     }
 
@@ -449,6 +797,9 @@ impl<'a> State<'a> {
         if tier == Tier::Ssd && !self.hw.has_ssd() {
             return None;
         }
+        if self.pinned_inside(iv) {
+            return None;
+        }
         let timed = self.fit_timed(iv, tier);
         if timed.is_none() && self.forced { self.fit_forced(iv, tier) } else { timed }
     }
@@ -470,6 +821,9 @@ impl<'a> State<'a> {
         let size = iv.bytes as f64;
         let off_us = if clean { 0.0 } else { size / rate(&self.hw.offload_path(tier)) * 1e6 };
         let pre_us = size / rate(&self.hw.prefetch_path(tier)) * 1e6;
+        if tier == Tier::Ssd && !clean && !self.ssd_room(iv, a) {
+            return None;
+        }
         Some(Fit {
             tier,
             offload_end: a,
@@ -477,6 +831,7 @@ impl<'a> State<'a> {
             cost_us: (off_us + pre_us).max(1e-3),
             benefit,
             clean,
+            recompute: false,
         })
     }
 
@@ -529,6 +884,9 @@ impl<'a> State<'a> {
         if !self.host_room(iv, tier) {
             return None;
         }
+        if tier == Tier::Ssd && !clean && !self.ssd_room(iv, e) {
+            return None;
+        }
         let benefit = self.benefit(iv, e + 1, p)?;
         let cost_us =
             (off_end_us - time_at(&self.starts, a + 1)) + (time_at(&self.starts, b) - pre_start_us);
@@ -539,6 +897,114 @@ impl<'a> State<'a> {
             cost_us: cost_us.max(1e-3),
             benefit,
             clean,
+            recompute: false,
+        })
+    }
+
+    /// Whether `iv`'s tensor must be resident at a kernel strictly inside the interval (an
+    /// input of a chosen recomputation there): then it can be neither moved nor dropped over
+    /// the whole interval.
+    fn pinned_inside(&self, iv: &InactiveInterval) -> bool {
+        let n = self.n;
+        self.pins.get(&iv.tensor).is_some_and(|pins| {
+            pins.iter().any(|&p| {
+                (iv.last_access < p && p < iv.next_access)
+                    || (iv.last_access < p + n && p + n < iv.next_access)
+            })
+        })
+    }
+
+    /// Whether a chosen move or recomputation of `x` keeps it away at kernel `k`.
+    fn away_at(&self, x: TensorId, k: usize) -> bool {
+        let n = self.n;
+        let across = |&(a, b): &(usize, usize)| (a < k && k < b) || (a < k + n && k + n < b);
+        self.moved.get(&x).is_some_and(|v| v.iter().any(across))
+            || self.dropped.get(&x).is_some_and(|v| v.iter().any(across))
+    }
+
+    /// Ranges (within `[0, n)`) over which an SSD write of `iv` ending at slot `e` adds the
+    /// tensor's bytes to the array's occupancy ("Tier space" in the `plan` module): a first
+    /// copy held to the tensor's death (for a global tensor, always), an earlier start of the
+    /// hold, or a second copy while a new one is written over the old.
+    fn ssd_adds(&self, iv: &InactiveInterval, e: usize) -> Vec<(usize, usize)> {
+        let n = self.n;
+        let t = self.trace.tensor(iv.tensor);
+        let start = iv.last_access + 1;
+        let hold = self.ssd_hold.get(&iv.tensor).copied();
+        let mut out = Vec::new();
+        if t.global {
+            match hold {
+                None => out.push((0, n)),
+                Some(_) => out.extend(self.ranges(start, e + 1)),
+            }
+        } else {
+            let death = t.free_kernel(n) + 1;
+            match hold {
+                None => out.push((start.min(death), death)),
+                Some(h) if h > start => out.push((start, h)),
+                Some(_) => out.push((start.min(death), (e + 1).min(death))),
+            }
+        }
+        out.retain(|&(l, r)| l < r);
+        out
+    }
+
+    /// Whether the SSD array has room for an SSD write of `iv` ending at slot `e`.
+    fn ssd_room(&mut self, iv: &InactiveInterval, e: usize) -> bool {
+        if self.retiming || self.ssd.is_none() {
+            return true;
+        }
+        let adds = self.ssd_adds(iv, e);
+        let Some(tree) = self.ssd.as_mut() else { return true };
+        adds.iter().all(|&(l, r)| tree.range_max(l, r).saturating_add(iv.bytes as i64) <= 0)
+    }
+
+    /// Recomputing `iv`'s tensor instead of keeping it over the interval: `None` unless it is
+    /// recomputable and allowed now, its next access is a kernel of its own, the producer's
+    /// inputs are alive, unchanged since the creation and in GPU memory at that kernel (no
+    /// chosen move or recomputation keeps them away), and the kernel's working set with the
+    /// inputs still fits.
+    pub fn fit_recompute(&mut self, iv: &InactiveInterval) -> Option<Fit> {
+        if !self.recompute || iv.wraps || self.pinned_inside(iv) {
+            return None;
+        }
+        self.evaluations += 1;
+        let n = self.n;
+        let t = self.trace.tensor(iv.tensor);
+        let (p, c) = (t.recomputable()?, t.created_by?);
+        let (a, b) = (iv.last_access, iv.next_access);
+        if b >= n || t.accesses.binary_search(&b).is_err() {
+            return None;
+        }
+        let mut extra = 0u64;
+        for &x in &p.inputs {
+            let xt = self.trace.tensor(x);
+            if !xt.global && !(xt.alloc_kernel() <= b && b <= xt.free_kernel(n)) {
+                return None;
+            }
+            if xt.accesses.iter().any(|&k| c < k && k < b && xt.writes_at(k)) {
+                return None;
+            }
+            if self.away_at(x, b) {
+                return None;
+            }
+            let pinned = self.pins.get(&x).is_some_and(|v| v.contains(&b));
+            if xt.accesses.binary_search(&b).is_err() && !pinned {
+                extra += xt.bytes;
+            }
+        }
+        if self.working[b].saturating_add(extra) > self.hw.gpu_memory_bytes {
+            return None;
+        }
+        let benefit = self.benefit(iv, a + 1, b)?;
+        Some(Fit {
+            tier: Tier::Ssd,
+            offload_end: a,
+            prefetch_start: b,
+            cost_us: p.duration_us.max(1e-3),
+            benefit,
+            clean: false,
+            recompute: true,
         })
     }
 
@@ -572,10 +1038,62 @@ impl<'a> State<'a> {
 
     /// Lower the memory curve by `bytes` over unrolled kernels `[l, r)`.
     fn free_memory(&mut self, bytes: u64, l: usize, r: usize) {
+        self.shift_memory(-(bytes as i64), l, r);
+    }
+
+    /// Add `delta` bytes to the memory curve over unrolled kernels `[l, r)`.
+    fn shift_memory(&mut self, delta: i64, l: usize, r: usize) {
         for (a, b) in self.ranges(l, r) {
-            self.mem.add(a, b, -(bytes as i64));
-            self.mem_kernels.add(a, b, -(bytes as i64));
+            self.mem.add(a, b, delta);
+            self.mem_kernels.add(a, b, delta);
         }
+    }
+
+    /// The wear pass ([`Mode::wear`]), after planning: every chosen SSD write, largest
+    /// first, is undone where the memory curve stays within capacity without it (the tensor
+    /// stays resident), else moved to the host tier where that has room over the interval.
+    /// A write whose copy later clean drops of its epoch rely on is kept.
+    pub fn reduce_writes(&mut self) {
+        let is_write = |f: &Fit| !f.recompute && f.tier == Tier::Ssd && !f.clean;
+        let mut epochs: HashMap<(TensorId, usize), Vec<(usize, usize)>> = HashMap::new();
+        for (ci, (iv, f)) in self.chosen.iter().enumerate() {
+            if let (Some(w), false, Tier::Ssd) = (iv.last_write, f.recompute, f.tier) {
+                epochs.entry((iv.tensor, w)).or_default().push((iv.reads_since_write, ci));
+            }
+        }
+        let mut order: Vec<usize> =
+            (0..self.chosen.len()).filter(|&i| is_write(&self.chosen[i].1)).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(self.chosen[i].0.bytes), i));
+        let mut removed = vec![false; self.chosen.len()];
+        for ci in order {
+            let (iv, fit) = self.chosen[ci];
+            let relied_on = iv.last_write.is_some_and(|w| {
+                epochs[&(iv.tensor, w)]
+                    .iter()
+                    .any(|&(r, j)| j != ci && !removed[j] && r > iv.reads_since_write)
+            });
+            if relied_on {
+                continue;
+            }
+            let before = self.mem.max().max(0);
+            self.shift_memory(iv.bytes as i64, fit.offload_end + 1, fit.prefetch_start);
+            if self.mem.max() <= before {
+                removed[ci] = true;
+                continue;
+            }
+            self.free_memory(iv.bytes, fit.offload_end + 1, fit.prefetch_start);
+            if self.hw.host_memory_cap_bytes >= iv.bytes && self.host_room(&iv, Tier::Host) {
+                for (l, r) in self.ranges(iv.last_access + 1, iv.next_access + 1) {
+                    self.host.add(l, r, iv.bytes as i64);
+                }
+                self.chosen[ci].1.tier = Tier::Host;
+            }
+        }
+        let mut i = 0;
+        self.chosen.retain(|_| {
+            i += 1;
+            !removed[i - 1]
+        });
     }
 
     /// Whether an SSD offload of `iv` would be a clean drop: an earlier interval of its epoch
@@ -651,6 +1169,35 @@ impl<'a> State<'a> {
     /// Returns whether the choice made later intervals of the same epoch clean drops (their
     /// scores went up).
     pub fn accept(&mut self, iv: InactiveInterval, fit: Fit) -> bool {
+        if fit.recompute {
+            let (a, b) = (iv.last_access, iv.next_access);
+            self.free_memory(iv.bytes, a + 1, b);
+            self.dropped.entry(iv.tensor).or_default().push((a, b));
+            let inputs = self.trace.tensor(iv.tensor).producer.iter().flat_map(|p| &p.inputs);
+            for &x in inputs {
+                let pins = self.pins.entry(x).or_default();
+                let accessed = self.trace.tensor(x).accesses.binary_search(&b).is_ok();
+                if !accessed && !pins.contains(&b) {
+                    self.working[b] = self.working[b].saturating_add(self.trace.tensor(x).bytes);
+                }
+                pins.push(b);
+            }
+            self.chosen.push((iv, fit));
+            return false;
+        }
+        self.moved.entry(iv.tensor).or_default().push((iv.last_access, iv.next_access));
+        if fit.tier == Tier::Ssd && !fit.clean && self.ssd.is_some() {
+            let adds = self.ssd_adds(&iv, fit.offload_end);
+            if let Some(tree) = self.ssd.as_mut() {
+                for (l, r) in adds {
+                    tree.add(l, r, iv.bytes as i64);
+                }
+            }
+            let t = self.trace.tensor(iv.tensor);
+            let start = if t.global { 0 } else { iv.last_access + 1 };
+            let h = self.ssd_hold.entry(iv.tensor).or_insert(start);
+            *h = (*h).min(start);
+        }
         let off_path = self.hw.offload_path(fit.tier);
         let pre_path = self.hw.prefetch_path(fit.tier);
         let size = iv.bytes as f64;
@@ -678,6 +1225,9 @@ impl<'a> State<'a> {
     pub fn retime(&mut self, ci: usize) -> Option<(Fit, f64)> {
         debug_assert!(self.relaxed);
         let (iv, old) = self.chosen[ci];
+        if old.recompute {
+            return None;
+        }
         // The interval already holds its host room: do not count it against itself. In the
         // forced phase the choice may stretch to its whole interval (stalling).
         self.retiming = true;
@@ -711,7 +1261,19 @@ impl<'a> State<'a> {
         let mut keyed: Vec<((usize, u8, usize), Instruction)> = Vec::new();
         let mut initial = Vec::new();
         let (mut ssd, mut host) = (0u64, 0u64);
+        let mut recomputations = Vec::new();
+        let (mut rc_bytes, mut rc_us) = (0u64, 0.0);
         for (iv, fit) in &self.chosen {
+            if fit.recompute {
+                recomputations.push(Recompute {
+                    tensor: iv.tensor,
+                    drop_at: iv.last_access + 1,
+                    before_kernel: iv.next_access,
+                });
+                rc_bytes += iv.bytes;
+                rc_us += fit.cost_us;
+                continue;
+            }
             match fit.tier {
                 Tier::Ssd => ssd += iv.bytes,
                 Tier::Host => host += iv.bytes,
@@ -735,6 +1297,7 @@ impl<'a> State<'a> {
         }
         keyed.sort_by_key(|(k, _)| *k);
         initial.sort_by_key(|p| p.tensor);
+        recomputations.sort_by_key(|r| (r.before_kernel, r.drop_at, r.tensor));
         let evaluations = std::mem::take(&mut self.evaluations);
         Plan {
             policy: policy.into(),
@@ -744,14 +1307,18 @@ impl<'a> State<'a> {
             initially_offloaded: initial,
             instructions: keyed.into_iter().map(|(_, i)| i).collect(),
             host_kernels: Vec::new(),
+            recomputations,
             stats: PlanStats {
                 peak_resident_bytes: self.peak_resident,
                 planned_peak_bytes: planned_peak,
                 ssd_offload_bytes: ssd,
                 host_offload_bytes: host,
                 clean_drop_bytes: 0,
+                recompute_bytes: rc_bytes,
+                recompute_us: rc_us,
                 candidates,
                 evaluations,
+                ..PlanStats::default()
             },
         }
     }
@@ -803,6 +1370,7 @@ pub(crate) fn plan_from_moves(
         initially_offloaded: initial,
         instructions: keyed.into_iter().map(|(_, i)| i).collect(),
         host_kernels,
+        recomputations: Vec::new(),
         stats,
     }
 }
@@ -833,6 +1401,7 @@ mod tests {
                 accesses: acc,
                 dies_after: None,
                 writes: None,
+                producer: None,
             });
         }
         let mut hw = Hardware::paper();

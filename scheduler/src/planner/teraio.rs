@@ -28,12 +28,20 @@
 //! still runs out of memory in the simulator, a second planning with a `forced` phase that
 //! takes intervals too short for their transfers as on-demand fetches, ranked by bytes above
 //! capacity per kernel. If that fails too, [`super::plan`] falls back to `lru`'s plan.
+//!
+//! Recomputation (`Mode::recompute`): an interval of a recomputable tensor may instead be
+//! dropped and remade before its next access ([`crate::plan::Recompute`]); its benefit is the
+//! area of the whole interval, its cost the producer's GPU time, and it competes with the
+//! moves by the same score in every phase (a transfer's cost is its time on its path; `auto`
+//! compares the plan with the one that does not recompute, by simulation). A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
+//! runs before: their intervals across that kernel are split there (both halves stay
+//! candidates). The wear pass (`Mode::wear`, [`State::reduce_writes`]) runs last.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
-use super::{Fit, State};
-use crate::analysis::{InactiveInterval, inactive_intervals};
+use super::{Fit, Mode, RecomputeIn, State};
+use crate::analysis::{InactiveInterval, Span, inactive_intervals, time_at};
 use crate::hardware::{Hardware, Tier};
 use crate::plan::Plan;
 use crate::trace::{TensorId, Trace};
@@ -65,6 +73,17 @@ impl Ord for Entry {
 }
 
 fn evaluate(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Option<Fit> {
+    let moved = evaluate_move(st, iv, hybrid);
+    let rc = st.fit_recompute(iv);
+    match (moved, rc) {
+        (Some(m), Some(r)) => {
+            Some(if r.benefit / r.cost_us > m.benefit / m.cost_us { r } else { m })
+        }
+        (m, r) => m.or(r),
+    }
+}
+
+fn evaluate_move(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Option<Fit> {
     let ssd = st.fit(iv, Tier::Ssd);
     if !hybrid {
         // SSD first; host tier only when the SSD placement does not fit.
@@ -85,53 +104,120 @@ fn evaluate(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Option<F
     }
 }
 
+/// The candidates of one planning: every inactive interval, and the halves of those split
+/// where a recomputation pins their tensor.
+struct Candidates {
+    ivs: Vec<InactiveInterval>,
+    taken: Vec<bool>,
+    epochs: Epochs,
+    by_tensor: HashMap<TensorId, Vec<usize>>,
+}
+
+impl Candidates {
+    fn push(&mut self, iv: InactiveInterval) -> usize {
+        let i = self.ivs.len();
+        self.ivs.push(iv);
+        self.taken.push(false);
+        if let Some(w) = iv.last_write {
+            let list = self.epochs.entry((iv.tensor, w)).or_default();
+            list.push(i);
+            list.sort_by_key(|&j| self.ivs[j].reads_since_write);
+        }
+        self.by_tensor.entry(iv.tensor).or_default().push(i);
+        i
+    }
+
+    /// Split every untaken interval of `x` that spans kernel `k` (an input pinned there by a
+    /// recomputation) into the halves before and after `k`; returns the new candidates.
+    fn split(&mut self, x: TensorId, k: usize, n: usize, starts: &[f64]) -> Vec<usize> {
+        let list = self.by_tensor.get(&x).cloned().unwrap_or_default();
+        let mut out = Vec::new();
+        for i in list {
+            let iv = self.ivs[i];
+            let p = if iv.last_access < k && k < iv.next_access {
+                k
+            } else if iv.last_access < k + n && k + n < iv.next_access {
+                k + n
+            } else {
+                continue;
+            };
+            if self.taken[i] {
+                continue;
+            }
+            self.taken[i] = true;
+            let half = |a: usize, b: usize| {
+                // Normalise an interval that starts in the next iteration.
+                let (a, b) = if a >= n { (a - n, b - n) } else { (a, b) };
+                InactiveInterval {
+                    last_access: a,
+                    next_access: b,
+                    span: Span {
+                        start_kernel: a + 1,
+                        end_kernel: b,
+                        start_us: time_at(starts, a + 1),
+                        end_us: time_at(starts, b),
+                    },
+                    wraps: b >= n,
+                    ..iv
+                }
+            };
+            for (a, b) in [(iv.last_access, p), (p, iv.next_access)] {
+                if b > a + 1 {
+                    out.push(self.push(half(a, b)));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Plan with `mode`; with [`Mode::wear`], also the same plan after the wear pass (second).
 /// With `forced`, a third phase takes intervals too short for their transfers as on-demand
 /// fetches when nominal bandwidth still leaves memory above capacity (`State::forced`).
-pub(super) fn plan(trace: &Trace, hw: &Hardware, hybrid: bool, forced: bool) -> Plan {
-    let name = if hybrid { "teraio-hybrid" } else { "teraio" };
+pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (Plan, Option<Plan>) {
     let mut st = State::new(trace, hw);
     let ivs = inactive_intervals(trace);
-    let mut taken = vec![false; ivs.len()];
-    let mut epochs: Epochs = HashMap::new();
-    for (i, iv) in ivs.iter().enumerate() {
-        if let Some(w) = iv.last_write {
-            epochs.entry((iv.tensor, w)).or_default().push(i);
-        }
+    let count = ivs.len();
+    let mut c = Candidates {
+        ivs: Vec::with_capacity(count),
+        taken: Vec::with_capacity(count),
+        epochs: HashMap::new(),
+        by_tensor: HashMap::new(),
+    };
+    for iv in ivs {
+        c.push(iv);
     }
-    for list in epochs.values_mut() {
-        list.sort_by_key(|&i| ivs[i].reads_since_write);
-    }
-    greedy(&mut st, &ivs, &epochs, &mut taken, hybrid);
+    st.recompute = mode.recompute == RecomputeIn::Every;
+    greedy(&mut st, &mut c, mode.hybrid);
     if st.mem.max() > 0 {
         // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
         // (they will stall, but the iteration fits in memory where that is possible at all).
         st.relaxed = true;
-        greedy(&mut st, &ivs, &epochs, &mut taken, hybrid);
+        greedy(&mut st, &mut c, mode.hybrid);
     }
     if forced && st.mem.max() > 0 {
         // Still above capacity: intervals too short for their transfers at any bandwidth,
         // fetched on demand (stalls rather than running out of memory).
         st.forced = true;
-        greedy(&mut st, &ivs, &epochs, &mut taken, hybrid);
+        greedy(&mut st, &mut c, mode.hybrid);
     }
-    st.into_plan(name, ivs.len())
+    let worn = mode.wear.then(|| {
+        let mut w = st.clone();
+        w.reduce_writes();
+        w.into_plan(&mode.name(), count)
+    });
+    (st.into_plan(&Mode { wear: false, ..mode }.name(), count), worn)
 }
 
 /// Lazy greedy by benefit/cost over the intervals not yet taken.
-fn greedy(
-    st: &mut State<'_>,
-    ivs: &[InactiveInterval],
-    epochs: &Epochs,
-    taken: &mut [bool],
-    hybrid: bool,
-) {
+fn greedy(st: &mut State<'_>, c: &mut Candidates, hybrid: bool) {
     if st.mem.max() <= 0 {
         return;
     }
-    let mut heap = BinaryHeap::with_capacity(ivs.len());
-    for (idx, iv) in ivs.iter().enumerate() {
-        if !taken[idx]
-            && let Some(f) = evaluate(st, iv, hybrid)
+    let mut heap = BinaryHeap::with_capacity(c.ivs.len());
+    for idx in 0..c.ivs.len() {
+        if !c.taken[idx]
+            && let Some(f) = evaluate(st, &c.ivs[idx], hybrid)
         {
             heap.push(Entry { score: f.benefit / f.cost_us, idx, version: 0, retime: None });
         }
@@ -150,8 +236,9 @@ fn greedy(
     }
     let mut version = 0u64;
     // Each pop either accepts (at most once per interval) or re-scores at a newer version;
-    // an epoch opens at most once per interval. Bound the loop anyway.
-    let max_steps = 64 * ivs.len() + 1024;
+    // an epoch opens at most once per interval; a split adds at most two intervals per
+    // accepted recomputation input. Bound the loop anyway.
+    let max_steps = 64 * c.ivs.len() + 1024;
     for _ in 0..max_steps {
         if st.mem.max() <= 0 {
             break;
@@ -169,23 +256,40 @@ fn greedy(
             }
             continue;
         }
-        if taken[top.idx] {
+        if c.taken[top.idx] {
             continue; // pushed again when its epoch opened, and taken since
         }
-        let iv = ivs[top.idx];
+        let iv = c.ivs[top.idx];
         let Some(fit) = evaluate(st, &iv, hybrid) else { continue };
         let score = fit.benefit / fit.cost_us;
         let best_other = heap.peek().map_or(f64::NEG_INFINITY, |e| e.score);
         if top.version == version || score >= best_other {
             let opened = st.accept(iv, fit);
-            taken[top.idx] = true;
+            c.taken[top.idx] = true;
             version += 1;
+            if fit.recompute {
+                // The producer's inputs must be resident before the next access: split
+                // their intervals across it; the halves are candidates.
+                let inputs = st.trace.tensor(iv.tensor).producer.clone().map(|p| p.inputs);
+                for x in inputs.unwrap_or_default() {
+                    for j in c.split(x, iv.next_access, st.n, &st.starts) {
+                        if let Some(f) = evaluate(st, &c.ivs[j], hybrid) {
+                            heap.push(Entry {
+                                score: f.benefit / f.cost_us,
+                                idx: j,
+                                version,
+                                retime: None,
+                            });
+                        }
+                    }
+                }
+            }
             if opened && let Some(w) = iv.last_write {
                 // Later intervals of this epoch are clean drops now: their scores rose.
-                for &j in &epochs[&(iv.tensor, w)] {
-                    if !taken[j]
-                        && ivs[j].reads_since_write > iv.reads_since_write
-                        && let Some(f) = evaluate(st, &ivs[j], hybrid)
+                for &j in &c.epochs[&(iv.tensor, w)] {
+                    if !c.taken[j]
+                        && c.ivs[j].reads_since_write > iv.reads_since_write
+                        && let Some(f) = evaluate(st, &c.ivs[j], hybrid)
                     {
                         heap.push(Entry {
                             score: f.benefit / f.cost_us,

@@ -16,6 +16,7 @@ struct Node {
 }
 
 /// See the module documentation.
+#[derive(Clone)]
 pub(crate) struct ExcessTree {
     n: usize,
     nodes: Vec<Node>,
