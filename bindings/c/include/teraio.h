@@ -108,6 +108,12 @@ typedef int32_t teraio_status;
 // The simulator could not make progress.
 #define TERAIO_ERR_SIMULATION -14
 
+// The caller's iteration left the plan (the executor runs in safe mode until re-planned).
+#define TERAIO_ERR_DIVERGED -15
+
+// A GPU (CUDA driver, NVRTC, cuFile) call failed.
+#define TERAIO_ERR_DEVICE -16
+
 // A bug: a panic was caught at the boundary.
 #define TERAIO_ERR_INTERNAL -99
 

@@ -69,6 +69,10 @@ pub const TERAIO_ERR_TRACE: teraio_status = -12;
 pub const TERAIO_ERR_PLAN: teraio_status = -13;
 /// The simulator could not make progress.
 pub const TERAIO_ERR_SIMULATION: teraio_status = -14;
+/// The caller's iteration left the plan (the executor runs in safe mode until re-planned).
+pub const TERAIO_ERR_DIVERGED: teraio_status = -15;
+/// A GPU (CUDA driver, NVRTC, cuFile) call failed.
+pub const TERAIO_ERR_DEVICE: teraio_status = -16;
 /// A bug: a panic was caught at the boundary.
 pub const TERAIO_ERR_INTERNAL: teraio_status = -99;
 
@@ -210,7 +214,8 @@ pub extern "C" fn teraio_status_name(status: teraio_status) -> *const c_char {
         OverwriteRefused => "ERR_OVERWRITE_REFUSED", UnknownTensor => "ERR_UNKNOWN_TENSOR",
         InvalidState => "ERR_INVALID_STATE", Unsupported => "ERR_UNSUPPORTED",
         Closed => "ERR_CLOSED", Trace => "ERR_TRACE", Plan => "ERR_PLAN",
-        Simulation => "ERR_SIMULATION", Internal => "ERR_INTERNAL",
+        Simulation => "ERR_SIMULATION", Diverged => "ERR_DIVERGED", Device => "ERR_DEVICE",
+        Internal => "ERR_INTERNAL",
     );
     name.as_ptr().cast()
 }
