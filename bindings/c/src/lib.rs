@@ -15,8 +15,11 @@
 //! `teraio_buffer` memory moves without a copy.
 #![allow(non_camel_case_types)]
 
+mod executor;
 mod ffi;
 mod registry;
+
+pub use executor::*;
 
 use std::ffi::{c_char, c_void};
 use std::path::Path;
@@ -136,9 +139,9 @@ struct OpEntry {
 static ENGINES: Registry<EngineEntry> = Registry::new(Kind::Engine);
 static OPS: Registry<OpEntry> = Registry::new(Kind::Op);
 static BUFFERS: Registry<Arc<HostBuffer>> = Registry::new(Kind::Buffer);
-static TRACES: Registry<Trace> = Registry::new(Kind::Trace);
+pub(crate) static TRACES: Registry<Trace> = Registry::new(Kind::Trace);
 
-fn with_engine<R>(
+pub(crate) fn with_engine<R>(
     h: *mut teraio_engine,
     f: impl FnOnce(&Engine) -> core::Result<R>,
 ) -> core::Result<R> {
@@ -148,7 +151,7 @@ fn with_engine<R>(
     f(engine)
 }
 
-fn handle<T>(id: u64) -> *mut T {
+pub(crate) fn handle<T>(id: u64) -> *mut T {
     id as usize as *mut T
 }
 
