@@ -54,9 +54,9 @@ wheels=${TERAIO_WHEEL_DIR:-$work/wheels}
 "$work/venv/bin/maturin" build --locked -m bindings/python/Cargo.toml --profile dev -o "$wheels"
 "$work/venv/bin/pip" install -q --disable-pip-version-check "$wheels"/teraio-*.whl
 
-step "Python: pytest"
+step "Python: pytest (teraio.torch's tests are .ci/torch.sh's: they need PyTorch)"
 # From outside the repository, so `import teraio` is the installed wheel.
-(cd "$work" && "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$repo/bindings/python/tests" --ignore="$repo/bindings/python/tests/torch")
-# (tests/torch need PyTorch: .ci/torch.sh runs them with this wheel, TERAIO_WHEEL_DIR.)
+(cd "$work" && "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
+  --ignore="$repo/bindings/python/tests/torch" "$repo/bindings/python/tests")
 
 step "done"

@@ -22,14 +22,21 @@ M64 = (1 << 64) - 1
 
 
 def tensor_mix(total, seed):
-    """rand 0.8's SmallRng (xoshiro256++ seeded by splitmix64) as the CLI draws its sizes."""
-    s, state = [], seed
+    """rand 0.8's SmallRng (xoshiro256++ whose seed rand_core 0.6's seed_from_u64 fills with
+    PCG32 outputs) as the CLI draws its sizes."""
+    state = seed
+
+    def pcg32():
+        nonlocal state
+        state = (state * 6364136223846793005 + 11634580027462260723) & M64
+        x = ((((state >> 18) ^ state) >> 27)) & 0xFFFFFFFF
+        rot = state >> 59
+        return ((x >> rot) | (x << ((32 - rot) & 31))) & 0xFFFFFFFF
+
+    s = []
     for _ in range(4):
-        state = (state + 0x9E3779B97F4A7C15) & M64
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-        s.append(z ^ (z >> 31))
+        lo = pcg32()
+        s.append(lo | pcg32() << 32)
 
     def rotl(x, k):
         return ((x << k) | (x >> (64 - k))) & M64
@@ -61,7 +68,7 @@ def main():
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     mode = sys.argv[4] if len(sys.argv) > 4 else "buffer"
     sizes = tensor_mix(total, seed)
-    host = total + (len(sizes) + 32) * (2 << 20)
+    host = 2 * total + (len(sizes) + 128) * (2 << 20)
     with teraio.Engine(config, host_buffers=host) as eng:
         # Memory allocated and touched before the clock starts.
         if mode == "buffer":

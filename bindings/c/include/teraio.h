@@ -44,11 +44,20 @@
 // Version of this C ABI: bumped when a function's signature or meaning changes.
 #define TERAIO_ABI_VERSION 1
 
+// The executor asks for memory of a tensor a kernel creates (`allocate_created`).
+#define TERAIO_ALLOC_CREATE 0
+
+// The executor asks for the destination of a prefetch.
+#define TERAIO_ALLOC_PREFETCH 1
+
 // Engine host memory with a stable address, moved without a copy (opaque).
 typedef struct teraio_buffer teraio_buffer;
 
 // An engine: the SSD array, the tensor store, host tier and host buffers (opaque).
 typedef struct teraio_engine teraio_engine;
+
+// A plan executor (opaque).
+typedef struct teraio_executor teraio_executor;
 
 // A pending offload, prefetch or free (opaque).
 typedef struct teraio_op teraio_op;
@@ -59,6 +68,20 @@ typedef struct teraio_trace teraio_trace;
 // A status code: `TERAIO_OK` (0), `TERAIO_PENDING` (1) or a `TERAIO_ERR_*` (< 0). The values
 // are stable.
 typedef int32_t teraio_status;
+
+// Where an executor's memory comes from: `alloc` returns `bytes` bytes for tensor `tensor`
+// (`why`: `TERAIO_ALLOC_*`) or NULL on failure; `release` (may be NULL) gets memory the
+// executor no longer holds (an offload was stored, the tensor died), attached or allocated.
+// Both are called from the thread calling the executor function that needs them, while that
+// call runs; `ctx` is passed through.
+typedef struct {
+  // Passed to the callbacks.
+  void *ctx;
+  // Memory for a tensor.
+  void *(*alloc)(void*, uint32_t, uint64_t, int32_t);
+  // Memory given back (may be NULL).
+  void (*release)(void*, uint32_t, void*, uint64_t);
+} teraio_allocator;
 
 // Success.
 #define TERAIO_OK 0
@@ -107,6 +130,12 @@ typedef int32_t teraio_status;
 
 // The simulator could not make progress.
 #define TERAIO_ERR_SIMULATION -14
+
+// The caller's iteration left the plan (the executor runs in safe mode until re-planned).
+#define TERAIO_ERR_DIVERGED -15
+
+// A GPU (CUDA driver, NVRTC, cuFile) call failed.
+#define TERAIO_ERR_DEVICE -16
 
 // A bug: a panic was caught at the boundary.
 #define TERAIO_ERR_INTERNAL -99
@@ -364,6 +393,99 @@ teraio_status teraio_compare_policies(teraio_trace *trace,
                                       const char *policies,
                                       const char *hardware,
                                       char **out_json);
+
+// A plan executor over `engine`'s store for `trace` and a plan (JSON, as `teraio_plan`
+// returns it) under `gpu_budget_bytes`. `allocate_created`: the executor allocates created
+// tensors' memory (else the caller attaches it after `teraio_executor_before_kernel`).
+// `allocator` (may be NULL: engine host memory) provides prefetch destinations and created
+// tensors; it is copied.
+//
+// # Safety
+// `plan_json` is a NUL-terminated string; `allocator` is NULL or valid for a read; its
+// callbacks may be called from any thread that calls this executor; `out_executor` is valid
+// for a write of a pointer.
+teraio_status teraio_executor_new(teraio_engine *engine,
+                                  teraio_trace *trace,
+                                  const char *plan_json,
+                                  uint64_t gpu_budget_bytes,
+                                  bool allocate_created,
+                                  const teraio_allocator *allocator,
+                                  teraio_executor **out_executor);
+
+// Hand tensor `tensor`'s memory (`len` bytes at `ptr`, exactly the trace's size) to the
+// executor: a global tensor before `teraio_executor_start`, or a created one after
+// `teraio_executor_before_kernel` of its kernel (without `allocate_created`). The memory is
+// read and written by the engine's threads until the executor releases it (the allocator's
+// `release`, or `teraio_executor_finish`/`_free`).
+//
+// # Safety
+// `ptr` is valid for reads and writes of `len` bytes until released.
+teraio_status teraio_executor_attach(teraio_executor *executor,
+                                     uint32_t tensor,
+                                     void *ptr,
+                                     uint64_t len);
+
+// Offload the plan's initially offloaded global tensors; ready for the first iteration.
+teraio_status teraio_executor_start(teraio_executor *executor);
+
+// Issue the plan's instructions up to boundary `k` (kernel `k` about to run). `name` (may be
+// NULL) is checked against the trace's kernel name (`TERAIO_ERR_DIVERGED` when it differs).
+//
+// # Safety
+// `name` is NULL or a NUL-terminated string.
+teraio_status teraio_executor_boundary(teraio_executor *executor, size_t k, const char *name);
+
+// Without blocking: issue boundary `k` if not yet, collect what finished, and say whether
+// kernel `k` can run (`TERAIO_OK` with `*ready` set).
+//
+// # Safety
+// `ready` is valid for a write of a `bool`.
+teraio_status teraio_executor_kernel_ready(teraio_executor *executor, size_t k, bool *ready);
+
+// Issue boundary `k` and wait until kernel `k` can run; the seconds waited in `*stall_s`
+// (may be NULL).
+//
+// # Safety
+// `stall_s` is NULL or valid for a write of a `double`.
+teraio_status teraio_executor_before_kernel(teraio_executor *executor, size_t k, double *stall_s);
+
+// Kernel `k` ran: tensors whose last use it was die (their memory is released).
+teraio_status teraio_executor_after_kernel(teraio_executor *executor, size_t k);
+
+// The caller freed tensor `tensor` before the trace says it dies.
+teraio_status teraio_executor_free_tensor(teraio_executor *executor, uint32_t tensor);
+
+// The memory of a resident tensor: the caller's (attached or from its allocator) or engine
+// host memory. `TERAIO_ERR_INVALID_STATE` when the tensor is not resident with memory.
+//
+// # Safety
+// `out_ptr` and `out_len` are NULL or valid for a write.
+teraio_status teraio_executor_resident(teraio_executor *executor,
+                                       uint32_t tensor,
+                                       void **out_ptr,
+                                       uint64_t *out_len);
+
+// Arrivals and releases since the last call, as JSON: `[{"event": "arrived"|"released",
+// "tensor": N}, ...]`.
+//
+// # Safety
+// `out_json` is valid for a write of a pointer.
+teraio_status teraio_executor_events(teraio_executor *executor, char **out_json);
+
+// End the iteration; its report as JSON (`time_s`, `stall_s`, `peak_bytes`, `offloads`,
+// `prefetches`, `diverged`, `memory_timeline`, `store`, ...).
+//
+// # Safety
+// `out_report_json` is valid for a write of a pointer.
+teraio_status teraio_executor_end_iteration(teraio_executor *executor, char **out_report_json);
+
+// Wait for the migrations in flight, free the store's copies of the trace's tensors, release
+// resident memory, and free the handle (also when it fails).
+teraio_status teraio_executor_finish(teraio_executor *executor);
+
+// Free an executor handle without `finish` (migrations in flight complete; the store keeps
+// its copies until the tensors are freed or the engine closes).
+teraio_status teraio_executor_free(teraio_executor *executor);
 
 #ifdef __cplusplus
 }  // extern "C"

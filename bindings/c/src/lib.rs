@@ -15,8 +15,11 @@
 //! `teraio_buffer` memory moves without a copy.
 #![allow(non_camel_case_types)]
 
+mod executor;
 mod ffi;
 mod registry;
+
+pub use executor::*;
 
 use std::ffi::{c_char, c_void};
 use std::path::Path;
@@ -69,6 +72,10 @@ pub const TERAIO_ERR_TRACE: teraio_status = -12;
 pub const TERAIO_ERR_PLAN: teraio_status = -13;
 /// The simulator could not make progress.
 pub const TERAIO_ERR_SIMULATION: teraio_status = -14;
+/// The caller's iteration left the plan (the executor runs in safe mode until re-planned).
+pub const TERAIO_ERR_DIVERGED: teraio_status = -15;
+/// A GPU (CUDA driver, NVRTC, cuFile) call failed.
+pub const TERAIO_ERR_DEVICE: teraio_status = -16;
 /// A bug: a panic was caught at the boundary.
 pub const TERAIO_ERR_INTERNAL: teraio_status = -99;
 
@@ -132,9 +139,9 @@ struct OpEntry {
 static ENGINES: Registry<EngineEntry> = Registry::new(Kind::Engine);
 static OPS: Registry<OpEntry> = Registry::new(Kind::Op);
 static BUFFERS: Registry<Arc<HostBuffer>> = Registry::new(Kind::Buffer);
-static TRACES: Registry<Trace> = Registry::new(Kind::Trace);
+pub(crate) static TRACES: Registry<Trace> = Registry::new(Kind::Trace);
 
-fn with_engine<R>(
+pub(crate) fn with_engine<R>(
     h: *mut teraio_engine,
     f: impl FnOnce(&Engine) -> core::Result<R>,
 ) -> core::Result<R> {
@@ -144,7 +151,7 @@ fn with_engine<R>(
     f(engine)
 }
 
-fn handle<T>(id: u64) -> *mut T {
+pub(crate) fn handle<T>(id: u64) -> *mut T {
     id as usize as *mut T
 }
 
@@ -210,7 +217,8 @@ pub extern "C" fn teraio_status_name(status: teraio_status) -> *const c_char {
         OverwriteRefused => "ERR_OVERWRITE_REFUSED", UnknownTensor => "ERR_UNKNOWN_TENSOR",
         InvalidState => "ERR_INVALID_STATE", Unsupported => "ERR_UNSUPPORTED",
         Closed => "ERR_CLOSED", Trace => "ERR_TRACE", Plan => "ERR_PLAN",
-        Simulation => "ERR_SIMULATION", Internal => "ERR_INTERNAL",
+        Simulation => "ERR_SIMULATION", Diverged => "ERR_DIVERGED", Device => "ERR_DEVICE",
+        Internal => "ERR_INTERNAL",
     );
     name.as_ptr().cast()
 }

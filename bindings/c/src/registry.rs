@@ -25,6 +25,7 @@ pub(crate) enum Kind {
     Op = 2,
     Buffer = 3,
     Trace = 4,
+    Executor = 5,
 }
 
 impl Kind {
@@ -34,11 +35,14 @@ impl Kind {
             Kind::Op => "operation",
             Kind::Buffer => "buffer",
             Kind::Trace => "trace",
+            Kind::Executor => "executor",
         }
     }
 
     fn from_tag(tag: u8) -> Option<Kind> {
-        [Kind::Engine, Kind::Op, Kind::Buffer, Kind::Trace].into_iter().find(|k| *k as u8 == tag)
+        [Kind::Engine, Kind::Op, Kind::Buffer, Kind::Trace, Kind::Executor]
+            .into_iter()
+            .find(|k| *k as u8 == tag)
     }
 }
 

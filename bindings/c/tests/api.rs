@@ -481,3 +481,147 @@ fn the_scheduler_plans_and_simulates_a_trace_and_names_bad_input() {
         );
     }
 }
+
+/// A C-style allocator for the executor: heap memory, counted.
+struct Heap {
+    allocs: std::sync::atomic::AtomicU64,
+    releases: std::sync::atomic::AtomicU64,
+}
+
+unsafe extern "C" fn heap_alloc(ctx: *mut c_void, _t: u32, bytes: u64, why: i32) -> *mut c_void {
+    assert!(why == TERAIO_ALLOC_CREATE || why == TERAIO_ALLOC_PREFETCH);
+    // SAFETY: ctx is the &Heap the test registered.
+    let h = unsafe { &*(ctx as *const Heap) };
+    h.allocs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Box::into_raw(vec![0u8; bytes as usize].into_boxed_slice()).cast()
+}
+
+unsafe extern "C" fn heap_release(ctx: *mut c_void, _t: u32, p: *mut c_void, bytes: u64) {
+    // SAFETY: ctx is the &Heap the test registered.
+    let h = unsafe { &*(ctx as *const Heap) };
+    h.releases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let slice = std::ptr::slice_from_raw_parts_mut(p.cast::<u8>(), bytes as usize);
+    // SAFETY: only memory heap_alloc returned reaches release: the test attaches globals from
+    // heap_alloc too.
+    drop(unsafe { Box::from_raw(slice) });
+}
+
+#[test]
+fn the_plan_executor_runs_planned_iterations_and_gives_every_tensor_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(dir.path(), false);
+    let mut t = null_mut();
+    let spec = cs(
+        "preset:gpt2-small,layers=2,hidden=256,heads=4,kv-heads=4,ffn=1024,vocab=2000,seq=128,micro-batch=2",
+    );
+    // SAFETY: valid strings and out-pointers throughout; attached memory (leaked boxes from
+    // heap_alloc's allocator) lives until released.
+    unsafe {
+        assert_eq!(teraio_trace_load(spec.as_ptr(), &mut t), TERAIO_OK, "{}", last_error());
+        let mut json = null_mut();
+        assert_eq!(teraio_trace_info(t, &mut json), TERAIO_OK);
+        let info: serde_json::Value = serde_json::from_str(&take_string(json)).unwrap();
+        let (peak, kernels) =
+            (info["peak_resident_bytes"].as_u64().unwrap(), info["kernel_count"].as_u64().unwrap());
+        let budget = peak * 3 / 4;
+        let hw = cs(&format!(
+            "{{\"gpu_memory_bytes\": {budget}, \"ssd_count\": 4, \"ssd_read_bytes_per_s\": 6.7e9, \
+             \"ssd_write_bytes_per_s\": 6.5e9, \"ssd_latency_us\": 80, \
+             \"pcie_h2d_bytes_per_s\": 5e10, \"pcie_d2h_bytes_per_s\": 5e10, \
+             \"host_memory_cap_bytes\": 0, \"host_memory_bytes_per_s\": 1e11, \
+             \"gpudirect\": true}}"
+        ));
+        let policy = cs("teraio");
+        let mut plan = null_mut();
+        assert_eq!(
+            teraio_plan(t, policy.as_ptr(), hw.as_ptr(), &mut plan),
+            TERAIO_OK,
+            "{}",
+            last_error()
+        );
+        let plan = CString::new(take_string(plan)).unwrap();
+        // The tensors' sizes and globality: the same generator spec, from Rust.
+        let spec_rs = spec.to_str().unwrap().strip_prefix("preset:").unwrap();
+        let full =
+            teraio_scheduler::generate(&teraio_scheduler::ModelConfig::from_spec(spec_rs).unwrap())
+                .unwrap();
+        let tensors: Vec<(u64, bool)> = full.tensors.iter().map(|x| (x.bytes, x.global)).collect();
+        let heap = Heap { allocs: 0.into(), releases: 0.into() };
+        let alloc = teraio_allocator {
+            ctx: &heap as *const Heap as *mut c_void,
+            alloc: Some(heap_alloc),
+            release: Some(heap_release),
+        };
+        let mut ex = null_mut();
+        assert_eq!(
+            teraio_executor_new(e, t, plan.as_ptr(), budget, true, &alloc, &mut ex),
+            TERAIO_OK,
+            "{}",
+            last_error()
+        );
+        // Globals: memory from the same allocator (so its release frees it), filled.
+        for (i, &(bytes, global)) in tensors.iter().enumerate() {
+            if global {
+                let p = heap_alloc(alloc.ctx, i as u32, bytes, TERAIO_ALLOC_CREATE);
+                std::slice::from_raw_parts_mut(p.cast::<u8>(), bytes as usize)
+                    .copy_from_slice(&pattern(i as u64, bytes as usize));
+                assert_eq!(
+                    teraio_executor_attach(ex, i as u32, p, bytes),
+                    TERAIO_OK,
+                    "{}",
+                    last_error()
+                );
+            }
+        }
+        assert_eq!(teraio_executor_start(ex), TERAIO_OK, "{}", last_error());
+        for _ in 0..2 {
+            for k in 0..kernels as usize {
+                let mut stall = -1.0;
+                assert_eq!(
+                    teraio_executor_before_kernel(ex, k, &mut stall),
+                    TERAIO_OK,
+                    "{}",
+                    last_error()
+                );
+                assert!(stall >= 0.0);
+                assert_eq!(teraio_executor_after_kernel(ex, k), TERAIO_OK);
+            }
+            let mut rep = null_mut();
+            assert_eq!(teraio_executor_end_iteration(ex, &mut rep), TERAIO_OK, "{}", last_error());
+            let r: serde_json::Value = serde_json::from_str(&take_string(rep)).unwrap();
+            assert!(r["peak_bytes"].as_u64().unwrap() <= budget, "{r}");
+            assert!(r["offloads"].as_u64().unwrap() > 0 && r["prefetches"].as_u64().unwrap() > 0);
+            assert!(r["diverged"].is_null());
+        }
+        // Every resident global holds its bytes.
+        let mut checked = 0;
+        for (i, &(bytes, global)) in tensors.iter().enumerate() {
+            let (mut p, mut len) = (null_mut(), 0u64);
+            if global && teraio_executor_resident(ex, i as u32, &mut p, &mut len) == TERAIO_OK {
+                assert_eq!(len, bytes);
+                let got = std::slice::from_raw_parts(p.cast::<u8>(), len as usize);
+                assert!(got == &pattern(i as u64, bytes as usize)[..], "global tensor {i}");
+                checked += 1;
+            }
+        }
+        assert!(checked > 0);
+        let mut ev = null_mut();
+        assert_eq!(teraio_executor_events(ex, &mut ev), TERAIO_OK);
+        assert!(take_string(ev).contains("released"));
+        // A name that is not the trace's: diverged, once, then safe mode.
+        assert_eq!(teraio_executor_before_kernel(ex, 0, null_mut()), TERAIO_OK);
+        let bogus = cs("not-a-kernel");
+        assert_eq!(teraio_executor_boundary(ex, 1, bogus.as_ptr()), TERAIO_ERR_DIVERGED);
+        assert!(last_error().contains("diverged"), "{}", last_error());
+        assert_eq!(teraio_executor_finish(ex), TERAIO_OK, "{}", last_error());
+        assert_eq!(teraio_executor_finish(ex), TERAIO_ERR_INVALID_HANDLE);
+        use std::sync::atomic::Ordering::Relaxed;
+        assert_eq!(
+            heap.allocs.load(Relaxed),
+            heap.releases.load(Relaxed),
+            "every buffer came back"
+        );
+        assert_eq!(teraio_trace_free(t), TERAIO_OK);
+    }
+    assert_eq!(teraio_engine_close(e), TERAIO_OK);
+}

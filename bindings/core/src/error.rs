@@ -38,13 +38,17 @@ pub enum Status {
     Plan = -13,
     /// The simulator could not make progress.
     Simulation = -14,
+    /// The caller's iteration left the plan; the executor runs in safe mode until re-planned.
+    Diverged = -15,
+    /// A GPU (CUDA driver, NVRTC, cuFile) call failed.
+    Device = -16,
     /// A bug: a panic was caught at the boundary (the message says where).
     Internal = -99,
 }
 
 impl Status {
     /// Every status, in code order (success first).
-    pub const ALL: [Status; 17] = [
+    pub const ALL: [Status; 19] = [
         Status::Ok,
         Status::Pending,
         Status::InvalidArgument,
@@ -61,6 +65,8 @@ impl Status {
         Status::Trace,
         Status::Plan,
         Status::Simulation,
+        Status::Diverged,
+        Status::Device,
         Status::Internal,
     ];
 
@@ -93,6 +99,8 @@ impl Status {
             Status::Trace => "ERR_TRACE",
             Status::Plan => "ERR_PLAN",
             Status::Simulation => "ERR_SIMULATION",
+            Status::Diverged => "ERR_DIVERGED",
+            Status::Device => "ERR_DEVICE",
             Status::Internal => "ERR_INTERNAL",
         }
     }
@@ -115,6 +123,8 @@ impl Status {
             Status::Trace => "TraceError",
             Status::Plan => "PlanError",
             Status::Simulation => "SimulationError",
+            Status::Diverged => "DivergedError",
+            Status::Device => "DeviceError",
             Status::Internal => "InternalError",
         }
     }
@@ -186,6 +196,8 @@ impl Error {
                 E::InvalidArgument(_) => Status::InvalidArgument,
                 E::Unsupported(_) => Status::Unsupported,
                 E::Closed(_) => Status::Closed,
+                E::Diverged { .. } => Status::Diverged,
+                E::Cuda(_) => Status::Device,
                 E::Layout(l) => layout_status(l),
                 E::Alloc(a) => alloc_status(a),
                 // The engine's enum may grow; a new kind is an I/O-side failure until mapped.
@@ -267,6 +279,8 @@ mod tests {
             ("ERR_TRACE", -12),
             ("ERR_PLAN", -13),
             ("ERR_SIMULATION", -14),
+            ("ERR_DIVERGED", -15),
+            ("ERR_DEVICE", -16),
             ("ERR_INTERNAL", -99),
         ];
         assert_eq!(Status::ALL.len(), expected.len());

@@ -7,6 +7,7 @@
 //! the stable ABI of CPython 3.9 (abi3), where the buffer protocol is not part of the limited
 //! API. Every call that blocks or copies releases the GIL.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +17,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 use teraio_bindings_core::{self as core, ConfigSource, Error, HostBuffer as CoreBuffer, Op};
 use teraio_engine::Engine as CoreEngine;
+use teraio_engine::executor::{AllocFor, Event, Executor, ExecutorConfig, TensorAllocator};
 use teraio_engine::store::OffloadOptions;
+use teraio_engine::tier::{StagedMemory, TensorMem};
+use teraio_scheduler::TensorId;
 
 /// Raise `e` as the `teraio` exception of its status (`teraio._errors`).
 fn to_py(py: Python<'_>, e: &Error) -> PyErr {
@@ -552,6 +556,263 @@ fn compare_policies(
     .map_err(err)
 }
 
+/// Caller memory (a Python buffer the Python layer exported) that the executor moves through
+/// the store's staging buffers.
+struct PyMem {
+    addr: usize,
+    len: usize,
+    /// The buffer export (and the object) that keep `addr` valid.
+    _keep: Py<PyAny>,
+}
+
+fn check_range(offset: u64, n: usize, len: usize) -> teraio_engine::Result<usize> {
+    match usize::try_from(offset).ok().and_then(|o| o.checked_add(n).map(|end| (o, end))) {
+        Some((o, end)) if end <= len => Ok(o),
+        _ => Err(teraio_engine::Error::InvalidArgument(format!(
+            "range {offset}+{n} is outside a buffer of {len} bytes"
+        ))),
+    }
+}
+
+impl StagedMemory for PyMem {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn copy_out(&self, offset: u64, dst: &mut [u8]) -> teraio_engine::Result<()> {
+        let o = check_range(offset, dst.len(), self.len)?;
+        // SAFETY: [addr, addr + len) is a buffer export held by `_keep` for this object's
+        // life; the range was checked; `dst` is engine memory, so the two do not overlap.
+        let src = unsafe { std::slice::from_raw_parts((self.addr + o) as *const u8, dst.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_in(&mut self, offset: u64, src: &[u8]) -> teraio_engine::Result<()> {
+        let o = check_range(offset, src.len(), self.len)?;
+        // SAFETY: as in copy_out; the export is writable (the Python layer asked for that).
+        let dst = unsafe { std::slice::from_raw_parts_mut((self.addr + o) as *mut u8, src.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// tensor -> the Python object holding its memory now (attached or allocated).
+type Table = Arc<Mutex<HashMap<u32, Py<PyAny>>>>;
+
+/// Export `obj` (writable, C-contiguous) through the Python layer's `teraio._export`.
+fn export(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyRes<(usize, usize, Py<PyAny>)> {
+    let r = py.import("teraio")?.getattr("_export")?.call1((obj, true, what))?;
+    let (addr, nbytes, keep, _buf): (usize, usize, Py<PyAny>, Py<PyAny>) = r.extract()?;
+    let keep = (keep, obj.clone().unbind()).into_pyobject(py)?.into_any().unbind();
+    Ok((addr, nbytes, keep))
+}
+
+fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyRes<TensorMem> {
+    let (addr, len, keep) = export(py, obj, what)?;
+    if len as u64 != bytes || addr == 0 {
+        return Err(to_py(
+            py,
+            &Error::InvalidArgument(format!("{what}: a buffer of {len} bytes for {bytes}")),
+        ));
+    }
+    Ok(TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep })))
+}
+
+/// The executor's memory from a Python object's `alloc(tensor_id, nbytes, why)` (a writable
+/// buffer of exactly `nbytes`) and, when it has one, `release(tensor_id, obj)`.
+struct PyAllocator {
+    obj: Py<PyAny>,
+    table: Table,
+}
+
+impl TensorAllocator for PyAllocator {
+    fn alloc(
+        &mut self,
+        t: TensorId,
+        bytes: u64,
+        why: AllocFor,
+    ) -> teraio_engine::Result<TensorMem> {
+        let why = match why {
+            AllocFor::Create => "create",
+            AllocFor::Prefetch => "prefetch",
+        };
+        Python::attach(|py| {
+            let r = self.obj.bind(py).call_method1("alloc", (t.0, bytes, why))?;
+            let mem = py_mem(py, &r, bytes, "allocator.alloc(...)")?;
+            self.table.lock().insert(t.0, r.unbind());
+            Ok::<_, PyErr>(mem)
+        })
+        .map_err(|e| {
+            teraio_engine::Error::InvalidArgument(format!(
+                "the allocator's alloc({t}, {bytes}, {why:?}) failed: {e}"
+            ))
+        })
+    }
+
+    fn release(&mut self, t: TensorId, mem: TensorMem) {
+        drop(mem);
+        Python::attach(|py| {
+            let obj = self.table.lock().remove(&t.0);
+            let a = self.obj.bind(py);
+            if a.hasattr("release").unwrap_or(false)
+                && let Err(e) = a.call_method1("release", (t.0, obj))
+            {
+                e.write_unraisable(py, Some(a));
+            }
+        });
+    }
+}
+
+/// (used_bytes, in_flight, next_kernel, diverged (kernel, detail)).
+type ExecutorState = (u64, usize, usize, Option<(usize, String)>);
+
+/// The plan executor (wrapped by `teraio.Executor`; docs/EXECUTOR.md).
+#[pyclass(frozen, module = "teraio._teraio")]
+struct NativeExecutor {
+    ex: Mutex<Option<Executor>>,
+    table: Table,
+}
+
+impl NativeExecutor {
+    /// Run `f` on the executor with the GIL released (its allocator callbacks take the GIL:
+    /// never lock the executor while holding it).
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Executor) -> teraio_engine::Result<R> + Send,
+    ) -> PyRes<R> {
+        py.detach(|| {
+            let mut g = self.ex.lock();
+            let ex = g.as_mut().ok_or_else(|| {
+                Error::InvalidState("the executor was finished (finish() was called)".into())
+            })?;
+            f(ex).map_err(Error::from)
+        })
+        .map_err(err)
+    }
+}
+
+#[pymethods]
+impl NativeExecutor {
+    #[new]
+    #[pyo3(signature = (engine, trace, plan, gpu_budget_bytes, allocate_created, allocator=None))]
+    fn new(
+        py: Python<'_>,
+        engine: &NativeEngine,
+        trace: &NativeTrace,
+        plan: &NativePlan,
+        gpu_budget_bytes: u64,
+        allocate_created: bool,
+        allocator: Option<Py<PyAny>>,
+    ) -> PyRes<Self> {
+        let table: Table = Arc::default();
+        let (t, p) = ((*trace.trace).clone(), (*plan.plan).clone());
+        let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created };
+        let custom = allocator.map(|obj| PyAllocator { obj, table: table.clone() });
+        let ex = engine.with(py, move |e| {
+            let alloc: Box<dyn TensorAllocator> = match custom {
+                Some(a) => Box::new(a),
+                None => e.host_allocator(),
+            };
+            Ok(e.executor(t, p, cfg, alloc)?)
+        })?;
+        Ok(NativeExecutor { ex: Mutex::new(Some(ex)), table })
+    }
+
+    /// Hand tensor `tensor`'s memory (`nbytes` at `address`, kept alive by `keep`; `obj` is
+    /// what `resident` returns and the allocator's `release` gets) to the executor.
+    fn attach(&self, py: Python<'_>, tensor: u32, obj: Py<PyAny>) -> PyRes<()> {
+        let bound = obj.bind(py);
+        let (addr, len, keep) = export(py, bound, "mem")?;
+        let mem = TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep }));
+        self.table.lock().insert(tensor, obj.clone_ref(py));
+        self.with(py, move |ex| ex.attach(TensorId(tensor), mem))
+    }
+
+    fn start(&self, py: Python<'_>) -> PyRes<()> {
+        self.with(py, |ex| ex.start())
+    }
+
+    fn boundary(&self, py: Python<'_>, k: usize) -> PyRes<()> {
+        self.with(py, |ex| ex.boundary(k))
+    }
+
+    fn boundary_named(&self, py: Python<'_>, k: usize, name: String) -> PyRes<()> {
+        self.with(py, move |ex| ex.boundary_named(k, &name))
+    }
+
+    fn kernel_ready(&self, py: Python<'_>, k: usize) -> PyRes<bool> {
+        self.with(py, |ex| ex.kernel_ready(k))
+    }
+
+    fn before_kernel(&self, py: Python<'_>, k: usize) -> PyRes<f64> {
+        self.with(py, |ex| ex.before_kernel(k).map(|d| d.as_secs_f64()))
+    }
+
+    fn after_kernel(&self, py: Python<'_>, k: usize) -> PyRes<()> {
+        self.with(py, |ex| ex.after_kernel(k))
+    }
+
+    fn free(&self, py: Python<'_>, tensor: u32) -> PyRes<()> {
+        self.with(py, |ex| ex.free(TensorId(tensor)))
+    }
+
+    fn poll(&self, py: Python<'_>) -> PyRes<bool> {
+        self.with(py, |ex| ex.poll())
+    }
+
+    /// `[("arrived" | "released", tensor), ...]` since the last call.
+    fn events(&self, py: Python<'_>) -> PyRes<Vec<(&'static str, u32)>> {
+        self.with(py, |ex| {
+            Ok(ex
+                .events()
+                .into_iter()
+                .map(|e| match e {
+                    Event::Arrived(t) => ("arrived", t.0),
+                    Event::Released(t) => ("released", t.0),
+                })
+                .collect())
+        })
+    }
+
+    fn end_iteration_json(&self, py: Python<'_>) -> PyRes<String> {
+        self.with(py, |ex| {
+            let r = ex.end_iteration()?;
+            Ok(serde_json::to_string(&r).expect("a report serializes"))
+        })
+    }
+
+    fn finish(&self, py: Python<'_>) -> PyRes<()> {
+        py.detach(|| {
+            let ex = self.ex.lock().take();
+            match ex {
+                Some(ex) => ex.finish().map_err(Error::from),
+                None => Ok(()),
+            }
+        })
+        .map_err(err)
+    }
+
+    /// (used_bytes, in_flight, next_kernel, diverged (kernel, detail) or None).
+    fn state(&self, py: Python<'_>) -> PyRes<ExecutorState> {
+        self.with(py, |ex| {
+            let d = ex.diverged().map(|d| (d.kernel, d.detail.clone()));
+            Ok((ex.used_bytes(), ex.in_flight(), ex.next_kernel(), d))
+        })
+    }
+
+    fn is_resident(&self, py: Python<'_>, tensor: u32) -> PyRes<bool> {
+        self.with(py, |ex| Ok(ex.is_resident(TensorId(tensor))))
+    }
+
+    /// The object holding a resident tensor's memory (attached or allocated), or None.
+    fn resident(&self, py: Python<'_>, tensor: u32) -> PyRes<Option<Py<PyAny>>> {
+        let resident = self.with(py, |ex| Ok(ex.resident(TensorId(tensor)).is_some()))?;
+        Ok(if resident { self.table.lock().get(&tensor).map(|o| o.clone_ref(py)) } else { None })
+    }
+}
+
 /// The stable status code of every exception class name.
 #[pyfunction]
 fn status_codes() -> Vec<(&'static str, i32)> {
@@ -569,6 +830,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeBuffer>()?;
     m.add_class::<NativeTrace>()?;
     m.add_class::<NativePlan>()?;
+    m.add_class::<NativeExecutor>()?;
     m.add_function(wrap_pyfunction!(hardware_json, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;

@@ -35,6 +35,8 @@ from ._errors import (
     ChecksumMismatchError,
     ClosedError,
     CorruptionError,
+    DeviceError,
+    DivergedError,
     InternalError,
     InvalidArgumentError,
     InvalidHandleError,
@@ -371,6 +373,21 @@ class Engine:
         nbytes = dt.itemsize * math.prod(shp)
         return self.alloc(nbytes).numpy(dt, shp)
 
+    def executor(
+        self,
+        trace: Union["Trace", Dict[str, Any], str],
+        plan: Union["Plan", Dict[str, Any], str],
+        *,
+        gpu_budget_bytes: int,
+        allocate_created: bool = False,
+        allocator: Any = None,
+    ) -> "Executor":
+        """A plan :class:`Executor` over this engine's store."""
+        return Executor(
+            self, trace, plan, gpu_budget_bytes=gpu_budget_bytes,
+            allocate_created=allocate_created, allocator=allocator,
+        )
+
     def tensors(self) -> List[TensorInfo]:
         """Every tensor, sorted by id."""
         return [TensorInfo(**t) for t in json.loads(self._native.tensors_json())]
@@ -439,6 +456,135 @@ class Engine:
 
     def __repr__(self) -> str:
         return "Engine(closed)" if self.closed else f"Engine({self.describe()})"
+
+
+class Executor:
+    """The engine's plan executor (docs/EXECUTOR.md): executes a :class:`Plan` of a
+    :class:`Trace` for a trainer that drives it with its own progress, with the simulator's
+    semantics (boundaries in plan order, FIFO memory grants under ``gpu_budget_bytes``, clean
+    drops, a prefetch that meets its own offload in flight keeps the copy, divergence and safe
+    mode). Make one with :meth:`Engine.executor`.
+
+    Memory: ``attach(tensor_id, mem)`` hands the executor a writable buffer holding a tensor
+    (global tensors before :meth:`start`; created ones after ``before_kernel`` of their kernel
+    unless ``allocate_created``). The executor offloads it and, once stored, gives it back
+    through ``allocator.release(tensor_id, mem)``; for a prefetch it asks
+    ``allocator.alloc(tensor_id, nbytes, why)`` (``why``: ``"prefetch"`` or ``"create"``) for a
+    writable buffer of exactly ``nbytes`` and fills it. Buffers are read and written by the
+    engine's threads while the executor holds them. Without an ``allocator`` the executor uses
+    engine host memory.
+
+    Driving it, per iteration: ``before_kernel(k)`` (issue boundary ``k``, wait until kernel
+    ``k`` can run; returns the stall in seconds) or ``boundary(k)`` + ``kernel_ready(k)``;
+    ``after_kernel(k)``; then :meth:`end_iteration` (a dict report). :meth:`finish` at the end.
+    A divergence raises :class:`DivergedError` once; the executor then runs in safe mode.
+    Trace tensor ids are the indices of the trace's tensors.
+    """
+
+    __slots__ = ("_native", "trace", "plan")
+
+    def __init__(
+        self,
+        engine: "Engine",
+        trace: Union["Trace", Dict[str, Any], str],
+        plan: Union["Plan", Dict[str, Any], str],
+        *,
+        gpu_budget_bytes: int,
+        allocate_created: bool = False,
+        allocator: Any = None,
+    ) -> None:
+        if isinstance(trace, dict):
+            trace = Trace.from_dict(trace)
+        elif isinstance(trace, str):
+            trace = Trace.from_json(trace)
+        if not isinstance(plan, Plan):
+            plan = Plan.from_json(trace, plan if isinstance(plan, str) else json.dumps(plan))
+        if allocator is not None and not callable(getattr(allocator, "alloc", None)):
+            raise InvalidArgumentError("the allocator needs an alloc(tensor_id, nbytes, why) method")
+        self.trace = trace
+        self.plan = plan
+        self._native = _teraio.NativeExecutor(
+            engine._native, trace._native, plan._native, int(gpu_budget_bytes),
+            bool(allocate_created), allocator,
+        )
+
+    def attach(self, tensor_id: int, mem: Any) -> None:
+        """Hand tensor ``tensor_id``'s memory (a writable buffer of the trace's size)."""
+        self._native.attach(tensor_id, mem)
+
+    def start(self) -> None:
+        """Offload the plan's initially offloaded global tensors; ready for iteration 0."""
+        self._native.start()
+
+    def boundary(self, k: int) -> None:
+        """Issue the plan's instructions up to boundary ``k`` (kernel ``k`` about to run)."""
+        self._native.boundary(k)
+
+    def boundary_named(self, k: int, name: str) -> None:
+        """:meth:`boundary`, checking the caller's kernel name against the trace's."""
+        self._native.boundary_named(k, name)
+
+    def kernel_ready(self, k: int) -> bool:
+        """Non-blocking: whether kernel ``k`` can run now."""
+        return self._native.kernel_ready(k)
+
+    def before_kernel(self, k: int) -> float:
+        """Issue boundary ``k`` and wait (GIL released) until kernel ``k`` can run; the
+        seconds waited."""
+        return self._native.before_kernel(k)
+
+    def after_kernel(self, k: int) -> None:
+        """Kernel ``k`` ran: tensors whose last use it was die."""
+        self._native.after_kernel(k)
+
+    def free(self, tensor_id: int) -> None:
+        """The caller freed tensor ``tensor_id`` before the trace says it dies."""
+        self._native.free(tensor_id)
+
+    def poll(self) -> bool:
+        """Collect finished migrations without blocking; whether anything changed."""
+        return self._native.poll()
+
+    def events(self) -> List[Tuple[str, int]]:
+        """``("arrived" | "released", tensor_id)`` since the last call, oldest first."""
+        return self._native.events()
+
+    def end_iteration(self) -> Dict[str, Any]:
+        """End the iteration; its report (time, stalls, peak bytes, migrations, divergence,
+        memory timeline, store statistics)."""
+        return json.loads(self._native.end_iteration_json())
+
+    def finish(self) -> None:
+        """Wait for migrations in flight and free the store's copies of the trace's tensors."""
+        self._native.finish()
+
+    def is_resident(self, tensor_id: int) -> bool:
+        """Whether the tensor has GPU (budget) memory now."""
+        return self._native.is_resident(tensor_id)
+
+    def resident(self, tensor_id: int) -> Any:
+        """The object holding a resident tensor's memory (attached or allocated), or None."""
+        return self._native.resident(tensor_id)
+
+    @property
+    def used_bytes(self) -> int:
+        """Budget bytes accounted now."""
+        return self._native.state()[0]
+
+    @property
+    def in_flight(self) -> int:
+        """Migrations in flight."""
+        return self._native.state()[1]
+
+    @property
+    def next_kernel(self) -> int:
+        """The next kernel the plan expects."""
+        return self._native.state()[2]
+
+    @property
+    def diverged(self) -> Optional[Tuple[int, str]]:
+        """(kernel, detail) once the iteration left the plan, else None."""
+        return self._native.state()[3]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -669,6 +815,7 @@ __all__ = [
     "POLICIES",
     "MODEL_PRESETS",
     "Engine",
+    "Executor",
     "HostBuffer",
     "PendingOp",
     "TensorInfo",
@@ -697,6 +844,8 @@ __all__ = [
     "TraceError",
     "PlanError",
     "SimulationError",
+    "DivergedError",
+    "DeviceError",
     "InternalError",
 ]
 

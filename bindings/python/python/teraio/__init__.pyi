@@ -8,6 +8,8 @@ from ._errors import (
     ChecksumMismatchError as ChecksumMismatchError,
     ClosedError as ClosedError,
     CorruptionError as CorruptionError,
+    DeviceError as DeviceError,
+    DivergedError as DivergedError,
     InternalError as InternalError,
     InvalidArgumentError as InvalidArgumentError,
     InvalidHandleError as InvalidHandleError,

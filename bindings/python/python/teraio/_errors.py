@@ -97,6 +97,19 @@ class SimulationError(TeraioError):
     status = -14
 
 
+class DivergedError(TeraioError):
+    """The iteration left the plan (another kernel, another size); the executor runs in safe
+    mode (nothing offloaded, everything read back) until you re-plan."""
+
+    status = -15
+
+
+class DeviceError(TeraioError):
+    """A GPU (CUDA driver, NVRTC, cuFile) call failed."""
+
+    status = -16
+
+
 class InternalError(TeraioError):
     """A bug: a Rust panic was caught at the boundary."""
 
@@ -119,5 +132,7 @@ __all__ = [
     "TraceError",
     "PlanError",
     "SimulationError",
+    "DivergedError",
+    "DeviceError",
     "InternalError",
 ]
