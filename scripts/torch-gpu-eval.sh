@@ -25,7 +25,7 @@ if [ -d .devcarry/torch/wheels ]; then
   python3 -m pip install -q --no-index --no-deps --target "$SITE" .devcarry/torch/wheels/*.whl 2>&1 | tail -2
 fi
 AIO=$PWD/.devcarry/torch/aio/usr
-export PYTHONPATH=$PWD/bindings/python/python:$SITE${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$SITE:$PWD/bindings/python/python${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$SITE/bin:$PATH
 export CFLAGS="-I$AIO/include" LDFLAGS="-L$AIO/lib/x86_64-linux-gnu"
 export CPATH=$AIO/include LIBRARY_PATH=$AIO/lib/x86_64-linux-gnu
