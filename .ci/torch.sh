@@ -16,12 +16,16 @@ python3 -m venv "$VENV"
 # the CPU wheels when that index is reachable (smaller), else PyPI's default build
 "$VENV/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
   || "$VENV/bin/pip" install -q torch
-"$VENV/bin/pip" install -q numpy pytest
+"$VENV/bin/pip" install -q numpy pytest maturin
 
-step "the teraio wheel (maturin, from bindings/python)"
-"$VENV/bin/pip" install -q ./bindings/python
+step "the teraio wheel (maturin, dev profile: reuses .ci/run's cargo build)"
+wheels=$(mktemp -d)
+"$VENV/bin/maturin" build --locked -m bindings/python/Cargo.toml --profile dev -o "$wheels"
+"$VENV/bin/pip" install -q "$wheels"/teraio-*.whl
 
 step "pytest bindings/python/tests/torch"
-cd bindings/python/tests/torch
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider .
+# from outside the repository, so `import teraio` is the installed wheel
+repo=$PWD
+cd "$(dirname "$VENV")"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$repo/bindings/python/tests/torch"
 step "done"
