@@ -1,13 +1,12 @@
 """Session: training under a budget gives the same losses and parameters as without teraio."""
 
-import ctypes
 
 import pytest
 import torch
 
 import teraio.torch as tt
 
-from models import TinyGPT, batches, make, train_step
+from models import batches, make, train_step
 
 
 class _Done:
