@@ -16,17 +16,20 @@ python3 -m venv "$VENV"
 # the CPU wheels when that index is reachable (smaller), else PyPI's default build
 "$VENV/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
   || "$VENV/bin/pip" install -q torch
-"$VENV/bin/pip" install -q numpy pytest
+"$VENV/bin/pip" install -q numpy pytest maturin
 
 step "the teraio wheel"
-# The wheel .ci/bindings.sh built (TERAIO_WHEEL_DIR), else build it from bindings/python.
-if compgen -G "${TERAIO_WHEEL_DIR:-/nonexistent}/teraio-*.whl" >/dev/null; then
-  "$VENV/bin/pip" install -q "$TERAIO_WHEEL_DIR"/teraio-*.whl
-else
-  "$VENV/bin/pip" install -q ./bindings/python
+# The wheel .ci/bindings.sh built (TERAIO_WHEEL_DIR), else build it (maturin, dev profile:
+# reuses .ci/run's cargo build).
+if ! compgen -G "${TERAIO_WHEEL_DIR:-/nonexistent}/teraio-*.whl" >/dev/null; then
+  TERAIO_WHEEL_DIR=$(mktemp -d)
+  "$VENV/bin/maturin" build --locked -m bindings/python/Cargo.toml --profile dev -o "$TERAIO_WHEEL_DIR"
 fi
+"$VENV/bin/pip" install -q "$TERAIO_WHEEL_DIR"/teraio-*.whl
 
 step "pytest bindings/python/tests/torch"
-cd bindings/python/tests/torch
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider .
+# from outside the repository, so `import teraio` is the installed wheel
+repo=$PWD
+cd "$(dirname "$VENV")"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$repo/bindings/python/tests/torch"
 step "done"

@@ -21,11 +21,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 mkdir -p /run/udev/data && printf 'I:1\nE:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\n' > /run/udev/data/b254:0 || true
 
 SITE=/tmp/teraio-eval-site
-if [ -d .devcarry/torch/wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" .devcarry/torch/wheels/*.whl 2>&1 | tail -2
-fi
+# .devcarry/torch/tw/: the teraio wheel (`maturin build --release -m bindings/python/Cargo.toml`)
+for d in .devcarry/torch/wheels .devcarry/torch/tw; do
+  if [ -d "$d" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$d"/*.whl 2>&1 | tail -2
+  fi
+done
 AIO=$PWD/.devcarry/torch/aio/usr
-export PYTHONPATH=$PWD/bindings/python/python:$SITE${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$SITE:$PWD/bindings/python/python${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$SITE/bin:$PATH
 export CFLAGS="-I$AIO/include" LDFLAGS="-L$AIO/lib/x86_64-linux-gnu"
 export CPATH=$AIO/include LIBRARY_PATH=$AIO/lib/x86_64-linux-gnu

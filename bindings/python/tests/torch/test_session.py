@@ -1,13 +1,12 @@
 """Session: training under a budget gives the same losses and parameters as without teraio."""
 
-import ctypes
 
 import pytest
 import torch
 
 import teraio.torch as tt
 
-from models import TinyGPT, batches, make, train_step
+from models import batches, make, train_step
 
 
 class _Done:
@@ -105,17 +104,25 @@ def test_shapes_change_each_shape_profiled_once():
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 97, (4, 16 if i % 2 == 0 else 8), generator=g) for i in range(6)]
     # the very first step creates the optimizer's state (other operators): a warm-up step
+    from test_planned import ScriptedExecutor, script_for
+
+    exs = []
+
+    def factory(*a):
+        exs.append(ScriptedExecutor(*a))
+        return exs[-1]
+
     s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
-                   warmup_steps=1, log=lambda _: None)
+                   warmup_steps=1, planner=script_for, executor_factory=factory, log=lambda _: None)
     for t in data:
         with s.step():
             a = train_step(model, opt, t)
         b = train_step(ref_model, ref_opt, t)
         assert a == b
     assert len(s.plans) == 2  # one per sequence length
-    plans = [r.get("plan") for r in s.steps]
-    assert plans[0] is None and all(p.startswith("profiled") or p == "made" for p in plans[1:3])
-    assert plans[3:] == ["cached"] * 3
+    assert [r.get("plan") for r in s.steps[:3]] == [None, "made", "made"]
+    assert [r["mode"] for r in s.steps] == ["paged"] * 3 + ["planned"] * 3
+    assert len(exs) == 2 and all(ex.shrunk > 0 for ex in exs)  # one executor per shape
 
 
 def test_report_line_and_bad_arguments():

@@ -21,8 +21,7 @@ Modes of one iteration (``Session.step()``):
   when an operator needs it. Slow, but it runs any iteration under the budget, so the first,
   profiled iterations fit too.
 - *planned*: the plan's instructions are executed by the engine's plan executor
-  (``teraio.Executor``, docs/EXECUTOR.md), driven by the operator count; see
-  :mod:`teraio.torch.session`.
+  (docs/EXECUTOR.md), driven by the operator count; see :mod:`teraio.torch.planned`.
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ What each step does:
    and planned by the scheduler (``teraio.plan``, the planner of ``teraio plan``), and the plan
    is cached by the iteration's first operator's shapes (its input), so a small set of shapes
    (variable sequence lengths) is planned once each.
-4. Executing a plan is the engine's plan executor's job (``teraio.Executor``,
-   docs/EXECUTOR.md); where this build of the Python package has none, planned steps keep
-   running paged, and :meth:`Session.report` says so (``"mode": "paged"``).
+4. At a step's first operator a cached plan for its shapes runs
+   (:class:`teraio.torch.planned.PlannedRun`: the engine's plan executor, docs/EXECUTOR.md,
+   driven by the operator count); where this build of the Python package has no executor,
+   such steps run paged without recording, and :meth:`Session.report` says so (``"mode":
+   "paged"``, the reason in ``planned_failed``).
 
 :meth:`Session.report` gives per-step figures (time, stall, bytes moved, peak memory); with
 ``report_every=N`` a one-line report is printed every N steps.
@@ -37,13 +39,13 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
-
-from .optimizer import check_working_sets, make_plannable
-from .profiler import Profiler, peak_bytes
-from ._storages import signature
-from .planned import Diverged, PlannedRun
-from .runtime import Pager, StorageMover, Store
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._storages import signature
+from .optimizer import check_working_sets, make_plannable
+from .planned import Diverged, PlannedRun
+from .profiler import Profiler, peak_bytes
+from .runtime import Pager, StorageMover, Store
 
 
 def _open_engine(engine: Any) -> Any:
