@@ -287,6 +287,13 @@ impl Executor {
                 plan.host_kernels.len()
             )));
         }
+        if !plan.recomputations.is_empty() {
+            return Err(Error::Unsupported(format!(
+                "the `{}` plan recomputes {} tensors; the executor does not run recomputations yet: plan without them (e.g. `--policy teraio`)",
+                plan.policy,
+                plan.recomputations.len()
+            )));
+        }
         let n = trace.kernels.len();
         let mut creations = vec![Vec::new(); n];
         let mut deaths = vec![Vec::new(); n];

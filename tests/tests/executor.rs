@@ -56,6 +56,7 @@ fn random_trace() -> impl Strategy<Value = Trace> {
                     dies_after: (!global).then_some((last + extra).min(n - 1)),
                     accesses,
                     writes: Some(writes),
+                    producer: None,
                 });
             }
             t
