@@ -58,7 +58,9 @@
 //! the boundary's instructions were issued, the tensor's memory is allocated (in issue order,
 //! ahead of the kernel's own creations); once it is granted and every input of the producer
 //! is resident, the GPU spends the producer's duration, then runs the kernel. Several
-//! recomputations before one kernel run in plan order. The producer's inputs count as read
+//! recomputations before one kernel run in plan order; one of them may remake an input of
+//! another (a chain: `before_kernel` is then a kernel that needs the tensor only as that
+//! input). The producer's inputs count as read
 //! by kernel `before_kernel`: they must be resident then, and none of them may be written
 //! between the tensor's creation and the recomputation (the result would differ). Only
 //! non-global tensors, within one iteration; nothing moves the tensor between its drop and
@@ -395,12 +397,16 @@ impl Plan {
         }
         // Inputs of recomputations are read by the kernel they run before.
         let mut extra_reads: HashMap<TensorId, Vec<usize>> = HashMap::new();
-        for (i, r) in self.recomputations.iter().enumerate() {
-            self.check_recompute(trace, i, r, &on_host)?;
-            let b = r.before_kernel;
-            for x in trace.tensor(r.tensor).producer.iter().flat_map(|p| &p.inputs) {
-                extra_reads.entry(*x).or_default().push(b);
+        for r in &self.recomputations {
+            let inputs = trace.tensors.get(r.tensor.index()).and_then(|t| t.producer.as_ref());
+            for x in inputs.iter().flat_map(|p| &p.inputs) {
+                extra_reads.entry(*x).or_default().push(r.before_kernel);
             }
+        }
+        for (i, r) in self.recomputations.iter().enumerate() {
+            let feeds = extra_reads.get(&r.tensor).is_some_and(|v| v.contains(&r.before_kernel));
+            self.check_recompute(trace, i, r, &on_host, feeds)?;
+            let b = r.before_kernel;
             let list = per.entry(r.tensor).or_default();
             list.push((r.drop_at, 1, Ev::Drop(i)));
             list.push((b, 2, Ev::Remake(i)));
@@ -443,13 +449,16 @@ impl Plan {
         Ok(())
     }
 
-    /// The rules of one [`Recompute`] entry that do not depend on the other instructions.
+    /// The rules of one [`Recompute`] entry that do not depend on the other instructions;
+    /// `feeds`: the tensor is an input of another recomputation before the same kernel (so it
+    /// may be remade there although the kernel does not access it).
     fn check_recompute(
         &self,
         trace: &Trace,
         i: usize,
         r: &Recompute,
         on_host: &[bool],
+        feeds: bool,
     ) -> Result<()> {
         let n = trace.kernel_count();
         let path = format!("recomputations[{i}]");
@@ -470,10 +479,13 @@ impl Plan {
             ));
         };
         let b = r.before_kernel;
-        if b >= n || t.accesses.binary_search(&b).is_err() {
+        if b >= n || (t.accesses.binary_search(&b).is_err() && !feeds) {
             return Err(Error::plan(
                 format!("{path}.before_kernel"),
-                format!("kernel {b} does not access {tid}"),
+                format!(
+                    "kernel {b} does not access {tid}, nor is {tid} an input of another \
+                     recomputation there"
+                ),
             ));
         }
         if !(c < r.drop_at && r.drop_at < b) {

@@ -386,3 +386,39 @@ fn golden_auto_writes_less_at_the_same_speed_on_llama3_8b() {
     let life = |r: &SimReport| r.drive_life_days.unwrap();
     assert!(life(&auto) > life(&teraio) * 3.0, "{} vs {}", life(&auto), life(&teraio));
 }
+
+/// A chain: `t2` (made at kernel 2 from `t1`) is needed again at kernel 5, `t1` (made at 1
+/// from the weight `w`) at 6; kernel 3 makes a 2 GB tensor. Without tiers both must be away
+/// at kernel 3: `t2` is recomputed before kernel 5, and so is `t1`, its input, although
+/// kernel 5 does not use it. Either order of the greedy gets there: `t2` first (the cheaper
+/// to remake), then `t1` for it; or `t1` first over its whole gap, which `t2`'s recomputation
+/// then cuts at kernel 5.
+#[test]
+fn recomputations_chain() {
+    for (t1_us, t2_us) in [(10.0, 1.0), (1.0, 10.0)] {
+        let mut t = Trace::new("chain");
+        t.kernels = kernels(&[1000.0; 7]);
+        t.tensors.push(tensor(0, GB / 10, true, vec![1]));
+        t.tensors.push(tensor(1, GB, false, vec![1, 2, 6]));
+        t.tensors.push(tensor(2, GB, false, vec![2, 5]));
+        t.tensors.push(tensor(3, 2 * GB, false, vec![3]));
+        t.tensors[1].producer =
+            Some(Producer { inputs: vec![TensorId(0)], duration_us: Some(t1_us) });
+        t.tensors[2].producer =
+            Some(Producer { inputs: vec![TensorId(1)], duration_us: Some(t2_us) });
+        t.validate().unwrap();
+        let mut hw = no_tiers();
+        hw.gpu_memory_bytes = 2 * GB + GB / 10 + 1000;
+        let c = plan_checked(&t, &hw, Policy::Auto, &PlanOptions::default()).unwrap();
+        let rc = &c.plan.recomputations;
+        assert_eq!(rc.len(), 2, "{rc:?}");
+        assert!(rc.iter().all(|r| r.drop_at == 3 && r.before_kernel == 5), "{rc:?}");
+        let time = 7000.0 + t1_us + t2_us;
+        assert!((c.report.iteration_time_us - time).abs() < 1e-6, "{}", c.report.iteration_time_us);
+        // Without the recomputation that needs it, remaking t1 before kernel 5 is refused.
+        let mut p = c.plan.clone();
+        p.recomputations.retain(|r| r.tensor == TensorId(1));
+        let e = p.validate(&t).unwrap_err().to_string();
+        assert!(e.contains("nor is t1 an input"), "{e}");
+    }
+}

@@ -306,6 +306,7 @@ fn plan_auto(trace: &Trace, hw: &Hardware, opts: &PlanOptions) -> Result<Candida
     let mut modes = vec![Mode { wear, ..Mode::PAPER }, Mode { wear, ..Mode::HYBRID }];
     if recompute {
         modes.push(Mode { wear, recompute: RecomputeIn::Every, ..Mode::HYBRID });
+        modes.push(Mode { wear, recompute: RecomputeIn::First, ..Mode::HYBRID });
     }
     let mut results: Vec<Result<Vec<Candidate>>> = std::thread::scope(|scope| {
         let handles: Vec<_> =
@@ -378,6 +379,9 @@ pub(crate) enum RecomputeIn {
     Never,
     /// In every phase.
     Every,
+    /// First alone (a phase that only recomputes, so no move of an input blocks it), then
+    /// in every phase.
+    First,
 }
 
 impl Mode {
@@ -390,6 +394,7 @@ impl Mode {
         match self.recompute {
             RecomputeIn::Never => {}
             RecomputeIn::Every => s.push_str("+recompute"),
+            RecomputeIn::First => s.push_str("+recompute-first"),
         }
         if self.wear {
             s.push_str("+wear");
@@ -668,12 +673,16 @@ pub(crate) struct State<'a> {
     ssd_hold: HashMap<TensorId, usize>,
     /// Whether recomputation is a candidate in the current phase.
     pub recompute: bool,
+    /// Whether moves are candidates in the current phase (not in a recompute-only phase).
+    pub moves: bool,
     /// Kernels at which a tensor must be resident: an input of a chosen recomputation.
     pins: HashMap<TensorId, Vec<usize>>,
     /// Chosen moves per tensor: (last access, next access unrolled).
     moved: HashMap<TensorId, Vec<(usize, usize)>>,
     /// Chosen recomputations per tensor: (last access, next access).
     dropped: HashMap<TensorId, Vec<(usize, usize)>>,
+    /// Index in `chosen` of each chosen recomputation, by (tensor, last access).
+    dropped_at: HashMap<(TensorId, usize), usize>,
     /// Bytes each kernel needs resident while it runs: what it accesses, and the inputs of
     /// the recomputations before it.
     working: Vec<u64>,
@@ -727,9 +736,11 @@ impl<'a> State<'a> {
             }),
             ssd_hold: HashMap::new(),
             recompute: false,
+            moves: true,
             pins: HashMap::new(),
             moved: HashMap::new(),
             dropped: HashMap::new(),
+            dropped_at: HashMap::new(),
             working: {
                 let mut w = vec![0u64; n];
                 for t in &trace.tensors {
@@ -922,6 +933,46 @@ impl<'a> State<'a> {
         })
     }
 
+    /// The chosen recomputation gap of `x` strictly around kernel `k`, if any.
+    fn dropped_across(&self, x: TensorId, k: usize) -> Option<(usize, usize)> {
+        self.dropped.get(&x)?.iter().copied().find(|&(a, b)| a < k && k < b)
+    }
+
+    /// What remaking `x`, dropped across kernel `k`, right before `k` costs (GPU time, bytes
+    /// more in memory at `k`: `x` and the inputs `k` does not hold anyway), if its own inputs
+    /// are alive, unchanged and not away there (one level: no input of `x` is itself remade).
+    fn remake_at(&self, x: TensorId, k: usize) -> Option<(f64, u64)> {
+        let n = self.n;
+        let xt = self.trace.tensor(x);
+        let (p, c) = (xt.recomputable()?, xt.created_by?);
+        let mut bytes = xt.bytes;
+        for &y in &p.inputs {
+            let yt = self.trace.tensor(y);
+            if !yt.alive_at(k, n)
+                || yt.accesses.iter().any(|&j| c < j && j < k && yt.writes_at(j))
+                || self.away_at(y, k)
+            {
+                return None;
+            }
+            let pinned = self.pins.get(&y).is_some_and(|v| v.contains(&k));
+            if yt.accesses.binary_search(&k).is_err() && !pinned {
+                bytes += yt.bytes;
+            }
+        }
+        Some((self.trace.recompute_us(x)?, bytes))
+    }
+
+    /// Pin `x` in GPU memory at kernel `k` (an input of a recomputation there), counting its
+    /// bytes in `k`'s working set the first time.
+    fn pin(&mut self, x: TensorId, k: usize) {
+        let accessed = self.trace.tensor(x).accesses.binary_search(&k).is_ok();
+        let pins = self.pins.entry(x).or_default();
+        if !accessed && !pins.contains(&k) {
+            self.working[k] = self.working[k].saturating_add(self.trace.tensor(x).bytes);
+        }
+        pins.push(k);
+    }
+
     /// Whether a chosen move or recomputation of `x` keeps it away at kernel `k`.
     fn away_at(&self, x: TensorId, k: usize) -> bool {
         let n = self.n;
@@ -968,7 +1019,8 @@ impl<'a> State<'a> {
     }
 
     /// Recomputing `iv`'s tensor instead of keeping it over the interval: `None` unless it is
-    /// recomputable and allowed now, its next access is a kernel of its own, the producer's
+    /// recomputable and allowed now, its next access is a kernel of its own or one where a
+    /// chosen recomputation needs it (a chain), the producer's
     /// inputs are alive, unchanged since the creation and in GPU memory at that kernel (no
     /// chosen move or recomputation keeps them away), and the kernel's working set with the
     /// inputs still fits.
@@ -982,10 +1034,14 @@ impl<'a> State<'a> {
         let (p, c) = (t.recomputable()?, t.created_by?);
         let duration_us = self.trace.recompute_us(iv.tensor)?;
         let (a, b) = (iv.last_access, iv.next_access);
-        if b >= n || t.accesses.binary_search(&b).is_err() {
+        // Remade for its own next access, or for a recomputation that needs it there (the
+        // end of a half split at a pin: a chain).
+        let pinned = self.pins.get(&iv.tensor).is_some_and(|v| v.contains(&b));
+        if b >= n || (t.accesses.binary_search(&b).is_err() && !pinned) {
             return None;
         }
         let mut extra = 0u64;
+        let mut cost_us = duration_us;
         for &x in &p.inputs {
             let xt = self.trace.tensor(x);
             if !xt.alive_at(b, n) {
@@ -993,6 +1049,13 @@ impl<'a> State<'a> {
             }
             if xt.accesses.iter().any(|&k| c < k && k < b && xt.writes_at(k)) {
                 return None;
+            }
+            if self.dropped_across(x, b).is_some() {
+                // Dropped itself: remade at `b` too (a chain), if its own inputs are there.
+                let (more_us, more_bytes) = self.remake_at(x, b)?;
+                cost_us += more_us;
+                extra += more_bytes;
+                continue;
             }
             if self.away_at(x, b) {
                 return None;
@@ -1010,11 +1073,42 @@ impl<'a> State<'a> {
             tier: Tier::Ssd,
             offload_end: a,
             prefetch_start: b,
-            cost_us: duration_us.max(1e-3),
+            cost_us: cost_us.max(1e-3),
             benefit,
             clean: false,
             recompute: true,
         })
+    }
+
+    /// Cut the chosen recomputation gap `(a, b)` of `x` at kernel `k` (where another
+    /// recomputation needs it): `x` is remade right before `k` (its inputs pinned there),
+    /// holds memory while `k` runs, and is dropped again after it until `b`.
+    fn split_drop(&mut self, x: TensorId, (a, b): (usize, usize), k: usize) {
+        let Some(&ci) = self.dropped_at.get(&(x, a)) else { return };
+        let (iv, fit) = self.chosen[ci];
+        let cost = self.trace.recompute_us(x).unwrap_or(0.0).max(1e-3);
+        self.chosen[ci] = (
+            InactiveInterval { next_access: k, ..iv },
+            Fit { prefetch_start: k, cost_us: cost, ..fit },
+        );
+        if let Some(v) = self.dropped.get_mut(&x) {
+            v.retain(|&g| g != (a, b));
+            v.push((a, k));
+        }
+        self.shift_memory(x_bytes(self.trace, x), k, k + 1);
+        if b > k + 1 {
+            self.dropped.entry(x).or_default().push((k, b));
+            self.dropped_at.insert((x, k), self.chosen.len());
+            let rest = InactiveInterval { last_access: k, ..iv };
+            self.chosen.push((rest, Fit { offload_end: k, prefetch_start: b, ..fit }));
+        } else {
+            // Used again right after: it stays.
+            self.shift_memory(x_bytes(self.trace, x), k + 1, b);
+        }
+        let inputs = self.trace.tensor(x).producer.clone().map(|p| p.inputs);
+        for y in inputs.unwrap_or_default() {
+            self.pin(y, k);
+        }
     }
 
     /// Whether the host tier has room for `iv` (always true for the SSD, and when re-timing
@@ -1182,14 +1276,13 @@ impl<'a> State<'a> {
             let (a, b) = (iv.last_access, iv.next_access);
             self.free_memory(iv.bytes, a + 1, b);
             self.dropped.entry(iv.tensor).or_default().push((a, b));
-            let inputs = self.trace.tensor(iv.tensor).producer.iter().flat_map(|p| &p.inputs);
-            for &x in inputs {
-                let pins = self.pins.entry(x).or_default();
-                let accessed = self.trace.tensor(x).accesses.binary_search(&b).is_ok();
-                if !accessed && !pins.contains(&b) {
-                    self.working[b] = self.working[b].saturating_add(self.trace.tensor(x).bytes);
+            self.dropped_at.insert((iv.tensor, a), self.chosen.len());
+            let inputs = self.trace.tensor(iv.tensor).producer.clone().map(|p| p.inputs);
+            for x in inputs.unwrap_or_default() {
+                if let Some(gap) = self.dropped_across(x, b) {
+                    self.split_drop(x, gap, b);
                 }
-                pins.push(b);
+                self.pin(x, b);
             }
             self.chosen.push((iv, fit));
             return false;
@@ -1331,6 +1424,10 @@ impl<'a> State<'a> {
             },
         }
     }
+}
+
+fn x_bytes(trace: &Trace, x: TensorId) -> i64 {
+    trace.tensor(x).bytes.min(i64::MAX as u64) as i64
 }
 
 /// A migration chosen by a non-bandwidth-aware policy: offload `tensor` to `tier` at boundary

@@ -35,7 +35,7 @@
 //! moves by the same score in every phase (a transfer's cost is its time on its path; `auto`
 //! compares the plan with the one that does not recompute, by simulation). A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
 //! runs before: their intervals across that kernel are split there (both halves stay
-//! candidates). The wear pass (`Mode::wear`, [`State::reduce_writes`]) runs last.
+//! candidates; the first may itself be recomputed there, a chain). The wear pass (`Mode::wear`, [`State::reduce_writes`]) runs last.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -73,6 +73,9 @@ impl Ord for Entry {
 }
 
 fn evaluate(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Option<Fit> {
+    if !st.moves {
+        return st.fit_recompute(iv);
+    }
     let moved = evaluate_move(st, iv, hybrid);
     let rc = st.fit_recompute(iv);
     match (moved, rc) {
@@ -187,7 +190,12 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (P
     for iv in ivs {
         c.push(iv);
     }
-    st.recompute = mode.recompute == RecomputeIn::Every;
+    if mode.recompute == RecomputeIn::First {
+        (st.recompute, st.moves) = (true, false);
+        greedy(&mut st, &mut c, mode.hybrid);
+        st.moves = true;
+    }
+    st.recompute = mode.recompute != RecomputeIn::Never;
     greedy(&mut st, &mut c, mode.hybrid);
     if st.mem.max() > 0 {
         // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
