@@ -31,5 +31,5 @@ step "pytest bindings/python/tests/torch"
 # from outside the repository, so `import teraio` is the installed wheel
 repo=$PWD
 cd "$(dirname "$VENV")"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$repo/bindings/python/tests/torch"
+TERAIO_REQUIRE_TORCH=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$repo/bindings/python/tests/torch"
 step "done"
