@@ -76,6 +76,8 @@ def test_divergence_and_bad_input_are_clear(tmp_path, planned):
     trace, plan, budget = planned
     tensors = trace.to_dict()["tensors"]
     with teraio.Engine(dir=tmp_path, files=2, file_size="128M", retain_on_prefetch=True) as eng:
+        with pytest.raises(teraio.InvalidArgumentError, match="teraio.Engine"):
+            teraio.Executor(trace.to_dict(), plan, gpu_budget_bytes=budget)
         with pytest.raises(teraio.InvalidArgumentError, match="alloc"):
             eng.executor(trace, plan, gpu_budget_bytes=budget, allocator=object())
         with pytest.raises(teraio.PlanError):

@@ -487,12 +487,20 @@ class Executor:
         self,
         engine: "Engine",
         trace: Union["Trace", Dict[str, Any], str],
-        plan: Union["Plan", Dict[str, Any], str],
+        plan: Union["Plan", Dict[str, Any], str, None] = None,
         *,
         gpu_budget_bytes: int,
         allocate_created: bool = False,
         allocator: Any = None,
     ) -> None:
+        if not isinstance(engine, Engine):
+            raise InvalidArgumentError(
+                "teraio.Executor(engine, trace, plan, ...): the first argument is the teraio.Engine "
+                f"whose store executes the plan, not {type(engine).__name__} (or call "
+                "engine.executor(trace, plan, ...))"
+            )
+        if plan is None:
+            raise InvalidArgumentError("teraio.Executor(engine, trace, plan, ...): the plan is missing")
         if isinstance(trace, dict):
             trace = Trace.from_dict(trace)
         elif isinstance(trace, str):
