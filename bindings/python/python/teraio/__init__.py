@@ -31,6 +31,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _teraio
+from . import _errors
 from ._errors import (
     ChecksumMismatchError,
     ClosedError,
@@ -837,25 +838,7 @@ __all__ = [
     "plan",
     "simulate",
     "compare_policies",
-    "TeraioError",
-    "InvalidArgumentError",
-    "InvalidHandleError",
-    "IoError",
-    "NoSpaceError",
-    "CorruptionError",
-    "ChecksumMismatchError",
-    "OverwriteRefusedError",
-    "UnknownTensorError",
-    "InvalidStateError",
-    "UnsupportedError",
-    "ClosedError",
-    "TraceError",
-    "PlanError",
-    "SimulationError",
-    "DivergedError",
-    "DeviceError",
-    "InternalError",
-]
+] + _errors.__all__
 
 if sys.version_info < (3, 9):  # pragma: no cover
     raise ImportError("teraio needs Python >= 3.9")
