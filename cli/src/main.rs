@@ -43,6 +43,9 @@ enum Command {
     Advise(cmd::advise::Args),
     /// Print the superblock, the tensors and the free space of a teraio array.
     Inspect(cmd::inspect::Args),
+    /// Device-side test of the GPU data paths (scripts/gpu-check.sh runs it on a GPU machine).
+    #[command(hide = true)]
+    GpuCheck(cmd::gpu_check::Args),
 }
 
 fn main() {
@@ -56,6 +59,7 @@ fn main() {
         Command::Simulate(a) => cmd::simulate::run(a),
         Command::Advise(a) => cmd::advise::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
+        Command::GpuCheck(a) => cmd::gpu_check::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

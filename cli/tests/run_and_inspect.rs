@@ -50,6 +50,29 @@ fn a_small_run_replays_verifies_and_agrees_on_memory() {
 }
 
 #[test]
+fn a_run_with_gpu_memory_moves_every_tensor_through_the_gpu_path() {
+    // The GPU is emulated in host memory (CI has none); the data path is the real pipeline.
+    let dir = tempfile::tempdir().unwrap();
+    let out = teraio()
+        .args(["run", "--json", "--iterations", "2", "--gpu", "0", "--gpu-emulated"])
+        .args(["--gpu-path", "bounce", "--file-size", "640M", "--probe-size", "64M"])
+        .args(["--backend", "psync", "--dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let v = json_of(&out);
+    assert_eq!(v["gpu"]["path"], "bounce");
+    let stats = &v["gpu"]["stats"];
+    let replay = &v["replay"];
+    assert!(stats["bounce_write"]["bytes"].as_u64().unwrap() > 0);
+    assert!(stats["bounce_read"]["bytes"].as_u64().unwrap() > 0);
+    let prefetches = replay["prefetches"].as_u64().unwrap();
+    let kept = replay["kept_copies"].as_u64().unwrap();
+    assert!(replay["verified_tensors"].as_u64().unwrap() >= prefetches - kept);
+    assert!(v["gpu"]["pcie_h2d_bytes_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
 fn run_explains_a_capacity_too_small_for_the_resident_tensors() {
     let dir = tempfile::tempdir().unwrap();
     let out = teraio()

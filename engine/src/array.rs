@@ -340,6 +340,15 @@ impl DeviceArray {
         }
     }
 
+    /// The paths of the devices, in array order, for other I/O paths to open (GPUDirect
+    /// Storage); `None` for simulated disks.
+    pub fn device_paths(&self) -> Option<Vec<PathBuf>> {
+        if self.backend.name() == "sim" {
+            return None;
+        }
+        Some(self.slots.iter().map(|s| s.path.clone()).collect())
+    }
+
     /// "uring", "psync" or "sim".
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()

@@ -15,6 +15,11 @@
 //! file_size = "64G"          # files are created or grown to this size (0: keep)
 //! persistent = true          # reopen after a crash with every acknowledged tensor
 //! host_tier = "32G"          # host memory as a second offload tier (0: none)
+//!
+//! [gpu]                      # optional: real GPU memory as a tier (feature `cuda`)
+//! device = 0                 # CUDA ordinal
+//! path = "auto"              # auto | gds | bounce (GPUDirect Storage or pinned bounce)
+//! budget = "40G"             # GPU memory the tier may hold (0: 90% of what is free)
 //! ```
 //!
 //! ```no_run
@@ -36,9 +41,10 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use crate::executor::{AllocFor, Executor, ExecutorConfig, TensorAllocator};
 use crate::pool::{BufferPool, PoolConfig};
-use crate::store::{StoreConfig, StoreMeta, TensorStore};
-use crate::tier::{HostTier, MemoryTier, TensorMem};
+use crate::store::{GpuIoConfig, GpuPath, GpuPathInfo, StoreConfig, StoreMeta, TensorStore};
+use crate::tier::{DeviceRuntime, HostDeviceTier, HostTier, MemoryTier, TensorMem};
 use crate::units::{ByteSize, parse_bytes};
 use crate::{Error, Result};
 
@@ -74,6 +80,63 @@ pub enum Overwrite {
     Teraio,
     /// Overwrite whatever the targets hold (`--force`).
     Anything,
+}
+
+/// The GPU section of an [`EngineConfig`]: which GPU's memory becomes the engine's GPU tier
+/// and how its tensors move to and from the array.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GpuConfig {
+    /// CUDA ordinal of the GPU (absent: no GPU tier).
+    pub device: Option<u32>,
+    /// Data path: auto (GPUDirect Storage where it runs peer to peer, else the pinned bounce),
+    /// gds (cuFile, also in its compatibility mode) or bounce.
+    pub path: GpuPath,
+    /// GPU memory the tier may hold, bytes (0: 90% of what is free when the engine opens).
+    #[serde(rename = "budget")]
+    pub budget_bytes: ByteSize,
+    /// Bounce path: bytes per pipelined chunk.
+    #[serde(rename = "chunk")]
+    pub chunk_bytes: ByteSize,
+    /// Bounce path: chunks in flight per operation (at least 2).
+    pub depth: usize,
+    /// GDS path: threads per array device issuing cuFile reads and writes.
+    pub gds_threads: usize,
+    /// GDS path: largest single cuFile request.
+    #[serde(rename = "gds_io")]
+    pub gds_io_bytes: ByteSize,
+    /// Host memory stands in for the GPU (the same data paths, no CUDA): tests and dry runs.
+    pub emulated: bool,
+}
+
+impl Default for GpuConfig {
+    /// No GPU; when one is named: auto path, 90% of free memory, the store's pipeline defaults.
+    fn default() -> Self {
+        let io = GpuIoConfig::default();
+        Self {
+            device: None,
+            path: io.path,
+            budget_bytes: ByteSize(0),
+            chunk_bytes: ByteSize(io.chunk_bytes),
+            depth: io.depth,
+            gds_threads: io.gds_threads_per_device,
+            gds_io_bytes: ByteSize(io.gds_io_bytes),
+            emulated: false,
+        }
+    }
+}
+
+impl GpuConfig {
+    /// The store's view of it.
+    pub fn io(&self) -> GpuIoConfig {
+        GpuIoConfig {
+            path: self.path,
+            chunk_bytes: self.chunk_bytes.0,
+            depth: self.depth,
+            gds_threads_per_device: self.gds_threads,
+            gds_io_bytes: self.gds_io_bytes.0,
+        }
+    }
 }
 
 /// Everything needed to open an [`Engine`]. Every field has a default, so a file may name only
@@ -128,6 +191,8 @@ pub struct EngineConfig {
     pub alloc_unit_bytes: ByteSize,
     /// Targets that already hold data.
     pub overwrite: Overwrite,
+    /// GPU memory as a tier (section `[gpu]`; none by default).
+    pub gpu: GpuConfig,
     /// Simulated disks instead of `targets` (tests and examples; not expressible in a file).
     #[serde(skip)]
     pub sim_disks: Vec<Arc<crate::backend::sim::SimDisk>>,
@@ -155,6 +220,7 @@ impl Default for EngineConfig {
             inflight_bytes_max: ByteSize(1 << 30),
             alloc_unit_bytes: ByteSize(1 << 20),
             overwrite: Overwrite::Refuse,
+            gpu: GpuConfig::default(),
             sim_disks: Vec::new(),
         }
     }
@@ -249,6 +315,10 @@ impl EngineConfig {
         if self.host_buffers_bytes.0 < 1 << 20 {
             return bad(format!("host_buffers {} is below 1 MiB", self.host_buffers_bytes.0));
         }
+        self.gpu.io().validate().map_err(|e| match e {
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("[gpu] {m}")),
+            e => e,
+        })?;
         Ok(())
     }
 
@@ -311,6 +381,50 @@ fn is_block_device(p: &Path) -> bool {
     std::fs::metadata(p).is_ok_and(|m| m.file_type().is_block_device())
 }
 
+/// The engine's GPU tier and its device.
+struct GpuTier {
+    tier: Arc<dyn MemoryTier>,
+    runtime: Arc<dyn DeviceRuntime>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<Arc<crate::cuda::CudaDevice>>,
+    description: String,
+}
+
+impl GpuTier {
+    fn open(cfg: &GpuConfig) -> Result<Option<GpuTier>> {
+        let Some(ordinal) = cfg.device else { return Ok(None) };
+        if cfg.emulated {
+            let budget = match cfg.budget_bytes.0 {
+                0 => 1 << 30,
+                n => n,
+            };
+            let t = HostDeviceTier::new(ordinal, budget);
+            return Ok(Some(GpuTier {
+                runtime: t.runtime().clone(),
+                description: format!("{} (host memory standing in for a GPU)", t.name()),
+                tier: t,
+                #[cfg(feature = "cuda")]
+                cuda: None,
+            }));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let device = crate::cuda::CudaDevice::open(ordinal)?;
+            let tier = crate::cuda::CudaTier::new(device.clone(), cfg.budget_bytes.0)?;
+            Ok(Some(GpuTier {
+                runtime: device.runtime(),
+                description: device.describe(),
+                tier,
+                cuda: Some(device),
+            }))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(Error::Unsupported(format!(
+            "GPU {ordinal} was configured but this teraio was built without the `cuda` feature"
+        )))
+    }
+}
+
 /// The engine: array, tensor store, host tier and host buffers, opened from one configuration.
 /// `Send + Sync`: share it behind an `Arc` between threads. Dropping it drains queued
 /// operations and, when persistent, writes a checkpoint.
@@ -318,7 +432,8 @@ pub struct Engine {
     config: EngineConfig,
     // Field order is drop order: the store (workers, queues) goes before the tiers and pools
     // whose memory its operations may hold.
-    store: TensorStore,
+    store: Arc<TensorStore>,
+    gpu: Option<GpuTier>,
     host_tier: Option<Arc<HostTier>>,
     buffers: Arc<BufferPool>,
     array: Arc<DeviceArray>,
@@ -339,6 +454,7 @@ impl Engine {
     /// tier and the host buffer pool.
     pub fn open(config: EngineConfig) -> Result<Engine> {
         let array = config.open_array()?;
+        let gpu = GpuTier::open(&config.gpu)?;
         let host_tier = match config.host_tier_bytes.0 {
             0 => None,
             n => Some(HostTier::new("host", n)?),
@@ -351,12 +467,13 @@ impl Engine {
         scfg.persistent = config.persistent;
         scfg.retain_on_prefetch = config.retain_on_prefetch;
         scfg.alloc_unit_bytes = config.alloc_unit_bytes.0;
-        let store = TensorStore::open(scfg)?;
+        scfg.gpu = config.gpu.io();
+        let store = Arc::new(TensorStore::open(scfg)?);
         let buffers = BufferPool::new(PoolConfig {
             capacity_bytes: config.host_buffers_bytes.0,
             ..PoolConfig::default()
         })?;
-        Ok(Engine { config, store, host_tier, buffers, array })
+        Ok(Engine { config, store, gpu, host_tier, buffers, array })
     }
 
     /// Read `path` ([`EngineConfig::from_file`]) and open it.
@@ -374,6 +491,30 @@ impl Engine {
         &self.store
     }
 
+    /// The store, shared (executors and bindings keep it alive).
+    pub fn store_arc(&self) -> &Arc<TensorStore> {
+        &self.store
+    }
+
+    /// A plan executor over this engine's store (see [`crate::executor`]); prefetched tensors
+    /// (and created ones, with `allocate_created`) land in memory from `alloc`.
+    pub fn executor(
+        &self,
+        trace: teraio_scheduler::Trace,
+        plan: teraio_scheduler::Plan,
+        config: ExecutorConfig,
+        alloc: Box<dyn TensorAllocator>,
+    ) -> Result<Executor> {
+        Executor::new(self.store.clone(), alloc, trace, plan, config)
+    }
+
+    /// A [`TensorAllocator`] over this engine's host buffers ([`alloc_host`](Self::alloc_host)):
+    /// the executor's memory when the "GPU" is emulated in host memory or the trainer runs on
+    /// the CPU.
+    pub fn host_allocator(&self) -> Box<dyn TensorAllocator> {
+        Box::new(HostBufferAllocator(self.buffers.clone()))
+    }
+
     /// The SSD array under the store.
     pub fn array(&self) -> &Arc<DeviceArray> {
         &self.array
@@ -382,6 +523,54 @@ impl Engine {
     /// The host offload tier, when configured.
     pub fn host_tier(&self) -> Option<&Arc<HostTier>> {
         self.host_tier.as_ref()
+    }
+
+    /// The GPU tier, when the configuration names a GPU.
+    pub fn gpu_tier(&self) -> Option<&Arc<dyn MemoryTier>> {
+        self.gpu.as_ref().map(|g| &g.tier)
+    }
+
+    /// The GPU (its copy queues, fences, crc32c), when the configuration names one.
+    pub fn gpu_runtime(&self) -> Option<&Arc<dyn DeviceRuntime>> {
+        self.gpu.as_ref().map(|g| &g.runtime)
+    }
+
+    /// "cuda:0 (NVIDIA H200, sm_90)", when the configuration names a GPU.
+    pub fn gpu_description(&self) -> Option<&str> {
+        self.gpu.as_ref().map(|g| g.description.as_str())
+    }
+
+    fn gpu_or_err(&self) -> Result<&GpuTier> {
+        self.gpu.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(
+                "the engine has no GPU: name one in the configuration ([gpu] device = 0)".into(),
+            )
+        })
+    }
+
+    /// GPU memory for a tensor of `bytes` bytes from the engine's GPU tier (`NoSpace` past its
+    /// budget).
+    pub fn alloc_gpu(&self, bytes: u64) -> Result<TensorMem> {
+        self.gpu_or_err()?.tier.alloc(bytes)
+    }
+
+    /// GPU memory a trainer owns (`len` bytes at device address `ptr`, e.g. a PyTorch tensor's
+    /// storage), checked to be device memory of the engine's GPU, aligned and in bounds.
+    pub fn wrap_gpu(&self, ptr: u64, len: u64) -> Result<TensorMem> {
+        let _g = self.gpu_or_err()?;
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &_g.cuda {
+            return crate::cuda::CudaMem::wrap_foreign(d, ptr, len);
+        }
+        Err(Error::Unsupported(format!(
+            "wrapping device pointer {ptr:#x} ({len} bytes) needs a real CUDA GPU"
+        )))
+    }
+
+    /// The data path the GPU's tensors take to and from the array, and why (opens cuFile on
+    /// first use).
+    pub fn gpu_path(&self) -> Result<GpuPathInfo> {
+        self.store.gpu_path(&self.gpu_or_err()?.runtime)
     }
 
     /// The pool behind [`alloc_host`](Self::alloc_host).
@@ -431,6 +620,27 @@ impl Engine {
         cfg.backend = BackendName::Psync;
         let array = cfg.open_array()?;
         crate::store::Persistence::inspect(&array)
+    }
+}
+
+/// Host buffers from the engine's pool, for an executor.
+struct HostBufferAllocator(Arc<BufferPool>);
+
+impl TensorAllocator for HostBufferAllocator {
+    fn alloc(
+        &mut self,
+        t: teraio_scheduler::TensorId,
+        bytes: u64,
+        _why: AllocFor,
+    ) -> Result<TensorMem> {
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::InvalidArgument(format!("{bytes} bytes do not fit in memory")))?;
+        self.0.alloc(len).map(TensorMem::Host).map_err(|e| match e {
+            Error::NoSpace(why) => Error::NoSpace(format!(
+                "engine host buffers, for tensor {t} ({why}); raise `host_buffers` in the engine configuration"
+            )),
+            e => e,
+        })
     }
 }
 
@@ -573,5 +783,40 @@ mod tests {
         assert!(e.contains("refusing to overwrite"), "{e}");
         cfg.overwrite = Overwrite::Anything;
         Engine::open(cfg).unwrap();
+    }
+
+    #[test]
+    fn the_gpu_section_opens_a_gpu_tier_whose_tensors_take_the_gpu_paths() {
+        let cfg = EngineConfig::from_toml_str(
+            "[gpu]\ndevice = 0\npath = \"bounce\"\nbudget = \"64M\"\nchunk = \"1M\"\nemulated = true\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.gpu.device, Some(0));
+        assert_eq!(cfg.gpu.path, GpuPath::Bounce);
+        let again = EngineConfig::from_toml_str(&cfg.to_toml()).unwrap();
+        assert_eq!(again.gpu, cfg.gpu);
+        let mut cfg = cfg;
+        cfg.sim_disks = (0..2).map(|i| SimDisk::new(64 << 20, 4096, i)).collect();
+        let engine = Engine::open(cfg).unwrap();
+        assert!(engine.gpu_description().unwrap().contains("standing in"));
+        let size = (3 << 20) + 5;
+        let data: Vec<u8> = (0..size).map(|i| (i % 253) as u8).collect();
+        let mut m = engine.alloc_gpu(size as u64).unwrap();
+        m.fill_from_host(&data).unwrap();
+        engine.store().offload(1, m, OffloadOptions::default()).unwrap().wait().unwrap();
+        let back = engine.store().prefetch_sync(1, engine.alloc_gpu(size as u64).unwrap()).unwrap();
+        let mut out = vec![0u8; size];
+        back.read_to_host(&mut out).unwrap();
+        assert!(out == data);
+        assert_eq!(engine.gpu_path().unwrap().path, "bounce");
+        assert_eq!(engine.store().gpu_stats().bounce_write.ops, 1);
+        assert!(engine.wrap_gpu(0x1000, 10).is_err(), "no foreign pointers on the emulation");
+        let e = EngineConfig::from_toml_str("[gpu]\ndepth = 1\n").unwrap_err().to_string();
+        assert!(e.contains("[gpu]") && e.contains("depth"), "{e}");
+        let plain =
+            Engine::open(EngineConfig::with_sim_disks(vec![SimDisk::new(16 << 20, 4096, 9)]))
+                .unwrap();
+        let e = plain.alloc_gpu(10).unwrap_err().to_string();
+        assert!(e.contains("no GPU"), "{e}");
     }
 }

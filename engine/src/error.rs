@@ -96,9 +96,23 @@ pub enum Error {
     /// A parameter is out of its valid range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The trainer's iteration left the plan (another kernel count, a tensor of another size);
+    /// the executor runs in safe mode until the caller re-plans.
+    #[error(
+        "the iteration diverged from the plan at kernel {kernel}: {detail}; the executor is in safe mode (nothing offloaded) until you re-plan"
+    )]
+    Diverged {
+        /// The caller's kernel.
+        kernel: usize,
+        /// What did not match.
+        detail: String,
+    },
     /// The feature is not available on this system or build.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A CUDA call (driver, NVRTC or cuFile) failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// The engine (or the component) was shut down.
     #[error("shut down: {0}")]
     Closed(&'static str),

@@ -8,16 +8,24 @@
 //! - [`device`] and [`array`]: where bytes live: opening targets, block sizes, the overwrite
 //!   guard, and striped tensor reads/writes over the layout's stripe map.
 //! - [`pool`]: huge-page backed, aligned host buffers that I/O can use directly.
-//! - [`tier`]: memory tiers (host now, CUDA behind a feature later) behind one trait.
+//! - [`tier`]: memory tiers behind one trait: host memory, device memory (CUDA, or its host
+//!   emulation for tests) with the traits the GPU data paths need.
+//! - `cuda` (feature `cuda`, on by default; libraries loaded at run time): the CUDA tier, the
+//!   GPU crc32c kernel and GPUDirect Storage (cuFile).
 //! - [`store`]: the tensor store (location table, checksums, persistent metadata).
 //! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
+//! - [`executor`]: executes a scheduler plan for a trainer that drives it (any front end).
 //! - [`runtime`]: replays a training iteration under a scheduler plan on the real engine.
 
 pub mod array;
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 mod engine;
 mod error;
+pub mod executor;
+pub mod gpucrc;
 pub mod migrate;
 pub mod pool;
 pub mod runtime;
@@ -25,5 +33,6 @@ pub mod store;
 pub mod tier;
 pub mod units;
 
-pub use engine::{BackendName, Engine, EngineConfig, Overwrite, parse_size};
+pub use engine::{BackendName, Engine, EngineConfig, GpuConfig, Overwrite, parse_size};
 pub use error::{Error, Result};
+pub use executor::{Executor, ExecutorConfig};

@@ -5,9 +5,18 @@
 //! memory; a CUDA tier arrives through the same trait. The store moves host memory to and from
 //! the SSD array directly (zero copy); memory the kernel cannot address directly (CUDA device
 //! memory without GPUDirect Storage) implements [`StagedMemory`] and is moved through pinned host
-//! staging buffers.
+//! staging buffers. Device memory ([`TensorMem::Device`], CUDA or its host emulation) moves
+//! through the store's GPU data paths (`store::gpu`): a pipelined pinned bounce or GPUDirect
+//! Storage.
+
+mod device;
 
 use std::sync::Arc;
+
+pub use device::{
+    CopyQueue, DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage, HostDevice,
+    HostDeviceTier,
+};
 
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
 use crate::{Error, Result};
@@ -31,8 +40,10 @@ pub trait StagedMemory: Send {
 pub enum TensorMem {
     /// Host memory from a buffer pool: the I/O backends read and write it directly.
     Host(IoBuf),
-    /// Memory moved through host staging buffers (e.g. CUDA device memory).
+    /// Memory moved through host staging buffers by synchronous copies.
     Staged(Box<dyn StagedMemory>),
+    /// Device (GPU) memory: moved by the store's pipelined bounce or GPUDirect Storage.
+    Device(Box<dyn DeviceMemory>),
 }
 
 impl std::fmt::Debug for TensorMem {
@@ -40,6 +51,13 @@ impl std::fmt::Debug for TensorMem {
         match self {
             TensorMem::Host(b) => write!(f, "TensorMem::Host({} bytes)", b.len()),
             TensorMem::Staged(m) => write!(f, "TensorMem::Staged({} bytes)", m.len()),
+            TensorMem::Device(m) => write!(
+                f,
+                "TensorMem::Device({} bytes at {:#x} on {})",
+                m.len(),
+                m.device_ptr(),
+                m.runtime().name()
+            ),
         }
     }
 }
@@ -50,6 +68,15 @@ impl TensorMem {
         match self {
             TensorMem::Host(b) => b.len() as u64,
             TensorMem::Staged(m) => m.len(),
+            TensorMem::Device(m) => m.len(),
+        }
+    }
+
+    /// The device memory, when it is device memory.
+    pub fn device(&self) -> Option<&dyn DeviceMemory> {
+        match self {
+            TensorMem::Device(m) => Some(m.as_ref()),
+            _ => None,
         }
     }
 
@@ -62,7 +89,7 @@ impl TensorMem {
     pub fn host(&self) -> Option<&[u8]> {
         match self {
             TensorMem::Host(b) => Some(&b[..]),
-            TensorMem::Staged(_) => None,
+            TensorMem::Staged(_) | TensorMem::Device(_) => None,
         }
     }
 
@@ -70,7 +97,7 @@ impl TensorMem {
     pub fn host_mut(&mut self) -> Option<&mut [u8]> {
         match self {
             TensorMem::Host(b) => Some(&mut b[..]),
-            TensorMem::Staged(_) => None,
+            TensorMem::Staged(_) | TensorMem::Device(_) => None,
         }
     }
 
@@ -84,6 +111,7 @@ impl TensorMem {
                 Ok(())
             }
             TensorMem::Staged(m) => m.copy_out(offset, dst),
+            TensorMem::Device(m) => device::copy_out(m.as_ref(), offset, dst),
         }
     }
 
@@ -97,6 +125,64 @@ impl TensorMem {
                 Ok(())
             }
             TensorMem::Staged(m) => m.copy_in(offset, src),
+            TensorMem::Device(m) => device::copy_in(m.as_mut(), offset, src),
+        }
+    }
+
+    /// Fill the whole tensor from `src` (exactly its length) in one copy: one DMA for device
+    /// memory, instead of many small [`copy_in`](Self::copy_in) calls.
+    pub fn fill_from_host(&mut self, src: &[u8]) -> Result<()> {
+        if src.len() as u64 != self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "filling a tensor of {} bytes from {} bytes",
+                self.len(),
+                src.len()
+            )));
+        }
+        self.copy_in(0, src)
+    }
+
+    /// Read the whole tensor into `dst` (exactly its length) in one copy.
+    pub fn read_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        if dst.len() as u64 != self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "reading a tensor of {} bytes into {} bytes",
+                self.len(),
+                dst.len()
+            )));
+        }
+        self.copy_out(0, dst)
+    }
+
+    /// Set every byte of the tensor to `value` (a device memset for GPU memory: no host copy).
+    pub fn fill_byte(&mut self, value: u8) -> Result<()> {
+        match self {
+            TensorMem::Host(b) => {
+                b.fill(value);
+                Ok(())
+            }
+            TensorMem::Device(m) => {
+                if let Some(f) = m.ready() {
+                    f.wait()?;
+                }
+                m.set_ready(None);
+                // SAFETY: the tensor's own live device memory, exclusively borrowed.
+                unsafe { m.runtime().memset(m.device_ptr(), m.len(), value) }
+            }
+            TensorMem::Staged(_) => {
+                let v = vec![value; self.len() as usize];
+                self.copy_in(0, &v)
+            }
+        }
+    }
+
+    /// Make work queued later on the caller's CUDA `stream` wait until the last prefetch into
+    /// this memory is complete, without blocking the host (no-op for host memory or when
+    /// nothing is pending).
+    pub fn wait_ready_on_stream(&self, stream: u64) -> Result<()> {
+        match self {
+            TensorMem::Device(m) => m.ready().map_or(Ok(()), |f| f.wait_on_stream(stream)),
+            _ => Ok(()),
         }
     }
 

@@ -41,13 +41,13 @@ fn replay_executes_the_plan_and_verifies_every_tensor_that_comes_back() {
             .unwrap();
     let mut scfg = StoreConfig::new(array);
     scfg.retain_on_prefetch = true;
-    let store = TensorStore::open(scfg).unwrap();
+    let store = Arc::new(TensorStore::open(scfg).unwrap());
     let backing: u64 =
         trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
     let gpu = HostTier::new("emulated-gpu", backing + (64 << 20)).unwrap();
     let cfg = ReplayConfig { gpu_capacity_bytes: hw.gpu_memory_bytes, ..ReplayConfig::default() };
     let mut calls = 0usize;
-    let report = replay(&trace, &p, &store, gpu.as_ref(), &cfg, &mut |_| calls += 1).unwrap();
+    let report = replay(&trace, &p, &store, gpu, &cfg, &mut |_| calls += 1).unwrap();
 
     assert_eq!(calls, 2 * trace.kernels.len(), "progress before every kernel of both iterations");
     assert!(report.peak_gpu_bytes <= hw.gpu_memory_bytes, "never above the emulated capacity");
@@ -78,9 +78,8 @@ fn replay_refuses_a_plan_for_another_trace() {
     let array =
         DeviceArray::open(ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect()))
             .unwrap();
-    let store = TensorStore::open(StoreConfig::new(array)).unwrap();
+    let store = Arc::new(TensorStore::open(StoreConfig::new(array)).unwrap());
     let gpu = HostTier::new("emulated-gpu", 1 << 30).unwrap();
-    let err = replay(&trace, &p, &store, gpu.as_ref(), &ReplayConfig::default(), &mut |_| {})
-        .unwrap_err();
+    let err = replay(&trace, &p, &store, gpu, &ReplayConfig::default(), &mut |_| {}).unwrap_err();
     assert!(err.to_string().contains("does not fit the trace"), "{err}");
 }

@@ -68,7 +68,8 @@ Examples:
   teraio bench --rw write --bs 1M --iodepth 32          # 4 files in ./teraio-data
   teraio bench --target /dev/nvme1n1 --target /dev/nvme2n1 --rw randread --bs 4k --force
   teraio bench --config teraio.toml --rw read --json     # the array an engine config names
-  teraio bench --tensors                                 # 1 MiB - 1 GiB tensors via the store")]
+  teraio bench --tensors                                 # 1 MiB - 1 GiB tensors via the store
+  teraio bench --gpu 0 --gpu-path gds --bs 64M --iodepth 8 --json   # GPU memory <-> the array")]
 pub struct Args {
     /// The array: --config FILE, --target PATH (repeat), or --files N in --dir.
     #[command(flatten)]
@@ -110,9 +111,21 @@ pub struct Args {
     /// (crc32c on; `--no-checksums` to leave it out).
     #[arg(long)]
     pub tensors: bool,
-    /// With --tensors: skip the store's crc32c per stripe unit.
-    #[arg(long, requires = "tensors")]
+    /// With --tensors or --gpu: skip the store's crc32c per stripe unit.
+    #[arg(long)]
     pub no_checksums: bool,
+    /// GPU <-> SSD array instead of host memory: `--bs`-sized tensors in this CUDA device's
+    /// memory are written to the array through the tensor store (`--iodepth` in flight,
+    /// `--size` per device in total), then read back, like gdsio or KvikIO's benchmark.
+    #[arg(long, value_name = "N", conflicts_with = "tensors")]
+    pub gpu: Option<u32>,
+    /// With --gpu: the data path (auto: GPUDirect Storage where it runs peer to peer, else the
+    /// pinned bounce pipeline; gds: cuFile, also in its compatibility mode; bounce).
+    #[arg(long, value_enum, default_value = "auto", requires = "gpu")]
+    pub gpu_path: GpuPathArg,
+    /// With --gpu: host memory stands in for the GPU (the same data paths; for tests).
+    #[arg(long, hide = true, requires = "gpu")]
+    pub gpu_emulated: bool,
 }
 
 impl Args {
@@ -133,16 +146,16 @@ impl Args {
 }
 
 /// Latency histograms of one direction (nanoseconds).
-struct DirStats {
-    ios: u64,
-    bytes: u64,
-    slat: Histogram<u64>,
-    clat: Histogram<u64>,
-    lat: Histogram<u64>,
+pub(crate) struct DirStats {
+    pub(super) ios: u64,
+    pub(super) bytes: u64,
+    pub(super) slat: Histogram<u64>,
+    pub(super) clat: Histogram<u64>,
+    pub(super) lat: Histogram<u64>,
 }
 
 impl DirStats {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         let h = || Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds");
         Self { ios: 0, bytes: 0, slat: h(), clat: h(), lat: h() }
     }
@@ -294,7 +307,7 @@ fn hist_json(h: &Histogram<u64>, with_percentiles: bool) -> Value {
     Value::Object(m)
 }
 
-fn dir_json(s: &DirStats, runtime: Duration) -> Value {
+pub(super) fn dir_json(s: &DirStats, runtime: Duration) -> Value {
     let secs = runtime.as_secs_f64().max(1e-9);
     let bw = s.bytes as f64 / secs;
     json!({
@@ -311,7 +324,7 @@ fn dir_json(s: &DirStats, runtime: Duration) -> Value {
     })
 }
 
-fn print_dir(name: &str, s: &DirStats, runtime: Duration) {
+pub(super) fn print_dir(name: &str, s: &DirStats, runtime: Duration) {
     if s.ios == 0 {
         return;
     }
@@ -457,8 +470,32 @@ struct Report {
     backing: teraio_engine::pool::PageBacking,
 }
 
+/// A GPU data path on the command line.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuPathArg {
+    /// GPUDirect Storage where it runs peer to peer, the pinned bounce pipeline otherwise.
+    Auto,
+    /// GPUDirect Storage (cuFile), also in its compatibility mode.
+    Gds,
+    /// The pinned-host bounce pipeline.
+    Bounce,
+}
+
+impl From<GpuPathArg> for teraio_engine::store::GpuPath {
+    fn from(p: GpuPathArg) -> Self {
+        match p {
+            GpuPathArg::Auto => Self::Auto,
+            GpuPathArg::Gds => Self::Gds,
+            GpuPathArg::Bounce => Self::Bounce,
+        }
+    }
+}
+
 /// Run `teraio bench`.
 pub fn run(args: Args) -> Result<()> {
+    if let Some(gpu) = args.gpu {
+        return super::bench_gpu::run(&args, gpu);
+    }
     if args.tensors {
         let cfg = args.engine_config()?;
         return super::bench_tensors::from_config(cfg, !args.no_checksums, args.seed, args.json);
@@ -614,6 +651,9 @@ mod tests {
             seed: 1,
             tensors: false,
             no_checksums: false,
+            gpu: None,
+            gpu_path: GpuPathArg::Auto,
+            gpu_emulated: false,
         };
         let r = execute(&args).unwrap();
         assert_eq!(r.wr.ios, 32);

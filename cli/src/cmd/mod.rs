@@ -3,8 +3,10 @@
 pub mod advise;
 pub mod analyze;
 pub mod bench;
+pub mod bench_gpu;
 pub mod bench_tensors;
 pub mod engine_args;
+pub mod gpu_check;
 pub mod hw_args;
 pub mod inspect;
 pub mod plan;

@@ -12,12 +12,13 @@ use teraio_engine::migrate::Priority;
 use teraio_engine::pool::BufferPool;
 use teraio_engine::runtime::{ReplayConfig, ReplayReport, replay};
 use teraio_engine::store::OffloadOptions;
-use teraio_engine::tier::{HostTier, TensorMem};
+use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::units::ByteSize;
 use teraio_scheduler::{
     Hardware, ModelConfig, Policy, SimOptions, SimReport, Trace, generate, plan, simulate,
 };
 
+use super::bench::GpuPathArg;
 use super::engine_args::ArrayArgs;
 use crate::units::{gb, gbps, parse_size, parse_size_or_zero};
 use crate::{CliError, Result};
@@ -39,7 +40,8 @@ Examples:
   teraio run                                   # gpt2-replay, 60% of its peak memory
   teraio run --gpu-memory 900M --time-scale 0.5
   teraio run --device /dev/nvme1n1 --device /dev/nvme2n1 --force
-  teraio run --json > run.json --plot run.svg")]
+  teraio run --json > run.json --plot run.svg
+  teraio run --gpu 0 --gpu-path auto           # tensors in real GPU memory (CUDA)")]
 pub struct Args {
     /// Model preset of the trace, with optional overrides `NAME[,KEY=VALUE|,FLAG]...` (see
     /// `teraio trace gen --help`; e.g. `gpt2-replay,selective-recompute`).
@@ -80,6 +82,17 @@ pub struct Args {
     /// Write an SVG: GPU memory over time (replayed, simulated, all resident) and capacity.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+    /// Put every tensor in the memory of this CUDA device (real GPU memory, moved through the
+    /// GPU data paths); without it GPU memory is emulated in host memory. The cap is still
+    /// --gpu-memory, enforced by the runtime's accounting.
+    #[arg(long, value_name = "N")]
+    pub gpu: Option<u32>,
+    /// With --gpu: the data path (auto, gds, bounce; see `teraio bench --help`).
+    #[arg(long, value_enum, default_value = "auto", requires = "gpu")]
+    pub gpu_path: GpuPathArg,
+    /// With --gpu: host memory stands in for the GPU (the same data paths; for tests).
+    #[arg(long, hide = true, requires = "gpu")]
+    pub gpu_emulated: bool,
 }
 
 fn load_trace(args: &Args) -> Result<Trace> {
@@ -109,14 +122,24 @@ fn probe_tensors(total: u64) -> u64 {
     total.div_ceil(PROBE_TENSOR_BYTES).max(4)
 }
 
-/// Write, read, then write and read at once `total` bytes of 32 MiB tensors through the store.
+/// Memory for a probe tensor: the engine's GPU memory with `--gpu`, its host buffers without.
+fn probe_mem(engine: &Engine) -> Result<TensorMem> {
+    Ok(match engine.gpu_tier() {
+        Some(_) => engine.alloc_gpu(PROBE_TENSOR_BYTES)?,
+        None => engine.alloc_host(PROBE_TENSOR_BYTES)?,
+    })
+}
+
+/// Write, read, then write and read at once `total` bytes of 32 MiB tensors through the store
+/// (from and to GPU memory with `--gpu`: the same path the replay takes).
 fn measure(engine: &Engine, total: u64) -> Result<Measured> {
     const BASE: u64 = u64::MAX - (1 << 20);
     let count = probe_tensors(total);
     let store = engine.store();
     let mem = |i: u64| -> Result<TensorMem> {
-        let mut m = engine.alloc_host(PROBE_TENSOR_BYTES)?;
-        m.host_mut().expect("engine buffers are host memory").fill(i as u8 ^ 0x5a);
+        let mut m = probe_mem(engine)?;
+        let fill = vec![i as u8 ^ 0x5a; PROBE_TENSOR_BYTES as usize];
+        m.fill_from_host(&fill)?;
         Ok(m)
     };
     let offload_all = |first: u64, mems: Vec<TensorMem>| {
@@ -128,10 +151,10 @@ fn measure(engine: &Engine, total: u64) -> Result<Measured> {
     let prefetch_all = |first: u64| {
         (0..count)
             .map(|i| {
-                let dst = engine.alloc_host(PROBE_TENSOR_BYTES)?;
-                store.prefetch(first + i, dst, Priority::Normal)
+                let dst = probe_mem(engine)?;
+                store.prefetch(first + i, dst, Priority::Normal).map_err(crate::CliError::from)
             })
-            .collect::<std::result::Result<Vec<_>, _>>()
+            .collect::<Result<Vec<_>>>()
     };
     let bytes = (count * PROBE_TENSOR_BYTES) as f64;
     // Writing alone.
@@ -156,7 +179,7 @@ fn measure(engine: &Engine, total: u64) -> Result<Measured> {
     for (i, m) in mems.into_iter().enumerate() {
         let i = i as u64;
         let w = store.offload(BASE - count + i, m, OffloadOptions::default())?;
-        let dst = engine.alloc_host(PROBE_TENSOR_BYTES)?;
+        let dst = probe_mem(engine)?;
         let r = store.prefetch(BASE + i, dst, Priority::Normal)?;
         handles.push((w, r));
     }
@@ -210,6 +233,42 @@ fn runtime_ssd_bytes(trace: &Trace, plan: &teraio_scheduler::Plan, block: u32, p
     held.max(peak)
 }
 
+/// Pinned host <-> GPU copy bandwidth (bytes/s, host-to-device and device-to-host) of 256 MiB,
+/// for the hardware model of `--gpu`.
+fn measure_pcie(engine: &Engine) -> Result<(f64, f64)> {
+    const BYTES: u64 = 256 << 20;
+    let rt = engine.gpu_runtime().expect("called with a GPU");
+    let dev = engine.alloc_gpu(BYTES)?;
+    let mut host = engine.alloc_host(BYTES)?;
+    let h = host.host_mut().expect("engine buffers are host memory");
+    h.fill(1);
+    let ptr = h.as_mut_ptr();
+    // SAFETY: `host` stays alive (and mapped) until after unpin below.
+    unsafe { rt.pin_host(ptr, BYTES as usize)? };
+    let d = dev.device().expect("GPU memory").device_ptr();
+    let time = |h2d: bool| -> Result<f64> {
+        let mut q = rt.copy_queue()?;
+        let start = Instant::now();
+        for _ in 0..4 {
+            // SAFETY: both ranges are live allocations of BYTES bytes, used by nobody else
+            // until the fence below completed.
+            unsafe {
+                if h2d {
+                    q.host_to_device(ptr, d, BYTES as usize)?;
+                } else {
+                    q.device_to_host(d, ptr, BYTES as usize)?;
+                }
+            }
+        }
+        q.fence()?.wait()?;
+        Ok(4.0 * BYTES as f64 / start.elapsed().as_secs_f64())
+    };
+    let r = time(true).and_then(|h2d| time(false).map(|d2h| (h2d, d2h)));
+    // SAFETY: pinned above; no copy uses it any more (the fences completed).
+    unsafe { rt.unpin_host(ptr)? };
+    r
+}
+
 /// Run `teraio run`.
 pub fn run(args: Args) -> Result<()> {
     if args.iterations == 0 {
@@ -247,10 +306,31 @@ pub fn run(args: Args) -> Result<()> {
     ecfg.retain_on_prefetch = true;
     // The probe's buffers: two sets of probe tensors in flight at once.
     let probe_buffers = (2 * probe_tensors(args.probe_size) + 2) * PROBE_TENSOR_BYTES;
-    ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers));
+    ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers + (256 << 20)));
+    // Every tensor keeps its own buffer between uses (see `engine::runtime`): the tier holds
+    // them all; the cap the plan runs under is the runtime's exact-byte accounting.
+    let backing: u64 =
+        trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
+    if let Some(n) = args.gpu {
+        ecfg.gpu.device = Some(n);
+        ecfg.gpu.path = args.gpu_path.into();
+        ecfg.gpu.emulated = args.gpu_emulated;
+        ecfg.gpu.budget_bytes = ByteSize(backing.max(probe_buffers) + (512 << 20));
+    }
     let engine = Engine::open(ecfg)?;
+    let gpu_what = match engine.gpu_description() {
+        Some(d) => {
+            let info = engine.gpu_path()?;
+            say(format!("GPU memory: {d}; data path {} ({})", info.path, info.reason));
+            Some((d.to_string(), info))
+        }
+        None => {
+            say("GPU memory: emulated in host memory (pass --gpu N for a CUDA device's memory)"
+                .into());
+            None
+        }
+    };
     let array = engine.array().clone();
-    let store = engine.store();
     let array_what = engine.describe();
     check_room(
         "measuring it",
@@ -289,6 +369,14 @@ pub fn run(args: Args) -> Result<()> {
     let slack =
         trace.tensors.len() as u64 * u64::from(array.geometry().block_bytes) * (devices + 1);
     hw.ssd_capacity_bytes = Some((engine.capacity_bytes().saturating_sub(slack) / devices).max(1));
+    if gpu_what.is_some() {
+        // Real GPU memory: the PCIe hop is measured; the measured array bandwidth above already
+        // went GPU <-> SSD through the chosen path (the bounce pipeline overlaps PCIe and SSD).
+        let (h2d, d2h) = measure_pcie(&engine)?;
+        say(format!("PCIe (pinned copies): host -> GPU {}, GPU -> host {}", gbps(h2d), gbps(d2h)));
+        hw.pcie_h2d_bytes_per_s = h2d;
+        hw.pcie_d2h_bytes_per_s = d2h;
+    }
 
     // The plan is checked in the simulator before it runs. A plan that cannot run (an
     // allocation that nothing in flight could ever satisfy) is made again for a little less
@@ -340,11 +428,13 @@ pub fn run(args: Args) -> Result<()> {
         sim.percent_of_ideal
     ));
 
-    // Emulated GPU memory: exact-byte accounting in the runtime; real buffers from a pool big
-    // enough for every tensor to keep its own, faulted-in buffer (see `engine::runtime`).
-    let backing: u64 =
-        trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
-    let gpu = HostTier::new("emulated-gpu", backing + (64 << 20))?;
+    // GPU memory: exact-byte accounting in the runtime; real buffers from a tier big enough for
+    // every tensor to keep its own buffer (see `engine::runtime`): the CUDA tier with --gpu,
+    // host memory emulating it otherwise.
+    let gpu: std::sync::Arc<dyn MemoryTier> = match engine.gpu_tier() {
+        Some(t) => t.clone(),
+        None => HostTier::new("emulated-gpu", backing + (64 << 20))?,
+    };
     let kernels = trace.kernels.len() as u64;
     let bar = if args.json {
         ProgressBar::hidden()
@@ -366,7 +456,7 @@ pub fn run(args: Args) -> Result<()> {
         iterations: args.iterations,
         verify: !args.no_verify,
     };
-    let report = replay(&trace, &p, store, gpu.as_ref(), &cfg, &mut |pr| {
+    let report = replay(&trace, &p, engine.store_arc(), gpu, &cfg, &mut |pr| {
         bar.set_message(format!("iteration {}/{}", pr.iteration + 1, args.iterations));
         bar.set_position((pr.iteration * pr.kernels + pr.kernel) as u64);
     });
@@ -389,6 +479,15 @@ pub fn run(args: Args) -> Result<()> {
             "policy": p.policy,
             "peak_resident_bytes": peak,
             "gpu_capacity_bytes": capacity,
+            "gpu": gpu_what.as_ref().map(|(d, info)| json!({
+                "device": d,
+                "path": info.path,
+                "reason": info.reason,
+                "cufile_mode": info.direct_mode.map(|m| m.describe()),
+                "pcie_h2d_bytes_per_s": hw.pcie_h2d_bytes_per_s,
+                "pcie_d2h_bytes_per_s": hw.pcie_d2h_bytes_per_s,
+                "stats": engine.store().gpu_stats(),
+            })),
             "array": {
                 "what": array_what,
                 "devices": array.device_count(),
@@ -478,6 +577,19 @@ pub fn run(args: Args) -> Result<()> {
         gb(report.verified_bytes as f64),
         st.chunks_verified
     );
+    if let Some((d, info)) = &gpu_what {
+        let g = engine.store().gpu_stats();
+        println!(
+            "{d}: {} path ({}); bounce {} out / {} in, gds {} out / {} in, GPU crc32c {:.3} s",
+            info.path,
+            info.direct_mode.map_or("cuFile not used", |m| m.describe()),
+            gb(g.bounce_write.bytes as f64),
+            gb(g.bounce_read.bytes as f64),
+            gb(g.gds_write.bytes as f64),
+            gb(g.gds_read.bytes as f64),
+            g.gpu_crc_ns as f64 * 1e-9
+        );
+    }
     if report.overrun_s > 0.05 * real_s {
         println!(
             "note: the emulation itself ran {:.2} s over kernel durations (filling and verifying buffers on this CPU)",

@@ -24,6 +24,7 @@
 //! - A prefetch verifies the crc32c of every chunk (stripe unit) it read; a mismatch is
 //!   [`Error::ChecksumMismatch`] naming the tensor, never bad data.
 
+mod gpu;
 mod persist;
 
 use std::collections::{HashMap, VecDeque};
@@ -40,9 +41,10 @@ use teraio_layout::format::RecordBody;
 use crate::array::DeviceArray;
 use crate::migrate::{Budget, Handle, Priority, Queues, Slot, StoreStats};
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
-use crate::tier::{MemoryTier, TensorMem};
+use crate::tier::{DeviceFence, DeviceRuntime, MemoryTier, TensorMem};
 use crate::{Error, Result};
 
+pub use gpu::{GpuIoConfig, GpuPath, GpuPathInfo, GpuStats, PathStats, select_path};
 pub use persist::{DeviceMeta, Persistence, StoreMeta, TensorMeta};
 
 /// A tensor's identifier, chosen by the caller.
@@ -140,6 +142,8 @@ pub struct StoreConfig {
     pub retain_on_prefetch: bool,
     /// Allocation unit of the extent allocator (a power of two >= 4 KiB).
     pub alloc_unit_bytes: u64,
+    /// How device (GPU) memory moves: path (auto, gds, bounce) and pipeline sizes.
+    pub gpu: GpuIoConfig,
 }
 
 impl StoreConfig {
@@ -155,6 +159,7 @@ impl StoreConfig {
             persistent: false,
             retain_on_prefetch: false,
             alloc_unit_bytes: 1 << 20,
+            gpu: GpuIoConfig::default(),
         }
     }
 }
@@ -168,8 +173,16 @@ pub(crate) struct SsdCopy {
 }
 
 enum OpKind {
-    Offload { src: Option<TensorMem>, destination: Destination, name: Option<String> },
-    Prefetch { dst: Option<TensorMem> },
+    Offload {
+        src: Option<TensorMem>,
+        destination: Destination,
+        name: Option<String>,
+        /// Wait on this fence (recorded on the caller's stream) before reading `src`.
+        after: Option<Box<dyn DeviceFence>>,
+    },
+    Prefetch {
+        dst: Option<TensorMem>,
+    },
     Free,
 }
 
@@ -246,6 +259,7 @@ struct Inner {
     stats: Mutex<StoreStats>,
     persist: Option<Persistence>,
     retain: bool,
+    gpu: gpu::GpuState,
 }
 
 /// The tensor store. Cheap to share (`Arc`); dropping the last handle drains the queues, stops
@@ -306,6 +320,7 @@ impl TensorStore {
             stats: Mutex::new(StoreStats::default()),
             retain: persist.is_some() || config.retain_on_prefetch,
             persist,
+            gpu: gpu::GpuState::new(config.gpu, config.workers)?,
         });
         let workers = (0..config.workers)
             .map(|i| {
@@ -336,8 +351,41 @@ impl TensorStore {
         options: OffloadOptions,
     ) -> Result<Handle<OffloadOutcome>> {
         let slot = Slot::new();
-        self.enqueue_offload(id, src, options, Done::Offload(slot.clone()))?;
+        self.enqueue_offload(id, src, options, None, Done::Offload(slot.clone()))?;
         Ok(Handle::new(slot))
+    }
+
+    /// Offload device memory `src` once the work already queued on the caller's CUDA `stream`
+    /// (a `CUstream` as an integer) has finished: an event is recorded on that stream now and the
+    /// worker waits on it before it reads the tensor. The caller's stream is never blocked and
+    /// the device is never synchronized as a whole.
+    pub fn offload_after_stream(
+        &self,
+        id: TensorId,
+        src: TensorMem,
+        options: OffloadOptions,
+        stream: u64,
+    ) -> Result<Handle<OffloadOutcome>> {
+        let Some(dev) = src.device() else {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {id}: offload_after_stream takes device memory, not {src:?}"
+            )));
+        };
+        let fence = dev.runtime().record_on_stream(stream)?;
+        let slot = Slot::new();
+        self.enqueue_offload(id, src, options, Some(fence), Done::Offload(slot.clone()))?;
+        Ok(Handle::new(slot))
+    }
+
+    /// The data path that device memory of `runtime` takes to and from this store's array
+    /// (decided on first use: direct storage is opened then), and why.
+    pub fn gpu_path(&self, runtime: &Arc<dyn DeviceRuntime>) -> Result<GpuPathInfo> {
+        self.inner.gpu.route_info(&self.inner.array, runtime).map(|(_, info)| info)
+    }
+
+    /// What the GPU data paths did so far.
+    pub fn gpu_stats(&self) -> GpuStats {
+        self.inner.gpu.stats()
     }
 
     /// Like [`offload`](Self::offload), but the source memory comes back through the handle
@@ -351,7 +399,7 @@ impl TensorStore {
         options: OffloadOptions,
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
         let slot = Slot::new();
-        self.enqueue_offload(id, src, options, Done::OffloadKeep(slot.clone()))?;
+        self.enqueue_offload(id, src, options, None, Done::OffloadKeep(slot.clone()))?;
         Ok(Handle::new(slot))
     }
 
@@ -360,6 +408,7 @@ impl TensorStore {
         id: TensorId,
         src: TensorMem,
         options: OffloadOptions,
+        after: Option<Box<dyn DeviceFence>>,
         done: Done,
     ) -> Result<()> {
         if src.is_empty() {
@@ -376,6 +425,7 @@ impl TensorStore {
                 src: Some(src),
                 destination: options.destination,
                 name: options.name,
+                after,
             },
             priority: options.priority,
             enqueued: Instant::now(),
@@ -417,7 +467,8 @@ impl TensorStore {
             if entry.queue.is_empty() {
                 entry.active = Active::Idle;
             }
-            let (OpKind::Offload { src: Some(src), .. }, Done::Offload(slot)) = (op.kind, op.done)
+            let (OpKind::Offload { src: Some(src), after, .. }, Done::Offload(slot)) =
+                (op.kind, op.done)
             else {
                 unreachable!("a queued offload owns its source")
             };
@@ -425,7 +476,11 @@ impl TensorStore {
             self.inner.queued.release(1);
             self.inner.stats.lock().offloads_cancelled += 1;
             slot.complete(Ok(OffloadOutcome::Cancelled));
-            let copied = src.copy_into(&mut dst).map(|()| dst);
+            // The caller's queued work on the source finishes before it is copied.
+            let copied = after
+                .map_or(Ok(()), |f| f.wait())
+                .and_then(|()| src.copy_into(&mut dst))
+                .map(|()| dst);
             return Ok(Handle::ready(copied));
         }
         if entry.queue.is_empty() && !entry.has_copy() {
@@ -624,9 +679,12 @@ impl Inner {
             let kind = std::mem::replace(&mut op.kind, OpKind::Free);
             // Put a marker back so location() still says what runs.
             op.kind = match &kind {
-                OpKind::Offload { destination, .. } => {
-                    OpKind::Offload { src: None, destination: *destination, name: None }
-                }
+                OpKind::Offload { destination, .. } => OpKind::Offload {
+                    src: None,
+                    destination: *destination,
+                    name: None,
+                    after: None,
+                },
                 OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None },
                 OpKind::Free => OpKind::Free,
             };
@@ -643,12 +701,16 @@ impl Inner {
         };
         self.stats.lock().queue_wait[priority as usize].record(enqueued.elapsed());
         let (outcome, update) = match kind {
-            OpKind::Offload { src, destination, name } => {
+            OpKind::Offload { src, destination, name, after } => {
                 drop(held); // a newer version replaces the memory of a failed offload
                 let src = src.expect("a dispatched offload owns its source");
                 // The entry's size is that of the newest offload issued; this one has its own.
                 let size = src.len();
-                self.run_offload(id, size, src, destination, name)
+                // The caller's queued work on the tensor finishes before it is read.
+                match after.map_or(Ok(()), |f| f.wait()) {
+                    Ok(()) => self.run_offload(id, size, src, destination, name),
+                    Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
+                }
             }
             OpKind::Prefetch { dst } => {
                 let dst = dst.expect("a dispatched prefetch owns its destination");
@@ -968,6 +1030,20 @@ impl Inner {
             }
             Err(Box::new((e, src)))
         };
+        // Device memory takes the GPU data paths (pipelined bounce or GPUDirect Storage).
+        if let TensorMem::Device(dev) = &src {
+            let r = self.gpu.write(&self.array, &self.staging, &map, dev.as_ref(), self.checksums);
+            let checksums = match r {
+                Ok(c) => c,
+                Err(e) => return fail(e, src),
+            };
+            if self.persist.is_some()
+                && let Err(e) = self.array.sync()
+            {
+                return fail(e, src);
+            }
+            return Ok((SsdCopy { map, chunk_bytes: chunk, checksums }, src));
+        }
         // Host memory goes to the device directly; other memory through a staging buffer.
         let (buf, src_back) = match src {
             TensorMem::Host(mut b) => {
@@ -981,6 +1057,7 @@ impl Inner {
                 b.set_len(padded);
                 (b, None)
             }
+            TensorMem::Device(_) => unreachable!("device memory returned above"),
             staged @ TensorMem::Staged(_) => {
                 let mut b = match self.staging.alloc(padded) {
                     Ok(b) => b,
@@ -1081,6 +1158,13 @@ impl Inner {
     fn read_from_ssd(&self, id: TensorId, dst: TensorMem, copy: &SsdCopy) -> Result<TensorMem> {
         let size = copy.map.size_bytes();
         let padded = copy.map.padded_bytes() as usize;
+        if let TensorMem::Device(mut dev) = dst {
+            let sums: &[u32] = if self.checksums { &copy.checksums } else { &[] };
+            let name = id.to_string();
+            self.gpu.read(&self.array, &self.staging, &copy.map, dev.as_mut(), sums, &name)?;
+            self.stats.lock().chunks_verified += sums.len() as u64;
+            return Ok(TensorMem::Device(dev));
+        }
         let (buf, staged) = match dst {
             TensorMem::Host(mut b) => {
                 if b.capacity() < padded {
@@ -1092,6 +1176,7 @@ impl Inner {
                 b.set_len(padded);
                 (b, None)
             }
+            TensorMem::Device(_) => unreachable!("device memory returned above"),
             staged @ TensorMem::Staged(_) => (self.staging.alloc(padded)?, Some(staged)),
         };
         let (mut buf, r) = self.array.read_tensor(&copy.map, 0..size, buf).wait();

@@ -1,0 +1,464 @@
+//! The plan executor through the C ABI (docs/EXECUTOR.md): the engine's `Executor` behind a
+//! handle, with the caller's memory moved through the store's staging buffers and, optionally,
+//! the caller's allocator for prefetch destinations and created tensors.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void};
+use std::sync::Arc;
+
+use ::teraio_engine::executor::{AllocFor, Event, Executor, ExecutorConfig, TensorAllocator};
+use ::teraio_engine::tier::{StagedMemory, TensorMem};
+use parking_lot::Mutex;
+use teraio_bindings_core::{self as core, Error, Status};
+use teraio_scheduler::TensorId;
+
+use crate::ffi::{arg_str, guard, need, opt_str, put, put_string};
+use crate::registry::{Kind, Registry};
+use crate::{TRACES, handle, teraio_engine, teraio_status, teraio_trace, with_engine};
+
+/// A plan executor (opaque).
+pub struct teraio_executor {
+    _private: [u8; 0],
+}
+
+/// The executor asks for memory of a tensor a kernel creates (`allocate_created`).
+pub const TERAIO_ALLOC_CREATE: i32 = 0;
+/// The executor asks for the destination of a prefetch.
+pub const TERAIO_ALLOC_PREFETCH: i32 = 1;
+
+/// Where an executor's memory comes from: `alloc` returns `bytes` bytes for tensor `tensor`
+/// (`why`: `TERAIO_ALLOC_*`) or NULL on failure; `release` (may be NULL) gets memory the
+/// executor no longer holds (an offload was stored, the tensor died), attached or allocated.
+/// Both are called from the thread calling the executor function that needs them, while that
+/// call runs; `ctx` is passed through.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct teraio_allocator {
+    /// Passed to the callbacks.
+    pub ctx: *mut c_void,
+    /// Memory for a tensor.
+    pub alloc: Option<unsafe extern "C" fn(*mut c_void, u32, u64, i32) -> *mut c_void>,
+    /// Memory given back (may be NULL).
+    pub release: Option<unsafe extern "C" fn(*mut c_void, u32, *mut c_void, u64)>,
+}
+
+/// tensor -> (address, length) of the caller memory holding it now.
+type Table = Arc<Mutex<HashMap<u32, (usize, usize)>>>;
+
+/// Caller memory, moved through the store's staging buffers.
+struct CMem {
+    addr: usize,
+    len: usize,
+}
+
+impl StagedMemory for CMem {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn copy_out(&self, offset: u64, dst: &mut [u8]) -> ::teraio_engine::Result<()> {
+        let o = range(offset, dst.len(), self.len)?;
+        // SAFETY: the caller attached (or its allocator returned) `len` bytes at `addr`, valid
+        // until the executor releases them; the range was checked.
+        let src = unsafe { std::slice::from_raw_parts((self.addr + o) as *const u8, dst.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_in(&mut self, offset: u64, src: &[u8]) -> ::teraio_engine::Result<()> {
+        let o = range(offset, src.len(), self.len)?;
+        // SAFETY: as in copy_out; the memory is writable by the same contract.
+        let dst = unsafe { std::slice::from_raw_parts_mut((self.addr + o) as *mut u8, src.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+fn range(offset: u64, n: usize, len: usize) -> ::teraio_engine::Result<usize> {
+    match usize::try_from(offset).ok().and_then(|o| o.checked_add(n).map(|e| (o, e))) {
+        Some((o, e)) if e <= len => Ok(o),
+        _ => Err(::teraio_engine::Error::InvalidArgument(format!(
+            "range {offset}+{n} is outside {len} bytes"
+        ))),
+    }
+}
+
+struct CAllocator {
+    a: teraio_allocator,
+    table: Table,
+}
+
+// SAFETY: the C caller guarantees (docs/C_ABI.md) that its allocator's callbacks and `ctx` may
+// be used from whichever thread calls the executor; teraio calls them only during such calls,
+// one at a time (the executor is behind a mutex).
+unsafe impl Send for CAllocator {}
+
+impl TensorAllocator for CAllocator {
+    fn alloc(
+        &mut self,
+        t: TensorId,
+        bytes: u64,
+        why: AllocFor,
+    ) -> ::teraio_engine::Result<TensorMem> {
+        let why = match why {
+            AllocFor::Create => TERAIO_ALLOC_CREATE,
+            AllocFor::Prefetch => TERAIO_ALLOC_PREFETCH,
+        };
+        let f = self.a.alloc.ok_or_else(|| {
+            ::teraio_engine::Error::InvalidArgument("the allocator has no alloc callback".into())
+        })?;
+        // SAFETY: a C function pointer the caller registered, called with its own context.
+        let p = unsafe { f(self.a.ctx, t.0, bytes, why) };
+        if p.is_null() {
+            return Err(::teraio_engine::Error::NoSpace(format!(
+                "the allocator returned NULL for tensor {t} ({bytes} bytes)"
+            )));
+        }
+        let len = usize::try_from(bytes).map_err(|_| {
+            ::teraio_engine::Error::InvalidArgument(format!("{bytes} bytes do not fit in memory"))
+        })?;
+        self.table.lock().insert(t.0, (p as usize, len));
+        Ok(TensorMem::Staged(Box::new(CMem { addr: p as usize, len })))
+    }
+
+    fn release(&mut self, t: TensorId, mem: TensorMem) {
+        drop(mem);
+        let held = self.table.lock().remove(&t.0);
+        if let (Some(f), Some((p, len))) = (self.a.release, held) {
+            // SAFETY: the caller's callback, with memory it attached or allocated.
+            unsafe { f(self.a.ctx, t.0, p as *mut c_void, len as u64) };
+        }
+    }
+}
+
+/// Engine host memory for the executor, remembering nothing (the default allocator).
+struct EngineAllocator {
+    inner: Box<dyn TensorAllocator>,
+    table: Table,
+}
+
+impl TensorAllocator for EngineAllocator {
+    fn alloc(
+        &mut self,
+        t: TensorId,
+        bytes: u64,
+        why: AllocFor,
+    ) -> ::teraio_engine::Result<TensorMem> {
+        self.table.lock().remove(&t.0);
+        self.inner.alloc(t, bytes, why)
+    }
+
+    fn release(&mut self, t: TensorId, mem: TensorMem) {
+        self.table.lock().remove(&t.0);
+        self.inner.release(t, mem);
+    }
+}
+
+struct ExecEntry {
+    ex: Mutex<Option<Executor>>,
+    table: Table,
+}
+
+static EXECUTORS: Registry<ExecEntry> = Registry::new(Kind::Executor);
+
+fn with_ex<R>(
+    h: *mut teraio_executor,
+    f: impl FnOnce(&mut Executor, &Table) -> ::teraio_engine::Result<R>,
+) -> core::Result<R> {
+    let entry = EXECUTORS.get(h as u64)?;
+    let mut g = entry.ex.lock();
+    let ex = g.as_mut().ok_or_else(|| Error::InvalidState("the executor was finished".into()))?;
+    Ok(f(ex, &entry.table)?)
+}
+
+/// A plan executor over `engine`'s store for `trace` and a plan (JSON, as `teraio_plan`
+/// returns it) under `gpu_budget_bytes`. `allocate_created`: the executor allocates created
+/// tensors' memory (else the caller attaches it after `teraio_executor_before_kernel`).
+/// `allocator` (may be NULL: engine host memory) provides prefetch destinations and created
+/// tensors; it is copied.
+///
+/// # Safety
+/// `plan_json` is a NUL-terminated string; `allocator` is NULL or valid for a read; its
+/// callbacks may be called from any thread that calls this executor; `out_executor` is valid
+/// for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_new(
+    engine: *mut teraio_engine,
+    trace: *mut teraio_trace,
+    plan_json: *const c_char,
+    gpu_budget_bytes: u64,
+    allocate_created: bool,
+    allocator: *const teraio_allocator,
+    out_executor: *mut *mut teraio_executor,
+) -> teraio_status {
+    guard("teraio_executor_new", || {
+        need(out_executor, "out_executor")?;
+        let t = TRACES.get(trace as u64)?;
+        // SAFETY: forwarded contract.
+        let plan = core::sched::plan_from_json(&t, unsafe { arg_str(plan_json, "plan_json") }?)?;
+        let table: Table = Arc::default();
+        let custom = if allocator.is_null() {
+            None
+        } else {
+            // SAFETY: non-null; the caller guarantees it is readable.
+            let a = unsafe { *allocator };
+            if a.alloc.is_none() {
+                return Err(Error::InvalidArgument("the allocator's `alloc` is NULL".into()));
+            }
+            Some(CAllocator { a, table: table.clone() })
+        };
+        let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created };
+        let ex = with_engine(engine, |e| {
+            let alloc: Box<dyn TensorAllocator> = match custom {
+                Some(c) => Box::new(c),
+                None => {
+                    Box::new(EngineAllocator { inner: e.host_allocator(), table: table.clone() })
+                }
+            };
+            Ok(e.executor((*t).clone(), plan, cfg, alloc)?)
+        })?;
+        let id = EXECUTORS.insert(ExecEntry { ex: Mutex::new(Some(ex)), table })?;
+        // SAFETY: forwarded contract.
+        unsafe { put(out_executor, "out_executor", handle(id)) }?;
+        Ok(Status::Ok)
+    })
+}
+
+/// Hand tensor `tensor`'s memory (`len` bytes at `ptr`, exactly the trace's size) to the
+/// executor: a global tensor before `teraio_executor_start`, or a created one after
+/// `teraio_executor_before_kernel` of its kernel (without `allocate_created`). The memory is
+/// read and written by the engine's threads until the executor releases it (the allocator's
+/// `release`, or `teraio_executor_finish`/`_free`).
+///
+/// # Safety
+/// `ptr` is valid for reads and writes of `len` bytes until released.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_attach(
+    executor: *mut teraio_executor,
+    tensor: u32,
+    ptr: *mut c_void,
+    len: u64,
+) -> teraio_status {
+    guard("teraio_executor_attach", || {
+        if ptr.is_null() {
+            return Err(Error::InvalidArgument("`ptr` is NULL".into()));
+        }
+        let len = usize::try_from(len)
+            .map_err(|_| Error::InvalidArgument(format!("{len} bytes do not fit in memory")))?;
+        with_ex(executor, |ex, table| {
+            let mem = TensorMem::Staged(Box::new(CMem { addr: ptr as usize, len }));
+            ex.attach(TensorId(tensor), mem)?;
+            table.lock().insert(tensor, (ptr as usize, len));
+            Ok(())
+        })?;
+        Ok(Status::Ok)
+    })
+}
+
+/// Offload the plan's initially offloaded global tensors; ready for the first iteration.
+#[unsafe(no_mangle)]
+pub extern "C" fn teraio_executor_start(executor: *mut teraio_executor) -> teraio_status {
+    guard("teraio_executor_start", || {
+        with_ex(executor, |ex, _| ex.start())?;
+        Ok(Status::Ok)
+    })
+}
+
+/// Issue the plan's instructions up to boundary `k` (kernel `k` about to run). `name` (may be
+/// NULL) is checked against the trace's kernel name (`TERAIO_ERR_DIVERGED` when it differs).
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_boundary(
+    executor: *mut teraio_executor,
+    k: usize,
+    name: *const c_char,
+) -> teraio_status {
+    guard("teraio_executor_boundary", || {
+        // SAFETY: forwarded contract.
+        let name = unsafe { opt_str(name, "name") }?;
+        with_ex(executor, |ex, _| match name {
+            Some(n) => ex.boundary_named(k, n),
+            None => ex.boundary(k),
+        })?;
+        Ok(Status::Ok)
+    })
+}
+
+/// Without blocking: issue boundary `k` if not yet, collect what finished, and say whether
+/// kernel `k` can run (`TERAIO_OK` with `*ready` set).
+///
+/// # Safety
+/// `ready` is valid for a write of a `bool`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_kernel_ready(
+    executor: *mut teraio_executor,
+    k: usize,
+    ready: *mut bool,
+) -> teraio_status {
+    guard("teraio_executor_kernel_ready", || {
+        need(ready, "ready")?;
+        let r = with_ex(executor, |ex, _| ex.kernel_ready(k))?;
+        // SAFETY: forwarded contract.
+        unsafe { put(ready, "ready", r) }?;
+        Ok(Status::Ok)
+    })
+}
+
+/// Issue boundary `k` and wait until kernel `k` can run; the seconds waited in `*stall_s`
+/// (may be NULL).
+///
+/// # Safety
+/// `stall_s` is NULL or valid for a write of a `double`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_before_kernel(
+    executor: *mut teraio_executor,
+    k: usize,
+    stall_s: *mut f64,
+) -> teraio_status {
+    guard("teraio_executor_before_kernel", || {
+        let d = with_ex(executor, |ex, _| ex.before_kernel(k))?;
+        if !stall_s.is_null() {
+            // SAFETY: non-null; forwarded contract.
+            unsafe { put(stall_s, "stall_s", d.as_secs_f64()) }?;
+        }
+        Ok(Status::Ok)
+    })
+}
+
+/// Kernel `k` ran: tensors whose last use it was die (their memory is released).
+#[unsafe(no_mangle)]
+pub extern "C" fn teraio_executor_after_kernel(
+    executor: *mut teraio_executor,
+    k: usize,
+) -> teraio_status {
+    guard("teraio_executor_after_kernel", || {
+        with_ex(executor, |ex, _| ex.after_kernel(k))?;
+        Ok(Status::Ok)
+    })
+}
+
+/// The caller freed tensor `tensor` before the trace says it dies.
+#[unsafe(no_mangle)]
+pub extern "C" fn teraio_executor_free_tensor(
+    executor: *mut teraio_executor,
+    tensor: u32,
+) -> teraio_status {
+    guard("teraio_executor_free_tensor", || {
+        with_ex(executor, |ex, _| ex.free(TensorId(tensor)))?;
+        Ok(Status::Ok)
+    })
+}
+
+/// The memory of a resident tensor: the caller's (attached or from its allocator) or engine
+/// host memory. `TERAIO_ERR_INVALID_STATE` when the tensor is not resident with memory.
+///
+/// # Safety
+/// `out_ptr` and `out_len` are NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_resident(
+    executor: *mut teraio_executor,
+    tensor: u32,
+    out_ptr: *mut *mut c_void,
+    out_len: *mut u64,
+) -> teraio_status {
+    guard("teraio_executor_resident", || {
+        let (p, len) = with_ex(executor, |ex, table| {
+            let Some(mem) = ex.resident(TensorId(tensor)) else {
+                return Err(::teraio_engine::Error::InvalidState {
+                    tensor: tensor.to_string(),
+                    detail: "it is not resident (or has no memory attached yet)".into(),
+                });
+            };
+            Ok(match mem.host() {
+                Some(b) => (b.as_ptr() as usize, b.len()),
+                None => table.lock().get(&tensor).copied().ok_or_else(|| {
+                    ::teraio_engine::Error::InvalidState {
+                        tensor: tensor.to_string(),
+                        detail: "its memory is not host memory".into(),
+                    }
+                })?,
+            })
+        })?;
+        if !out_ptr.is_null() {
+            // SAFETY: non-null; forwarded contract.
+            unsafe { put(out_ptr, "out_ptr", p as *mut c_void) }?;
+        }
+        if !out_len.is_null() {
+            // SAFETY: non-null; forwarded contract.
+            unsafe { put(out_len, "out_len", len as u64) }?;
+        }
+        Ok(Status::Ok)
+    })
+}
+
+/// Arrivals and releases since the last call, as JSON: `[{"event": "arrived"|"released",
+/// "tensor": N}, ...]`.
+///
+/// # Safety
+/// `out_json` is valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_events(
+    executor: *mut teraio_executor,
+    out_json: *mut *mut c_char,
+) -> teraio_status {
+    guard("teraio_executor_events", || {
+        need(out_json, "out_json")?;
+        let ev = with_ex(executor, |ex, _| Ok(ex.events()))?;
+        let v: Vec<_> = ev
+            .into_iter()
+            .map(|e| match e {
+                Event::Arrived(t) => serde_json::json!({"event": "arrived", "tensor": t.0}),
+                Event::Released(t) => serde_json::json!({"event": "released", "tensor": t.0}),
+            })
+            .collect();
+        // SAFETY: forwarded contract.
+        unsafe { put_string(out_json, "out_json", serde_json::Value::Array(v).to_string()) }?;
+        Ok(Status::Ok)
+    })
+}
+
+/// End the iteration; its report as JSON (`time_s`, `stall_s`, `peak_bytes`, `offloads`,
+/// `prefetches`, `diverged`, `memory_timeline`, `store`, ...).
+///
+/// # Safety
+/// `out_report_json` is valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_end_iteration(
+    executor: *mut teraio_executor,
+    out_report_json: *mut *mut c_char,
+) -> teraio_status {
+    guard("teraio_executor_end_iteration", || {
+        need(out_report_json, "out_report_json")?;
+        let r = with_ex(executor, |ex, _| ex.end_iteration())?;
+        let text = serde_json::to_string(&r).expect("a report serializes");
+        // SAFETY: forwarded contract.
+        unsafe { put_string(out_report_json, "out_report_json", text) }?;
+        Ok(Status::Ok)
+    })
+}
+
+/// Wait for the migrations in flight, free the store's copies of the trace's tensors, release
+/// resident memory, and free the handle (also when it fails).
+#[unsafe(no_mangle)]
+pub extern "C" fn teraio_executor_finish(executor: *mut teraio_executor) -> teraio_status {
+    guard("teraio_executor_finish", || {
+        let entry = EXECUTORS.remove(executor as u64)?;
+        let ex = entry.ex.lock().take();
+        if let Some(ex) = ex {
+            ex.finish()?;
+        }
+        Ok(Status::Ok)
+    })
+}
+
+/// Free an executor handle without `finish` (migrations in flight complete; the store keeps
+/// its copies until the tensors are freed or the engine closes).
+#[unsafe(no_mangle)]
+pub extern "C" fn teraio_executor_free(executor: *mut teraio_executor) -> teraio_status {
+    guard("teraio_executor_free", || {
+        EXECUTORS.remove(executor as u64)?;
+        Ok(Status::Ok)
+    })
+}

@@ -1,0 +1,235 @@
+//! The scheduler for the bindings: traces from files, specs or text; hardware models from a
+//! preset or JSON plus overrides; plans, simulations and policy comparisons as JSON values.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::Value;
+use teraio_scheduler::{
+    Hardware, ModelConfig, Plan, PlanStats, Policy, SimOptions, SimReport, Trace,
+};
+
+use crate::{Error, Result};
+
+/// A trace from a JSON file (docs/TRACE.md) or a generator spec `preset:NAME[,KEY=VALUE...]`
+/// (as `teraio plan` reads them). Errors name the file.
+pub fn load_trace(path_or_spec: &str) -> Result<Trace> {
+    if let Some(spec) = path_or_spec.strip_prefix("preset:") {
+        return Ok(teraio_scheduler::generate(&ModelConfig::from_spec(spec)?)?);
+    }
+    let text = std::fs::read_to_string(path_or_spec).map_err(|source| Error::File {
+        context: format!("reading the trace {path_or_spec}"),
+        source,
+    })?;
+    trace_from_json(&text).map_err(|e| match e {
+        Error::Scheduler(teraio_scheduler::Error::InvalidTrace { path, detail }) => {
+            Error::Scheduler(teraio_scheduler::Error::InvalidTrace {
+                path: format!("{path_or_spec}: {path}"),
+                detail,
+            })
+        }
+        Error::Scheduler(teraio_scheduler::Error::Json(j)) => {
+            Error::Scheduler(teraio_scheduler::Error::InvalidTrace {
+                path: path_or_spec.to_string(),
+                detail: j.to_string(),
+            })
+        }
+        e => e,
+    })
+}
+
+/// A trace from its JSON text, validated.
+pub fn trace_from_json(text: &str) -> Result<Trace> {
+    let t = Trace::from_json(text)?;
+    t.validate()?;
+    Ok(t)
+}
+
+/// A synthetic trace: model preset `model` with `options` as `teraio trace gen` takes them
+/// (`layers`, `micro-batch`, `dtype`, flags such as `activation-checkpointing` with no value;
+/// `_` in a key reads as `-`).
+pub fn generate_trace(model: &str, options: &[(String, Option<String>)]) -> Result<Trace> {
+    let mut cfg = ModelConfig::preset(model)?;
+    for (k, v) in options {
+        cfg.set(&k.replace('_', "-"), v.as_deref())?;
+    }
+    Ok(teraio_scheduler::generate(&cfg)?)
+}
+
+/// What a trace is: name, kernels, tensors, ideal iteration time, peak memory if nothing moves.
+pub fn trace_json(t: &Trace) -> Value {
+    serde_json::json!({
+        "name": t.name,
+        "kernel_count": t.kernel_count(),
+        "tensor_count": t.tensors.len(),
+        "iteration_time_us": t.iteration_time_us(),
+        "peak_resident_bytes": t.resident_memory_per_kernel().into_iter().max().unwrap_or(0),
+    })
+}
+
+/// A hardware model: a preset name (`paper`, `dev`) or a JSON object of a `Hardware`, then
+/// `overrides` (a JSON object of `Hardware` fields), validated.
+pub fn hardware(preset_or_json: &str, overrides: Option<&Value>) -> Result<Hardware> {
+    let text = preset_or_json.trim();
+    let mut v = if text.starts_with('{') {
+        serde_json::from_str::<Value>(text)
+            .map_err(|e| Error::InvalidArgument(format!("hardware JSON: {e}")))?
+    } else {
+        let hw = Hardware::preset(if text.is_empty() { "paper" } else { text })?;
+        serde_json::to_value(&hw).expect("a hardware model serializes")
+    };
+    if let Some(over) = overrides {
+        let Value::Object(over) = over else {
+            return Err(Error::InvalidArgument(format!(
+                "hardware overrides must be an object of Hardware fields, not {over}"
+            )));
+        };
+        let Value::Object(m) = &mut v else {
+            return Err(Error::InvalidArgument(format!(
+                "hardware must be a preset name or a JSON object, not {text}"
+            )));
+        };
+        for (k, val) in over {
+            if !m.contains_key(k) {
+                let known: Vec<&str> = m.keys().map(String::as_str).collect();
+                return Err(Error::InvalidArgument(format!(
+                    "unknown hardware field {k:?} (known: {})",
+                    known.join(", ")
+                )));
+            }
+            m.insert(k.clone(), val.clone());
+        }
+    }
+    let hw: Hardware = serde_json::from_value(v)
+        .map_err(|e| Error::InvalidArgument(format!("hardware model: {e}")))?;
+    hw.validate()?;
+    Ok(hw)
+}
+
+/// Parse a policy name (`teraio`, `teraio-hybrid`, `g10`, `zero-infinity`, ...).
+pub fn policy(name: &str) -> Result<Policy> {
+    Ok(name.parse::<Policy>()?)
+}
+
+/// Plan `trace` on `hw` with `policy`.
+pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
+    Ok(teraio_scheduler::plan(trace, hw, policy)?)
+}
+
+/// A plan from its JSON text, checked against `trace`.
+pub fn plan_from_json(trace: &Trace, text: &str) -> Result<Plan> {
+    let p = Plan::from_json(text).map_err(|e| match e {
+        teraio_scheduler::Error::Json(j) => {
+            Error::Scheduler(teraio_scheduler::Error::InvalidPlan {
+                path: "plan".into(),
+                detail: j.to_string(),
+            })
+        }
+        e => e.into(),
+    })?;
+    p.validate(trace)?;
+    Ok(p)
+}
+
+/// Simulate `plan` of `trace` on `hw` for `iterations` (the last one is reported).
+pub fn simulate(
+    trace: &Trace,
+    plan: &Plan,
+    hw: &Hardware,
+    iterations: usize,
+    timeline: bool,
+) -> Result<SimReport> {
+    if iterations == 0 {
+        return Err(Error::InvalidArgument("iterations must be >= 1".into()));
+    }
+    let opts = SimOptions { iterations, record_timeline: timeline };
+    Ok(teraio_scheduler::simulate(trace, plan, hw, &opts)?)
+}
+
+/// One policy of a comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyResult {
+    /// The policy.
+    pub policy: String,
+    /// Wall time of planning, seconds.
+    pub plan_time_s: f64,
+    /// The planner's figures.
+    pub plan_stats: PlanStats,
+    /// The simulation of its plan.
+    pub report: SimReport,
+}
+
+/// Plan and simulate `trace` on `hw` with each policy (every policy when empty).
+pub fn compare(trace: &Trace, hw: &Hardware, policies: &[Policy]) -> Result<Vec<PolicyResult>> {
+    let all = if policies.is_empty() { &Policy::ALL[..] } else { policies };
+    all.iter()
+        .map(|&p| {
+            let start = Instant::now();
+            let pl = plan(trace, hw, p)?;
+            let plan_time_s = start.elapsed().as_secs_f64();
+            let report = simulate(trace, &pl, hw, SimOptions::default().iterations, false)?;
+            Ok(PolicyResult { policy: p.to_string(), plan_time_s, plan_stats: pl.stats, report })
+        })
+        .collect()
+}
+
+/// Policy names.
+pub fn policy_names() -> Vec<&'static str> {
+    Policy::ALL.iter().map(|p| p.as_str()).collect()
+}
+
+/// Model preset names.
+pub fn model_presets() -> Vec<&'static str> {
+    ModelConfig::PRESETS.to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Status;
+
+    fn small() -> Trace {
+        generate_trace(
+            "gpt2-small",
+            &[("layers".into(), Some("2".into())), ("micro_batch".into(), Some("2".into()))],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_generated_trace_plans_and_simulates_under_a_squeezed_gpu() {
+        let t = small();
+        let peak = trace_json(&t)["peak_resident_bytes"].as_u64().unwrap();
+        let hw = hardware("paper", Some(&serde_json::json!({"gpu_memory_bytes": peak * 3 / 4})))
+            .unwrap();
+        let p = plan(&t, &hw, policy("teraio").unwrap()).unwrap();
+        let text = p.to_json();
+        let back = plan_from_json(&t, &text).unwrap();
+        let r = simulate(&t, &back, &hw, 2, false).unwrap();
+        assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes);
+        let all = compare(&t, &hw, &[Policy::Teraio, Policy::None]).unwrap();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0].report.percent_of_ideal, r.percent_of_ideal);
+    }
+
+    #[test]
+    fn bad_traces_hardware_and_policies_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.json");
+        std::fs::write(&path, "{\"name\": \"x\", \"kernels\": [").unwrap();
+        let e = load_trace(path.to_str().unwrap()).unwrap_err();
+        assert_eq!(e.status(), Status::Trace);
+        assert!(e.to_string().contains("t.json"), "{e}");
+        let e = load_trace("/nonexistent/trace.json").unwrap_err();
+        assert_eq!(e.status(), Status::Io);
+        let e = hardware("paper", Some(&serde_json::json!({"gpu_mem": 1}))).unwrap_err();
+        assert!(e.to_string().contains("gpu_mem"), "{e}");
+        assert!(hardware("moon", None).is_err());
+        assert!(policy("magic").unwrap_err().to_string().contains("teraio-hybrid"));
+        let e = plan_from_json(&small(), "{\"policy\": 1}").unwrap_err();
+        assert_eq!(e.status(), Status::Plan);
+        let e = generate_trace("gpt2-small", &[("wings".into(), Some("2".into()))]).unwrap_err();
+        assert!(e.to_string().contains("wings"), "{e}");
+        assert!(load_trace("preset:gpt2-small,layers=1").is_ok());
+    }
+}

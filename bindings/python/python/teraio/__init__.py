@@ -1,0 +1,861 @@
+"""teraio: a tensor storage engine that lets LLM training use NVMe SSDs as an extension of GPU
+memory, from Python.
+
+>>> import numpy as np, teraio
+>>> with teraio.Engine(dir="/tmp/teraio-doc", files=2, file_size="64M") as eng:
+...     eng.offload(1, np.arange(1000, dtype=np.float32)).wait()
+...     out = np.empty(1000, dtype=np.float32)
+...     _ = eng.prefetch(1, out).wait()
+'ssd'
+
+- :class:`Engine`: the SSD array and tensor store (offload, prefetch, free, list).
+- :class:`HostBuffer`: engine memory that moves without a copy (``Engine.alloc``/``empty``).
+- :class:`PendingOp`: an operation in flight; ``wait()`` it.
+- the scheduler: :func:`load_trace`, :func:`generate_trace`, :func:`plan`, :func:`simulate`,
+  :func:`compare_policies`, :func:`hardware`.
+- errors: :class:`TeraioError` and its subclasses (``teraio._errors``).
+
+The full API is in docs/PYTHON.md. All logic lives in the Rust engine; every call that blocks
+or copies releases the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import math
+import os
+import sys
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from . import _teraio
+from ._errors import (
+    ChecksumMismatchError,
+    ClosedError,
+    CorruptionError,
+    DeviceError,
+    DivergedError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidHandleError,
+    InvalidStateError,
+    IoError,
+    NoSpaceError,
+    OverwriteRefusedError,
+    PlanError,
+    SimulationError,
+    TeraioError,
+    TraceError,
+    UnknownTensorError,
+    UnsupportedError,
+)
+
+__version__: str = _teraio.__version__
+POLICIES: Tuple[str, ...] = tuple(_teraio.POLICIES)
+MODEL_PRESETS: Tuple[str, ...] = tuple(_teraio.MODEL_PRESETS)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def version() -> str:
+    """The teraio version these bindings were built from."""
+    return __version__
+
+
+# ----------------------------------------------------------------------------------------------
+# Buffers
+
+_BUFFERS: "weakref.WeakValueDictionary[int, HostBuffer]" = weakref.WeakValueDictionary()
+
+
+class HostBuffer(_teraio.NativeBuffer):
+    """Engine host memory (4 KiB aligned; 2 MiB aligned from 2 MiB up) that offloads and
+    prefetches move without a copy. Make one with :meth:`Engine.alloc` (or ``HostBuffer(n)``).
+
+    Views: ``numpy.asarray(buf)`` (a uint8 array over the memory), :meth:`numpy`,
+    ``buf.view()`` (a ctypes array: ``memoryview(buf.view()).cast("B")``,
+    ``torch.frombuffer(buf.view(), dtype=...)``) and, on Python >= 3.12, ``memoryview(buf)`` itself. Any C-contiguous view that
+    covers the whole buffer is recognized by ``offload``/``prefetch`` and moved without a copy.
+
+    Attributes: ``nbytes``, ``address``, ``busy`` (the engine has the memory now),
+    ``released``. The memory stays valid while the object or any view of it lives, also after
+    the engine is closed.
+    """
+
+    def __new__(cls, nbytes: int) -> "HostBuffer":
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise InvalidArgumentError(f"a host buffer needs a positive int of bytes, not {nbytes!r}")
+        obj = super().__new__(cls, nbytes)
+        _BUFFERS[obj.address] = obj
+        return obj
+
+    def _check(self) -> None:
+        if self.released:
+            raise InvalidArgumentError(f"the engine buffer at {self.address:#x} was released")
+
+    @property
+    def __array_interface__(self) -> Dict[str, Any]:
+        self._check()
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.address, False), "version": 3}
+
+    def view(self) -> "ctypes.Array[ctypes.c_ubyte]":
+        """A ctypes array over the memory (supports the buffer protocol); it keeps the buffer
+        alive."""
+        self._check()
+        arr = (ctypes.c_ubyte * self.nbytes).from_address(self.address)
+        arr._teraio_owner = self  # type: ignore[attr-defined]
+        return arr
+
+    def __buffer__(self, flags: int) -> memoryview:  # Python >= 3.12 (PEP 688)
+        return memoryview(self.view()).cast("B")
+
+    def numpy(self, dtype: Any = "uint8", shape: Optional[Sequence[int]] = None) -> Any:
+        """A numpy array over the memory (zero copy), of ``dtype`` and ``shape``."""
+        import numpy as np
+
+        a = np.asarray(self).view(dtype)
+        return a if shape is None else a.reshape(tuple(shape))
+
+    def release(self) -> None:
+        """Stop using the buffer for I/O (refused with ``InvalidStateError`` while an operation
+        has it). The memory itself goes when the object and its views are gone."""
+        self._release_io()
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("busy" if self.busy else "idle")
+        return f"HostBuffer(nbytes={self.nbytes}, address={self.address:#x}, {state})"
+
+
+def _c_contiguous(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim > 1 and stride != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def _whole_buffer(addr: int, nbytes: int) -> Optional[HostBuffer]:
+    buf = _BUFFERS.get(addr)
+    if buf is not None and buf.nbytes == nbytes and not buf.released:
+        return buf
+    return None
+
+
+def _export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any, Optional[HostBuffer]]:
+    """(address, nbytes, keepalive, engine buffer or None) of a C-contiguous buffer."""
+    if isinstance(obj, HostBuffer):
+        obj._check()
+        return obj.address, obj.nbytes, obj, obj
+    ai = None
+    if not isinstance(obj, (bytes, bytearray, memoryview)):
+        try:
+            ai = getattr(obj, "__array_interface__", None)
+        except Exception as e:  # an object whose interface property fails
+            raise InvalidArgumentError(f"{what}: {e}") from e
+    if isinstance(ai, dict):
+        addr, readonly = ai["data"]
+        shape = tuple(ai["shape"])
+        itemsize = int(str(ai["typestr"])[2:])
+        nbytes = itemsize * math.prod(shape)
+        strides = ai.get("strides")
+        if strides is not None and not _c_contiguous(shape, strides, itemsize):
+            raise InvalidArgumentError(
+                f"{what}: a non-contiguous array (shape {shape}, strides {tuple(strides)}); "
+                "pass a C-contiguous one (numpy.ascontiguousarray)"
+            )
+        if writable and readonly:
+            raise InvalidArgumentError(f"{what}: the array is read-only")
+        return addr, nbytes, obj, _whole_buffer(addr, nbytes)
+    try:
+        mv = memoryview(obj)
+    except TypeError as e:
+        raise InvalidArgumentError(
+            f"{what}: a buffer (numpy array, bytes, bytearray, memoryview, HostBuffer) is "
+            f"required, not {type(obj).__name__}"
+        ) from e
+    except ValueError as e:  # e.g. a released memoryview
+        raise InvalidArgumentError(f"{what}: {e}") from e
+    if not mv.c_contiguous:
+        raise InvalidArgumentError(f"{what}: the buffer is not C-contiguous")
+    nbytes = mv.nbytes
+    if nbytes == 0:
+        return 0, 0, mv, None
+    if not mv.readonly:
+        anchor = ctypes.c_char.from_buffer(mv)
+        addr = ctypes.addressof(anchor)
+        return addr, nbytes, (mv, anchor), _whole_buffer(addr, nbytes)
+    if writable:
+        raise InvalidArgumentError(
+            f"{what}: a read-only buffer ({type(obj).__name__}); pass a writable one "
+            "(bytearray, numpy array, HostBuffer)"
+        )
+    data = obj if type(obj) is bytes else mv.tobytes()
+    addr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    return addr, nbytes, (mv, data), None
+
+
+def _tensor_id(tensor_id: Any) -> int:
+    if not isinstance(tensor_id, int) or isinstance(tensor_id, bool) or not 0 <= tensor_id < 2**64:
+        raise InvalidArgumentError(f"a tensor id is an int in [0, 2**64), not {tensor_id!r}")
+    return tensor_id
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """What the engine knows of one tensor."""
+
+    id: int
+    name: Optional[str]
+    size_bytes: int
+    location: str
+    host_copy: bool
+    pending_ops: int
+    checksummed_chunks: int
+
+
+class PendingOp:
+    """An offload, prefetch or free in flight. It keeps the memory it moves alive until it
+    completed; a prefetch into caller memory copies the bytes there when it is waited (or
+    polled done, or garbage collected)."""
+
+    __slots__ = ("_op", "_out")
+
+    def __init__(self, op: Any, out: Any) -> None:
+        self._op = op
+        self._out = out
+
+    @property
+    def kind(self) -> str:
+        """``"offload"``, ``"prefetch"`` or ``"free"``."""
+        return self._op.kind
+
+    @property
+    def tensor_id(self) -> int:
+        """The tensor it concerns."""
+        return self._op.tensor_id
+
+    def done(self) -> bool:
+        """Whether it finished (never blocks)."""
+        return self._op.done()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Wait (at most ``timeout`` seconds; ``TimeoutError`` then, and it may be waited
+        again) with the GIL released. Returns ``"ssd"``, ``"host"`` or ``"cancelled"`` for an
+        offload, the destination for a prefetch, ``None`` for a free; raises the operation's
+        error (a :class:`TeraioError`). Waiting twice returns or raises the same."""
+        outcome = self._op.wait(timeout)
+        if self._op.kind == "prefetch":
+            return self._out
+        if self._op.kind == "free":
+            return None
+        return outcome
+
+    def __repr__(self) -> str:
+        return f"PendingOp({self.kind}, tensor {self.tensor_id}, done={self.done()})"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _overrides(options: Dict[str, Any]) -> Optional[str]:
+    return json.dumps({k: _jsonable(v) for k, v in options.items()}) if options else None
+
+
+class Engine:
+    """A teraio engine: the SSD array, the tensor store, the host tier and host buffers.
+
+    ``Engine("teraio.toml", **options)`` reads a configuration file (JSON when it ends in
+    ``.json``); ``Engine(**options)`` takes the keys of that file as keyword arguments
+    (``targets``, ``dir``, ``files``, ``file_size``, ``backend``, ``persistent``,
+    ``host_tier``, ...; sizes as ints or strings like ``"64G"``); keyword options override the
+    file's. Also :meth:`from_toml` and :meth:`from_json`. Use it as a context manager or call
+    :meth:`close`.
+    """
+
+    def __init__(self, path: Optional[PathLike] = None, /, **options: Any) -> None:
+        over = _overrides(options)
+        if path is None:
+            self._native = _teraio.NativeEngine("default", None, over)
+        else:
+            self._native = _teraio.NativeEngine("file", os.fspath(path), over)
+
+    @classmethod
+    def _from(cls, source: str, text: str, options: Dict[str, Any]) -> "Engine":
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"a configuration text is a str, not {type(text).__name__}")
+        e = cls.__new__(cls)
+        e._native = _teraio.NativeEngine(source, text, _overrides(options))
+        return e
+
+    @classmethod
+    def from_toml(cls, text: str, **options: Any) -> "Engine":
+        """An engine from a TOML configuration text."""
+        return cls._from("toml", text, options)
+
+    @classmethod
+    def from_json(cls, text: str, **options: Any) -> "Engine":
+        """An engine from a JSON configuration text."""
+        return cls._from("json", text, options)
+
+    # -- tensors
+
+    def offload(
+        self,
+        tensor_id: int,
+        data: Any,
+        *,
+        name: Optional[str] = None,
+        destination: str = "ssd",
+        priority: str = "normal",
+    ) -> PendingOp:
+        """Store ``data`` (a C-contiguous buffer) as tensor ``tensor_id``.
+
+        Caller memory is copied into engine memory before this returns (``data`` may be
+        reused at once); a :class:`HostBuffer` (or a view covering one) moves without a copy
+        and is busy until the operation completed. ``destination``: ``"ssd"`` or ``"host"``
+        (the host tier; SSD when absent or full). ``priority``: ``"urgent"``, ``"normal"``,
+        ``"background"``. ``name`` is recorded with the tensor (see :meth:`lookup`).
+        """
+        tid = _tensor_id(tensor_id)
+        addr, nbytes, keep, buf = _export(data, False, "data")
+        if buf is not None:
+            op = self._native.offload_buffer(tid, buf, name, destination, priority)
+            return PendingOp(op, None)
+        op = self._native.offload_address(tid, addr, nbytes, name, destination, priority)
+        del keep
+        return PendingOp(op, None)
+
+    def prefetch(self, tensor_id: int, out: Any, *, priority: str = "normal") -> PendingOp:
+        """Read tensor ``tensor_id`` into ``out`` (a writable C-contiguous buffer of exactly
+        the tensor's size). The bytes are in ``out`` once ``wait()`` returned (it returns
+        ``out``); a :class:`HostBuffer` destination is filled without a copy."""
+        tid = _tensor_id(tensor_id)
+        addr, nbytes, keep, buf = _export(out, True, "out")
+        if buf is not None:
+            return PendingOp(self._native.prefetch_buffer(tid, buf, priority), out)
+        if nbytes == 0:
+            raise InvalidArgumentError(f"tensor {tid}: a prefetch destination of 0 bytes")
+        return PendingOp(self._native.prefetch_address(tid, addr, nbytes, priority, keep), out)
+
+    def free(self, tensor_id: int) -> PendingOp:
+        """Forget tensor ``tensor_id`` and release its space (after the operations issued
+        before)."""
+        return PendingOp(self._native.free(_tensor_id(tensor_id)), None)
+
+    def alloc(self, nbytes: int) -> HostBuffer:
+        """A :class:`HostBuffer` of ``nbytes`` bytes (contents undefined)."""
+        if self._native.closed:
+            raise ClosedError("engine closed: the engine was closed")
+        return HostBuffer(nbytes)
+
+    def empty(self, shape: Union[int, Sequence[int]], dtype: Any = "uint8") -> Any:
+        """A numpy array of ``shape`` and ``dtype`` over a fresh :class:`HostBuffer`: offloads
+        from it and prefetches into it (the whole array) move no extra copy."""
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        shp = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = dt.itemsize * math.prod(shp)
+        return self.alloc(nbytes).numpy(dt, shp)
+
+    def executor(
+        self,
+        trace: Union["Trace", Dict[str, Any], str],
+        plan: Union["Plan", Dict[str, Any], str],
+        *,
+        gpu_budget_bytes: int,
+        allocate_created: bool = False,
+        allocator: Any = None,
+    ) -> "Executor":
+        """A plan :class:`Executor` over this engine's store."""
+        return Executor(
+            self, trace, plan, gpu_budget_bytes=gpu_budget_bytes,
+            allocate_created=allocate_created, allocator=allocator,
+        )
+
+    def tensors(self) -> List[TensorInfo]:
+        """Every tensor, sorted by id."""
+        return [TensorInfo(**t) for t in json.loads(self._native.tensors_json())]
+
+    def info(self, tensor_id: int) -> Optional[TensorInfo]:
+        """One tensor, or None."""
+        t = self._native.tensor_json(_tensor_id(tensor_id))
+        return None if t is None else TensorInfo(**json.loads(t))
+
+    def lookup(self, name: str) -> Optional[int]:
+        """The id of the tensor named ``name`` (persistent engines keep names), or None."""
+        return self._native.lookup(name)
+
+    def stats(self) -> Dict[str, Any]:
+        """Migration statistics: per direction (``ssd_write``, ``ssd_read``, ``host_write``,
+        ``host_read``) operations, bytes, errors, busy time; queue waits; checksums verified."""
+        return json.loads(self._native.stats_json())
+
+    def drain(self) -> None:
+        """Wait until every queued operation finished."""
+        self._native.drain()
+
+    def checkpoint(self) -> None:
+        """Persistent engines: write a metadata checkpoint now."""
+        self._native.checkpoint()
+
+    # -- the engine
+
+    def _info(self) -> Dict[str, Any]:
+        return json.loads(self._native.info_json())
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable bytes of the array."""
+        return self._info()["capacity_bytes"]
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the engine is persistent."""
+        return self._info()["persistent"]
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The configuration it was opened with (the keys of a configuration file)."""
+        return self._info()["config"]
+
+    def describe(self) -> str:
+        """E.g. "2 files in /tmp/t (uring, volatile)"."""
+        return self._info()["describe"]
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._native.closed
+
+    def close(self) -> None:
+        """Drain, checkpoint (persistent engines) and release. Later calls raise
+        :class:`ClosedError`; closing twice does nothing."""
+        self._native.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "Engine(closed)" if self.closed else f"Engine({self.describe()})"
+
+
+class Executor:
+    """The engine's plan executor (docs/EXECUTOR.md): executes a :class:`Plan` of a
+    :class:`Trace` for a trainer that drives it with its own progress, with the simulator's
+    semantics (boundaries in plan order, FIFO memory grants under ``gpu_budget_bytes``, clean
+    drops, a prefetch that meets its own offload in flight keeps the copy, divergence and safe
+    mode). Make one with :meth:`Engine.executor`.
+
+    Memory: ``attach(tensor_id, mem)`` hands the executor a writable buffer holding a tensor
+    (global tensors before :meth:`start`; created ones after ``before_kernel`` of their kernel
+    unless ``allocate_created``). The executor offloads it and, once stored, gives it back
+    through ``allocator.release(tensor_id, mem)``; for a prefetch it asks
+    ``allocator.alloc(tensor_id, nbytes, why)`` (``why``: ``"prefetch"`` or ``"create"``) for a
+    writable buffer of exactly ``nbytes`` and fills it. Buffers are read and written by the
+    engine's threads while the executor holds them. Without an ``allocator`` the executor uses
+    engine host memory.
+
+    Driving it, per iteration: ``before_kernel(k)`` (issue boundary ``k``, wait until kernel
+    ``k`` can run; returns the stall in seconds) or ``boundary(k)`` + ``kernel_ready(k)``;
+    ``after_kernel(k)``; then :meth:`end_iteration` (a dict report). :meth:`finish` at the end.
+    A divergence raises :class:`DivergedError` once; the executor then runs in safe mode.
+    Trace tensor ids are the indices of the trace's tensors.
+    """
+
+    __slots__ = ("_native", "trace", "plan")
+
+    def __init__(
+        self,
+        engine: "Engine",
+        trace: Union["Trace", Dict[str, Any], str],
+        plan: Union["Plan", Dict[str, Any], str, None] = None,
+        *,
+        gpu_budget_bytes: int,
+        allocate_created: bool = False,
+        allocator: Any = None,
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise InvalidArgumentError(
+                "teraio.Executor(engine, trace, plan, ...): the first argument is the teraio.Engine "
+                f"whose store executes the plan, not {type(engine).__name__} (or call "
+                "engine.executor(trace, plan, ...))"
+            )
+        if plan is None:
+            raise InvalidArgumentError("teraio.Executor(engine, trace, plan, ...): the plan is missing")
+        if isinstance(trace, dict):
+            trace = Trace.from_dict(trace)
+        elif isinstance(trace, str):
+            trace = Trace.from_json(trace)
+        if not isinstance(plan, Plan):
+            plan = Plan.from_json(trace, plan if isinstance(plan, str) else json.dumps(plan))
+        if allocator is not None and not callable(getattr(allocator, "alloc", None)):
+            raise InvalidArgumentError("the allocator needs an alloc(tensor_id, nbytes, why) method")
+        self.trace = trace
+        self.plan = plan
+        self._native = _teraio.NativeExecutor(
+            engine._native, trace._native, plan._native, int(gpu_budget_bytes),
+            bool(allocate_created), allocator,
+        )
+
+    def attach(self, tensor_id: int, mem: Any) -> None:
+        """Hand tensor ``tensor_id``'s memory (a writable buffer of the trace's size)."""
+        self._native.attach(tensor_id, mem)
+
+    def start(self) -> None:
+        """Offload the plan's initially offloaded global tensors; ready for iteration 0."""
+        self._native.start()
+
+    def boundary(self, k: int) -> None:
+        """Issue the plan's instructions up to boundary ``k`` (kernel ``k`` about to run)."""
+        self._native.boundary(k)
+
+    def boundary_named(self, k: int, name: str) -> None:
+        """:meth:`boundary`, checking the caller's kernel name against the trace's."""
+        self._native.boundary_named(k, name)
+
+    def kernel_ready(self, k: int) -> bool:
+        """Non-blocking: whether kernel ``k`` can run now."""
+        return self._native.kernel_ready(k)
+
+    def before_kernel(self, k: int) -> float:
+        """Issue boundary ``k`` and wait (GIL released) until kernel ``k`` can run; the
+        seconds waited."""
+        return self._native.before_kernel(k)
+
+    def after_kernel(self, k: int) -> None:
+        """Kernel ``k`` ran: tensors whose last use it was die."""
+        self._native.after_kernel(k)
+
+    def free(self, tensor_id: int) -> None:
+        """The caller freed tensor ``tensor_id`` before the trace says it dies."""
+        self._native.free(tensor_id)
+
+    def poll(self) -> bool:
+        """Collect finished migrations without blocking; whether anything changed."""
+        return self._native.poll()
+
+    def events(self) -> List[Tuple[str, int]]:
+        """``("arrived" | "released", tensor_id)`` since the last call, oldest first."""
+        return self._native.events()
+
+    def end_iteration(self) -> Dict[str, Any]:
+        """End the iteration; its report (time, stalls, peak bytes, migrations, divergence,
+        memory timeline, store statistics)."""
+        return json.loads(self._native.end_iteration_json())
+
+    def finish(self) -> None:
+        """Wait for migrations in flight and free the store's copies of the trace's tensors."""
+        self._native.finish()
+
+    def is_resident(self, tensor_id: int) -> bool:
+        """Whether the tensor has GPU (budget) memory now."""
+        return self._native.is_resident(tensor_id)
+
+    def resident(self, tensor_id: int) -> Any:
+        """The object holding a resident tensor's memory (attached or allocated), or None."""
+        return self._native.resident(tensor_id)
+
+    @property
+    def used_bytes(self) -> int:
+        """Budget bytes accounted now."""
+        return self._native.state()[0]
+
+    @property
+    def in_flight(self) -> int:
+        """Migrations in flight."""
+        return self._native.state()[1]
+
+    @property
+    def next_kernel(self) -> int:
+        """The next kernel the plan expects."""
+        return self._native.state()[2]
+
+    @property
+    def diverged(self) -> Optional[Tuple[int, str]]:
+        """(kernel, detail) once the iteration left the plan, else None."""
+        return self._native.state()[3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Scheduler
+
+
+class Trace:
+    """One training iteration: kernels (the clock) and tensors with their accesses
+    (docs/TRACE.md). Make one with :func:`load_trace`, :func:`generate_trace`,
+    :meth:`from_json` or :meth:`from_dict`."""
+
+    __slots__ = ("_native", "_info")
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+        self._info: Dict[str, Any] = json.loads(native.info_json())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        """A trace from its JSON text (validated; errors name the JSON path)."""
+        if not isinstance(text, str):
+            raise TraceError(f"invalid trace: JSON text is a str, not {type(text).__name__}")
+        return cls(_teraio.NativeTrace.from_json(text))
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Trace":
+        """A trace from a dict of the JSON schema."""
+        return cls.from_json(json.dumps(d))
+
+    name = property(lambda self: self._info["name"], doc="The trace's name.")
+    kernel_count = property(lambda self: self._info["kernel_count"], doc="Kernels.")
+    tensor_count = property(lambda self: self._info["tensor_count"], doc="Tensors.")
+    iteration_time_us = property(
+        lambda self: self._info["iteration_time_us"], doc="All-resident iteration time, us."
+    )
+    peak_resident_bytes = property(
+        lambda self: self._info["peak_resident_bytes"], doc="Peak memory if nothing moves."
+    )
+
+    def to_json(self) -> str:
+        """The trace as JSON."""
+        return self._native.to_json()
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The trace as a dict."""
+        return json.loads(self.to_json())
+
+    def save(self, path: PathLike) -> None:
+        """Write the trace as JSON."""
+        with open(os.fspath(path), "w") as f:
+            f.write(self.to_json())
+
+    def __repr__(self) -> str:
+        return f"Trace({self.name!r}, {self.kernel_count} kernels, {self.tensor_count} tensors)"
+
+
+def load_trace(path_or_spec: PathLike) -> Trace:
+    """A trace from a JSON file, or generated from ``"preset:NAME[,KEY=VALUE...]"``."""
+    return Trace(_teraio.NativeTrace.load(os.fspath(path_or_spec)))
+
+
+def generate_trace(model: str = "gpt2-small", **options: Any) -> Trace:
+    """A synthetic training trace of model preset ``model`` (:data:`MODEL_PRESETS`) with the
+    options of ``teraio trace gen``: ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``ffn``,
+    ``vocab``, ``seq``, ``micro_batch``, ``micro_batches``, ``dtype``, ``tp``, ``pp``,
+    ``stage``, ``gpu``, ``iteration_s``, ``checkpoint_layers``, and the flags
+    ``activation_checkpointing``, ``selective_recompute``, ``optimizer_in_backward``,
+    ``optimizer_in_forward`` (``=True``)."""
+    opts: List[Tuple[str, Optional[str]]] = []
+    for k, v in options.items():
+        if v is True:
+            opts.append((k, None))
+        elif v is False or v is None:
+            continue
+        else:
+            opts.append((k, str(v)))
+    return Trace(_teraio.NativeTrace.generate(model, opts))
+
+
+def _hw(hardware: Union[str, Dict[str, Any]]) -> str:
+    return json.dumps(hardware) if isinstance(hardware, dict) else str(hardware)
+
+
+def hardware(preset: Union[str, Dict[str, Any]] = "paper", **overrides: Any) -> Dict[str, Any]:
+    """The hardware model of a preset (``"paper"``, ``"dev"``) or dict, with ``overrides`` of
+    its fields (``gpu_memory_bytes``, ``ssd_count``, ``host_memory_cap_bytes``, ...)."""
+    return json.loads(_teraio.hardware_json(_hw(preset), _overrides(overrides)))
+
+
+class Plan:
+    """The output of a planner: offload/prefetch instructions at kernel boundaries."""
+
+    __slots__ = ("_native", "_dict")
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+        self._dict: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def from_json(cls, trace: Trace, text: str) -> "Plan":
+        """A plan from JSON, checked against ``trace``."""
+        return cls(_teraio.NativePlan.from_json(trace._native, text))
+
+    @property
+    def policy(self) -> str:
+        """The policy that made it."""
+        return self._native.policy
+
+    def to_json(self) -> str:
+        """The plan as JSON (what ``teraio plan --json`` writes)."""
+        return self._native.to_json()
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The plan as a dict."""
+        if self._dict is None:
+            self._dict = json.loads(self.to_json())
+        return self._dict
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        """Planner figures (peaks, bytes offloaded, candidates)."""
+        return self.to_dict()["stats"]
+
+    @property
+    def instructions(self) -> List[Dict[str, Any]]:
+        """Instructions in issue order."""
+        return self.to_dict()["instructions"]
+
+    @property
+    def initially_offloaded(self) -> List[Dict[str, Any]]:
+        """Global tensors not in GPU memory at iteration start."""
+        return self.to_dict()["initially_offloaded"]
+
+    def __repr__(self) -> str:
+        return f"Plan({self.policy!r}, {len(self.instructions)} instructions)"
+
+
+@dataclasses.dataclass
+class SimReport:
+    """What the simulator reports for the last simulated iteration."""
+
+    policy: str
+    trace: str
+    outcome: Dict[str, Any]
+    iteration_time_us: float
+    ideal_time_us: float
+    percent_of_ideal: float
+    stall_us: float
+    host_step_us: float
+    peak_gpu_bytes: int
+    gpu_capacity_bytes: int
+    peak_host_bytes: int
+    host_cap_exceeded: bool
+    bytes_moved: Dict[str, int]
+    migrations: int
+    clean_drops: int
+    timeline: Optional[Dict[str, Any]] = None
+
+    @property
+    def completed(self) -> bool:
+        """Whether every iteration ran (not out of memory)."""
+        return self.outcome.get("outcome") == "completed"
+
+    @classmethod
+    def _from(cls, d: Dict[str, Any]) -> "SimReport":
+        d = dict(d)
+        d["bytes_moved"] = {r["resource"]: r["bytes"] for r in d.get("bytes_moved", [])}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclasses.dataclass
+class PolicyResult:
+    """One policy of :func:`compare_policies`."""
+
+    policy: str
+    plan_time_s: float
+    plan_stats: Dict[str, Any]
+    report: SimReport
+
+
+def plan(
+    trace: Trace,
+    policy: str = "teraio",
+    hardware: Union[str, Dict[str, Any]] = "paper",
+    **overrides: Any,
+) -> Plan:
+    """Plan ``trace`` with ``policy`` (:data:`POLICIES`) on ``hardware`` (a preset name or a
+    dict), with ``overrides`` of hardware fields."""
+    return Plan(_teraio.plan(trace._native, policy, _hw(hardware), _overrides(overrides)))
+
+
+def simulate(
+    trace: Trace,
+    plan: Plan,
+    hardware: Union[str, Dict[str, Any]] = "paper",
+    iterations: int = 2,
+    timeline: bool = False,
+    **overrides: Any,
+) -> SimReport:
+    """Replay ``plan`` of ``trace`` on ``hardware`` for ``iterations`` (the last one is
+    reported); ``timeline=True`` records memory and bandwidth over time."""
+    text = _teraio.simulate(
+        trace._native, plan._native, _hw(hardware), _overrides(overrides), iterations, timeline
+    )
+    return SimReport._from(json.loads(text))
+
+
+def compare_policies(
+    trace: Trace,
+    policies: Optional[Sequence[str]] = None,
+    hardware: Union[str, Dict[str, Any]] = "paper",
+    **overrides: Any,
+) -> List[PolicyResult]:
+    """Plan and simulate ``trace`` with each of ``policies`` (all when None)."""
+    text = _teraio.compare_policies(
+        trace._native, list(policies or []), _hw(hardware), _overrides(overrides)
+    )
+    return [
+        PolicyResult(r["policy"], r["plan_time_s"], r["plan_stats"], SimReport._from(r["report"]))
+        for r in json.loads(text)
+    ]
+
+
+__all__ = [
+    "__version__",
+    "version",
+    "POLICIES",
+    "MODEL_PRESETS",
+    "Engine",
+    "Executor",
+    "HostBuffer",
+    "PendingOp",
+    "TensorInfo",
+    "Trace",
+    "Plan",
+    "SimReport",
+    "PolicyResult",
+    "load_trace",
+    "generate_trace",
+    "hardware",
+    "plan",
+    "simulate",
+    "compare_policies",
+    "TeraioError",
+    "InvalidArgumentError",
+    "InvalidHandleError",
+    "IoError",
+    "NoSpaceError",
+    "CorruptionError",
+    "ChecksumMismatchError",
+    "OverwriteRefusedError",
+    "UnknownTensorError",
+    "InvalidStateError",
+    "UnsupportedError",
+    "ClosedError",
+    "TraceError",
+    "PlanError",
+    "SimulationError",
+    "DivergedError",
+    "DeviceError",
+    "InternalError",
+]
+
+if sys.version_info < (3, 9):  # pragma: no cover
+    raise ImportError("teraio needs Python >= 3.9")

@@ -1,0 +1,31 @@
+"""teraio inside PyTorch training: profile an iteration, plan it, run it with the plan.
+
+- :class:`Session` wraps a training loop in three lines (docs/TORCH.md).
+- :class:`Profiler` records a real iteration (every aten operator) as a teraio trace.
+- :func:`make_plannable` / :func:`step_in_backward` give the optimizer a step a plan can
+  schedule, with the optimizer's own math; :func:`check_working_sets` names a kernel that no
+  plan can fit.
+- :class:`Pager` and :class:`StorageMover` move storages through the engine without a plan;
+  :class:`PlannedRun` drives the engine's plan executor.
+"""
+
+from .optimizer import WorkingSetTooLarge, check_working_sets, make_plannable, step_in_backward
+from .planned import Diverged, PlannedRun
+from .profiler import Profiler, memory_curve, peak_bytes
+from .runtime import Pager, StorageMover
+from .session import Session
+
+__all__ = [
+    "Session",
+    "Profiler",
+    "memory_curve",
+    "peak_bytes",
+    "make_plannable",
+    "step_in_backward",
+    "check_working_sets",
+    "WorkingSetTooLarge",
+    "Pager",
+    "StorageMover",
+    "PlannedRun",
+    "Diverged",
+]

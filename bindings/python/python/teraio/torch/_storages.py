@@ -1,0 +1,89 @@
+"""What the profiler and the runtime both need to know about PyTorch tensors and storages.
+
+A trace tensor is one *storage lifetime*: one ``StorageImpl`` from its allocation to its death.
+Views share their base's storage, so every view of a storage is the same trace tensor. A
+storage is named by the address of its ``StorageImpl`` (``UntypedStorage._cdata``), which is
+unique while it lives; when it dies (observed through ``weakref.finalize`` on the storage's
+Python object, which PyTorch preserves for as long as the ``StorageImpl`` lives) the address
+may be reused by a new storage, which is then a new trace tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` (a tensor, or lists/tuples/dicts of them), in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from iter_tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from iter_tensors(x)
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The tensor's storage, or ``None`` for tensors that have none we can track (sparse,
+    nested, meta, tensor subclasses without real storage)."""
+    if t.layout != torch.strided or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def storage_key(s: torch.UntypedStorage) -> int:
+    """Identity of a live storage (address of its ``StorageImpl``)."""
+    return s._cdata
+
+
+def write_flags(func: Any) -> tuple[list[bool], dict[str, bool]]:
+    """For an aten op overload: which positional and keyword arguments it writes (the
+    schema's ``(a!)`` alias annotations)."""
+    pos: list[bool] = []
+    kw: dict[str, bool] = {}
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return pos, kw
+    for a in schema.arguments:
+        w = bool(a.alias_info is not None and a.alias_info.is_write)
+        if a.kwarg_only:
+            kw[a.name] = w
+        else:
+            pos.append(w)
+            kw[a.name] = w
+    return pos, kw
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensor arguments the op writes, by its schema."""
+    pos, kw = write_flags(func)
+    for i, a in enumerate(args):
+        if i < len(pos) and pos[i]:
+            yield from iter_tensors(a)
+    for name, a in kwargs.items():
+        if kw.get(name, False):
+            yield from iter_tensors(a)
+
+
+def op_name(func: Any) -> str:
+    """Short name of an aten op overload, e.g. ``mm`` or ``add_.Tensor``."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name.endswith(".default"):
+        name = name[: -len(".default")]
+    return name
+
+
+def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """What must match between the profiled iteration and a planned one at each op: the op and
+    the shapes and dtypes of its tensor arguments."""
+    return (
+        op_name(func),
+        tuple((tuple(t.shape), t.dtype) for t in iter_tensors((args, kwargs))),
+    )

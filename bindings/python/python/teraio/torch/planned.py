@@ -1,0 +1,242 @@
+"""Planned steps: the engine's plan executor driven by the operator count of a real iteration.
+
+All plan semantics (what is issued at which boundary, FIFO allocation under the budget, waiting
+until a kernel's tensors are resident, clean drops, an offload met by its own prefetch,
+divergence and safe mode) belong to the executor (docs/EXECUTOR.md). This module only
+translates between PyTorch and it:
+
+- a trace tensor is a storage; the executor gets a *borrowed* view of the storage's memory
+  (``attach``) and calls back into :class:`PlannedRun` when it needs memory for a prefetch
+  (``alloc``: the storage is regrown, its memory handed over) and when it gives memory back
+  (``release``: after an offload is stored the storage shrinks to 0 bytes; when the trace says the
+  tensor died nothing happens, PyTorch frees it when its references go);
+- operator ``k`` of the iteration is kernel ``k``: before it runs, its signature (operator,
+  shapes, dtypes) must be the profiled one, then ``boundary_named(k)`` and ``before_kernel(k)``
+  (the stall); after it ran, the storages it created are attached (matched to trace ids in the
+  order the profiler discovered them) and ``after_kernel(k)``;
+- a mismatch, or the executor's ``Diverged`` error, ends planned execution for the step: the
+  executor reads everything back (its safe mode), the rest of the step runs without moving
+  anything, and the session profiles the next step again.
+
+The executor is created with ``executor_factory(trace_dict, plan, budget_bytes, allocator)``
+(default: ``teraio.Executor`` of the Python package, when it has one).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ._storages import iter_tensors, signature, storage_key, storage_of
+from .runtime import host_view
+
+
+class Diverged(Exception):
+    """The iteration left the profiled one at ``kernel``."""
+
+    def __init__(self, kernel: int, detail: str) -> None:
+        super().__init__(f"kernel {kernel}: {detail}")
+        self.kernel = kernel
+        self.detail = detail
+
+
+def named_storages(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.UntypedStorage]:
+    """The storages the profiler names (``param:``, ``grad:``, ``buffer:``, ``state:``)."""
+    out: dict[str, torch.UntypedStorage] = {}
+    names: dict[int, str] = {}
+    if model is not None:
+        for n, p in model.named_parameters():
+            names[id(p)] = n
+            s = storage_of(p)
+            if s is not None:
+                out[f"param:{n}"] = s
+            if p.grad is not None and (g := storage_of(p.grad)) is not None:
+                out[f"grad:{n}"] = g
+        for n, b in model.named_buffers():
+            if (s := storage_of(b)) is not None:
+                out[f"buffer:{n}"] = s
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            pn = names.get(id(p), f"p{id(p):x}")
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and (s := storage_of(v)) is not None:
+                    out[f"state:{pn}.{k}"] = s
+    return out
+
+
+def _default_factory(trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
+    import teraio
+
+    if not hasattr(teraio, "Executor"):
+        raise NotImplementedError("this build of the teraio package has no Executor")
+    return teraio.Executor(trace, plan, gpu_budget_bytes=budget, allocate_created=False, allocator=allocator)
+
+
+class PlannedRun:
+    """One plan executed over many iterations of the same shapes (one executor)."""
+
+    def __init__(self, entry: dict[str, Any], model: torch.nn.Module | None, optimizer: Any, budget: int,
+                 device: torch.device, executor_factory: Callable[..., Any] | None = None) -> None:
+        self.trace = entry["trace"]
+        self.signatures = entry["signatures"]
+        self.created = entry["created"]  # per op: the trace ids first seen there, in order
+        self.device = device
+        self.tensors = self.trace["tensors"]
+        self.refs: dict[int, Any] = {}  # trace id -> weakref to its storage
+        self.tid_of: dict[int, int] = {}  # storage key -> trace id, this iteration
+        self._releasing_deaths = False
+        self.diverged: Diverged | None = None
+        self.stall_s = 0.0
+        self.reports: list[Any] = []
+        factory = executor_factory or _default_factory
+        self.ex = factory(self.trace, entry["plan"], budget, self)
+        named = named_storages(model, optimizer)
+        for tid, t in enumerate(self.tensors):
+            if not t["global"]:
+                continue
+            s = named.get(t["name"])
+            if s is None or s.nbytes() != t["bytes"]:
+                raise Diverged(0, f"global tensor {t['name']} ({t['bytes']} bytes) not found as such")
+            self._bind(tid, s)
+            self.ex.attach(tid, self._mem(s, t["bytes"]))
+        self.ex.start()
+
+    # ---- memory callbacks (called by the executor) ------------------------------------
+
+    def _mem(self, s: torch.UntypedStorage, nbytes: int) -> Any:
+        if s.device.type != "cpu":
+            raise NotImplementedError("CUDA storages need the engine's CUDA tier (device pointers)")
+        return host_view(s, nbytes)
+
+    def _bind(self, tid: int, s: torch.UntypedStorage) -> None:
+        self.refs[tid] = weakref.ref(s)
+        self.tid_of[storage_key(s)] = tid
+
+    def alloc(self, tid: int, nbytes: int, why: Any = None) -> Any:
+        """Memory for a prefetch of ``tid``: its storage, grown back."""
+        s = self.refs[tid]()
+        if s is None:
+            raise RuntimeError(f"tensor {tid} ({self.tensors[tid]['name']}) has no storage any more")
+        with _disable_current_modes():
+            s.resize_(nbytes)
+        return self._mem(s, nbytes)
+
+    def release(self, tid: int, mem: Any = None) -> None:
+        """The executor gave ``tid``'s memory back: after an offload, shrink the storage."""
+        if self._releasing_deaths:
+            return
+        s = self.refs[tid]()
+        if s is not None:
+            with _disable_current_modes():
+                s.resize_(0)
+
+    # ---- one iteration -----------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        """A new iteration: only the global tensors' storages are known."""
+        self.tid_of = {k: v for k, v in self.tid_of.items() if self.tensors[v]["global"]}
+
+    def mode(self) -> "_PlannedMode":
+        """A dispatch mode that runs one iteration under the plan."""
+        self.begin_iteration()
+        return _PlannedMode(self)
+
+    def before(self, k: int, func: Any, args: tuple, kwargs: dict) -> None:
+        if self.diverged is not None:
+            return
+        try:
+            if k >= len(self.signatures):
+                raise Diverged(k, f"more operators than the {len(self.signatures)} profiled")
+            sig = signature(func, args, kwargs)
+            if sig != self.signatures[k]:
+                raise Diverged(k, f"{sig[0]} with {len(sig[1])} tensors where the profile has "
+                                  f"{self.signatures[k][0]} with {len(self.signatures[k][1])}")
+            self.ex.boundary_named(k, self.trace["kernels"][k]["name"])
+            t0 = time.perf_counter()
+            self.ex.before_kernel(k)
+            self.stall_s += time.perf_counter() - t0
+        except Exception as e:  # a divergence: the executor's own or ours
+            self._diverge(k, e)
+
+    def after(self, k: int, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.diverged is not None:
+            return
+        try:
+            new = []
+            for t in list(iter_tensors((args, kwargs))) + list(iter_tensors(out)):
+                if t.device != self.device:
+                    continue
+                s = storage_of(t)
+                if s is None or s.nbytes() == 0:
+                    continue
+                key = storage_key(s)
+                tid = self.tid_of.get(key)
+                # a key of a storage that died since (its address reused) is not this storage
+                known = tid is not None and self.refs[tid]() is s
+                if not known and all(key != storage_key(x) for x in new):
+                    new.append(s)
+            want = [t for t in self.created[k] if not self.tensors[t]["global"]]
+            if len(new) != len(want):
+                raise Diverged(k, f"{len(new)} new storages where the profile saw {len(want)}")
+            for s, tid in zip(new, want):
+                t = self.tensors[tid]
+                self._bind(tid, s)
+                if not t["global"]:
+                    self.ex.attach(tid, self._mem(s, s.nbytes()))
+            self._releasing_deaths = True
+            try:
+                self.ex.after_kernel(k)
+            finally:
+                self._releasing_deaths = False
+        except Exception as e:
+            self._diverge(k, e)
+
+    def _diverge(self, k: int, e: Exception) -> None:
+        d = e if isinstance(e, Diverged) else Diverged(k, str(e))
+        self.diverged = d
+        # tell the executor (a name no kernel has), which then reads everything back
+        try:
+            self.ex.boundary_named(k, f"<diverged: {d.detail}>")
+        except Exception:
+            pass
+        try:
+            self.ex.before_kernel(k)
+        except Exception:
+            pass
+
+    def end_iteration(self) -> Any:
+        try:
+            rep = self.ex.end_iteration()
+        except Exception as e:
+            if self.diverged is None:
+                self.diverged = Diverged(-1, str(e))
+            rep = None
+        self.reports.append(rep)
+        return rep
+
+    def finish(self) -> None:
+        self._releasing_deaths = True  # memory handed back at the end is resident, keep it
+        try:
+            self.ex.finish()
+        finally:
+            self._releasing_deaths = False
+
+
+class _PlannedMode(TorchDispatchMode):
+    def __init__(self, run: PlannedRun) -> None:
+        super().__init__()
+        self.run = run
+        self.k = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        k = self.k
+        self.k += 1
+        self.run.before(k, func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.run.after(k, args, kwargs, out)
+        return out

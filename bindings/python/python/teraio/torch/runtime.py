@@ -1,0 +1,258 @@
+"""Run training iterations with teraio: profile, plan, execute the plan; page when there is none.
+
+How bytes leave and come back without PyTorch noticing: a tensor of the trace is a *storage*
+(see :mod:`teraio.torch._storages`). Offloading it copies the storage's bytes to the engine
+and then shrinks the storage to 0 bytes (``UntypedStorage.resize_(0)``): the memory goes back
+to PyTorch's allocator at once, while every tensor and view over that storage (the autograd
+graph's saved tensors, ``param.data``, the optimizer's references) stays the same Python and C++
+object. Bringing it back grows the storage again (``resize_(nbytes)``, fresh memory from the
+allocator) and reads the bytes into it. No reference is swapped, so autograd's saved tensors,
+views and the optimizer keep working (this is how FSDP frees and restores parameters).
+
+Safety net: every operator runs inside a ``TorchDispatchMode`` that, before the operator
+starts, makes every storage it touches resident (waiting if a transfer is in flight). So a
+plan that is wrong, or an iteration that differs from the profiled one, can cost time but never
+hand an operator missing or stale bytes.
+
+Modes of one iteration (``Session.step()``):
+- *paged* (no plan yet: warm-up and profiling iterations, and after a divergence): when GPU
+  memory in use passes the budget after an operator, the least recently used storages that the
+  operator did not touch are offloaded (synchronously) until it fits; a storage is read back
+  when an operator needs it. Slow, but it runs any iteration under the budget, so the first,
+  profiled iterations fit too.
+- *planned*: the plan's instructions are executed by the engine's plan executor
+  (docs/EXECUTOR.md), driven by the operator count; see :mod:`teraio.torch.planned`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ._storages import iter_tensors, storage_key, storage_of
+
+_ids = itertools.count(1 << 40)
+
+
+class Store(Protocol):
+    """What the pager needs from an engine (``teraio.Engine`` has it)."""
+
+    def offload(self, tensor_id: int, data: Any, **kw: Any) -> Any: ...
+    def prefetch(self, tensor_id: int, out: Any, **kw: Any) -> Any: ...
+    def free(self, tensor_id: int) -> Any: ...
+
+
+def host_view(s: torch.UntypedStorage, nbytes: int | None = None) -> Any:
+    """A writable buffer-protocol object over a CPU storage's bytes (no copy, no aten op)."""
+    n = s.nbytes() if nbytes is None else nbytes
+    return (ctypes.c_uint8 * n).from_address(s.data_ptr())
+
+
+class StorageMover:
+    """Moves one storage's bytes to an engine and back, and frees / regrows its memory.
+
+    CPU storages go to the engine straight from their memory. CUDA storages go through a
+    pinned host staging tensor (one copy each way on the current stream, synchronized) until
+    the engine takes device pointers (the CUDA tier).
+    """
+
+    def __init__(self, store: Store, destination: str = "ssd") -> None:
+        self.store = store
+        self.destination = destination
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.busy_s = 0.0
+
+    def offload(self, s: torch.UntypedStorage, tensor_id: int, nbytes: int) -> None:
+        """Copy the storage out, then release its memory (resize to 0)."""
+        t0 = time.perf_counter()
+        with _disable_current_modes(), torch.no_grad():
+            if s.device.type == "cpu":
+                self.store.offload(tensor_id, host_view(s, nbytes), destination=self.destination).wait()
+            else:
+                stage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                src = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (nbytes,), (1,))
+                stage.copy_(src)
+                del src
+                self.store.offload(tensor_id, stage.numpy(), destination=self.destination).wait()
+            s.resize_(0)
+        self.bytes_out += nbytes
+        self.busy_s += time.perf_counter() - t0
+
+    def fetch(self, s: torch.UntypedStorage, tensor_id: int, nbytes: int) -> None:
+        """Regrow the storage and read its bytes back; the engine forgets its copy."""
+        t0 = time.perf_counter()
+        with _disable_current_modes(), torch.no_grad():
+            s.resize_(nbytes)
+            if s.device.type == "cpu":
+                self.store.prefetch(tensor_id, host_view(s, nbytes)).wait()
+            else:
+                stage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.store.prefetch(tensor_id, stage.numpy()).wait()
+                dst = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (nbytes,), (1,))
+                dst.copy_(stage)
+                del dst
+            self.store.free(tensor_id).wait()
+        self.bytes_in += nbytes
+        self.busy_s += time.perf_counter() - t0
+
+
+@dataclass
+class _Paged:
+    ref: Any  # weakref to the UntypedStorage
+    bytes: int
+    last_use: int
+    resident: bool = True
+    tensor_id: int = 0
+
+
+class Pager:
+    """Demand paging of storages under a byte budget, for iterations that have no plan.
+
+    The profiler (or any dispatch mode) calls :meth:`seen` for every storage an operator
+    touches, :meth:`before` with the storages of the operator about to run (offloaded ones come
+    back, after making room), and :meth:`after` when it ran (memory above the budget is paged
+    out, least recently used first). Storages smaller than ``min_bytes`` stay.
+    ``used_bytes``: how much memory is in use (default: the storages it knows, resident).
+    """
+
+    def __init__(self, mover: StorageMover, budget_bytes: int, min_bytes: int = 1 << 16,
+                 used_bytes: Callable[[], int] | None = None) -> None:
+        self.mover = mover
+        self.budget = budget_bytes
+        self.min_bytes = min_bytes
+        self._used = used_bytes
+        self.known: dict[int, _Paged] = {}
+        self.resident_bytes = 0
+        self.evictions = 0
+        self.fetches = 0
+        self.wait_s = 0.0
+
+    def used_bytes(self) -> int:
+        return self._used() if self._used is not None else self.resident_bytes
+
+    def seen(self, s: torch.UntypedStorage, op: int) -> None:
+        import weakref
+
+        key = storage_key(s)
+        p = self.known.get(key)
+        if p is None or p.ref() is None:
+            n = s.nbytes()
+            if n == 0:
+                return
+            p = _Paged(ref=weakref.ref(s), bytes=n, last_use=op)
+            self.known[key] = p
+            self.resident_bytes += n
+            weakref.finalize(s, self._died, key, p)
+        p.last_use = op
+
+    def _died(self, key: int, p: _Paged) -> None:
+        if self.known.get(key) is p:
+            del self.known[key]
+        if p.resident:
+            self.resident_bytes -= p.bytes
+        else:
+            try:
+                self.mover.store.free(p.tensor_id)
+            except Exception:
+                pass
+
+    def before(self, storages: list[torch.UntypedStorage], op: int) -> None:
+        """Make the operator's storages resident."""
+        want = {}
+        for s in storages:
+            key = storage_key(s)
+            p = self.known.get(key)
+            if p is not None and not p.resident:
+                want[key] = (s, p)  # once per storage, however often the operator names it
+        want = list(want.values())
+        if not want:
+            return
+        t0 = time.perf_counter()
+        need = sum(p.bytes for _, p in want)
+        keep = {storage_key(s) for s in storages}
+        self._evict(op, keep, extra=need)
+        for s, p in want:
+            self.mover.fetch(s, p.tensor_id, p.bytes)
+            p.resident = True
+            self.resident_bytes += p.bytes
+            self.fetches += 1
+        self.wait_s += time.perf_counter() - t0
+
+    def after(self, storages: list[torch.UntypedStorage], op: int) -> None:
+        """Page out least recently used storages while memory in use is above the budget."""
+        t0 = time.perf_counter()
+        n = self._evict(op, {storage_key(s) for s in storages}, extra=0)
+        if n:
+            self.wait_s += time.perf_counter() - t0
+
+    def _evict(self, op: int, keep: set[int], extra: int) -> int:
+        evicted = 0
+        if self.used_bytes() + extra <= self.budget:
+            return 0
+        victims = sorted(
+            (p.last_use, key) for key, p in self.known.items()
+            if p.resident and key not in keep and p.bytes >= self.min_bytes
+        )
+        for _, key in victims:
+            if self.used_bytes() + extra <= self.budget:
+                break
+            p = self.known[key]
+            s = p.ref()
+            if s is None or not s.resizable():
+                continue
+            p.tensor_id = next(_ids)
+            self.mover.offload(s, p.tensor_id, p.bytes)
+            p.resident = False
+            self.resident_bytes -= p.bytes
+            self.evictions += 1
+            evicted += 1
+        return evicted
+
+    def make_room(self, keep: list[torch.UntypedStorage], op: int) -> int:
+        """An operator ran out of memory: page out everything it does not use. Returns how many
+        storages went."""
+        budget, self.budget = self.budget, 0
+        try:
+            return self._evict(op, {storage_key(s) for s in keep}, extra=0)
+        finally:
+            self.budget = budget
+
+    def run_op(self, func: Any, args: tuple, kwargs: dict, keep: list[torch.UntypedStorage], op: int) -> Any:
+        """Run an operator; if the GPU runs out of memory, page out everything it does not use and
+        run it once more (an allocation fails before the operator writes anything)."""
+        try:
+            return func(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            if not self.make_room(keep, op):
+                raise
+            torch.cuda.empty_cache()
+            return func(*args, **kwargs)
+
+    def restore_all(self) -> None:
+        """Bring every paged-out storage back (the end of a paged iteration)."""
+        for key, p in list(self.known.items()):
+            s = p.ref()
+            if s is not None and not p.resident:
+                self.mover.fetch(s, p.tensor_id, p.bytes)
+                p.resident = True
+                self.resident_bytes += p.bytes
+                self.fetches += 1
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict, op: int, device: torch.device) -> Any:
+        """Run one operator under the pager alone (no recording)."""
+        stor = [s for s in (storage_of(t) for t in iter_tensors((args, kwargs)) if t.device == device)
+                if s is not None]
+        self.before(stor, op)
+        out = self.run_op(func, args, kwargs, stor, op)
+        outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == device) if s is not None]
+        for s in stor + outs:
+            self.seen(s, op)
+        self.after(stor + outs, op)
+        return out

@@ -1,0 +1,346 @@
+"""The three-line wrapper around an existing training loop.
+
+::
+
+    import teraio.torch
+    session = teraio.torch.Session(model, optimizer, engine={"dir": "/mnt/nvme/teraio", "files": 4,
+                                   "file_size": "64G"}, gpu_budget_bytes=40 << 30)
+    for batch in loader:
+        with session.step():
+            loss = model(batch); loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+What each step does:
+
+1. The optimizer is made plannable (:func:`teraio.torch.make_plannable`: the same math in
+   chunks), so no kernel touches every parameter at once.
+2. Until a plan exists for the iteration's shapes, a step is *profiled*
+   (:class:`teraio.torch.Profiler`) and, when a GPU budget is given, *paged*
+   (:class:`teraio.torch.runtime.Pager`: demand paging through the engine, so even the first
+   iterations fit the budget).
+3. After ``profile_steps`` profiled steps of the same shapes, the last trace is checked
+   (:func:`teraio.torch.check_working_sets`: a kernel that alone exceeds the budget is named)
+   and planned by the scheduler (``teraio.plan``, the planner of ``teraio plan``), and the plan
+   is cached by the iteration's first operator's shapes (its input), so a small set of shapes
+   (variable sequence lengths) is planned once each.
+4. At a step's first operator a cached plan for its shapes runs
+   (:class:`teraio.torch.planned.PlannedRun`: the engine's plan executor, docs/EXECUTOR.md,
+   driven by the operator count); where this build of the Python package has no executor,
+   such steps run paged without recording, and :meth:`Session.report` says so (``"mode":
+   "paged"``, the reason in ``planned_failed``).
+
+:meth:`Session.report` gives per-step figures (time, stall, bytes moved, peak memory); with
+``report_every=N`` a one-line report is printed every N steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._storages import signature
+from .optimizer import check_working_sets, make_plannable
+from .planned import Diverged, PlannedRun
+from .profiler import Profiler, peak_bytes
+from .runtime import Pager, StorageMover, Store
+
+
+def _open_engine(engine: Any) -> Any:
+    import teraio
+
+    if isinstance(engine, dict):
+        return teraio.Engine(**engine)
+    if isinstance(engine, str):
+        return teraio.Engine(engine)
+    return engine
+
+
+class Session:
+    """Profile, plan and run a training loop's iterations under a GPU memory budget.
+
+    ``engine``: a ``teraio.Engine``, its configuration as a dict of keyword options, or a
+    configuration file path (docs/PYTHON.md). ``gpu_budget_bytes``: the memory the iteration's
+    tensors may use (None: no budget, nothing is paged). ``host_budget_bytes``: the host tier
+    the planner may use (0: SSD only). ``policy``/``hardware``: the planner's (``teraio plan``).
+    ``store`` (tests): any object with the engine's ``offload``/``prefetch``/``free``.
+    ``page_min_bytes``: the pager leaves smaller storages in place; ``page_fraction``: on the
+    GPU it pages down to this share of the budget. ``executor_factory``
+    (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
+    ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
+    host_budget_bytes)`` returning a plan (default: ``teraio.plan`` with ``policy``/``hardware``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        engine: Any = None,
+        gpu_budget_bytes: int | None = None,
+        host_budget_bytes: int = 0,
+        policy: str = "teraio",
+        hardware: Any = None,
+        optimizer_chunk_bytes: int = 0,
+        profile_steps: int = 1,
+        warmup_steps: int = 0,
+        report_every: int = 0,
+        device: torch.device | str | None = None,
+        store: Store | None = None,
+        page_min_bytes: int = 1 << 16,
+        page_fraction: float = 0.85,
+        executor_factory: Callable[..., Any] | None = None,
+        planner: Callable[[dict, int, int], Any] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        if gpu_budget_bytes is not None and gpu_budget_bytes <= 0:
+            raise ValueError(f"gpu_budget_bytes must be > 0 or None, got {gpu_budget_bytes}")
+        if host_budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
+        if profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+        self.model = model
+        self.optimizer = make_plannable(optimizer, optimizer_chunk_bytes)
+        self.budget = gpu_budget_bytes
+        self.host_budget = host_budget_bytes
+        self.policy = policy
+        self.hardware = hardware
+        self.profile_steps = profile_steps
+        self.warmup_steps = warmup_steps
+        self.report_every = report_every
+        self.log = log
+        self.executor_factory = executor_factory
+        self.planner = planner
+        self._engine = None
+        if store is None and gpu_budget_bytes is not None:
+            store = self._engine = _open_engine(engine)
+        self.store = store
+        self.profiler = Profiler(model, optimizer, device=device)
+        self.device = self.profiler.device
+        cuda = self.device.type == "cuda"
+        self.mover = StorageMover(store) if store is not None else None
+        self.pager = None
+        if gpu_budget_bytes is not None and self.mover is not None:
+            used = (lambda: torch.cuda.memory_allocated(self.device)) if cuda else None
+            # on the GPU the next operator's results must fit beside what stays: page down to
+            # `page_fraction` of the budget (an operator that still runs out is retried after
+            # everything it does not use went out)
+            target = int(gpu_budget_bytes * (page_fraction if cuda else 1.0))
+            self.pager = Pager(self.mover, target, min_bytes=page_min_bytes, used_bytes=used)
+            self.profiler.pager = self.pager
+        # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
+        self.plans: dict[Any, dict[str, Any]] = {}
+        self._profiled: dict[Any, int] = {}
+        self.steps: list[dict[str, Any]] = []
+        self.closed = False
+
+    # ---- the step ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Session"]:
+        """One training iteration (forward, backward, optimizer step)."""
+        if self.closed:
+            raise RuntimeError("the session is closed")
+        n = len(self.steps)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        moved0 = (self.mover.bytes_out + self.mover.bytes_in) if self.mover else 0
+        wait0 = self.pager.wait_s if self.pager else 0.0
+        t0 = time.perf_counter()
+        mode = _StepMode(self, n)
+        self.profiler.begin()
+        try:
+            with mode:
+                yield self
+        finally:
+            if mode.run is None:
+                if not mode.paged_only:
+                    self.profiler.end()
+                if self.pager is not None:
+                    self.pager.restore_all()
+        rec: dict[str, Any] = {"step": n}
+        if mode.run is not None:
+            run = mode.run
+            rep = run.end_iteration()
+            rec["mode"] = "planned"
+            rec["executor"] = rep
+            # the executor's own figure when its report has one, else the time in before_kernel
+            rec["stall_s"] = rep["stall_s"] if isinstance(rep, dict) and "stall_s" in rep \
+                else run.stall_s - mode.stall0
+            if run.diverged is not None:
+                rec["diverged"] = str(run.diverged)
+                self._drop_plan(mode.key)
+        else:
+            rec["mode"] = "paged" if self.pager is not None else "profiled"
+            rec["stall_s"] = (self.pager.wait_s - wait0) if self.pager else 0.0
+            if mode.fallback:
+                rec["planned_failed"] = mode.fallback
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        rec["time_s"] = time.perf_counter() - t0
+        rec["bytes_moved"] = ((self.mover.bytes_out + self.mover.bytes_in) - moved0) if self.mover else 0
+        rec["ops"] = mode.k
+        if cuda:
+            rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if mode.run is None and not mode.paged_only:
+            self._after_profile(n, rec)
+        self.steps.append(rec)
+        if self.report_every and (n + 1) % self.report_every == 0:
+            self.log(self.line(rec))
+
+    def _planned_run(self, key: Any, n: int) -> Any:
+        """The executor run for this key's plan, or None (no plan, or no executor here)."""
+        entry = self.plans.get(key)
+        if n < self.warmup_steps or entry is None or entry.get("plan") is None or entry.get("run") is False:
+            return None
+        if entry.get("run") is None:
+            try:
+                entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.budget, self.device,
+                                          self.executor_factory)
+            except (NotImplementedError, Diverged) as e:
+                entry["run"] = False
+                entry["no_run"] = str(e)
+                return None
+        return entry["run"]
+
+    def _drop_plan(self, key: Any) -> None:
+        entry = self.plans.pop(key, None)
+        if entry and entry.get("run"):
+            _finish_run(entry["run"])
+
+    def _after_profile(self, n: int, rec: dict[str, Any]) -> None:
+        if n < self.warmup_steps or not self.profiler.ops:
+            return
+        key = self.profiler.ops[0].signature
+        entry = self.plans.get(key)
+        if entry is not None and entry["signatures"] == self.profiler.op_signatures():
+            rec["plan"] = "cached"
+            return
+        self._profiled[key] = self._profiled.get(key, 0) + 1
+        if self._profiled[key] < self.profile_steps:
+            return
+        trace = self.profiler.trace()
+        rec["trace_peak_bytes"] = peak_bytes(trace)
+        entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None,
+                 "created": self.profiler.created_ids}
+        self.plans[key] = entry
+        if self.budget is None:
+            return
+        check_working_sets(trace, self.budget)
+        try:
+            import teraio
+        except ImportError:
+            teraio = None
+        if self.planner is not None:
+            t0 = time.perf_counter()
+            entry["plan"] = self.planner(trace, self.budget, self.host_budget)
+            rec["plan_s"] = time.perf_counter() - t0
+        elif teraio is not None and hasattr(teraio, "plan"):
+            hw = self.hardware if self.hardware is not None else "paper"
+            over = {"gpu_memory_bytes": self.budget, "host_memory_cap_bytes": self.host_budget}
+            t0 = time.perf_counter()
+            entry["plan"] = teraio.plan(teraio.Trace.from_dict(trace), self.policy, hw, **over)
+            rec["plan_s"] = time.perf_counter() - t0
+        rec["plan"] = "made" if entry["plan"] is not None else "profiled (no planner in this build)"
+
+    # ---- reporting ---------------------------------------------------------------------
+
+    @staticmethod
+    def line(rec: dict[str, Any]) -> str:
+        """A one-line report of a step."""
+        s = (f"teraio step {rec['step']}: {rec['mode']}, {rec['time_s']:.3f} s, stall "
+             f"{rec['stall_s']:.3f} s, moved {rec['bytes_moved'] / 1e9:.2f} GB")
+        if "peak_allocated_bytes" in rec:
+            s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
+        if "plan" in rec:
+            s += f", plan {rec['plan']}"
+        return s
+
+    def report(self) -> dict[str, Any]:
+        """Figures of every step so far, and totals."""
+        steps = self.steps
+        out: dict[str, Any] = {"steps": steps, "budget_bytes": self.budget, "plans": len(self.plans)}
+        if self.pager is not None:
+            out["evictions"] = self.pager.evictions
+            out["fetches"] = self.pager.fetches
+        if steps:
+            out["mode"] = steps[-1]["mode"]
+            out["stall_s_per_step"] = steps[-1]["stall_s"]
+            out["bytes_moved_per_step"] = steps[-1]["bytes_moved"]
+        return out
+
+    def close(self) -> None:
+        """Bring every paged-out tensor back and close the engine the session opened."""
+        if self.closed:
+            return
+        for entry in self.plans.values():
+            if entry.get("run"):
+                _finish_run(entry["run"])
+        if self.pager is not None:
+            self.pager.restore_all()
+        if self._engine is not None and hasattr(self._engine, "close"):
+            self._engine.close()
+        self.closed = True
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _finish_run(run: PlannedRun) -> None:
+    restore = getattr(run.ex, "restore_all", None)
+    if restore is not None:  # bring offloaded globals back before the executor lets go
+        restore()
+    run.finish()
+
+
+class _StepMode(TorchDispatchMode):
+    """Decides at the step's first operator whether a cached plan runs (by that operator's
+    signature: the iteration's input shapes) or the step is profiled (and paged)."""
+
+    def __init__(self, session: Session, n: int) -> None:
+        super().__init__()
+        self.session = session
+        self.n = n
+        self.k = 0
+        self.key: Any = None
+        self.run: PlannedRun | None = None
+        self.stall0 = 0.0
+        self.fallback = ""
+        self.paged_only = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        k = self.k
+        self.k += 1
+        if k == 0:
+            self.key = signature(func, args, kwargs)
+            run = self.session._planned_run(self.key, self.n)
+            entry = self.session.plans.get(self.key)
+            if entry is not None and entry.get("no_run"):
+                self.fallback = entry["no_run"]
+            if run is not None:
+                self.session.profiler.abort()
+                self.run = run
+                self.stall0 = run.stall_s
+                run.begin_iteration()
+            elif self.fallback and self.session.pager is not None:
+                # a plan exists but cannot run here: page without recording
+                self.session.profiler.abort()
+                self.paged_only = True
+                pager = self.session.pager
+                for s in self.session.profiler._global_storages():
+                    pager.seen(s, -1)
+        if self.run is not None:
+            self.run.before(k, func, args, kwargs)
+            out = func(*args, **kwargs)
+            self.run.after(k, args, kwargs, out)
+            return out
+        if self.paged_only:
+            return self.session.pager.dispatch(func, args, kwargs, k, self.session.device)
+        return self.session.profiler.dispatch(func, args, kwargs)

@@ -1,0 +1,840 @@
+//! `teraio._teraio`: the native half of the Python package. It translates types and errors and
+//! nothing else; the public API (`teraio.Engine`, buffers, exceptions, dataclasses) is the pure
+//! Python layer in `python/teraio/__init__.py`, documented in docs/PYTHON.md.
+//!
+//! Caller memory arrives as an address and a length that the Python layer took from the
+//! buffer protocol (or numpy's array interface) and keeps alive: the extension is built for
+//! the stable ABI of CPython 3.9 (abi3), where the buffer protocol is not part of the limited
+//! API. Every call that blocks or copies releases the GIL.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+use pyo3::exceptions::PyTimeoutError;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+use teraio_bindings_core::{self as core, ConfigSource, Error, HostBuffer as CoreBuffer, Op};
+use teraio_engine::Engine as CoreEngine;
+use teraio_engine::executor::{AllocFor, Event, Executor, ExecutorConfig, TensorAllocator};
+use teraio_engine::store::OffloadOptions;
+use teraio_engine::tier::{StagedMemory, TensorMem};
+use teraio_scheduler::TensorId;
+
+/// Raise `e` as the `teraio` exception of its status (`teraio._errors`).
+fn to_py(py: Python<'_>, e: &Error) -> PyErr {
+    let class = e.status().python_class();
+    match py.import("teraio._errors").and_then(|m| m.getattr(class)) {
+        Ok(cls) => match cls.cast_into::<PyType>() {
+            Ok(t) => PyErr::from_type(t, e.to_string()),
+            Err(_) => pyo3::exceptions::PyRuntimeError::new_err(e.to_string()),
+        },
+        Err(import) => import,
+    }
+}
+
+fn err(e: Error) -> PyErr {
+    Python::attach(|py| to_py(py, &e))
+}
+
+type PyRes<T> = PyResult<T>;
+
+fn json_arg(text: Option<&str>, what: &str) -> core::Result<Option<serde_json::Value>> {
+    text.map(|t| {
+        serde_json::from_str(t).map_err(|e| Error::InvalidArgument(format!("{what}: {e}")))
+    })
+    .transpose()
+}
+
+/// The native engine (wrapped by `teraio.Engine`).
+#[pyclass(frozen, module = "teraio._teraio")]
+struct NativeEngine {
+    engine: RwLock<Option<CoreEngine>>,
+}
+
+impl NativeEngine {
+    /// Run `f` on the open engine with the GIL released.
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&CoreEngine) -> core::Result<R> + Send,
+    ) -> PyRes<R> {
+        py.detach(|| {
+            let g = self.engine.read();
+            let e = g.as_ref().ok_or_else(|| Error::Closed("the engine was closed".into()))?;
+            f(e)
+        })
+        .map_err(err)
+    }
+}
+
+fn options(
+    name: Option<String>,
+    destination: &str,
+    priority: &str,
+) -> core::Result<OffloadOptions> {
+    Ok(OffloadOptions {
+        destination: core::parse_destination(destination)?,
+        priority: core::parse_priority(priority)?,
+        name,
+    })
+}
+
+#[pymethods]
+impl NativeEngine {
+    /// Open an engine. `source` is `"default"`, `"toml"`, `"json"` or `"file"`; `text` the
+    /// configuration text or path; `overrides_json` a JSON object of configuration keys.
+    #[new]
+    #[pyo3(signature = (source, text=None, overrides_json=None))]
+    fn new(
+        py: Python<'_>,
+        source: &str,
+        text: Option<String>,
+        overrides_json: Option<String>,
+    ) -> PyRes<Self> {
+        let engine = py
+            .detach(|| {
+                let over = json_arg(overrides_json.as_deref(), "engine options")?;
+                let t = text.as_deref().unwrap_or("");
+                let src = match source {
+                    "default" => ConfigSource::Default,
+                    "toml" => ConfigSource::Toml(t),
+                    "json" => ConfigSource::Json(t),
+                    "file" => ConfigSource::File(std::path::Path::new(t)),
+                    other => {
+                        return Err(Error::InvalidArgument(format!(
+                            "configuration source {other:?}"
+                        )));
+                    }
+                };
+                core::open_engine(src, over.as_ref())
+            })
+            .map_err(err)?;
+        Ok(NativeEngine { engine: RwLock::new(Some(engine)) })
+    }
+
+    /// Drain, checkpoint (persistent engines) and release. Closing twice does nothing.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| drop(self.engine.write().take()));
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine.read().is_none()
+    }
+
+    /// What the engine is (JSON).
+    fn info_json(&self, py: Python<'_>) -> PyRes<String> {
+        self.with(py, |e| Ok(core::engine_json(e).to_string()))
+    }
+
+    /// Migration statistics (JSON).
+    fn stats_json(&self, py: Python<'_>) -> PyRes<String> {
+        self.with(py, |e| Ok(core::stats_json(e).to_string()))
+    }
+
+    /// Every tensor (JSON array).
+    fn tensors_json(&self, py: Python<'_>) -> PyRes<String> {
+        self.with(py, |e| Ok(core::tensors_json(e).to_string()))
+    }
+
+    /// One tensor (JSON) or None.
+    fn tensor_json(&self, py: Python<'_>, tensor_id: u64) -> PyRes<Option<String>> {
+        self.with(py, |e| Ok(e.store().info(tensor_id).map(|t| core::tensor_json(&t).to_string())))
+    }
+
+    /// The id of the tensor named `name`, or None.
+    fn lookup(&self, py: Python<'_>, name: String) -> PyRes<Option<u64>> {
+        self.with(py, |e| Ok(e.store().lookup(&name)))
+    }
+
+    /// Wait until every queued operation finished.
+    fn drain(&self, py: Python<'_>) -> PyRes<()> {
+        self.with(py, |e| {
+            e.store().drain();
+            Ok(())
+        })
+    }
+
+    /// Persistent engines: write a checkpoint now.
+    fn checkpoint(&self, py: Python<'_>) -> PyRes<()> {
+        self.with(py, |e| Ok(e.store().checkpoint()?))
+    }
+
+    /// Offload `nbytes` at `address` (copied before this returns; the caller keeps the memory
+    /// alive for the call).
+    #[allow(clippy::too_many_arguments)] // the Python signature, one argument per option
+    #[pyo3(signature = (tensor_id, address, nbytes, name, destination, priority))]
+    fn offload_address(
+        &self,
+        py: Python<'_>,
+        tensor_id: u64,
+        address: usize,
+        nbytes: usize,
+        name: Option<String>,
+        destination: &str,
+        priority: &str,
+    ) -> PyRes<NativeOp> {
+        let opts = options(name, destination, priority).map_err(err)?;
+        if address == 0 && nbytes > 0 {
+            return Err(err(Error::InvalidArgument("a buffer at address 0".into())));
+        }
+        let op = self.with(py, |e| {
+            let data: &[u8] = if nbytes == 0 {
+                &[]
+            } else {
+                // SAFETY: the Python layer took `address`/`nbytes` from a live buffer export
+                // (or a numpy array) that it holds for the duration of this call; the bytes
+                // are copied before the call returns.
+                unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) }
+            };
+            Op::offload_copy(e, tensor_id, data, opts)
+        })?;
+        Ok(NativeOp::new(op, None, None))
+    }
+
+    /// Offload the whole of an engine buffer without a copy.
+    fn offload_buffer(
+        &self,
+        py: Python<'_>,
+        tensor_id: u64,
+        buffer: Bound<'_, NativeBuffer>,
+        name: Option<String>,
+        destination: &str,
+        priority: &str,
+    ) -> PyRes<NativeOp> {
+        let opts = options(name, destination, priority).map_err(err)?;
+        let buf = buffer.get().buf.clone();
+        let op = self.with(py, |e| Op::offload_buffer(e, tensor_id, &buf, opts))?;
+        Ok(NativeOp::new(op, None, Some(buffer.into_any().unbind())))
+    }
+
+    /// Prefetch into `nbytes` at `address`; the op keeps `keepalive` (the destination) until
+    /// it has copied the bytes there.
+    fn prefetch_address(
+        &self,
+        py: Python<'_>,
+        tensor_id: u64,
+        address: usize,
+        nbytes: usize,
+        priority: &str,
+        keepalive: Py<PyAny>,
+    ) -> PyRes<NativeOp> {
+        let prio = core::parse_priority(priority).map_err(err)?;
+        if address == 0 {
+            return Err(err(Error::InvalidArgument("a buffer at address 0".into())));
+        }
+        let op = self.with(py, |e| Op::prefetch_copy(e, tensor_id, nbytes as u64, prio))?;
+        Ok(NativeOp::new(op, Some((address, nbytes)), Some(keepalive)))
+    }
+
+    /// Prefetch into the whole of an engine buffer without a copy.
+    fn prefetch_buffer(
+        &self,
+        py: Python<'_>,
+        tensor_id: u64,
+        buffer: Bound<'_, NativeBuffer>,
+        priority: &str,
+    ) -> PyRes<NativeOp> {
+        let prio = core::parse_priority(priority).map_err(err)?;
+        let buf = buffer.get().buf.clone();
+        let op = self.with(py, |e| Op::prefetch_buffer(e, tensor_id, &buf, prio))?;
+        Ok(NativeOp::new(op, None, Some(buffer.into_any().unbind())))
+    }
+
+    /// Free a tensor.
+    fn free(&self, py: Python<'_>, tensor_id: u64) -> PyRes<NativeOp> {
+        let op = self.with(py, |e| Op::free(e, tensor_id))?;
+        Ok(NativeOp::new(op, None, None))
+    }
+}
+
+/// A pending operation (wrapped by `teraio.PendingOp`).
+#[pyclass(frozen, module = "teraio._teraio")]
+struct NativeOp {
+    op: Mutex<Op>,
+    /// A prefetch into caller memory: where the bytes go.
+    dest: Option<(usize, usize)>,
+    /// What must live until the operation completed: the destination, or the engine buffer.
+    keepalive: Mutex<Option<Py<PyAny>>>,
+    kind: &'static str,
+    tensor: u64,
+}
+
+impl NativeOp {
+    fn new(op: Op, dest: Option<(usize, usize)>, keepalive: Option<Py<PyAny>>) -> Self {
+        let (kind, tensor) = (op.kind().name(), op.tensor());
+        NativeOp { op: Mutex::new(op), dest, keepalive: Mutex::new(keepalive), kind, tensor }
+    }
+
+    /// Collect the result (at most `timeout`); `None` when still running. Call without the GIL.
+    fn collect(&self, timeout: Option<Duration>) -> Option<core::Result<&'static str>> {
+        let dest = self.dest;
+        let mut op = self.op.lock();
+        let r = op.wait(timeout, |bytes| {
+            let (addr, len) = dest.expect("a prefetch into caller memory has a destination");
+            if bytes.len() != len {
+                return Err(Error::InvalidArgument(format!(
+                    "prefetch read {} bytes for a destination of {len}",
+                    bytes.len()
+                )));
+            }
+            // SAFETY: the Python layer took (addr, len) from a writable buffer export that this
+            // op keeps alive (`keepalive`) until now; nothing else writes it meanwhile.
+            let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            out.copy_from_slice(bytes);
+            Ok(())
+        })?;
+        Some(match r {
+            Ok(o) => Ok(o.name()),
+            Err(e) => Err(e.duplicate()),
+        })
+    }
+}
+
+impl Drop for NativeOp {
+    fn drop(&mut self) {
+        // A prefetch into caller memory that nobody waited for still delivers its bytes: the
+        // store already consumed the tensor for it. The GIL is released while waiting.
+        if self.dest.is_some() && self.op.get_mut().result().is_none() {
+            Python::attach(|py| py.detach(|| drop(self.collect(None))));
+        }
+    }
+}
+
+#[pymethods]
+impl NativeOp {
+    /// `"offload"`, `"prefetch"` or `"free"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// The tensor it concerns.
+    #[getter]
+    fn tensor_id(&self) -> u64 {
+        self.tensor
+    }
+
+    /// Whether it finished (never blocks). A finished prefetch into caller memory has its
+    /// bytes copied by this call.
+    fn done(&self, py: Python<'_>) -> bool {
+        let finished = {
+            let Some(op) = self.op.try_lock() else { return false };
+            op.result().is_some() || op.is_done()
+        };
+        if finished {
+            py.detach(|| drop(self.collect(Some(Duration::ZERO))));
+        }
+        finished
+    }
+
+    /// Wait (at most `timeout` seconds; None: as long as it takes) with the GIL released; the
+    /// outcome name (`ssd`, `host`, `cancelled`, `prefetched`, `freed`), or the op's error.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyRes<&'static str> {
+        let t = match timeout {
+            Some(s) if s.is_nan() || s < 0.0 || s.is_infinite() => {
+                return Err(err(Error::InvalidArgument(format!(
+                    "timeout {s} is not a number of seconds >= 0"
+                ))));
+            }
+            Some(s) => Some(Duration::from_secs_f64(s)),
+            None => None,
+        };
+        match py.detach(|| self.collect(t)) {
+            None => Err(PyTimeoutError::new_err(format!(
+                "{} of tensor {} still running after {} s",
+                self.kind,
+                self.tensor,
+                timeout.unwrap_or(0.0)
+            ))),
+            Some(r) => {
+                // Finished: what it kept alive may go.
+                if let Some(k) = self.keepalive.lock().take() {
+                    drop(k);
+                }
+                r.map_err(|e| to_py(py, &e))
+            }
+        }
+    }
+}
+
+/// Engine host memory with a stable address (wrapped by `teraio.HostBuffer`).
+#[pyclass(frozen, subclass, module = "teraio._teraio")]
+struct NativeBuffer {
+    buf: Arc<CoreBuffer>,
+}
+
+#[pymethods]
+impl NativeBuffer {
+    #[new]
+    fn new(py: Python<'_>, nbytes: u64) -> PyRes<Self> {
+        let buf = py.detach(|| CoreBuffer::new(nbytes)).map_err(err)?;
+        Ok(NativeBuffer { buf })
+    }
+
+    /// Bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Address of the first byte (stable while the object lives).
+    #[getter]
+    fn address(&self) -> usize {
+        self.buf.addr()
+    }
+
+    /// Whether the engine has the memory now.
+    #[getter]
+    fn busy(&self) -> bool {
+        self.buf.is_busy()
+    }
+
+    /// Whether `release` was called.
+    #[getter]
+    fn released(&self) -> bool {
+        self.buf.is_released()
+    }
+
+    /// Stop using the memory for I/O (refused while the engine has it).
+    fn _release_io(&self) -> PyRes<()> {
+        self.buf.release().map_err(err)
+    }
+}
+
+/// A training-iteration trace (wrapped by `teraio.Trace`).
+#[pyclass(frozen, module = "teraio._teraio")]
+struct NativeTrace {
+    trace: Arc<teraio_scheduler::Trace>,
+}
+
+#[pymethods]
+impl NativeTrace {
+    /// From a file or `preset:` spec.
+    #[staticmethod]
+    fn load(py: Python<'_>, path_or_spec: String) -> PyRes<Self> {
+        let t = py.detach(|| core::sched::load_trace(&path_or_spec)).map_err(err)?;
+        Ok(NativeTrace { trace: Arc::new(t) })
+    }
+
+    /// From JSON text.
+    #[staticmethod]
+    fn from_json(py: Python<'_>, text: String) -> PyRes<Self> {
+        let t = py.detach(|| core::sched::trace_from_json(&text)).map_err(err)?;
+        Ok(NativeTrace { trace: Arc::new(t) })
+    }
+
+    /// Generated: a model preset and `(key, value or None)` options.
+    #[staticmethod]
+    fn generate(
+        py: Python<'_>,
+        model: String,
+        options: Vec<(String, Option<String>)>,
+    ) -> PyRes<Self> {
+        let t = py.detach(|| core::sched::generate_trace(&model, &options)).map_err(err)?;
+        Ok(NativeTrace { trace: Arc::new(t) })
+    }
+
+    /// Summary (JSON).
+    fn info_json(&self) -> String {
+        core::sched::trace_json(&self.trace).to_string()
+    }
+
+    /// The whole trace (JSON).
+    fn to_json(&self, py: Python<'_>) -> String {
+        py.detach(|| self.trace.to_json())
+    }
+}
+
+/// A plan (wrapped by `teraio.Plan`).
+#[pyclass(frozen, module = "teraio._teraio")]
+struct NativePlan {
+    plan: Arc<teraio_scheduler::Plan>,
+}
+
+#[pymethods]
+impl NativePlan {
+    /// From JSON text, checked against `trace`.
+    #[staticmethod]
+    fn from_json(py: Python<'_>, trace: &NativeTrace, text: String) -> PyRes<Self> {
+        let t = trace.trace.clone();
+        let p = py.detach(|| core::sched::plan_from_json(&t, &text)).map_err(err)?;
+        Ok(NativePlan { plan: Arc::new(p) })
+    }
+
+    /// The plan (JSON).
+    fn to_json(&self, py: Python<'_>) -> String {
+        py.detach(|| self.plan.to_json())
+    }
+
+    /// Its policy.
+    #[getter]
+    fn policy(&self) -> String {
+        self.plan.policy.clone()
+    }
+}
+
+fn hw(
+    preset_or_json: &str,
+    overrides_json: Option<&str>,
+) -> core::Result<teraio_scheduler::Hardware> {
+    let over = json_arg(overrides_json, "hardware overrides")?;
+    core::sched::hardware(preset_or_json, over.as_ref())
+}
+
+/// The hardware model (JSON) of a preset or JSON object, with overrides (JSON object).
+#[pyfunction]
+#[pyo3(signature = (preset_or_json, overrides_json=None))]
+fn hardware_json(preset_or_json: String, overrides_json: Option<String>) -> PyRes<String> {
+    let h = hw(&preset_or_json, overrides_json.as_deref()).map_err(err)?;
+    Ok(serde_json::to_string(&h).expect("hardware serializes"))
+}
+
+/// Plan a trace.
+#[pyfunction]
+#[pyo3(signature = (trace, policy, hardware, overrides_json=None))]
+fn plan(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    policy: String,
+    hardware: String,
+    overrides_json: Option<String>,
+) -> PyRes<NativePlan> {
+    let t = trace.trace.clone();
+    let p = py
+        .detach(|| {
+            let h = hw(&hardware, overrides_json.as_deref())?;
+            core::sched::plan(&t, &h, core::sched::policy(&policy)?)
+        })
+        .map_err(err)?;
+    Ok(NativePlan { plan: Arc::new(p) })
+}
+
+/// Simulate a plan; the report (JSON).
+#[pyfunction]
+#[pyo3(signature = (trace, plan, hardware, overrides_json=None, iterations=2, timeline=false))]
+fn simulate(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    plan: &NativePlan,
+    hardware: String,
+    overrides_json: Option<String>,
+    iterations: usize,
+    timeline: bool,
+) -> PyRes<String> {
+    let (t, p) = (trace.trace.clone(), plan.plan.clone());
+    py.detach(|| {
+        let h = hw(&hardware, overrides_json.as_deref())?;
+        let r = core::sched::simulate(&t, &p, &h, iterations, timeline)?;
+        Ok(serde_json::to_string(&r).expect("a report serializes"))
+    })
+    .map_err(err)
+}
+
+/// Plan and simulate with several policies (empty: all); a JSON array.
+#[pyfunction]
+#[pyo3(signature = (trace, policies, hardware, overrides_json=None))]
+fn compare_policies(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    policies: Vec<String>,
+    hardware: String,
+    overrides_json: Option<String>,
+) -> PyRes<String> {
+    let t = trace.trace.clone();
+    py.detach(|| {
+        let h = hw(&hardware, overrides_json.as_deref())?;
+        let ps =
+            policies.iter().map(|p| core::sched::policy(p)).collect::<core::Result<Vec<_>>>()?;
+        let r = core::sched::compare(&t, &h, &ps)?;
+        Ok(serde_json::to_string(&r).expect("results serialize"))
+    })
+    .map_err(err)
+}
+
+/// Caller memory (a Python buffer the Python layer exported) that the executor moves through
+/// the store's staging buffers.
+struct PyMem {
+    addr: usize,
+    len: usize,
+    /// The buffer export (and the object) that keep `addr` valid.
+    _keep: Py<PyAny>,
+}
+
+fn check_range(offset: u64, n: usize, len: usize) -> teraio_engine::Result<usize> {
+    match usize::try_from(offset).ok().and_then(|o| o.checked_add(n).map(|end| (o, end))) {
+        Some((o, end)) if end <= len => Ok(o),
+        _ => Err(teraio_engine::Error::InvalidArgument(format!(
+            "range {offset}+{n} is outside a buffer of {len} bytes"
+        ))),
+    }
+}
+
+impl StagedMemory for PyMem {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn copy_out(&self, offset: u64, dst: &mut [u8]) -> teraio_engine::Result<()> {
+        let o = check_range(offset, dst.len(), self.len)?;
+        // SAFETY: [addr, addr + len) is a buffer export held by `_keep` for this object's
+        // life; the range was checked; `dst` is engine memory, so the two do not overlap.
+        let src = unsafe { std::slice::from_raw_parts((self.addr + o) as *const u8, dst.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_in(&mut self, offset: u64, src: &[u8]) -> teraio_engine::Result<()> {
+        let o = check_range(offset, src.len(), self.len)?;
+        // SAFETY: as in copy_out; the export is writable (the Python layer asked for that).
+        let dst = unsafe { std::slice::from_raw_parts_mut((self.addr + o) as *mut u8, src.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// tensor -> the Python object holding its memory now (attached or allocated).
+type Table = Arc<Mutex<HashMap<u32, Py<PyAny>>>>;
+
+/// Export `obj` (writable, C-contiguous) through the Python layer's `teraio._export`.
+fn export(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyRes<(usize, usize, Py<PyAny>)> {
+    let r = py.import("teraio")?.getattr("_export")?.call1((obj, true, what))?;
+    let (addr, nbytes, keep, _buf): (usize, usize, Py<PyAny>, Py<PyAny>) = r.extract()?;
+    let keep = (keep, obj.clone().unbind()).into_pyobject(py)?.into_any().unbind();
+    Ok((addr, nbytes, keep))
+}
+
+fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyRes<TensorMem> {
+    let (addr, len, keep) = export(py, obj, what)?;
+    if len as u64 != bytes || addr == 0 {
+        return Err(to_py(
+            py,
+            &Error::InvalidArgument(format!("{what}: a buffer of {len} bytes for {bytes}")),
+        ));
+    }
+    Ok(TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep })))
+}
+
+/// The executor's memory from a Python object's `alloc(tensor_id, nbytes, why)` (a writable
+/// buffer of exactly `nbytes`) and, when it has one, `release(tensor_id, obj)`.
+struct PyAllocator {
+    obj: Py<PyAny>,
+    table: Table,
+}
+
+impl TensorAllocator for PyAllocator {
+    fn alloc(
+        &mut self,
+        t: TensorId,
+        bytes: u64,
+        why: AllocFor,
+    ) -> teraio_engine::Result<TensorMem> {
+        let why = match why {
+            AllocFor::Create => "create",
+            AllocFor::Prefetch => "prefetch",
+        };
+        Python::attach(|py| {
+            let r = self.obj.bind(py).call_method1("alloc", (t.0, bytes, why))?;
+            let mem = py_mem(py, &r, bytes, "allocator.alloc(...)")?;
+            self.table.lock().insert(t.0, r.unbind());
+            Ok::<_, PyErr>(mem)
+        })
+        .map_err(|e| {
+            teraio_engine::Error::InvalidArgument(format!(
+                "the allocator's alloc({t}, {bytes}, {why:?}) failed: {e}"
+            ))
+        })
+    }
+
+    fn release(&mut self, t: TensorId, mem: TensorMem) {
+        drop(mem);
+        Python::attach(|py| {
+            let obj = self.table.lock().remove(&t.0);
+            let a = self.obj.bind(py);
+            if a.hasattr("release").unwrap_or(false)
+                && let Err(e) = a.call_method1("release", (t.0, obj))
+            {
+                e.write_unraisable(py, Some(a));
+            }
+        });
+    }
+}
+
+/// (used_bytes, in_flight, next_kernel, diverged (kernel, detail)).
+type ExecutorState = (u64, usize, usize, Option<(usize, String)>);
+
+/// The plan executor (wrapped by `teraio.Executor`; docs/EXECUTOR.md).
+#[pyclass(frozen, module = "teraio._teraio")]
+struct NativeExecutor {
+    ex: Mutex<Option<Executor>>,
+    table: Table,
+}
+
+impl NativeExecutor {
+    /// Run `f` on the executor with the GIL released (its allocator callbacks take the GIL:
+    /// never lock the executor while holding it).
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Executor) -> teraio_engine::Result<R> + Send,
+    ) -> PyRes<R> {
+        py.detach(|| {
+            let mut g = self.ex.lock();
+            let ex = g.as_mut().ok_or_else(|| {
+                Error::InvalidState("the executor was finished (finish() was called)".into())
+            })?;
+            f(ex).map_err(Error::from)
+        })
+        .map_err(err)
+    }
+}
+
+#[pymethods]
+impl NativeExecutor {
+    #[new]
+    #[pyo3(signature = (engine, trace, plan, gpu_budget_bytes, allocate_created, allocator=None))]
+    fn new(
+        py: Python<'_>,
+        engine: &NativeEngine,
+        trace: &NativeTrace,
+        plan: &NativePlan,
+        gpu_budget_bytes: u64,
+        allocate_created: bool,
+        allocator: Option<Py<PyAny>>,
+    ) -> PyRes<Self> {
+        let table: Table = Arc::default();
+        let (t, p) = ((*trace.trace).clone(), (*plan.plan).clone());
+        let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created };
+        let custom = allocator.map(|obj| PyAllocator { obj, table: table.clone() });
+        let ex = engine.with(py, move |e| {
+            let alloc: Box<dyn TensorAllocator> = match custom {
+                Some(a) => Box::new(a),
+                None => e.host_allocator(),
+            };
+            Ok(e.executor(t, p, cfg, alloc)?)
+        })?;
+        Ok(NativeExecutor { ex: Mutex::new(Some(ex)), table })
+    }
+
+    /// Hand tensor `tensor`'s memory (`nbytes` at `address`, kept alive by `keep`; `obj` is
+    /// what `resident` returns and the allocator's `release` gets) to the executor.
+    fn attach(&self, py: Python<'_>, tensor: u32, obj: Py<PyAny>) -> PyRes<()> {
+        let bound = obj.bind(py);
+        let (addr, len, keep) = export(py, bound, "mem")?;
+        let mem = TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep }));
+        self.table.lock().insert(tensor, obj.clone_ref(py));
+        self.with(py, move |ex| ex.attach(TensorId(tensor), mem))
+    }
+
+    fn start(&self, py: Python<'_>) -> PyRes<()> {
+        self.with(py, |ex| ex.start())
+    }
+
+    fn boundary(&self, py: Python<'_>, k: usize) -> PyRes<()> {
+        self.with(py, |ex| ex.boundary(k))
+    }
+
+    fn boundary_named(&self, py: Python<'_>, k: usize, name: String) -> PyRes<()> {
+        self.with(py, move |ex| ex.boundary_named(k, &name))
+    }
+
+    fn kernel_ready(&self, py: Python<'_>, k: usize) -> PyRes<bool> {
+        self.with(py, |ex| ex.kernel_ready(k))
+    }
+
+    fn before_kernel(&self, py: Python<'_>, k: usize) -> PyRes<f64> {
+        self.with(py, |ex| ex.before_kernel(k).map(|d| d.as_secs_f64()))
+    }
+
+    fn after_kernel(&self, py: Python<'_>, k: usize) -> PyRes<()> {
+        self.with(py, |ex| ex.after_kernel(k))
+    }
+
+    fn free(&self, py: Python<'_>, tensor: u32) -> PyRes<()> {
+        self.with(py, |ex| ex.free(TensorId(tensor)))
+    }
+
+    fn poll(&self, py: Python<'_>) -> PyRes<bool> {
+        self.with(py, |ex| ex.poll())
+    }
+
+    /// `[("arrived" | "released", tensor), ...]` since the last call.
+    fn events(&self, py: Python<'_>) -> PyRes<Vec<(&'static str, u32)>> {
+        self.with(py, |ex| {
+            Ok(ex
+                .events()
+                .into_iter()
+                .map(|e| match e {
+                    Event::Arrived(t) => ("arrived", t.0),
+                    Event::Released(t) => ("released", t.0),
+                })
+                .collect())
+        })
+    }
+
+    fn end_iteration_json(&self, py: Python<'_>) -> PyRes<String> {
+        self.with(py, |ex| {
+            let r = ex.end_iteration()?;
+            Ok(serde_json::to_string(&r).expect("a report serializes"))
+        })
+    }
+
+    fn finish(&self, py: Python<'_>) -> PyRes<()> {
+        py.detach(|| {
+            let ex = self.ex.lock().take();
+            match ex {
+                Some(ex) => ex.finish().map_err(Error::from),
+                None => Ok(()),
+            }
+        })
+        .map_err(err)
+    }
+
+    /// (used_bytes, in_flight, next_kernel, diverged (kernel, detail) or None).
+    fn state(&self, py: Python<'_>) -> PyRes<ExecutorState> {
+        self.with(py, |ex| {
+            let d = ex.diverged().map(|d| (d.kernel, d.detail.clone()));
+            Ok((ex.used_bytes(), ex.in_flight(), ex.next_kernel(), d))
+        })
+    }
+
+    fn is_resident(&self, py: Python<'_>, tensor: u32) -> PyRes<bool> {
+        self.with(py, |ex| Ok(ex.is_resident(TensorId(tensor))))
+    }
+
+    /// The object holding a resident tensor's memory (attached or allocated), or None.
+    fn resident(&self, py: Python<'_>, tensor: u32) -> PyRes<Option<Py<PyAny>>> {
+        let resident = self.with(py, |ex| Ok(ex.resident(TensorId(tensor)).is_some()))?;
+        Ok(if resident { self.table.lock().get(&tensor).map(|o| o.clone_ref(py)) } else { None })
+    }
+}
+
+/// The stable status code of every exception class name.
+#[pyfunction]
+fn status_codes() -> Vec<(&'static str, i32)> {
+    core::Status::ALL.iter().map(|s| (s.python_class(), s.code())).collect()
+}
+
+/// The native module.
+#[pymodule]
+fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", core::VERSION)?;
+    m.add("POLICIES", core::sched::policy_names())?;
+    m.add("MODEL_PRESETS", core::sched::model_presets())?;
+    m.add_class::<NativeEngine>()?;
+    m.add_class::<NativeOp>()?;
+    m.add_class::<NativeBuffer>()?;
+    m.add_class::<NativeTrace>()?;
+    m.add_class::<NativePlan>()?;
+    m.add_class::<NativeExecutor>()?;
+    m.add_function(wrap_pyfunction!(hardware_json, m)?)?;
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(compare_policies, m)?)?;
+    m.add_function(wrap_pyfunction!(status_codes, m)?)?;
+    Ok(())
+}

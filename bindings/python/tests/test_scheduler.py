@@ -1,0 +1,75 @@
+"""The scheduler from Python: traces, plans, simulations, comparisons, bad input."""
+
+import json
+
+import pytest
+
+import teraio
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return teraio.generate_trace("gpt2-small", layers=2, micro_batch=2)
+
+
+def test_plan_and_simulate_under_a_squeezed_gpu(trace):
+    assert trace.kernel_count > 0 and trace.tensor_count > 0
+    cap = trace.peak_resident_bytes * 3 // 4
+    p = teraio.plan(trace, "teraio", gpu_memory_bytes=cap)
+    assert p.policy == "teraio" and len(p.instructions) > 0
+    assert p.stats["planned_peak_bytes"] <= cap
+    r = teraio.simulate(trace, p, gpu_memory_bytes=cap)
+    assert isinstance(r, teraio.SimReport) and r.completed
+    assert r.peak_gpu_bytes <= cap and 0 < r.percent_of_ideal <= 100
+    assert "ssd_write" in r.bytes_moved
+    again = teraio.Plan.from_json(trace, p.to_json())
+    assert again.to_dict() == p.to_dict()
+    with_timeline = teraio.simulate(trace, p, gpu_memory_bytes=cap, timeline=True)
+    assert with_timeline.timeline is not None and with_timeline.timeline["memory"]
+
+
+def test_compare_policies_returns_dataclasses(trace):
+    cap = trace.peak_resident_bytes * 3 // 4
+    rs = teraio.compare_policies(trace, ["teraio", "none", "ideal"], gpu_memory_bytes=cap)
+    assert [r.policy for r in rs] == ["teraio", "none", "ideal"]
+    assert all(isinstance(r.report, teraio.SimReport) and r.plan_time_s >= 0 for r in rs)
+    assert rs[2].report.percent_of_ideal == 100
+    assert not rs[1].report.completed  # nothing moves: out of memory
+    assert set(teraio.POLICIES) >= {"teraio", "g10", "zero-infinity", "lru"}
+
+
+def test_hardware_presets_and_overrides():
+    hw = teraio.hardware("dev", ssd_count=7)
+    assert hw["ssd_count"] == 7
+    assert teraio.hardware(hw)["ssd_count"] == 7
+    with pytest.raises(teraio.InvalidArgumentError, match="gpu_mem"):
+        teraio.hardware("paper", gpu_mem=1)
+    with pytest.raises(teraio.InvalidArgumentError, match="moon"):
+        teraio.hardware("moon")
+
+
+def test_traces_round_trip_and_corrupt_ones_are_named(tmp_path, trace):
+    path = tmp_path / "t.json"
+    trace.save(path)
+    back = teraio.load_trace(path)
+    assert (back.name, back.kernel_count) == (trace.name, trace.kernel_count)
+    assert teraio.Trace.from_dict(trace.to_dict()).tensor_count == trace.tensor_count
+    assert teraio.load_trace("preset:gpt2-small,layers=1").kernel_count > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "kernels": [')
+    with pytest.raises(teraio.TraceError, match="bad.json"):
+        teraio.load_trace(bad)
+    d = trace.to_dict()
+    d["tensors"][0]["bytes"] = "lots"
+    with pytest.raises(teraio.TraceError):
+        teraio.Trace.from_json(json.dumps(d))
+    with pytest.raises(teraio.TraceError):
+        teraio.Trace.from_json(b"{}")
+    with pytest.raises(teraio.IoError):
+        teraio.load_trace(tmp_path / "missing.json")
+    with pytest.raises(teraio.InvalidArgumentError, match="wings"):
+        teraio.generate_trace("gpt2-small", wings=2)
+    with pytest.raises(teraio.InvalidArgumentError, match="magic"):
+        teraio.plan(trace, "magic")
+    with pytest.raises(teraio.PlanError):
+        teraio.Plan.from_json(trace, '{"policy": "x"}')

@@ -1,0 +1,160 @@
+"""The planned mode's PyTorch side, against a scripted stand-in for the engine's executor.
+
+The stand-in only replays a script (offload tensor t at boundary a, bring it back at boundary
+b) through the same calls the real executor makes (attach, allocator.alloc/release, events); it
+checks nothing a plan means. What is tested is the translation: storages shrink to 0 bytes when
+their offload is done and grow back with their bytes before the operator that needs them,
+created storages are matched to the trace's ids, deaths do not shrink anything, a divergence
+brings everything back and the next step is profiled again, and the losses stay bitwise those of
+plain training.
+"""
+
+import torch
+
+import teraio.torch as tt
+
+from models import Block, batches, make, train_step
+
+
+class ScriptedExecutor:
+    def __init__(self, trace, plan, budget, allocator):
+        self.trace, self.plan, self.alloc = trace, plan, allocator
+        self.mem, self.saved, self.off = {}, {}, set()
+        self.shrunk = 0
+        self.diverged = False
+        self.calls = []
+
+    def attach(self, t, mem):
+        self.mem[t] = mem
+
+    def start(self):
+        self.calls.append("start")
+
+    def boundary_named(self, k, name):
+        if name != self.trace["kernels"][k]["name"]:
+            self.diverged = True
+            for t in list(self.off):  # safe mode: everything back
+                self._back(t)
+            raise RuntimeError(f"Diverged at kernel {k}")
+
+    def _back(self, t):
+        n = self.trace["tensors"][t]["bytes"]
+        mem = self.alloc.alloc(t, n, "prefetch")
+        memoryview(mem).cast("B")[:] = self.saved.pop(t)
+        self.mem[t] = mem
+        self.off.discard(t)
+
+    def before_kernel(self, k):
+        if self.diverged:
+            return 0.0
+        for at, t, op in self.plan:
+            if at != k:
+                continue
+            if op == "offload":
+                self.saved[t] = bytes(memoryview(self.mem[t]).cast("B"))
+                self.alloc.release(t, self.mem.pop(t))
+                assert self.alloc.refs[t]().nbytes() == 0, "the storage is shrunk once its copy is stored"
+                self.shrunk += 1
+                self.off.add(t)
+            else:
+                self._back(t)
+        return 0.0
+
+    def after_kernel(self, k):
+        if self.diverged:
+            return
+        for t, x in enumerate(self.trace["tensors"]):
+            if x["dies_after"] == k and t in self.mem:
+                self.alloc.release(t, self.mem.pop(t))  # a death: nothing may shrink
+
+    def end_iteration(self):
+        self.diverged = False
+        return {"stall_s": 0.0}
+
+    def finish(self):
+        assert not self.off
+
+
+def script_for(trace, budget, host):
+    """Offload every activation of >= 4 KiB with a gap of >= 3 kernels between two uses."""
+    plan = []
+    for t, x in enumerate(trace["tensors"]):
+        if x["global"] or x["kind"] != "activation" or x["bytes"] < 4096:
+            continue
+        acc = x["accesses"]
+        for a, b in zip(acc, acc[1:]):
+            if b - a >= 3:
+                plan += [(a + 1, t, "offload"), (b, t, "prefetch")]
+                break
+    return sorted(plan, key=lambda p: (p[0], p[2] == "prefetch"))
+
+
+class Switchable(torch.nn.Module):
+    """TinyGPT-like, with a branch the loop can turn on (a different operator sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(97, 32)
+        self.layers = torch.nn.ModuleList(Block(32) for _ in range(2))
+        self.head = torch.nn.Linear(32, 97)
+        self.extra = False
+
+    def forward(self, tok):
+        x = self.emb(tok)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.extra and i == 0:
+                x = x * 1.0 + 0.0
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 97), tok.reshape(-1))
+
+
+def session(model, opt, executors):
+    def factory(trace, plan, budget, allocator):
+        ex = ScriptedExecutor(trace, plan, budget, allocator)
+        executors.append(ex)
+        return ex
+
+    return tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
+                      planner=script_for, warmup_steps=1, log=lambda _: None)
+
+
+def test_planned_steps_move_storages_and_keep_losses():
+    model, opt = make()
+    ref, ref_opt = make()
+    exs = []
+    s = session(model, opt, exs)
+    s.budget = 1 << 30  # plan (the scripted planner ignores it); nothing is paged: no store
+    for t in batches(5):
+        with s.step():
+            a = train_step(model, opt, t)
+        assert a == train_step(ref, ref_opt, t)
+    modes = [r["mode"] for r in s.steps]
+    assert modes[:2] == ["profiled", "profiled"] and modes[2:] == ["planned"] * 3
+    assert len(exs) == 1 and exs[0].shrunk >= 3 * 5
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    s.close()
+
+
+def test_divergence_brings_everything_back_and_profiles_again():
+    model = Switchable()
+    ref = Switchable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    exs = []
+    s = session(model, opt, exs)
+    s.budget = 1 << 30
+    for i, t in enumerate(batches(7)):
+        model.extra = ref.extra = i == 4  # a new branch in step 4 only
+        with s.step():
+            a = train_step(model, opt, t)
+        assert a == train_step(ref, ref_opt, t)
+    modes = [r["mode"] for r in s.steps]
+    assert modes == ["profiled", "profiled", "planned", "planned", "planned", "profiled", "planned"]
+    assert "diverged" in s.steps[4] and "diverged" not in s.steps[3]
+    assert len(exs) == 2  # the plan after the divergence is a new one
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    s.close()

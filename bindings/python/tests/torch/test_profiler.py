@@ -1,0 +1,138 @@
+"""teraio.torch.Profiler on CPU: structure, lifetimes, writes, kinds, and the Rust parser."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from teraio.torch.profiler import Profiler, memory_curve, peak_bytes
+
+from models import batches, make, train_step
+
+
+def record(fn, **kw):
+    prof = Profiler(**kw)
+    with prof.record():
+        fn()
+    return prof.trace()
+
+
+def by_name(trace, prefix):
+    return [t for t in trace["tensors"] if t["name"].startswith(prefix)]
+
+
+def test_lifetimes_and_writes_of_a_small_sequence():
+    x = torch.randn(64, 64)
+    w = torch.randn(64, 64)
+
+    def fn():
+        a = x @ w  # op 0 creates a
+        b = a.relu()  # op 1 reads a, creates b
+        del a  # a dies after op 1
+        b.add_(1.0)  # op 2 writes b
+        c = b.sum()  # op 3 reads b, creates c
+        del b, c
+
+    tr = record(fn)
+    names = [k["name"] for k in tr["kernels"]]
+    assert names == ["fwd.mm", "fwd.relu", "fwd.add_.Tensor", "fwd.sum"]
+    t = {tuple(s["accesses"]): s for s in tr["tensors"]}
+    a = t[(0, 1)]
+    assert (a["created_by"], a["dies_after"], a["writes"], a["global"]) == (0, 1, [0], False)
+    assert a["bytes"] == 64 * 64 * 4
+    b = t[(1, 2, 3)]
+    assert (b["created_by"], b["dies_after"], b["writes"]) == (1, 3, [1, 2])
+    # x and w exist before and after the window but are not parameters, gradients, buffers or
+    # optimizer states (a runtime could not find them by name): traced from their first use to
+    # the end
+    xs = [s for s in tr["tensors"] if s["accesses"] == [0]]
+    assert len(xs) == 2
+    assert all((s["global"], s["created_by"], s["dies_after"]) == (False, 0, 3) for s in xs)
+
+
+def test_views_share_their_storage_and_reuse_is_a_new_tensor():
+    base = torch.randn(1024)
+
+    def fn():
+        for _ in range(3):
+            y = base * 2  # a fresh storage each time, likely at the same address
+            v = y.view(32, 32)  # a view: the same trace tensor
+            v.sum()
+            del y, v
+
+    tr = record(fn)
+    base_t = [t for t in tr["tensors"] if t["accesses"] == [0, 3, 6]]
+    assert len(base_t) == 1  # base, read by the three multiplications
+    made = [t for t in tr["tensors"] if t is not base_t[0] and t["bytes"] == 4096]
+    assert len(made) == 3  # three lifetimes, three tensors
+    for t in made:
+        assert len(t["accesses"]) == 3  # mul, view, sum
+        assert t["dies_after"] == t["accesses"][-1]
+
+
+def test_training_step_kinds_and_globals():
+    model, opt = make()
+    data = batches(3)
+    prof = Profiler(model, opt)
+    for i, tok in enumerate(data):
+        with prof.record() if i == 2 else contextlib.nullcontext():
+            train_step(model, opt, tok)
+    tr = prof.trace()
+    params = dict(model.named_parameters())
+    weights = by_name(tr, "param:")
+    assert {t["name"][6:] for t in weights} == set(params)
+    for t in weights:
+        p = params[t["name"][6:]]
+        assert t["global"] and t["kind"] == "weight"
+        assert t["bytes"] == p.numel() * p.element_size()
+        assert t["writes"], "the optimizer writes every parameter"
+        assert all(tr["kernels"][k]["name"].startswith("opt.") for k in t["writes"])
+    states = by_name(tr, "state:")
+    assert len(states) == 3 * len(params)  # step, exp_avg, exp_avg_sq
+    assert all(t["global"] and t["kind"] == "optimizer_state" for t in states)
+    grads = by_name(tr, "grad:")
+    assert len(grads) == len(params)
+    for t in grads:  # created by backward, freed by zero_grad(set_to_none=True)
+        assert not t["global"] and t["kind"] == "gradient"
+        assert tr["kernels"][t["created_by"]]["name"].startswith("bwd.")
+    phases = [k["name"].split(".")[0] for k in tr["kernels"]]
+    # forward, then backward, then the optimizer step, then the loss read-out
+    first_bwd, first_opt = phases.index("bwd"), phases.index("opt")
+    assert 0 < first_bwd < first_opt
+    assert set(phases[first_bwd:first_opt]) <= {"bwd", "fwd"}
+    layers = {k.get("layer") for k in tr["kernels"] if k["name"].startswith("fwd.")}
+    assert {0, 1, 2} <= layers
+    assert all(k["duration_us"] >= 0 for k in tr["kernels"])
+
+
+def test_peak_of_a_known_curve():
+    def fn():
+        a = torch.empty(1000, dtype=torch.uint8).fill_(1)  # ops 0,1
+        b = torch.empty(3000, dtype=torch.uint8).fill_(2)  # ops 2,3
+        del a
+        c = b.sum()  # op 4
+        del b, c
+
+    tr = record(fn)
+    curve = memory_curve(tr)
+    assert curve[:4] == [1000, 1000, 4000, 4000]
+    assert peak_bytes(tr) == 4000
+
+
+def test_trace_loads_with_the_rust_parser(tmp_path):
+    teraio = pytest.importorskip("teraio")
+    if not hasattr(teraio, "Trace"):
+        pytest.fail("the teraio package has no Trace: the bindings are not installed")
+    model, opt = make()
+    data = batches(2)
+    prof = Profiler(model, opt)
+    train_step(model, opt, data[0])
+    with prof.record():
+        train_step(model, opt, data[1])
+    tr = teraio.Trace.from_dict(prof.trace())
+    assert tr.kernel_count == len(prof.trace()["kernels"])
+    assert tr.peak_resident_bytes == peak_bytes(prof.trace())
+    path = tmp_path / "t.json"
+    prof.save(str(path))
+    assert json.loads(path.read_text())["format"] == "teraio-trace"

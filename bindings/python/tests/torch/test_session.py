@@ -1,0 +1,183 @@
+"""Session: training under a budget gives the same losses and parameters as without teraio."""
+
+
+import pytest
+import torch
+
+import teraio.torch as tt
+
+from models import batches, make, train_step
+
+
+class _Done:
+    def __init__(self, value=None):
+        self.value = value
+
+    def wait(self, timeout=None):
+        return self.value
+
+
+class MemStore:
+    """The engine's offload/prefetch/free over a dict (the PyTorch side alone); the same tests
+    run on a real file-backed teraio.Engine below when the package is built."""
+
+    def __init__(self):
+        self.d = {}
+
+    def offload(self, tid, data, **kw):
+        assert tid not in self.d
+        self.d[tid] = bytes(memoryview(data).cast("B"))
+        return _Done("ssd")
+
+    def prefetch(self, tid, out, **kw):
+        src = self.d[tid]
+        mv = memoryview(out).cast("B")
+        assert len(mv) == len(src)
+        mv[:] = src
+        return _Done(out)
+
+    def free(self, tid):
+        del self.d[tid]
+        return _Done()
+
+
+def engine_store(tmp_path):
+    teraio = pytest.importorskip("teraio")
+    if not hasattr(teraio, "Engine"):
+        pytest.fail("the teraio package has no Engine: the bindings are not installed")
+    # the tiny model's storages are small: a 4 KiB allocation unit (the default is 1 MiB)
+    return teraio.Engine(dir=str(tmp_path), files=2, file_size="64M", alloc_unit="4k", stripe_unit="64k")
+
+
+def reference(n, **kw):
+    model, opt = make(**kw)
+    data = batches(n, **{k: v for k, v in kw.items() if k in ("vocab", "seq")})
+    return [train_step(model, opt, t) for t in data], model
+
+
+def trained(store, budget, n, data=None, **kw):
+    model, opt = make(**kw)
+    data = data if data is not None else batches(n)
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, log=lambda _: None)
+    losses = []
+    for t in data:
+        with s.step():
+            losses.append(train_step(model, opt, t))
+    return losses, model, s
+
+
+def params_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("store_kind", ["mem", "engine"])
+def test_paged_training_is_bitwise_identical(tmp_path, store_kind):
+    store = MemStore() if store_kind == "mem" else engine_store(tmp_path)
+    ref_losses, ref_model = reference(4)
+    # a budget below what one iteration holds: parameters alone are over a third of it
+    budget = 3 * params_bytes(ref_model)
+    losses, model, s = trained(store, budget, 4)
+    assert losses == ref_losses
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    rep = s.report()
+    assert rep["evictions"] > 0 and rep["fetches"] > 0, "the budget must force paging"
+    assert rep["bytes_moved_per_step"] > 0
+    s.close()
+    if store_kind == "mem":
+        assert store.d == {}, "every paged copy is freed once read back"
+
+
+def test_the_trace_peak_exceeds_the_budget_it_ran_under():
+    ref_losses, ref_model = reference(3)
+    budget = 3 * params_bytes(ref_model)
+    losses, model, s = trained(MemStore(), budget, 3)
+    assert losses == ref_losses
+    peaks = [r["trace_peak_bytes"] for r in s.steps if "trace_peak_bytes" in r]
+    # the trace is of the iteration as if nothing moved: paging does not shorten lifetimes
+    assert peaks and peaks[-1] > budget
+
+
+def test_shapes_change_each_shape_profiled_once():
+    model, opt = make()
+    ref_model, ref_opt = make()
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 97, (4, 16 if i % 2 == 0 else 8), generator=g) for i in range(6)]
+    # the very first step creates the optimizer's state (other operators): a warm-up step
+    from test_planned import ScriptedExecutor, script_for
+
+    exs = []
+
+    def factory(*a):
+        exs.append(ScriptedExecutor(*a))
+        return exs[-1]
+
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
+                   warmup_steps=1, planner=script_for, executor_factory=factory, log=lambda _: None)
+    for t in data:
+        with s.step():
+            a = train_step(model, opt, t)
+        b = train_step(ref_model, ref_opt, t)
+        assert a == b
+    assert len(s.plans) == 2  # one per sequence length
+    assert [r.get("plan") for r in s.steps[:3]] == [None, "made", "made"]
+    assert [r["mode"] for r in s.steps] == ["paged"] * 3 + ["planned"] * 3
+    assert len(exs) == 2 and all(ex.shrunk > 0 for ex in exs)  # one executor per shape
+
+
+def test_report_line_and_bad_arguments():
+    model, opt = make()
+    lines = []
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 30, report_every=1, log=lines.append)
+    with s.step():
+        train_step(model, opt, batches(1)[0])
+    assert lines and lines[0].startswith("teraio step 0: paged,") and "moved 0.00 GB" in lines[0]
+    with pytest.raises(ValueError, match="gpu_budget_bytes"):
+        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=0)
+    with pytest.raises(ValueError, match="profile_steps"):
+        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1, profile_steps=0)
+
+
+def test_a_plan_without_an_executor_pages_without_recording():
+    ref_losses, ref_model = reference(5)
+    model, opt = make()
+
+    def no_executor(*a):
+        raise NotImplementedError("no executor in this build")
+
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(ref_model), page_min_bytes=0,
+                   warmup_steps=1, planner=lambda tr, b, h: {"policy": "scripted"},
+                   executor_factory=no_executor, log=lambda _: None)
+    losses = []
+    for t in batches(5):
+        with s.step():
+            losses.append(train_step(model, opt, t))
+        assert s.steps[-1]["mode"] == "paged"
+    assert losses == ref_losses
+    assert s.steps[1].get("plan") == "made"
+    assert all(r.get("planned_failed") == "no executor in this build" for r in s.steps[2:])
+    assert not s.profiler.ops, "steps after the plan are not recorded"
+    assert all(r["bytes_moved"] > 0 for r in s.steps[2:])
+
+
+def test_pager_retries_an_operator_that_ran_out_of_memory():
+    store = MemStore()
+    pager = tt.Pager(tt.StorageMover(store), budget_bytes=1 << 30, min_bytes=0)
+    xs = [torch.full((1024,), float(i)) for i in range(4)]
+    for i, x in enumerate(xs):
+        pager.seen(x.untyped_storage(), i)
+    calls = []
+
+    def op(a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("scripted")
+        return a * 2
+
+    out = pager.run_op(op, (xs[0],), {}, [xs[0].untyped_storage()], 4)
+    assert len(calls) == 2 and torch.equal(out, xs[0] * 2)
+    # everything the operator did not use went out, and comes back intact
+    assert [x.untyped_storage().nbytes() for x in xs] == [4096, 0, 0, 0]
+    pager.restore_all()
+    assert all(torch.equal(x, torch.full((1024,), float(i))) for i, x in enumerate(xs))
+    assert store.d == {}

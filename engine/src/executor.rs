@@ -1,0 +1,1073 @@
+//! The plan executor: executes a scheduler [`Plan`] for a trainer that drives it with its own
+//! progress. One implementation of the plan's semantics for every front end: the emulated
+//! replay ([`crate::runtime::replay`]), the PyTorch runtime (through the Python package) and a
+//! C++ trainer (through the C ABI).
+//!
+//! The semantics are those of the scheduler's simulator (`teraio_scheduler::plan`):
+//! - at boundary `i` (kernel `i` about to start; `kernel_count`: the iteration's end) the
+//!   instructions issued there run in plan order: an offload starts at once and releases the
+//!   tensor's GPU memory when its copy is stored; a prefetch allocates GPU memory first (FIFO,
+//!   waiting while the budget is full), then reads. A prefetch issued while the tensor's
+//!   offload is still being written keeps the GPU copy (no read).
+//! - a kernel runs once the tensors it creates have memory granted and every tensor it
+//!   accesses is resident; tensors die after their last kernel.
+//! - GPU memory is accounted in exact bytes against the budget.
+//! - a clean drop releases the memory without writing when the store holds a current copy.
+//!
+//! # Driving it
+//!
+//! ```text
+//! attach(t, mem) for every global tensor        // parameters, gradients, optimizer states
+//! start()                                       // the plan's initially offloaded tensors go
+//! per iteration:
+//!     for k in 0..kernels:
+//!         before_kernel(k)                      // issue boundary k, wait until k can run
+//!         (or: boundary(k); while !kernel_ready(k) { do other work })
+//!         attach(t, mem) for tensors k creates  // unless the executor allocates them
+//!         ... the kernel runs; resident(t) gives a tensor's memory ...
+//!         after_kernel(k)                       // tensors whose last use was k die
+//!     end_iteration()                           // wrap-around instructions, the report
+//! finish()
+//! ```
+//!
+//! Memory the executor needs (prefetch destinations, created tensors when
+//! [`ExecutorConfig::allocate_created`]) comes from a [`TensorAllocator`]; memory it no longer
+//! needs (an offload is stored, a tensor died) goes back to it. [`Executor::events`] tells the
+//! caller which tensors arrived and which were released, for callers that keep their own
+//! references (a framework's tensor objects).
+//!
+//! # Divergence
+//!
+//! A caller whose iteration differs from the trace (another kernel count, a tensor of another
+//! size) gets [`Error::Diverged`] naming where, once; the executor then switches to a safe
+//! mode: no more offloads, every offloaded tensor is read back, budgets are no longer enforced,
+//! and every later call succeeds without plan checks until the caller re-plans (a new
+//! executor). No tensor is lost and none is handed back wrong.
+//!
+//! # Faults
+//!
+//! A failed offload write leaves the tensor resident (its memory comes back from the store)
+//! and is counted in the report; the plan's later clean drops or prefetches of it become
+//! no-ops. A failed prefetch (an I/O error, a checksum mismatch) is an error naming the tensor
+//! and the kernel.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use teraio_scheduler::{Op, Plan, TensorId, Tier, Trace};
+
+use crate::migrate::{Handle, Priority, StoreStats};
+use crate::store::{Destination, OffloadOptions, OffloadOutcome, TensorStore};
+use crate::tier::{MemoryTier, TensorMem};
+use crate::{Error, Result};
+
+/// Why the executor asks for memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllocFor {
+    /// A tensor created by a kernel (only with [`ExecutorConfig::allocate_created`]).
+    Create,
+    /// The destination of a prefetch.
+    Prefetch,
+}
+
+/// Where the executor's memory comes from and goes back to.
+pub trait TensorAllocator: Send {
+    /// Memory of exactly `bytes` bytes for tensor `t`.
+    fn alloc(&mut self, t: TensorId, bytes: u64, why: AllocFor) -> Result<TensorMem>;
+    /// Memory of tensor `t` the executor no longer holds (an offload was stored, the tensor
+    /// died). The default drops it.
+    fn release(&mut self, t: TensorId, mem: TensorMem) {
+        let _ = t;
+        drop(mem);
+    }
+}
+
+/// A [`TensorAllocator`] over a [`MemoryTier`] (released memory is dropped, back to the tier).
+pub struct TierAllocator(pub Arc<dyn MemoryTier>);
+
+impl TensorAllocator for TierAllocator {
+    fn alloc(&mut self, _t: TensorId, bytes: u64, _why: AllocFor) -> Result<TensorMem> {
+        self.0.alloc(bytes)
+    }
+}
+
+/// How to execute.
+#[derive(Debug, Clone)]
+pub struct ExecutorConfig {
+    /// GPU memory the iteration's tensors may use, bytes.
+    pub gpu_budget_bytes: u64,
+    /// The executor allocates created tensors' memory (from its allocator) when their kernel is
+    /// about to run. `false` (a trainer whose framework allocates): the budget is reserved and
+    /// the caller attaches the memory after the kernel ran ([`Executor::attach`]).
+    pub allocate_created: bool,
+}
+
+impl Default for ExecutorConfig {
+    fn default() -> Self {
+        Self { gpu_budget_bytes: 1 << 30, allocate_created: false }
+    }
+}
+
+/// Something the caller may want to know, from [`Executor::events`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Event {
+    /// The tensor came back from a prefetch: [`Executor::resident`] has its memory.
+    Arrived(TensorId),
+    /// The executor released the tensor's memory (its copy is stored, or it died): the memory
+    /// went back to the allocator; a caller holding its own reference can drop it.
+    Released(TensorId),
+}
+
+/// Where an iteration left the plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Divergence {
+    /// The kernel the caller was at (its own count).
+    pub kernel: usize,
+    /// What did not match.
+    pub detail: String,
+}
+
+/// What one iteration did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct IterationReport {
+    /// Iteration number (0-based).
+    pub iteration: usize,
+    /// Wall time from the first `before_kernel` to `end_iteration`, seconds.
+    pub time_s: f64,
+    /// Time spent waiting in `before_kernel` for tensors or memory, seconds.
+    pub stall_s: f64,
+    /// Peak GPU bytes accounted.
+    pub peak_bytes: u64,
+    /// The budget.
+    pub budget_bytes: u64,
+    /// Offloads issued (writes).
+    pub offloads: u64,
+    /// Clean drops: memory released without writing, the store's copy being current.
+    pub clean_drops: u64,
+    /// Prefetches issued.
+    pub prefetches: u64,
+    /// Prefetches that found the offload still being written and kept the GPU copy.
+    pub kept_copies: u64,
+    /// Offloads whose write failed; the tensor stayed resident.
+    pub failed_offloads: u64,
+    /// Tensors the executor moved out on its own because a kernel waited for memory that
+    /// nothing in flight would free (the caller ran faster than the plan's timing assumed: a
+    /// prefetch met its offload still being written and kept the tensor).
+    pub evictions: u64,
+    /// Tensors a kernel needed that were off the GPU with no prefetch coming (evicted ones),
+    /// read back on demand.
+    pub demand_fetches: u64,
+    /// The iteration left the plan (safe mode since).
+    pub diverged: Option<Divergence>,
+    /// (seconds from the iteration's start, GPU bytes accounted) at every change.
+    pub memory_timeline: Vec<(f64, u64)>,
+    /// Store statistics over the iteration.
+    pub store: StoreStats,
+}
+
+enum State {
+    Absent,
+    /// Budget granted to a created tensor whose memory the caller has not attached yet.
+    Reserved,
+    Resident(TensorMem),
+    Offloading {
+        handle: Handle<(OffloadOutcome, TensorMem)>,
+        keep: bool,
+    },
+    Offloaded,
+    QueuedPrefetch,
+    Prefetching(Handle<TensorMem>),
+}
+
+impl State {
+    fn is_resident(&self) -> bool {
+        matches!(self, State::Reserved | State::Resident(_))
+    }
+}
+
+enum Alloc {
+    Create(usize),
+    Prefetch(usize, Priority),
+}
+
+impl Alloc {
+    fn tensor(&self) -> usize {
+        match self {
+            Alloc::Create(t) | Alloc::Prefetch(t, _) => *t,
+        }
+    }
+}
+
+#[derive(PartialEq, Eq, Clone, Copy)]
+enum Phase {
+    /// Before `start`: globals are attached.
+    Setup,
+    /// Between iterations.
+    Idle,
+    /// Inside an iteration; the next kernel expected.
+    Running,
+}
+
+/// Executes one plan for one trace; see the module documentation.
+pub struct Executor {
+    trace: Trace,
+    plan: Plan,
+    store: Arc<TensorStore>,
+    alloc: Box<dyn TensorAllocator>,
+    cfg: ExecutorConfig,
+    creations: Vec<Vec<usize>>,
+    deaths: Vec<Vec<usize>>,
+    accesses: Vec<Vec<usize>>,
+    states: Vec<State>,
+    allocs: VecDeque<Alloc>,
+    events: VecDeque<Event>,
+    used: u64,
+    in_flight: usize,
+    phase: Phase,
+    /// Next kernel expected in this iteration.
+    next_kernel: usize,
+    /// Boundaries issued so far in this iteration (boundary `i` issued when `i < issued`).
+    issued: usize,
+    next_instr: usize,
+    /// Safe mode since a divergence.
+    safe: Option<Divergence>,
+    /// Tensors whose last offload failed (still resident): the plan's prefetch of them is a
+    /// no-op.
+    stayed: Vec<bool>,
+    /// Tensors the executor evicted on its own (see [`IterationReport::evictions`]): the plan's
+    /// next offload of one is a no-op; a kernel that needs one reads it back on demand.
+    evicted: Vec<bool>,
+    /// The store's copy of the tensor equals its GPU memory (set when an offload is stored or a
+    /// prefetch arrives; cleared when a kernel creates or writes it): only then is a drop clean.
+    current: Vec<bool>,
+    iteration: usize,
+    report: IterationReport,
+    iteration_start: Instant,
+    stats_before: StoreStats,
+}
+
+impl std::fmt::Debug for Executor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("policy", &self.plan.policy)
+            .field("kernels", &self.trace.kernels.len())
+            .field("budget", &self.cfg.gpu_budget_bytes)
+            .field("used", &self.used)
+            .field("iteration", &self.iteration)
+            .field("safe_mode", &self.safe.is_some())
+            .finish()
+    }
+}
+
+fn destination(tier: Tier) -> Destination {
+    match tier {
+        Tier::Ssd => Destination::Ssd,
+        Tier::Host => Destination::Host,
+    }
+}
+
+impl Executor {
+    /// An executor of `plan` (validated against `trace`) over `store`, with memory from `alloc`.
+    pub fn new(
+        store: Arc<TensorStore>,
+        alloc: Box<dyn TensorAllocator>,
+        trace: Trace,
+        plan: Plan,
+        cfg: ExecutorConfig,
+    ) -> Result<Self> {
+        plan.validate(&trace)
+            .map_err(|e| Error::InvalidArgument(format!("the plan does not fit the trace: {e}")))?;
+        if !plan.host_kernels.is_empty() {
+            return Err(Error::Unsupported(format!(
+                "the `{}` plan runs {} kernels on the CPU (host kernels); the executor runs GPU \
+                 kernels only, so simulate this policy with `teraio simulate`",
+                plan.policy,
+                plan.host_kernels.len()
+            )));
+        }
+        if !plan.recomputations.is_empty() {
+            return Err(Error::Unsupported(format!(
+                "the `{}` plan recomputes {} tensors; the executor does not run recomputations yet: plan without them (e.g. `--policy teraio`)",
+                plan.policy,
+                plan.recomputations.len()
+            )));
+        }
+        let n = trace.kernels.len();
+        let mut creations = vec![Vec::new(); n];
+        let mut deaths = vec![Vec::new(); n];
+        for (i, t) in trace.tensors.iter().enumerate() {
+            if !t.global {
+                if let Some(c) = t.created_by {
+                    creations[c].push(i);
+                }
+                if let Some(d) = t.dies_after {
+                    deaths[d].push(i);
+                }
+            }
+        }
+        let accesses = trace
+            .accesses_per_kernel()
+            .into_iter()
+            .map(|v| v.into_iter().map(|t| t.index()).collect())
+            .collect();
+        let states = (0..trace.tensors.len()).map(|_| State::Absent).collect();
+        let stayed = vec![false; trace.tensors.len()];
+        let evicted = vec![false; trace.tensors.len()];
+        let current = vec![false; trace.tensors.len()];
+        let stats_before = store.stats();
+        Ok(Executor {
+            trace,
+            plan,
+            store,
+            alloc,
+            report: IterationReport { budget_bytes: cfg.gpu_budget_bytes, ..Default::default() },
+            cfg,
+            creations,
+            deaths,
+            accesses,
+            states,
+            allocs: VecDeque::new(),
+            events: VecDeque::new(),
+            used: 0,
+            in_flight: 0,
+            phase: Phase::Setup,
+            next_kernel: 0,
+            issued: 0,
+            next_instr: 0,
+            safe: None,
+            stayed,
+            evicted,
+            current,
+            iteration: 0,
+            iteration_start: Instant::now(),
+            stats_before,
+        })
+    }
+
+    /// The trace it executes.
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    /// The plan it executes.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// GPU bytes accounted now.
+    pub fn used_bytes(&self) -> u64 {
+        self.used
+    }
+
+    /// Migrations in flight.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Where the iteration left the plan, once it has (safe mode since).
+    pub fn diverged(&self) -> Option<&Divergence> {
+        self.safe.as_ref()
+    }
+
+    /// The next kernel the plan expects.
+    pub fn next_kernel(&self) -> usize {
+        self.next_kernel
+    }
+
+    /// Arrivals and releases since the last call, oldest first.
+    pub fn events(&mut self) -> Vec<Event> {
+        self.events.drain(..).collect()
+    }
+
+    /// The memory of tensor `t` while resident with memory attached.
+    pub fn resident(&self, t: TensorId) -> Option<&TensorMem> {
+        match self.states.get(t.index()) {
+            Some(State::Resident(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Mutable access to the memory of a resident tensor.
+    pub fn resident_mut(&mut self, t: TensorId) -> Option<&mut TensorMem> {
+        match self.states.get_mut(t.index()) {
+            Some(State::Resident(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Whether tensor `t` is resident (memory granted).
+    pub fn is_resident(&self, t: TensorId) -> bool {
+        self.states.get(t.index()).is_some_and(State::is_resident)
+    }
+
+    fn bytes(&self, t: usize) -> u64 {
+        self.trace.tensors[t].bytes
+    }
+
+    fn set_used(&mut self, used: u64) {
+        self.used = used;
+        self.report.peak_bytes = self.report.peak_bytes.max(used);
+        let at = self.iteration_start.elapsed().as_secs_f64();
+        self.report.memory_timeline.push((at, used));
+    }
+
+    fn tensor_index(&self, t: TensorId) -> Result<usize> {
+        let i = t.index();
+        if i < self.states.len() {
+            Ok(i)
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "tensor {t} is not in the trace ({} tensors)",
+                self.states.len()
+            )))
+        }
+    }
+
+    /// Enter safe mode: nothing more is offloaded, everything offloaded is read back. Returns
+    /// the error the caller gets.
+    fn diverge(&mut self, kernel: usize, detail: String) -> Error {
+        let d = Divergence { kernel, detail };
+        let err = Error::Diverged { kernel, detail: d.detail.clone() };
+        if self.safe.is_none() {
+            self.report.diverged = Some(d.clone());
+            self.safe = Some(d);
+            // Allocations queued are granted whatever the budget; tensors offloaded come back.
+            for t in 0..self.states.len() {
+                match &mut self.states[t] {
+                    State::Offloading { keep, .. } => *keep = true,
+                    State::Offloaded => {
+                        self.states[t] = State::QueuedPrefetch;
+                        self.allocs.push_back(Alloc::Prefetch(t, Priority::Urgent));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        err
+    }
+
+    /// Hand tensor `t`'s memory to the executor: a global tensor before [`start`](Self::start),
+    /// or a tensor its kernel created (after `before_kernel` of that kernel) when the executor
+    /// does not allocate created tensors. The length must be the trace's.
+    pub fn attach(&mut self, t: TensorId, mem: TensorMem) -> Result<()> {
+        if self.safe.is_some() {
+            // Nothing is planned any more: the caller keeps its memory.
+            self.alloc.release(t, mem);
+            return Ok(());
+        }
+        let i = self.tensor_index(t)?;
+        let tensor = &self.trace.tensors[i];
+        if mem.len() != tensor.bytes {
+            let detail = format!(
+                "tensor {t} ({}) has {} bytes, the trace {}",
+                tensor.name,
+                mem.len(),
+                tensor.bytes
+            );
+            self.alloc.release(t, mem);
+            return Err(self.diverge(self.next_kernel, detail));
+        }
+        match (&self.states[i], tensor.global) {
+            (State::Absent, true) if self.phase == Phase::Setup => {
+                self.used += tensor.bytes;
+                self.states[i] = State::Resident(mem);
+                Ok(())
+            }
+            (State::Reserved, false) => {
+                self.states[i] = State::Resident(mem);
+                Ok(())
+            }
+            (State::Resident(_), _) => Err(Error::InvalidState {
+                tensor: t.to_string(),
+                detail: "it already has memory attached".into(),
+            }),
+            (_, true) => Err(Error::InvalidState {
+                tensor: t.to_string(),
+                detail: "global tensors are attached before start()".into(),
+            }),
+            (_, false) => Err(Error::InvalidState {
+                tensor: t.to_string(),
+                detail: format!(
+                    "it is created by kernel {}: attach it after before_kernel({}) granted its memory",
+                    tensor.alloc_kernel(),
+                    tensor.alloc_kernel()
+                ),
+            }),
+        }
+    }
+
+    /// Offload the global tensors the plan starts on a tier (waiting for the writes), check the
+    /// rest fit the budget, and get ready for the first iteration.
+    pub fn start(&mut self) -> Result<()> {
+        if self.phase != Phase::Setup {
+            return Err(Error::InvalidArgument("start() was called already".into()));
+        }
+        if let Some((i, t)) = self
+            .trace
+            .tensors
+            .iter()
+            .enumerate()
+            .find(|(i, t)| t.global && !matches!(self.states[*i], State::Resident(_)))
+        {
+            return Err(Error::InvalidState {
+                tensor: format!("t{i}"),
+                detail: format!("global tensor {} has no memory attached before start()", t.name),
+            });
+        }
+        let mut setup = Vec::new();
+        for p in &self.plan.initially_offloaded {
+            let t = p.tensor.index();
+            let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
+                unreachable!("every global is resident here (checked above)")
+            };
+            let opts = OffloadOptions { destination: destination(p.tier), ..Default::default() };
+            setup.push((t, self.store.offload_keep(t as u64, mem, opts)?));
+        }
+        for (t, h) in setup {
+            let (_, mem) = h.wait()?;
+            self.alloc.release(TensorId(t as u32), mem);
+            self.used -= self.bytes(t);
+            self.states[t] = State::Offloaded;
+        }
+        if self.used > self.cfg.gpu_budget_bytes {
+            return Err(Error::NoSpace(format!(
+                "the resident global tensors need {} bytes, the GPU budget is {}",
+                self.used, self.cfg.gpu_budget_bytes
+            )));
+        }
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    fn begin_iteration(&mut self) {
+        self.phase = Phase::Running;
+        self.next_kernel = 0;
+        self.issued = 0;
+        self.next_instr = 0;
+        self.iteration_start = Instant::now();
+        self.stats_before = self.store.stats();
+        self.report = IterationReport {
+            iteration: self.iteration,
+            budget_bytes: self.cfg.gpu_budget_bytes,
+            peak_bytes: self.used,
+            memory_timeline: vec![(0.0, self.used)],
+            diverged: self.safe.clone(),
+            ..Default::default()
+        };
+    }
+
+    /// Check that the caller is at kernel `k` of the plan (starting an iteration at 0).
+    fn at_kernel(&mut self, k: usize) -> Result<()> {
+        match self.phase {
+            Phase::Setup => {
+                Err(Error::InvalidArgument("call start() before the first kernel".into()))
+            }
+            Phase::Idle if k == 0 => {
+                self.begin_iteration();
+                Ok(())
+            }
+            _ if self.safe.is_some() => {
+                if self.phase == Phase::Idle {
+                    self.begin_iteration();
+                }
+                self.next_kernel = k;
+                Ok(())
+            }
+            Phase::Idle => Err(self.diverge(
+                k,
+                format!("an iteration starts at kernel 0, the caller is at kernel {k}"),
+            )),
+            Phase::Running if k >= self.trace.kernels.len() => Err(self.diverge(
+                k,
+                format!(
+                    "the trace has {} kernels, the caller is at kernel {k}",
+                    self.trace.kernels.len()
+                ),
+            )),
+            Phase::Running if k + 1 < self.next_kernel || k > self.next_kernel => Err(self
+                .diverge(
+                    k,
+                    format!(
+                        "kernel {} was expected next, the caller is at kernel {k}",
+                        self.next_kernel
+                    ),
+                )),
+            Phase::Running => Ok(()),
+        }
+    }
+
+    /// Issue the plan's instructions up to boundary `k` (kernel `k` about to run) and queue the
+    /// memory of the tensors kernel `k` creates. Calling it again for the same `k` does nothing.
+    pub fn boundary(&mut self, k: usize) -> Result<()> {
+        self.at_kernel(k)?;
+        if self.safe.is_some() {
+            return Ok(());
+        }
+        while self.issued <= k {
+            let b = self.issued;
+            self.issue(b)?;
+            for &t in &self.creations[b] {
+                self.allocs.push_back(Alloc::Create(t));
+            }
+            self.issued += 1;
+        }
+        Ok(())
+    }
+
+    /// Like [`boundary`](Self::boundary), checking the caller's kernel name against the trace's.
+    pub fn boundary_named(&mut self, k: usize, name: &str) -> Result<()> {
+        if self.safe.is_none()
+            && let Some(kernel) = self.trace.kernels.get(k)
+            && kernel.name != name
+        {
+            let detail =
+                format!("kernel {k} is `{}` in the trace, the caller runs `{name}`", kernel.name);
+            return Err(self.diverge(k, detail));
+        }
+        self.boundary(k)
+    }
+
+    fn issue(&mut self, boundary: usize) -> Result<()> {
+        while self.next_instr < self.plan.instructions.len()
+            && self.plan.instructions[self.next_instr].issue_before_kernel == boundary
+        {
+            let ins = self.plan.instructions[self.next_instr];
+            self.next_instr += 1;
+            let t = ins.tensor.index();
+            let priority = if ins.urgent { Priority::Urgent } else { Priority::Normal };
+            match ins.op {
+                Op::Offload { dest } => {
+                    let clean = ins.is_clean_drop() && self.is_clean(t);
+                    if std::mem::take(&mut self.evicted[t])
+                        && !matches!(self.states[t], State::Resident(_) | State::Reserved)
+                    {
+                        // The executor moved it out already.
+                        continue;
+                    }
+                    match std::mem::replace(&mut self.states[t], State::Absent) {
+                        State::Resident(mem) if clean => {
+                            self.alloc.release(ins.tensor, mem);
+                            self.events.push_back(Event::Released(ins.tensor));
+                            self.set_used(self.used - self.bytes(t));
+                            self.states[t] = State::Offloaded;
+                            self.report.clean_drops += 1;
+                        }
+                        State::Resident(mem) => {
+                            let opts = OffloadOptions {
+                                destination: destination(dest),
+                                priority,
+                                name: None,
+                            };
+                            let handle = self.store.offload_keep(t as u64, mem, opts)?;
+                            self.in_flight += 1;
+                            self.report.offloads += 1;
+                            self.states[t] = State::Offloading { handle, keep: false };
+                        }
+                        State::Reserved => {
+                            self.states[t] = State::Reserved;
+                            return Err(Error::InvalidState {
+                                tensor: ins.tensor.to_string(),
+                                detail: format!(
+                                    "the plan offloads it at boundary {boundary}, but its memory was never attached"
+                                ),
+                            });
+                        }
+                        other => {
+                            self.states[t] = other;
+                            return Err(Error::InvalidArgument(format!(
+                                "plan offloads tensor {t} at boundary {boundary} while it is not resident"
+                            )));
+                        }
+                    }
+                }
+                Op::Prefetch => {
+                    self.report.prefetches += 1;
+                    match &mut self.states[t] {
+                        State::Offloading { keep, .. } => {
+                            *keep = true;
+                            self.report.kept_copies += 1;
+                        }
+                        State::Offloaded => {
+                            self.evicted[t] = false;
+                            self.states[t] = State::QueuedPrefetch;
+                            self.allocs.push_back(Alloc::Prefetch(t, priority));
+                        }
+                        // Read back on demand already, after an eviction.
+                        State::QueuedPrefetch | State::Prefetching(_) | State::Resident(_)
+                            if self.evicted[t] =>
+                        {
+                            self.evicted[t] = false;
+                        }
+                        // Its offload failed earlier: it never left.
+                        State::Resident(_) if self.stayed[t] => self.stayed[t] = false,
+                        _ => {
+                            return Err(Error::InvalidArgument(format!(
+                                "plan prefetches tensor {t} at boundary {boundary} while it is not offloaded"
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Collect finished migrations and grant waiting allocations, without blocking. Returns
+    /// whether anything changed.
+    pub fn poll(&mut self) -> Result<bool> {
+        let mut changed = false;
+        for t in 0..self.states.len() {
+            let done = match &self.states[t] {
+                State::Offloading { handle, .. } => handle.is_done(),
+                State::Prefetching(h) => h.is_done(),
+                _ => false,
+            };
+            if !done {
+                continue;
+            }
+            changed = true;
+            self.in_flight -= 1;
+            let id = TensorId(t as u32);
+            match std::mem::replace(&mut self.states[t], State::Absent) {
+                State::Offloading { handle, keep } => match handle.wait() {
+                    Ok((outcome, mem)) if keep => {
+                        self.current[t] = outcome == OffloadOutcome::OnSsd;
+                        self.states[t] = State::Resident(mem);
+                    }
+                    Ok((outcome, mem)) => {
+                        self.current[t] = outcome == OffloadOutcome::OnSsd;
+                        self.alloc.release(id, mem);
+                        self.events.push_back(Event::Released(id));
+                        self.set_used(self.used - self.bytes(t));
+                        self.states[t] = State::Offloaded;
+                    }
+                    Err(e) => {
+                        // The write failed: the store holds the memory; the tensor stays.
+                        let Some(mem) = self.store.take_held(t as u64) else {
+                            return Err(Error::InvalidState {
+                                tensor: id.to_string(),
+                                detail: format!(
+                                    "its offload failed ({e}) and the store did not hand its memory back"
+                                ),
+                            });
+                        };
+                        self.report.failed_offloads += 1;
+                        self.stayed[t] = true;
+                        self.states[t] = State::Resident(mem);
+                    }
+                },
+                State::Prefetching(h) => {
+                    let mem = h.wait().map_err(|e| Error::InvalidState {
+                        tensor: format!("{id} ({})", self.trace.tensors[t].name),
+                        detail: format!(
+                            "its prefetch failed before kernel {}: {e}",
+                            self.next_kernel
+                        ),
+                    })?;
+                    self.states[t] = State::Resident(mem);
+                    self.events.push_back(Event::Arrived(id));
+                    // Read from the SSD array: that copy is current (a host-tier copy is not kept).
+                    self.current[t] = self.store.has_current_ssd_copy(t as u64);
+                }
+                _ => unreachable!("checked above"),
+            }
+        }
+        while let Some(a) = self.allocs.front() {
+            let t = a.tensor();
+            if self.safe.is_none() && self.used + self.bytes(t) > self.cfg.gpu_budget_bytes {
+                break;
+            }
+            let a = self.allocs.pop_front().expect("front exists");
+            changed = true;
+            let id = TensorId(t as u32);
+            if matches!(a, Alloc::Create(_)) {
+                self.current[t] = false;
+            }
+            match a {
+                Alloc::Create(_) if self.cfg.allocate_created => {
+                    let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Create)?;
+                    self.states[t] = State::Resident(mem);
+                }
+                Alloc::Create(_) => self.states[t] = State::Reserved,
+                Alloc::Prefetch(_, priority) => {
+                    let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Prefetch)?;
+                    let h = self.store.prefetch(t as u64, mem, priority)?;
+                    self.in_flight += 1;
+                    self.states[t] = State::Prefetching(h);
+                }
+            }
+            self.set_used(self.used + self.bytes(t));
+        }
+        Ok(changed)
+    }
+
+    fn ready(&self, k: usize) -> bool {
+        if self.safe.is_some() {
+            return self.allocs.is_empty()
+                && !self.states.iter().any(|s| {
+                    matches!(
+                        s,
+                        State::Prefetching(_) | State::QueuedPrefetch | State::Offloading { .. }
+                    )
+                });
+        }
+        self.creations[k].iter().all(|&t| self.states[t].is_resident())
+            && self.accesses[k].iter().all(|&t| self.states[t].is_resident())
+    }
+
+    /// Non-blocking: issue boundary `k` if not yet, collect what finished, and say whether
+    /// kernel `k` can run (its tensors resident, its new tensors' memory granted).
+    pub fn kernel_ready(&mut self, k: usize) -> Result<bool> {
+        self.boundary(k)?;
+        if self.safe.is_none() {
+            for i in 0..self.accesses[k].len() {
+                let t = self.accesses[k][i];
+                if matches!(self.states[t], State::Offloaded) && self.evicted[t] {
+                    self.report.demand_fetches += 1;
+                    self.states[t] = State::QueuedPrefetch;
+                    self.allocs.push_front(Alloc::Prefetch(t, Priority::Urgent));
+                }
+            }
+        }
+        self.poll()?;
+        let ready = self.ready(k);
+        if ready && self.safe.is_none() {
+            self.next_kernel = k + 1;
+        }
+        Ok(ready)
+    }
+
+    /// Issue boundary `k` and wait until kernel `k` can run. Returns the time waited (the
+    /// stall), also added to the iteration's report.
+    pub fn before_kernel(&mut self, k: usize) -> Result<Duration> {
+        let start = Instant::now();
+        loop {
+            if self.kernel_ready(k)? {
+                break;
+            }
+            if self.in_flight == 0 && self.allocs.is_empty() {
+                // Nothing can change: only an earlier prefetch error or a plan the budget does
+                // not allow would get here.
+                let waiting: Vec<usize> = self.accesses[k]
+                    .iter()
+                    .chain(&self.creations[k])
+                    .copied()
+                    .filter(|&t| !self.states[t].is_resident())
+                    .collect();
+                return Err(Error::InvalidState {
+                    tensor: format!("{waiting:?}"),
+                    detail: format!(
+                        "kernel {k} waits for these tensors and nothing is in flight to bring them"
+                    ),
+                });
+            }
+            if self.in_flight == 0 && self.evict(k)? {
+                continue;
+            }
+            if self.in_flight == 0 {
+                let need = self.allocs.front().map_or(0, |a| self.bytes(a.tensor()));
+                return Err(Error::NoSpace(format!(
+                    "GPU budget: kernel {k} cannot start: {need} bytes wanted, {} of {} in use and nothing in flight to free any",
+                    self.used, self.cfg.gpu_budget_bytes
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        let waited = start.elapsed();
+        self.report.stall_s += waited.as_secs_f64();
+        Ok(waited)
+    }
+
+    /// Whether tensor `t` can leave the GPU without a write: the store's SSD copy is current.
+    fn is_clean(&self, t: usize) -> bool {
+        self.current[t] && self.store.has_current_ssd_copy(t as u64)
+    }
+
+    /// Nothing in flight will free the memory the first waiting allocation needs: move out the
+    /// resident tensor kernel `k` does not use whose next use is furthest (without writing when
+    /// the store's copy is current), and read it back after. Returns whether it did.
+    fn evict(&mut self, k: usize) -> Result<bool> {
+        let n = self.trace.kernels.len();
+        let needed = |t: usize| self.accesses[k].contains(&t) || self.creations[k].contains(&t);
+        let next_use = |t: usize| {
+            let acc = &self.trace.tensors[t].accesses;
+            match acc.iter().find(|&&a| a > k) {
+                Some(&a) => a - k,
+                None => acc.first().map_or(n, |&a| a + n - k),
+            }
+        };
+        let victim = (0..self.states.len())
+            .filter(|&t| {
+                // Not one whose write just failed (it would fail again, and again).
+                matches!(self.states[t], State::Resident(_)) && !needed(t) && !self.stayed[t]
+            })
+            .max_by_key(|&t| next_use(t));
+        let Some(t) = victim else { return Ok(false) };
+        let id = TensorId(t as u32);
+        let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
+            unreachable!("filtered above")
+        };
+        self.report.evictions += 1;
+        self.evicted[t] = true;
+        if self.is_clean(t) {
+            self.alloc.release(id, mem);
+            self.events.push_back(Event::Released(id));
+            self.set_used(self.used - self.bytes(t));
+            self.states[t] = State::Offloaded;
+        } else {
+            let opts = OffloadOptions { priority: Priority::Urgent, ..Default::default() };
+            let handle = self.store.offload_keep(t as u64, mem, opts)?;
+            self.in_flight += 1;
+            self.states[t] = State::Offloading { handle, keep: false };
+        }
+        Ok(true)
+    }
+
+    /// Kernel `k` ran: the tensors whose last use it was die (their memory goes back to the
+    /// allocator).
+    pub fn after_kernel(&mut self, k: usize) -> Result<()> {
+        if self.safe.is_some() || k >= self.deaths.len() {
+            return Ok(());
+        }
+        for &t in &self.accesses[k] {
+            if self.trace.tensors[t].writes_at(k) {
+                self.current[t] = false;
+            }
+        }
+        for i in 0..self.deaths[k].len() {
+            let t = self.deaths[k][i];
+            self.release(t)?;
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, t: usize) -> Result<()> {
+        let id = TensorId(t as u32);
+        match std::mem::replace(&mut self.states[t], State::Absent) {
+            State::Resident(mem) => {
+                self.alloc.release(id, mem);
+                self.events.push_back(Event::Released(id));
+                self.set_used(self.used - self.bytes(t));
+            }
+            State::Reserved => self.set_used(self.used - self.bytes(t)),
+            State::Absent | State::Offloaded => {}
+            // Off the GPU at its death (evicted by the executor): nothing comes back.
+            State::QueuedPrefetch => {
+                self.allocs.retain(|a| a.tensor() != t);
+            }
+            State::Offloading { handle, .. } => {
+                self.in_flight -= 1;
+                if let Ok((_, mem)) = handle.wait() {
+                    self.alloc.release(id, mem);
+                }
+                self.events.push_back(Event::Released(id));
+                self.set_used(self.used - self.bytes(t));
+            }
+            State::Prefetching(h) => {
+                self.in_flight -= 1;
+                if let Ok(mem) = h.wait() {
+                    self.alloc.release(id, mem);
+                }
+                self.set_used(self.used - self.bytes(t));
+            }
+        }
+        self.evicted[t] = false;
+        Ok(())
+    }
+
+    /// Tensor `t` was freed by the caller before the trace says it dies: release it now.
+    pub fn free(&mut self, t: TensorId) -> Result<()> {
+        let i = self.tensor_index(t)?;
+        if self.safe.is_some() {
+            return Ok(());
+        }
+        self.release(i)
+    }
+
+    /// The iteration ended: issue the end-of-iteration instructions and return its report.
+    pub fn end_iteration(&mut self) -> Result<IterationReport> {
+        let n = self.trace.kernels.len();
+        if self.phase != Phase::Running {
+            return Err(Error::InvalidArgument(
+                "end_iteration() without an iteration (call before_kernel(0) first)".into(),
+            ));
+        }
+        if self.safe.is_none() && self.next_kernel != n {
+            let detail = format!(
+                "the iteration ended after {} kernels, the trace has {n}",
+                self.next_kernel
+            );
+            let err = self.diverge(self.next_kernel, detail);
+            self.finish_iteration();
+            return Err(err);
+        }
+        if self.safe.is_none() {
+            while self.issued < n {
+                let b = self.issued;
+                self.issue(b)?;
+                self.issued += 1;
+            }
+            self.issue(n)?;
+        }
+        self.poll()?;
+        Ok(self.finish_iteration())
+    }
+
+    fn finish_iteration(&mut self) -> IterationReport {
+        self.phase = Phase::Idle;
+        self.iteration += 1;
+        let mut report = std::mem::take(&mut self.report);
+        report.time_s = self.iteration_start.elapsed().as_secs_f64();
+        report.diverged = self.safe.clone();
+        report.store = diff_stats(&self.stats_before, &self.store.stats());
+        report
+    }
+
+    /// Wait for the migrations in flight, then free every copy the store holds of the trace's
+    /// tensors. Resident tensors' memory goes back to the allocator.
+    pub fn finish(mut self) -> Result<()> {
+        while self.in_flight > 0 || !self.allocs.is_empty() {
+            let before = (self.in_flight, self.allocs.len());
+            self.poll()?;
+            if self.in_flight == 0 && (self.in_flight, self.allocs.len()) == before {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        for t in 0..self.states.len() {
+            if let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) {
+                self.alloc.release(TensorId(t as u32), mem);
+            }
+            if self.store.info(t as u64).is_some()
+                && let Ok(h) = self.store.free(t as u64)
+            {
+                h.wait()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The difference of two snapshots of store statistics.
+pub fn diff_stats(before: &StoreStats, after: &StoreStats) -> StoreStats {
+    let d = |a: &crate::migrate::DirectionStats, b: &crate::migrate::DirectionStats| {
+        let mut x = b.clone();
+        x.ops -= a.ops;
+        x.bytes -= a.bytes;
+        x.errors -= a.errors;
+        x.op_time_ns -= a.op_time_ns;
+        x.busy_ns -= a.busy_ns;
+        x
+    };
+    let mut s = after.clone();
+    s.ssd_write = d(&before.ssd_write, &after.ssd_write);
+    s.ssd_read = d(&before.ssd_read, &after.ssd_read);
+    s.host_write = d(&before.host_write, &after.host_write);
+    s.host_read = d(&before.host_read, &after.host_read);
+    s.chunks_verified -= before.chunks_verified;
+    s.offloads_cancelled -= before.offloads_cancelled;
+    s.host_fallbacks -= before.host_fallbacks;
+    s
+}

@@ -1,0 +1,600 @@
+//! Device memory (GPU memory) behind traits, so the store's GPU data paths (the pinned-bounce
+//! pipeline and GPUDirect Storage, `store::gpu`) are written once and tested on any machine:
+//!
+//! - [`DeviceMemory`]: one tensor's device allocation (pointer, length, its device).
+//! - [`DeviceRuntime`]: what the data paths need from a device: in-order copy queues between
+//!   device and pinned host memory ([`CopyQueue`], a CUDA stream), fences ([`DeviceFence`], a
+//!   CUDA event), page-locking host memory, crc32c computed on the device, and direct storage
+//!   ([`DirectStorage`], cuFile).
+//!
+//! Two implementations: CUDA (`crate::cuda`, behind the `cuda` feature) and [`HostDevice`], an
+//! emulated device whose "device memory" is host memory. The emulation runs the very same
+//! pipeline code (chunking, double buffering, checksums, tail handling, stripe segments) so CI
+//! tests it without a GPU; its crc32c runs the CPU mirror of the GPU kernel's algorithm
+//! ([`crate::gpucrc`]), and its direct storage does pread/pwrite on the array's files.
+
+use std::any::Any;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use super::{MemoryTier, TensorMem};
+use crate::{Error, Result};
+
+/// A point in a device queue: the work queued before it (copies, kernels) has finished once the
+/// fence completes. A CUDA event.
+pub trait DeviceFence: Send + Sync {
+    /// Block the calling thread until the work before the fence has finished.
+    fn wait(&self) -> Result<()>;
+    /// Whether the work before the fence has finished (never blocks).
+    fn is_done(&self) -> bool;
+    /// Make work queued later on `stream` (a `CUstream` handle as an integer; 0 is the legacy
+    /// default stream) wait for the fence, without blocking the host.
+    fn wait_on_stream(&self, stream: u64) -> Result<()>;
+}
+
+/// An in-order queue of copies between device memory and host memory (a CUDA stream). Copies
+/// are asynchronous: the memory they touch must stay valid until a later fence completes.
+pub trait CopyQueue: Send {
+    /// Queue a copy of `len` bytes from device address `src` to host memory `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes until a fence queued after this call has
+    /// completed, and `[src, src + len)` must lie in one live device allocation.
+    unsafe fn device_to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> Result<()>;
+    /// Queue a copy of `len` bytes from host memory `src` to device address `dst`.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes until a fence queued after this call has
+    /// completed, and `[dst, dst + len)` must lie in one live device allocation.
+    unsafe fn host_to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()>;
+    /// A fence after everything queued so far.
+    fn fence(&mut self) -> Result<Box<dyn DeviceFence>>;
+}
+
+/// How direct storage reaches the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DirectMode {
+    /// Peer to peer: the disk's DMA reaches GPU memory (cuFile with nvidia-fs).
+    P2p,
+    /// cuFile's compatibility mode: the real cuFile API, POSIX I/O through cuFile's own host
+    /// bounce buffers underneath (nvidia-fs is not loaded).
+    Compat,
+    /// The host-memory emulation (tests): pread/pwrite on the files.
+    Emulated,
+}
+
+impl DirectMode {
+    /// "P2P (nvidia-fs)", "compatibility mode (no nvidia-fs: POSIX under cuFile)", "emulated".
+    pub fn describe(self) -> &'static str {
+        match self {
+            DirectMode::P2p => "P2P (nvidia-fs)",
+            DirectMode::Compat => "compatibility mode (no nvidia-fs: POSIX I/O under cuFile)",
+            DirectMode::Emulated => "emulated (host memory, pread/pwrite)",
+        }
+    }
+}
+
+/// Direct I/O between device memory and the array's files (GPUDirect Storage, cuFile). Calls
+/// are blocking and thread-safe; the store runs many at once from its own threads.
+pub trait DirectStorage: Send + Sync {
+    /// How it reaches the disk.
+    fn mode(&self) -> DirectMode;
+    /// Prepare the calling thread (CUDA: make the device's context current).
+    fn bind_thread(&self) -> Result<()>;
+    /// Register device memory for direct I/O once (cuFileBufRegister; a no-op where it does not
+    /// matter). Failure is not an error: I/O works on unregistered memory, slower.
+    fn prepare(&self, mem: &dyn DeviceMemory);
+    /// Write `len` bytes at `buf_offset` of the device buffer starting at `base` (the tensor's
+    /// memory; registered memory must be named by its base) to array device `file` at byte
+    /// `offset`.
+    ///
+    /// # Safety
+    /// `[base + buf_offset, + len)` must lie in live device memory not written while the call
+    /// runs.
+    unsafe fn write(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()>;
+    /// Read `len` bytes of array device `file` at byte `offset` into the device buffer at
+    /// `base`, `buf_offset` bytes in.
+    ///
+    /// # Safety
+    /// `[base + buf_offset, + len)` must lie in live device memory nobody else uses while the
+    /// call runs.
+    unsafe fn read(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()>;
+}
+
+/// A device (a GPU, or the host emulation): copies, fences, pinning, crc32c, direct storage.
+pub trait DeviceRuntime: Send + Sync {
+    /// "cuda:0 (NVIDIA H200)", "emulated-gpu:0".
+    fn name(&self) -> String;
+    /// Device ordinal.
+    fn ordinal(&self) -> u32;
+    /// A new copy queue (CUDA: a non-blocking stream of its own).
+    fn copy_queue(&self) -> Result<Box<dyn CopyQueue>>;
+    /// Page-lock host memory so copies from and to it are asynchronous DMA
+    /// (cuMemHostRegister).
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be mapped and stay mapped until [`unpin_host`](Self::unpin_host).
+    unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()>;
+    /// Undo [`pin_host`](Self::pin_host).
+    ///
+    /// # Safety
+    /// `ptr` must have been pinned by this runtime and no copy may use it any more.
+    unsafe fn unpin_host(&self, ptr: *mut u8) -> Result<()>;
+    /// crc32c of every `unit`-sized piece of the `len` device bytes at `ptr` (the last piece may
+    /// be shorter), computed on the device; the same values as the CPU's `crc32c` of each piece.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must lie in live device memory not written while the call runs.
+    unsafe fn crc32c_units(&self, ptr: u64, len: u64, unit: u64) -> Result<Vec<u32>>;
+    /// Set `len` device bytes at `ptr` to `value` (cuMemsetD8), synchronously.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must lie in live device memory nobody else uses during the call.
+    unsafe fn memset(&self, ptr: u64, len: u64, value: u8) -> Result<()>;
+    /// Direct storage to these files (the array's devices, in order). `Unsupported` where there
+    /// is none (no cuFile, simulated disks).
+    fn direct_storage(&self, paths: &[PathBuf]) -> Result<Arc<dyn DirectStorage>>;
+    /// A fence recorded now on the caller's `stream` (a `CUstream` as an integer): an offload
+    /// waits on it before it reads the tensor, so it starts after the caller's queued work.
+    fn record_on_stream(&self, stream: u64) -> Result<Box<dyn DeviceFence>>;
+}
+
+/// One tensor's device memory. Dropping it returns the memory to its tier (or, for memory a
+/// trainer owns, forgets it).
+pub trait DeviceMemory: Send + Sync {
+    /// Bytes of the tensor.
+    fn len(&self) -> u64;
+    /// Whether it holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Device address of the first byte.
+    fn device_ptr(&self) -> u64;
+    /// The device it lives on.
+    fn runtime(&self) -> &Arc<dyn DeviceRuntime>;
+    /// The fence after which the content written by the last prefetch is complete, if any.
+    fn ready(&self) -> Option<&dyn DeviceFence>;
+    /// Set (or clear) the fence of [`ready`](Self::ready).
+    fn set_ready(&mut self, fence: Option<Box<dyn DeviceFence>>);
+    /// For implementation-specific access (the CUDA backend registers its own memory).
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Copy `dst.len()` bytes at `offset` of device memory into host memory, synchronously.
+pub(crate) fn copy_out(mem: &dyn DeviceMemory, offset: u64, dst: &mut [u8]) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let mut q = mem.runtime().copy_queue()?;
+    // SAFETY: `dst` is borrowed mutably until the fence below completed; the range was checked
+    // against the tensor's length by the caller (TensorMem::copy_out).
+    unsafe { q.device_to_host(mem.device_ptr() + offset, dst.as_mut_ptr(), dst.len())? };
+    q.fence()?.wait()
+}
+
+/// Copy `src` into device memory at `offset`, synchronously.
+pub(crate) fn copy_in(mem: &mut dyn DeviceMemory, offset: u64, src: &[u8]) -> Result<()> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    if let Some(f) = mem.ready() {
+        f.wait()?;
+    }
+    mem.set_ready(None);
+    let mut q = mem.runtime().copy_queue()?;
+    // SAFETY: `src` is borrowed until the fence below completed; range checked by the caller.
+    unsafe { q.host_to_device(src.as_ptr(), mem.device_ptr() + offset, src.len())? };
+    q.fence()?.wait()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The host-memory emulation of a device.
+
+/// A fence that is complete when it is made (the emulation copies synchronously).
+struct DoneFence;
+
+impl DeviceFence for DoneFence {
+    fn wait(&self) -> Result<()> {
+        Ok(())
+    }
+    fn is_done(&self) -> bool {
+        true
+    }
+    fn wait_on_stream(&self, _stream: u64) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Copies of the emulation: done at once, in the calling thread.
+struct HostQueue {
+    device: Arc<HostDeviceState>,
+}
+
+impl CopyQueue for HostQueue {
+    unsafe fn device_to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
+        self.device.check_live(src, len)?;
+        self.device.copies.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller guarantees `dst` valid for `len` bytes; `src` is a live emulated
+        // allocation (checked above), i.e. host memory of at least `len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst, len) };
+        Ok(())
+    }
+
+    unsafe fn host_to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()> {
+        self.device.check_live(dst, len)?;
+        self.device.copies.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above, in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len) };
+        Ok(())
+    }
+
+    fn fence(&mut self) -> Result<Box<dyn DeviceFence>> {
+        Ok(Box::new(DoneFence))
+    }
+}
+
+struct HostDeviceState {
+    ordinal: u32,
+    /// Live allocations: (start, len).
+    live: Mutex<Vec<(u64, u64)>>,
+    pinned: Mutex<Vec<usize>>,
+    copies: AtomicU64,
+    crc_calls: AtomicU64,
+}
+
+impl HostDeviceState {
+    /// An emulated "device access" outside every live allocation is a bug in the data path:
+    /// on a GPU it would be an illegal address.
+    fn check_live(&self, addr: u64, len: usize) -> Result<()> {
+        let ok = self.live.lock().iter().any(|&(s, l)| addr >= s && addr + len as u64 <= s + l);
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "emulated device access of {len} bytes at {addr:#x} is outside every allocation"
+            )))
+        }
+    }
+}
+
+/// A device emulated in host memory: the same traits as CUDA, for tests and CPU-only machines.
+/// Its copies are synchronous memcpys, its crc32c is the CPU mirror of the GPU kernel, and its
+/// direct storage does pread/pwrite on the array's files.
+#[derive(Clone)]
+pub struct HostDevice {
+    state: Arc<HostDeviceState>,
+}
+
+impl HostDevice {
+    /// An emulated device with this ordinal, as a runtime.
+    pub fn runtime(ordinal: u32) -> Arc<dyn DeviceRuntime> {
+        Arc::new(Self::new_concrete(ordinal))
+    }
+
+    fn new_concrete(ordinal: u32) -> Self {
+        HostDevice {
+            state: Arc::new(HostDeviceState {
+                ordinal,
+                live: Mutex::new(Vec::new()),
+                pinned: Mutex::new(Vec::new()),
+                copies: AtomicU64::new(0),
+                crc_calls: AtomicU64::new(0),
+            }),
+        }
+    }
+}
+
+impl DeviceRuntime for HostDevice {
+    fn name(&self) -> String {
+        format!("emulated-gpu:{}", self.state.ordinal)
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.state.ordinal
+    }
+
+    fn copy_queue(&self) -> Result<Box<dyn CopyQueue>> {
+        Ok(Box::new(HostQueue { device: self.state.clone() }))
+    }
+
+    unsafe fn pin_host(&self, ptr: *mut u8, _len: usize) -> Result<()> {
+        let mut p = self.state.pinned.lock();
+        if p.contains(&(ptr as usize)) {
+            return Err(Error::InvalidArgument(format!("{ptr:?} is pinned twice")));
+        }
+        p.push(ptr as usize);
+        Ok(())
+    }
+
+    unsafe fn unpin_host(&self, ptr: *mut u8) -> Result<()> {
+        let mut p = self.state.pinned.lock();
+        let i = p
+            .iter()
+            .position(|&x| x == ptr as usize)
+            .ok_or_else(|| Error::InvalidArgument(format!("{ptr:?} was not pinned")))?;
+        p.swap_remove(i);
+        Ok(())
+    }
+
+    unsafe fn crc32c_units(&self, ptr: u64, len: u64, unit: u64) -> Result<Vec<u32>> {
+        self.state.check_live(ptr, len as usize)?;
+        self.state.crc_calls.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: a live emulated allocation of at least `len` bytes (checked above).
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
+        Ok(bytes.chunks(unit as usize).map(crate::gpucrc::crc32c_like_kernel).collect())
+    }
+
+    unsafe fn memset(&self, ptr: u64, len: u64, value: u8) -> Result<()> {
+        self.state.check_live(ptr, len as usize)?;
+        // SAFETY: a live emulated allocation of at least `len` bytes (checked above).
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, value, len as usize) };
+        Ok(())
+    }
+
+    fn direct_storage(&self, paths: &[PathBuf]) -> Result<Arc<dyn DirectStorage>> {
+        let files = paths
+            .iter()
+            .map(|p| {
+                std::fs::OpenOptions::new().read(true).write(true).open(p).map_err(|e| Error::Os {
+                    context: format!("opening {} for direct I/O", p.display()),
+                    source: e,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Arc::new(HostDirect { device: self.state.clone(), files }))
+    }
+
+    fn record_on_stream(&self, _stream: u64) -> Result<Box<dyn DeviceFence>> {
+        Ok(Box::new(DoneFence))
+    }
+}
+
+/// pread/pwrite between emulated device memory and the array's files.
+struct HostDirect {
+    device: Arc<HostDeviceState>,
+    files: Vec<std::fs::File>,
+}
+
+impl HostDirect {
+    fn file(&self, file: u32) -> Result<&std::fs::File> {
+        self.files.get(file as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!("file {file} of {} for direct I/O", self.files.len()))
+        })
+    }
+}
+
+impl DirectStorage for HostDirect {
+    fn mode(&self) -> DirectMode {
+        DirectMode::Emulated
+    }
+
+    fn bind_thread(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn prepare(&self, _mem: &dyn DeviceMemory) {}
+
+    unsafe fn write(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()> {
+        let src = base + buf_offset;
+        self.device.check_live(src, len)?;
+        // SAFETY: live emulated device memory (host memory) of `len` bytes, checked above.
+        let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+        self.file(file)?
+            .write_all_at(bytes, offset)
+            .map_err(|e| Error::Os { context: format!("direct write to file {file}"), source: e })
+    }
+
+    unsafe fn read(
+        &self,
+        file: u32,
+        base: u64,
+        buf_offset: u64,
+        len: usize,
+        offset: u64,
+    ) -> Result<()> {
+        let dst = base + buf_offset;
+        self.device.check_live(dst, len)?;
+        // SAFETY: as in `write`; the caller guarantees nobody else uses the range.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+        self.file(file)?
+            .read_exact_at(bytes, offset)
+            .map_err(|e| Error::Os { context: format!("direct read of file {file}"), source: e })
+    }
+}
+
+/// Emulated device memory: a 256-byte aligned host allocation (as cudaMalloc aligns).
+struct HostDeviceMem {
+    runtime: Arc<dyn DeviceRuntime>,
+    device: Arc<HostDeviceState>,
+    ptr: *mut u8,
+    len: u64,
+    layout: std::alloc::Layout,
+    tier: Option<Arc<HostDeviceTierState>>,
+}
+
+// SAFETY: the allocation is exclusively owned; access goes through the traits' methods.
+unsafe impl Send for HostDeviceMem {}
+// SAFETY: &HostDeviceMem only reads plain fields.
+unsafe impl Sync for HostDeviceMem {}
+
+impl DeviceMemory for HostDeviceMem {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn device_ptr(&self) -> u64 {
+        self.ptr as u64
+    }
+    fn runtime(&self) -> &Arc<dyn DeviceRuntime> {
+        &self.runtime
+    }
+    fn ready(&self) -> Option<&dyn DeviceFence> {
+        None
+    }
+    fn set_ready(&mut self, _fence: Option<Box<dyn DeviceFence>>) {}
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl Drop for HostDeviceMem {
+    fn drop(&mut self) {
+        let a = self.ptr as u64;
+        self.device.live.lock().retain(|&(s, _)| s != a);
+        if let Some(t) = &self.tier {
+            t.used.fetch_sub(self.len, Ordering::Relaxed);
+        }
+        // SAFETY: allocated in `HostDeviceTier::alloc` with exactly this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+struct HostDeviceTierState {
+    used: AtomicU64,
+}
+
+/// A [`MemoryTier`] of emulated device memory ([`TensorMem::Device`] on a [`HostDevice`]): what
+/// CPU tests use in place of the CUDA tier.
+pub struct HostDeviceTier {
+    runtime: Arc<dyn DeviceRuntime>,
+    device: Arc<HostDeviceState>,
+    capacity_bytes: u64,
+    state: Arc<HostDeviceTierState>,
+    name: String,
+}
+
+impl HostDeviceTier {
+    /// A tier of at most `capacity_bytes` on a new emulated device.
+    pub fn new(ordinal: u32, capacity_bytes: u64) -> Arc<Self> {
+        let dev = HostDevice::new_concrete(ordinal);
+        let device = dev.state.clone();
+        let runtime: Arc<dyn DeviceRuntime> = Arc::new(dev);
+        Arc::new(HostDeviceTier {
+            name: runtime.name(),
+            runtime,
+            device,
+            capacity_bytes,
+            state: Arc::new(HostDeviceTierState { used: AtomicU64::new(0) }),
+        })
+    }
+
+    /// The emulated device.
+    pub fn runtime(&self) -> &Arc<dyn DeviceRuntime> {
+        &self.runtime
+    }
+
+    /// Copies made so far (each a "DMA" between host and emulated device memory).
+    pub fn copies(&self) -> u64 {
+        self.device.copies.load(Ordering::Relaxed)
+    }
+
+    /// crc32c computations on the emulated device so far.
+    pub fn crc_calls(&self) -> u64 {
+        self.device.crc_calls.load(Ordering::Relaxed)
+    }
+}
+
+impl MemoryTier for HostDeviceTier {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<TensorMem> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("device memory of 0 bytes".into()));
+        }
+        let used = self.state.used.fetch_add(bytes, Ordering::Relaxed);
+        if used + bytes > self.capacity_bytes {
+            self.state.used.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(Error::NoSpace(format!(
+                "tier {}: {bytes} bytes requested, {used} of {} in use",
+                self.name, self.capacity_bytes
+            )));
+        }
+        let layout = std::alloc::Layout::from_size_align(bytes as usize, 256)
+            .map_err(|e| Error::InvalidArgument(format!("{bytes} bytes: {e}")))?;
+        // SAFETY: a non-zero size (checked above).
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            self.state.used.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(Error::NoSpace(format!("host allocation of {bytes} bytes failed")));
+        }
+        self.device.live.lock().push((ptr as u64, bytes));
+        Ok(TensorMem::Device(Box::new(HostDeviceMem {
+            runtime: self.runtime.clone(),
+            device: self.device.clone(),
+            ptr,
+            len: bytes,
+            layout,
+            tier: Some(self.state.clone()),
+        })))
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.capacity_bytes
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.state.used.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn emulated_device_memory_round_trips_and_is_accounted() {
+        let tier = HostDeviceTier::new(0, 1 << 20);
+        let mut m = tier.alloc(1000).unwrap();
+        assert!(matches!(m, TensorMem::Device(_)));
+        assert_eq!(tier.used_bytes(), 1000);
+        let src: Vec<u8> = (0..1000).map(|i| (i * 7) as u8).collect();
+        m.copy_in(0, &src).unwrap();
+        let mut back = vec![0u8; 1000];
+        m.copy_out(0, &mut back).unwrap();
+        assert_eq!(back, src);
+        assert!(m.copy_in(999, &[1, 2]).is_err(), "a range past the end is refused");
+        assert!(matches!(tier.alloc(1 << 20), Err(Error::NoSpace(_))));
+        drop(m);
+        assert_eq!(tier.used_bytes(), 0);
+        assert!(tier.alloc(0).is_err());
+    }
+
+    #[test]
+    fn emulated_accesses_outside_allocations_are_errors() {
+        let tier = HostDeviceTier::new(0, 1 << 20);
+        let m = tier.alloc(4096).unwrap();
+        let TensorMem::Device(d) = &m else { unreachable!() };
+        let mut q = d.runtime().copy_queue().unwrap();
+        let mut buf = vec![0u8; 8192];
+        // SAFETY: `buf` outlives the call; the device range is deliberately too long.
+        let r = unsafe { q.device_to_host(d.device_ptr(), buf.as_mut_ptr(), 8192) };
+        assert!(r.is_err());
+    }
+}

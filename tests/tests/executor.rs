@@ -1,0 +1,377 @@
+//! The plan executor driven by a scripted trainer, against the simulator, on random traces and
+//! plans: the plan's migrations are issued as the simulator counts them, memory never goes above
+//! the budget, every tensor is resident with the right bytes when its kernel runs; with the
+//! simulated backend's faults no wrong byte is ever handed back; a caller that leaves the plan
+//! gets `Diverged` and a safe mode that loses nothing.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use teraio_engine::array::{ArrayConfig, DeviceArray, Target};
+use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
+use teraio_engine::executor::{Executor, ExecutorConfig, IterationReport, TierAllocator};
+use teraio_engine::store::{StoreConfig, TensorStore};
+use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
+use teraio_engine::{Error, Result};
+use teraio_scheduler::{
+    Hardware, Kernel, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId, TensorKind, Trace,
+    plan, simulate,
+};
+
+fn random_trace() -> impl Strategy<Value = Trace> {
+    proptest::collection::vec(10.0f64..2000.0, 3..30)
+        .prop_flat_map(|durs| {
+            let n = durs.len();
+            let tensor = (
+                1u64..(2 << 20),
+                any::<bool>(),
+                proptest::collection::btree_set(0..n, 1..5),
+                0usize..3,
+                any::<u8>(),
+            );
+            (Just(durs), proptest::collection::vec(tensor, 1..20))
+        })
+        .prop_map(|(durs, tensors)| {
+            let n = durs.len();
+            let mut t = Trace::new("random");
+            for (i, d) in durs.iter().enumerate() {
+                t.kernels.push(Kernel { name: format!("k{i}"), duration_us: *d, layer: None });
+            }
+            for (i, (bytes, global, acc, extra, mask)) in tensors.into_iter().enumerate() {
+                let accesses: Vec<usize> = acc.into_iter().collect();
+                let writes = accesses
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| mask & (1 << j) != 0 || (j == 0 && !global))
+                    .map(|(_, &k)| k)
+                    .collect();
+                let last = *accesses.last().unwrap();
+                t.tensors.push(Tensor {
+                    id: TensorId(i as u32),
+                    name: format!("t{i}"),
+                    bytes,
+                    kind: if global { TensorKind::Weight } else { TensorKind::Activation },
+                    global,
+                    created_by: (!global).then_some(accesses[0]),
+                    dies_after: (!global).then_some((last + extra).min(n - 1)),
+                    accesses,
+                    writes: Some(writes),
+                    producer: None,
+                });
+            }
+            t
+        })
+}
+
+/// The byte at `i` of tensor `t` after `version` writes.
+fn byte(t: usize, version: u32, i: usize) -> u8 {
+    (i as u64).wrapping_mul(0x9E37_79B9).wrapping_add((t as u64) << 8 | version as u64) as u8
+        ^ (i >> 12) as u8
+}
+
+fn fill(mem: &mut TensorMem, t: usize, version: u32) {
+    let h = mem.host_mut().expect("host memory");
+    for (i, b) in h.iter_mut().enumerate() {
+        *b = byte(t, version, i);
+    }
+}
+
+fn check(mem: &TensorMem, t: usize, version: u32) -> std::result::Result<(), String> {
+    let h = mem.host().expect("host memory");
+    match h.iter().enumerate().find(|&(i, b)| *b != byte(t, version, i)) {
+        None => Ok(()),
+        Some((i, _)) => Err(format!("tensor {t} has a wrong byte at {i} (version {version})")),
+    }
+}
+
+struct Rig {
+    disks: Vec<Arc<SimDisk>>,
+    store: Arc<TensorStore>,
+    mem: Arc<HostTier>,
+}
+
+fn rig(disk_bytes: u64) -> Rig {
+    let disks: Vec<Arc<SimDisk>> = (0..3).map(|i| SimDisk::new(disk_bytes, 4096, i)).collect();
+    let array =
+        DeviceArray::open(ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect()))
+            .unwrap();
+    let mut scfg = StoreConfig::new(array);
+    scfg.retain_on_prefetch = true;
+    let store = Arc::new(TensorStore::open(scfg).unwrap());
+    Rig { disks, store, mem: HostTier::new("gpu", 1 << 30).unwrap() }
+}
+
+/// What the scripted trainer saw.
+#[derive(Default)]
+struct Seen {
+    reports: Vec<IterationReport>,
+    /// Wrong bytes handed back (must stay empty whatever happens).
+    wrong: Vec<String>,
+    max_used: u64,
+}
+
+/// A trainer running `iterations` iterations of `trace` under `plan`: it creates and writes
+/// tensors as the trace says, checks the bytes of every tensor its kernels access.
+fn drive(
+    rig: &Rig,
+    trace: &Trace,
+    p: &Plan,
+    budget: u64,
+    iterations: usize,
+    seen: &mut Seen,
+) -> Result<()> {
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false };
+    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg)?;
+    let mut version = vec![0u32; trace.tensors.len()];
+    for (i, t) in trace.tensors.iter().enumerate() {
+        if t.global {
+            let mut m = rig.mem.alloc(t.bytes)?;
+            fill(&mut m, i, 0);
+            ex.attach(t.id, m)?;
+        }
+    }
+    ex.start()?;
+    let accesses = trace.accesses_per_kernel();
+    for _ in 0..iterations {
+        for (k, accessed) in accesses.iter().enumerate() {
+            ex.before_kernel(k)?;
+            seen.max_used = seen.max_used.max(ex.used_bytes());
+            for (i, t) in trace.tensors.iter().enumerate() {
+                if !t.global && t.created_by == Some(k) {
+                    let mut m = rig.mem.alloc(t.bytes)?;
+                    version[i] += 1;
+                    fill(&mut m, i, version[i]);
+                    ex.attach(t.id, m)?;
+                }
+            }
+            for id in accessed {
+                let i = id.index();
+                let Some(mem) = ex.resident_mut(*id) else {
+                    seen.wrong.push(format!("tensor {i} not resident at kernel {k}"));
+                    continue;
+                };
+                if let Err(e) = check(mem, i, version[i]) {
+                    seen.wrong.push(format!("kernel {k}: {e}"));
+                }
+                if trace.tensors[i].writes_at(k) && trace.tensors[i].created_by != Some(k) {
+                    version[i] += 1;
+                    fill(mem, i, version[i]);
+                }
+            }
+            ex.after_kernel(k)?;
+        }
+        seen.reports.push(ex.end_iteration()?);
+    }
+    ex.finish()
+}
+
+fn plan_counts(p: &Plan) -> (u64, u64) {
+    let offloads = p.instructions.iter().filter(|i| matches!(i.op, Op::Offload { .. })).count();
+    let prefetches = p.instructions.iter().filter(|i| matches!(i.op, Op::Prefetch)).count();
+    (offloads as u64, prefetches as u64)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_executor_runs_what_the_simulator_runs(trace in random_trace(), frac in 0.35f64..1.1) {
+        trace.validate().unwrap();
+        let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+        let mut hw = Hardware::dev();
+        hw.gpu_memory_bytes = ((peak as f64 * frac) as u64).max(1);
+        let Ok(p) = plan(&trace, &hw, Policy::Teraio) else { return Ok(()) };
+        let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
+        let rig = rig(64 << 20);
+        let mut seen = Seen::default();
+        let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, &mut seen);
+        prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+        if matches!(sim.outcome, Outcome::Completed) {
+            run.unwrap();
+            let (offloads, prefetches) = plan_counts(&p);
+            for r in &seen.reports {
+                prop_assert_eq!(r.offloads + r.clean_drops, offloads, "every planned offload issued");
+                prop_assert_eq!(r.prefetches, prefetches, "every planned prefetch issued");
+                prop_assert!(r.peak_bytes <= hw.gpu_memory_bytes, "{} over {}", r.peak_bytes, hw.gpu_memory_bytes);
+                prop_assert!(r.diverged.is_none());
+                prop_assert_eq!(r.failed_offloads, 0);
+            }
+            prop_assert!(seen.max_used <= hw.gpu_memory_bytes);
+            prop_assert!(rig.store.tensors().is_empty(), "finish() leaves the store empty");
+        } else if let Err(e) = run {
+            // The simulator ran out of memory: so may the executor, with a clear error.
+            prop_assert!(matches!(e, Error::NoSpace(_)), "{e}");
+        }
+    }
+
+    #[test]
+    fn faults_never_hand_back_a_wrong_byte(
+        trace in random_trace(),
+        frac in 0.35f64..0.9,
+        which in 0usize..3,
+        after in 0u64..40,
+        kind in 0u8..3,
+    ) {
+        let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+        let mut hw = Hardware::dev();
+        hw.gpu_memory_bytes = ((peak as f64 * frac) as u64).max(1);
+        let Ok(p) = plan(&trace, &hw, Policy::Teraio) else { return Ok(()) };
+        let rig = rig(64 << 20);
+        let fault = match kind {
+            0 => SimFault::Eio { op: SimOp::Write, after_ops: after },
+            1 => SimFault::Eio { op: SimOp::Read, after_ops: after },
+            _ => SimFault::ShortTransfer { op: SimOp::Any, after_ops: after },
+        };
+        rig.disks[which].inject(fault);
+        let mut seen = Seen::default();
+        let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, &mut seen);
+        prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+        match run {
+            Ok(()) => {
+                for r in &seen.reports {
+                    // A failed write keeps the tensor resident: over budget is possible only
+                    // then.
+                    if r.failed_offloads == 0 {
+                        prop_assert!(r.peak_bytes <= hw.gpu_memory_bytes);
+                    }
+                }
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                prop_assert!(
+                    msg.contains("prefetch failed before kernel") || msg.contains("GPU budget")
+                        || msg.contains("no space") || msg.contains("I/O error"),
+                    "a fault must give an error naming the tensor and kernel, or the budget: {msg}"
+                );
+            }
+        }
+    }
+}
+
+/// A generated GPT-like iteration with a squeezed budget, for the divergence tests.
+fn gpt(layers: u32) -> Trace {
+    let mut c = teraio_scheduler::ModelConfig::preset("gpt2-replay").unwrap();
+    c.layers = layers;
+    c.hidden = 256;
+    c.heads = 4;
+    c.kv_heads = 4;
+    c.ffn = 1024;
+    c.vocab = 8192;
+    c.seq_len = 128;
+    c.micro_batch = 2;
+    teraio_scheduler::generate(&c).unwrap()
+}
+
+fn squeezed() -> (Trace, Plan, u64) {
+    let trace = gpt(2);
+    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = peak * 3 / 5;
+    let p = plan(&trace, &hw, Policy::Teraio).unwrap();
+    assert!(!p.instructions.is_empty());
+    (trace, p, hw.gpu_memory_bytes)
+}
+
+#[test]
+fn a_generated_iteration_runs_within_budget_with_every_byte_right() {
+    let (trace, p, budget) = squeezed();
+    let rig = rig(256 << 20);
+    let mut seen = Seen::default();
+    drive(&rig, &trace, &p, budget, 3, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    assert_eq!(seen.reports.len(), 3);
+    let last = seen.reports.last().unwrap();
+    assert!(last.offloads > 0 && last.prefetches > 0);
+    let planned_drops = p.instructions.iter().filter(|i| i.is_clean_drop()).count() as u64;
+    assert_eq!(last.clean_drops, planned_drops, "steady state: every planned drop writes nothing");
+    assert!(last.peak_bytes <= budget);
+}
+
+#[test]
+fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
+    let (trace, p, budget) = squeezed();
+    let rig = rig(256 << 20);
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: true };
+    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
+    let mut version = vec![0u32; trace.tensors.len()];
+    for (i, t) in trace.tensors.iter().enumerate() {
+        if t.global {
+            let mut m = rig.mem.alloc(t.bytes).unwrap();
+            fill(&mut m, i, 0);
+            ex.attach(t.id, m).unwrap();
+        }
+    }
+    ex.start().unwrap();
+    // Half an iteration, as planned.
+    let half = trace.kernels.len() / 2;
+    for k in 0..half {
+        ex.before_kernel(k).unwrap();
+        for (i, t) in trace.tensors.iter().enumerate() {
+            if !t.global && t.created_by == Some(k) {
+                version[i] = 7;
+                fill(ex.resident_mut(t.id).unwrap(), i, 7);
+            }
+        }
+        ex.after_kernel(k).unwrap();
+    }
+    assert!(ex.in_flight() > 0 || ex.used_bytes() < budget);
+    // The trainer skips a kernel: a clear divergence, naming where.
+    let err = ex.before_kernel(half + 1).unwrap_err();
+    match &err {
+        Error::Diverged { kernel, detail } => {
+            assert_eq!(*kernel, half + 1);
+            assert!(detail.contains(&format!("kernel {half} was expected")), "{detail}");
+        }
+        e => panic!("expected Diverged, got {e}"),
+    }
+    assert!(ex.diverged().is_some());
+    // Safe mode: the next call waits until everything offloaded is back, nothing is lost.
+    ex.before_kernel(half + 1).unwrap();
+    for (i, t) in trace.tensors.iter().enumerate() {
+        let alive = t.global || (t.created_by.unwrap() < half && t.dies_after.unwrap() >= half);
+        if alive {
+            let mem = ex.resident(t.id).unwrap_or_else(|| panic!("tensor {i} not back"));
+            check(mem, i, version[i]).unwrap();
+        }
+    }
+    let r = ex.end_iteration().unwrap();
+    assert!(r.diverged.is_some());
+    ex.finish().unwrap();
+}
+
+#[test]
+fn a_tensor_of_another_size_diverges_and_bad_calls_are_errors() {
+    let (trace, p, budget) = squeezed();
+    let rig = rig(256 << 20);
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false };
+    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
+    // Kernels before start(): an error, not a panic.
+    assert!(ex.before_kernel(0).is_err());
+    let g = trace.tensors.iter().find(|t| t.global).unwrap();
+    // A tensor id outside the trace.
+    let m = rig.mem.alloc(4096).unwrap();
+    assert!(matches!(ex.attach(TensorId(1 << 30), m), Err(Error::InvalidArgument(_))));
+    // start() with globals missing names one.
+    let e = ex.start().unwrap_err();
+    assert!(e.to_string().contains("no memory attached"), "{e}");
+    // A global of the wrong size: divergence.
+    let m = rig.mem.alloc(g.bytes + 1).unwrap();
+    let e = ex.attach(g.id, m).unwrap_err();
+    assert!(matches!(e, Error::Diverged { .. }), "{e}");
+    assert!(e.to_string().contains(&format!("the trace {}", g.bytes)), "{e}");
+}
+
+#[test]
+fn a_plan_for_another_trace_is_refused() {
+    let (trace, _, budget) = squeezed();
+    let other = gpt(1);
+    let p = plan(&other, &Hardware::dev(), Policy::Ideal).unwrap();
+    let rig = rig(16 << 20);
+    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false };
+    let e = Executor::new(rig.store.clone(), alloc, trace, p, cfg).unwrap_err();
+    assert!(e.to_string().contains("does not fit the trace"), "{e}");
+}
