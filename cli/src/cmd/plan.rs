@@ -77,8 +77,15 @@ pub fn run(args: Args) -> Result<()> {
     let policy: Policy = args.policy.parse()?;
     let opts = args.planner.options()?;
     let start = Instant::now();
-    let checked = plan_checked(&trace, &hw, policy, &opts).map_err(explain)?;
-    let bound = lower_bound(&trace, &hw)?;
+    // The bound beside the planning, on a core of its own where there is one.
+    let (checked, bound) = std::thread::scope(|scope| {
+        let bound = scope.spawn(|| lower_bound(&trace, &hw));
+        let checked = plan_checked(&trace, &hw, policy, &opts);
+        (checked, bound.join())
+    });
+    let checked = checked.map_err(explain)?;
+    let bound =
+        bound.map_err(|_| CliError::Usage("the lower bound's thread panicked".into()))??;
     let elapsed = start.elapsed();
     let (p, r) = (&checked.plan, &checked.report);
     let text = p.to_json();

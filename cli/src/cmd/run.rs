@@ -211,9 +211,9 @@ fn check_room(what: &str, needed: u64, capacity: u64, or: &str) -> Result<()> {
 }
 
 /// Bytes the array must hold for `plan`: the simulated peak of its copies, or, if more, every
-/// tensor it writes to the SSDs at once, rounded up to blocks (the runtime keeps a tensor's
-/// copy until the tensor is offloaded again or the run ends; it frees no copy when the tensor
-/// dies).
+/// tensor it writes to the SSDs at once, rounded up to blocks (the store keeps a tensor's copy
+/// until the tensor is offloaded again or the executor finishes; the executor frees no copy
+/// when the tensor dies).
 fn runtime_ssd_bytes(trace: &Trace, plan: &teraio_scheduler::Plan, block: u32, peak: u64) -> u64 {
     let mut written = vec![false; trace.tensors.len()];
     for i in &plan.instructions {
@@ -278,7 +278,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.time_scale != 1.0 {
         trace.scale_durations(args.time_scale)?;
     }
-    // The runtime does not replay recomputations yet: plans here move tensors only.
+    // The executor does not run recomputations yet: plans here move tensors only.
     for t in &mut trace.tensors {
         t.producer = None;
     }

@@ -306,7 +306,7 @@ fn plan_auto(trace: &Trace, hw: &Hardware, opts: &PlanOptions) -> Result<Candida
     let mut modes = vec![Mode { wear, ..Mode::PAPER }, Mode { wear, ..Mode::HYBRID }];
     if recompute {
         modes.push(Mode { wear, recompute: RecomputeIn::Every, ..Mode::HYBRID });
-        modes.push(Mode { wear, recompute: RecomputeIn::First, ..Mode::HYBRID });
+        modes.push(Mode { wear, recompute: RecomputeIn::Eager, ..Mode::HYBRID });
     }
     let mut results: Vec<Result<Vec<Candidate>>> = std::thread::scope(|scope| {
         let handles: Vec<_> =
@@ -377,11 +377,13 @@ pub(crate) struct Mode {
 pub(crate) enum RecomputeIn {
     /// Never.
     Never,
-    /// In every phase.
+    /// In every phase; an input dropped itself is remade for it only where memory has room
+    /// for it at that kernel.
     Every,
-    /// First alone (a phase that only recomputes, so no move of an input blocks it), then
-    /// in every phase.
-    First,
+    /// In every phase, remaking dropped inputs wherever their own inputs allow (more
+    /// recomputation, more memory at those kernels: better when the transfers are the
+    /// bottleneck, worse when memory is).
+    Eager,
 }
 
 impl Mode {
@@ -394,7 +396,7 @@ impl Mode {
         match self.recompute {
             RecomputeIn::Never => {}
             RecomputeIn::Every => s.push_str("+recompute"),
-            RecomputeIn::First => s.push_str("+recompute-first"),
+            RecomputeIn::Eager => s.push_str("+recompute-eager"),
         }
         if self.wear {
             s.push_str("+wear");
@@ -673,8 +675,9 @@ pub(crate) struct State<'a> {
     ssd_hold: HashMap<TensorId, usize>,
     /// Whether recomputation is a candidate in the current phase.
     pub recompute: bool,
-    /// Whether moves are candidates in the current phase (not in a recompute-only phase).
-    pub moves: bool,
+    /// Remake a dropped input for a recomputation even where memory at that kernel has no
+    /// room for it ([`RecomputeIn::Eager`]).
+    pub eager_chains: bool,
     /// Kernels at which a tensor must be resident: an input of a chosen recomputation.
     pins: HashMap<TensorId, Vec<usize>>,
     /// Chosen moves per tensor: (last access, next access unrolled).
@@ -736,7 +739,7 @@ impl<'a> State<'a> {
             }),
             ssd_hold: HashMap::new(),
             recompute: false,
-            moves: true,
+            eager_chains: false,
             pins: HashMap::new(),
             moved: HashMap::new(),
             dropped: HashMap::new(),
@@ -856,6 +859,10 @@ impl<'a> State<'a> {
 
     /// [`State::fit`] with transfers placed by bandwidth (budgets, or nominal when relaxed).
     fn fit_timed(&mut self, iv: &InactiveInterval, tier: Tier) -> Option<Fit> {
+        // Cheapest test first: a full host tier rules the placement out.
+        if !self.host_room(iv, tier) {
+            return None;
+        }
         let (a, b) = (iv.last_access, iv.next_access);
         let size = iv.bytes as f64;
         let off_path = self.hw.offload_path(tier);
@@ -899,9 +906,6 @@ impl<'a> State<'a> {
             }
             left -= av;
             p -= 1;
-        }
-        if !self.host_room(iv, tier) {
-            return None;
         }
         if tier == Tier::Ssd && !clean && !self.ssd_room(iv, e) {
             return None;
@@ -1051,7 +1055,12 @@ impl<'a> State<'a> {
                 return None;
             }
             if self.dropped_across(x, b).is_some() {
-                // Dropped itself: remade at `b` too (a chain), if its own inputs are there.
+                // Dropped itself: remade at `b` too (a chain), if its own inputs are there
+                // and the memory at `b` has room for it.
+                let room = self.mem.range_max(b, b + 1).saturating_add(x_bytes(self.trace, x)) <= 0;
+                if !room && !self.eager_chains {
+                    return None;
+                }
                 let (more_us, more_bytes) = self.remake_at(x, b)?;
                 cost_us += more_us;
                 extra += more_bytes;

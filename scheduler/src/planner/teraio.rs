@@ -73,9 +73,6 @@ impl Ord for Entry {
 }
 
 fn evaluate(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Option<Fit> {
-    if !st.moves {
-        return st.fit_recompute(iv);
-    }
     let moved = evaluate_move(st, iv, hybrid);
     let rc = st.fit_recompute(iv);
     match (moved, rc) {
@@ -190,12 +187,8 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (P
     for iv in ivs {
         c.push(iv);
     }
-    if mode.recompute == RecomputeIn::First {
-        (st.recompute, st.moves) = (true, false);
-        greedy(&mut st, &mut c, mode.hybrid);
-        st.moves = true;
-    }
     st.recompute = mode.recompute != RecomputeIn::Never;
+    st.eager_chains = mode.recompute == RecomputeIn::Eager;
     greedy(&mut st, &mut c, mode.hybrid);
     if st.mem.max() > 0 {
         // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth

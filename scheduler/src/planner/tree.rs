@@ -5,6 +5,9 @@
 //! `sum over k in [l, r) of dur_k * clamp(e_k, 0, s)`: the area above the capacity line that
 //! removing `s` bytes over `[l, r)` takes away. The query descends only into nodes whose
 //! values straddle 0 or `s`, so it is cheap where the curve is far from the line.
+//!
+//! Range adds are lazy and never pushed down: a node's figures include its own pending add
+//! but not its ancestors', which queries carry down as an offset. Queries only read.
 
 #[derive(Clone, Copy, Default)]
 struct Node {
@@ -48,10 +51,10 @@ impl ExcessTree {
     fn pull(&mut self, node: usize) {
         let (a, b) = (self.nodes[2 * node], self.nodes[2 * node + 1]);
         let n = &mut self.nodes[node];
-        n.min = a.min.min(b.min);
-        n.max = a.max.max(b.max);
+        n.min = a.min.min(b.min) + n.lazy;
+        n.max = a.max.max(b.max) + n.lazy;
         n.sum_dur = a.sum_dur + b.sum_dur;
-        n.sum_e_dur = a.sum_e_dur + b.sum_e_dur;
+        n.sum_e_dur = a.sum_e_dur + b.sum_e_dur + n.lazy as f64 * n.sum_dur;
     }
 
     fn apply(&mut self, node: usize, delta: i64) {
@@ -60,15 +63,6 @@ impl ExcessTree {
         n.max += delta;
         n.lazy += delta;
         n.sum_e_dur += delta as f64 * n.sum_dur;
-    }
-
-    fn push(&mut self, node: usize) {
-        let l = self.nodes[node].lazy;
-        if l != 0 {
-            self.apply(2 * node, l);
-            self.apply(2 * node + 1, l);
-            self.nodes[node].lazy = 0;
-        }
     }
 
     /// Add `delta` to every kernel in `[l, r)`.
@@ -86,7 +80,6 @@ impl ExcessTree {
             self.apply(node, delta);
             return;
         }
-        self.push(node);
         let mid = (lo + hi) / 2;
         self.add_rec(2 * node, lo, mid, l, r, delta);
         self.add_rec(2 * node + 1, mid, hi, l, r, delta);
@@ -99,52 +92,71 @@ impl ExcessTree {
     }
 
     /// Largest value over `[l, r)` (`i64::MIN` for an empty range).
-    pub(crate) fn range_max(&mut self, l: usize, r: usize) -> i64 {
+    pub(crate) fn range_max(&self, l: usize, r: usize) -> i64 {
         if l >= r {
             return i64::MIN;
         }
-        self.max_rec(1, 0, self.n, l, r.min(self.n))
+        self.max_rec(1, 0, self.n, l, r.min(self.n), 0)
     }
 
-    fn max_rec(&mut self, node: usize, lo: usize, hi: usize, l: usize, r: usize) -> i64 {
+    /// `acc`: the pending adds of the node's ancestors.
+    fn max_rec(&self, node: usize, lo: usize, hi: usize, l: usize, r: usize, acc: i64) -> i64 {
         if r <= lo || hi <= l {
             return i64::MIN;
         }
+        let nd = &self.nodes[node];
         if l <= lo && hi <= r {
-            return self.nodes[node].max;
+            return nd.max + acc;
         }
-        self.push(node);
-        let mid = (lo + hi) / 2;
-        self.max_rec(2 * node, lo, mid, l, r).max(self.max_rec(2 * node + 1, mid, hi, l, r))
+        let (mid, acc) = ((lo + hi) / 2, acc + nd.lazy);
+        self.max_rec(2 * node, lo, mid, l, r, acc).max(self.max_rec(
+            2 * node + 1,
+            mid,
+            hi,
+            l,
+            r,
+            acc,
+        ))
     }
 
     /// `sum over k in [l, r) of dur_k * clamp(e_k, 0, s)`.
-    pub(crate) fn clamp_sum(&mut self, l: usize, r: usize, s: i64) -> f64 {
+    pub(crate) fn clamp_sum(&self, l: usize, r: usize, s: i64) -> f64 {
         if l >= r {
             return 0.0;
         }
-        self.clamp_rec(1, 0, self.n, l, r.min(self.n), s)
+        self.clamp_rec(1, 0, self.n, l, r.min(self.n), s, 0)
     }
 
-    fn clamp_rec(&mut self, node: usize, lo: usize, hi: usize, l: usize, r: usize, s: i64) -> f64 {
+    #[expect(clippy::too_many_arguments, reason = "a recursion over the tree's bounds")]
+    fn clamp_rec(
+        &self,
+        node: usize,
+        lo: usize,
+        hi: usize,
+        l: usize,
+        r: usize,
+        s: i64,
+        acc: i64,
+    ) -> f64 {
         if r <= lo || hi <= l {
             return 0.0;
         }
-        let nd = self.nodes[node];
-        if nd.max <= 0 {
+        let nd = &self.nodes[node];
+        let (min, max) = (nd.min + acc, nd.max + acc);
+        if max <= 0 {
             return 0.0;
         }
         if l <= lo && hi <= r {
-            if nd.min >= s {
+            if min >= s {
                 return s as f64 * nd.sum_dur;
             }
-            if nd.min >= 0 && nd.max <= s {
-                return nd.sum_e_dur;
+            if min >= 0 && max <= s {
+                return nd.sum_e_dur + acc as f64 * nd.sum_dur;
             }
         }
-        self.push(node);
-        let mid = (lo + hi) / 2;
-        self.clamp_rec(2 * node, lo, mid, l, r, s) + self.clamp_rec(2 * node + 1, mid, hi, l, r, s)
+        let (mid, acc) = ((lo + hi) / 2, acc + nd.lazy);
+        self.clamp_rec(2 * node, lo, mid, l, r, s, acc)
+            + self.clamp_rec(2 * node + 1, mid, hi, l, r, s, acc)
     }
 }
 
