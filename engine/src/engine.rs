@@ -387,6 +387,8 @@ struct GpuTier {
     runtime: Arc<dyn DeviceRuntime>,
     #[cfg(feature = "cuda")]
     cuda: Option<Arc<crate::cuda::CudaDevice>>,
+    /// The host-memory emulation, when `emulated`.
+    emulated: Option<Arc<HostDeviceTier>>,
     description: String,
 }
 
@@ -402,6 +404,7 @@ impl GpuTier {
             return Ok(Some(GpuTier {
                 runtime: t.runtime().clone(),
                 description: format!("{} (host memory standing in for a GPU)", t.name()),
+                emulated: Some(t.clone()),
                 tier: t,
                 #[cfg(feature = "cuda")]
                 cuda: None,
@@ -416,6 +419,7 @@ impl GpuTier {
                 description: device.describe(),
                 tier,
                 cuda: Some(device),
+                emulated: None,
             }))
         }
         #[cfg(not(feature = "cuda"))]
@@ -565,6 +569,23 @@ impl Engine {
         Err(Error::Unsupported(format!(
             "wrapping device pointer {ptr:#x} ({len} bytes) needs a real CUDA GPU"
         )))
+    }
+
+    /// What a binding hands the store for a caller's device pointer: on a CUDA GPU,
+    /// [`wrap_gpu`](Self::wrap_gpu) (checked); on the host-memory emulation, the caller's host
+    /// memory as the emulated device's (so CPU tests run the device data paths end to end).
+    ///
+    /// # Safety
+    /// On the emulation, `[ptr, ptr + len)` must be host memory valid for reads and writes and
+    /// not used by anyone else while the engine may use it, until the returned memory is
+    /// dropped. (On a GPU the pointer is checked, and the caller keeps the memory alive as
+    /// for [`wrap_gpu`](Self::wrap_gpu).)
+    pub unsafe fn wrap_caller_gpu(&self, ptr: u64, len: u64) -> Result<TensorMem> {
+        match &self.gpu_or_err()?.emulated {
+            // SAFETY: forwarded contract.
+            Some(t) => unsafe { t.wrap_foreign(ptr, len) },
+            None => self.wrap_gpu(ptr, len),
+        }
     }
 
     /// The data path the GPU's tensors take to and from the array, and why (opens cuFile on
