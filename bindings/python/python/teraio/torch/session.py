@@ -130,6 +130,11 @@ class Session:
             target = int(gpu_budget_bytes * (page_fraction if cuda else 1.0))
             self.pager = Pager(self.mover, target, min_bytes=page_min_bytes, used_bytes=used)
             self.profiler.pager = self.pager
+        # what plans and the executor account against: on a GPU the trace's tensors are not all
+        # the memory a step allocates (cuBLAS workspaces, the allocator's rounding), so plans
+        # keep `page_fraction` of the budget, as the pager does
+        self.plan_budget = None if gpu_budget_bytes is None else int(
+            gpu_budget_bytes * (page_fraction if cuda else 1.0))
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
         self._profiled: dict[Any, int] = {}
@@ -204,7 +209,7 @@ class Session:
             return None
         if entry.get("run") is None:
             try:
-                entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.budget, self.device,
+                entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
                                           self.executor_factory or self._engine_executor,
                                           device_memory=self._device_memory())
             except (NotImplementedError, Diverged, _teraio_error()) as e:
@@ -264,18 +269,18 @@ class Session:
         self.plans[key] = entry
         if self.budget is None:
             return
-        check_working_sets(trace, self.budget)
+        check_working_sets(trace, self.plan_budget)
         try:
             import teraio
         except ImportError:
             teraio = None
         if self.planner is not None:
             t0 = time.perf_counter()
-            entry["plan"] = self.planner(trace, self.budget, self.host_budget)
+            entry["plan"] = self.planner(trace, self.plan_budget, self.host_budget)
             rec["plan_s"] = time.perf_counter() - t0
         elif teraio is not None and hasattr(teraio, "plan"):
             hw = self.hardware if self.hardware is not None else "paper"
-            over = {"gpu_memory_bytes": self.budget, "host_memory_cap_bytes": self.host_budget}
+            over = {"gpu_memory_bytes": self.plan_budget, "host_memory_cap_bytes": self.host_budget}
             t0 = time.perf_counter()
             entry["plan"] = teraio.plan(teraio.Trace.from_dict(trace), self.policy, hw, **over)
             rec["plan_s"] = time.perf_counter() - t0
