@@ -315,7 +315,7 @@ fn open_bdev(
     let shown = path.display().to_string();
     let r =
         rt.call_async(move |done: Box<dyn FnOnce(std::result::Result<Handle, String>) + Send>| {
-            // SAFETY (whole block): app thread; every string outlives the calls that read it.
+            // SAFETY: (whole block) app thread; every string outlives the calls that read it.
             let created = unsafe {
                 match module {
                     FileBdev::Uring => {
@@ -482,6 +482,7 @@ impl Ctx {
 }
 
 /// End a request: copy a bounced read back, free the bounce buffer, complete.
+#[allow(clippy::boxed_local)] // the Ctx travels boxed through SPDK as a raw pointer
 fn finish(ctx: Box<Ctx>, ok: std::result::Result<(), String>) {
     let Ctx { work, iov, bounce, .. } = *ctx;
     if !bounce.is_null() {
@@ -596,7 +597,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
     let single = ctx.bounce.is_null().then(|| (ctx.iov.len() == 1).then(|| ctx.iov[0].iov_base));
     let raw = Box::into_raw(ctx);
     let arg = raw.cast::<c_void>();
-    // SAFETY (whole match): every pointer handed to SPDK (iovecs, bounce buffer, the Ctx as
+    // SAFETY: (whole match) every pointer handed to SPDK (iovecs, bounce buffer, the Ctx as
     // callback argument) stays valid until the callback reclaims the Ctx; on a failed
     // submission SPDK keeps nothing and the Ctx is reclaimed below.
     let rc = unsafe {
