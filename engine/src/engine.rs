@@ -41,6 +41,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use crate::backend::spdk_config::{SpdkOptions, is_spdk_syntax};
 use crate::executor::{AllocFor, Executor, ExecutorConfig, TensorAllocator};
 use crate::pool::{BufferPool, PoolConfig};
 use crate::store::{GpuIoConfig, GpuPath, GpuPathInfo, StoreConfig, StoreMeta, TensorStore};
@@ -57,6 +58,9 @@ pub enum BackendName {
     Uring,
     /// pread/pwrite on a thread pool.
     Psync,
+    /// SPDK (cargo feature `spdk`): bdevs over the targets, or SPDK's NVMe driver for `nvme:`
+    /// targets (docs/SPDK.md).
+    Spdk,
 }
 
 impl From<BackendName> for BackendKind {
@@ -64,6 +68,7 @@ impl From<BackendName> for BackendKind {
         match b {
             BackendName::Uring => BackendKind::Uring,
             BackendName::Psync => BackendKind::Psync,
+            BackendName::Spdk => BackendKind::Spdk,
         }
     }
 }
@@ -193,6 +198,8 @@ pub struct EngineConfig {
     pub overwrite: Overwrite,
     /// GPU memory as a tier (section `[gpu]`; none by default).
     pub gpu: GpuConfig,
+    /// Options of the `spdk` backend (section `[spdk]`).
+    pub spdk: SpdkOptions,
     /// Simulated disks instead of `targets` (tests and examples; not expressible in a file).
     #[serde(skip)]
     pub sim_disks: Vec<Arc<crate::backend::sim::SimDisk>>,
@@ -221,6 +228,7 @@ impl Default for EngineConfig {
             alloc_unit_bytes: ByteSize(1 << 20),
             overwrite: Overwrite::Refuse,
             gpu: GpuConfig::default(),
+            spdk: SpdkOptions::default(),
             sim_disks: Vec::new(),
         }
     }
@@ -271,7 +279,16 @@ impl EngineConfig {
             })?;
         let base = path.parent().unwrap_or(Path::new("."));
         let rebase = |p: &mut PathBuf| {
-            if p.is_relative() {
+            if is_spdk_syntax(p) {
+                // `uring:PATH` / `aio:PATH`: the path part is relative to the file too.
+                let s = p.to_string_lossy().into_owned();
+                if let Some((prefix, rest)) = s.split_once(':')
+                    && prefix != "nvme"
+                    && Path::new(rest).is_relative()
+                {
+                    *p = PathBuf::from(format!("{prefix}:{}", base.join(rest).display()));
+                }
+            } else if p.is_relative() {
                 *p = base.join(&*p);
             }
         };
@@ -366,6 +383,7 @@ impl EngineConfig {
         cfg.backend = self.backend.into();
         cfg.queue_depth = self.queue_depth;
         cfg.io_threads = self.io_threads.max(1);
+        cfg.spdk = self.spdk.clone();
         cfg.stripe_unit_bytes = self.stripe_unit_bytes.0;
         cfg.existing = match (self.overwrite, self.persistent) {
             (Overwrite::Anything, _) => ExistingData::AllowAnything,
