@@ -8,7 +8,7 @@ import pytest
 
 import teraio
 
-from test_executor import Allocator, fill
+from test_executor import Allocator, drive, fill
 
 
 def aligned(n, value=0):
@@ -95,13 +95,7 @@ def test_the_executor_moves_device_memory_in_stream_order(tmp_path):
             mems[i] = a
             ex.attach(i, dev(a))
         ex.start()
-        for it in range(2):
-            for k in range(trace.kernel_count):
-                ex.before_kernel(k)
-                assert ex.used_bytes <= budget
-                ex.after_kernel(k)
-            rep = ex.end_iteration()
-            assert rep["diverged"] is None and rep["offloads"] > 0 and rep["prefetches"] > 0
+        for rep in drive(ex, trace, budget):
             assert rep["store"]["ssd_read"]["bytes"] > 0
         for i in globals_:
             mem = ex.resident(i)

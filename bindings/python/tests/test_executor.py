@@ -31,6 +31,22 @@ def fill(tid, n):
     return ((np.arange(n, dtype=np.uint64) * 7 + tid) % 251).astype(np.uint8)
 
 
+def drive(ex, trace, budget, iterations=2):
+    """A scripted trainer: every kernel in order, `iterations` times; the reports, checked."""
+    reports = []
+    for it in range(iterations):
+        for k in range(trace.kernel_count):
+            ex.before_kernel(k)
+            assert ex.used_bytes <= budget
+            ex.after_kernel(k)
+        rep = ex.end_iteration()
+        assert rep["iteration"] == it and rep["diverged"] is None
+        assert rep["peak_bytes"] <= budget
+        assert rep["offloads"] > 0 and rep["prefetches"] > 0
+        reports.append(rep)
+    return reports
+
+
 @pytest.fixture(scope="module")
 def planned():
     trace = teraio.generate_trace(
@@ -52,15 +68,7 @@ def test_a_planned_iteration_runs_under_the_budget_and_tensors_come_back_intact(
         for i in globals_:
             ex.attach(i, fill(i, tensors[i]["bytes"]))
         ex.start()
-        for it in range(2):
-            for k in range(trace.kernel_count):
-                ex.before_kernel(k)
-                assert ex.used_bytes <= budget
-                ex.after_kernel(k)
-            rep = ex.end_iteration()
-            assert rep["iteration"] == it and rep["diverged"] is None
-            assert rep["peak_bytes"] <= budget
-            assert rep["offloads"] > 0 and rep["prefetches"] > 0
+        drive(ex, trace, budget)
         assert ex.events(), "arrivals and releases were reported"
         for i in globals_:
             mem = ex.resident(i)

@@ -148,6 +148,22 @@ def _whole_buffer(addr: int, nbytes: int) -> Optional[HostBuffer]:
     return None
 
 
+def _interface_span(ai: Dict[str, Any], writable: bool, what: str, hint: str) -> Tuple[int, int]:
+    """(address, nbytes) of an ``__array_interface__`` / ``__cuda_array_interface__`` dict,
+    checked C-contiguous (and writable when asked)."""
+    addr, readonly = ai["data"]
+    shape = tuple(ai["shape"])
+    itemsize = int(str(ai["typestr"])[2:])
+    nbytes = itemsize * math.prod(shape)
+    strides = ai.get("strides")
+    if strides is not None and not _c_contiguous(shape, strides, itemsize):
+        raise InvalidArgumentError(
+            f"{what}: a non-contiguous array (shape {shape}, strides {tuple(strides)}); {hint}")
+    if writable and readonly:
+        raise InvalidArgumentError(f"{what}: the array is read-only")
+    return addr, nbytes
+
+
 def _export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any, Optional[HostBuffer]]:
     """(address, nbytes, keepalive, engine buffer or None) of a C-contiguous buffer."""
     if isinstance(obj, HostBuffer):
@@ -160,18 +176,7 @@ def _export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any, Optiona
         except Exception as e:  # an object whose interface property fails
             raise InvalidArgumentError(f"{what}: {e}") from e
     if isinstance(ai, dict):
-        addr, readonly = ai["data"]
-        shape = tuple(ai["shape"])
-        itemsize = int(str(ai["typestr"])[2:])
-        nbytes = itemsize * math.prod(shape)
-        strides = ai.get("strides")
-        if strides is not None and not _c_contiguous(shape, strides, itemsize):
-            raise InvalidArgumentError(
-                f"{what}: a non-contiguous array (shape {shape}, strides {tuple(strides)}); "
-                "pass a C-contiguous one (numpy.ascontiguousarray)"
-            )
-        if writable and readonly:
-            raise InvalidArgumentError(f"{what}: the array is read-only")
+        addr, nbytes = _interface_span(ai, writable, what, "pass a C-contiguous one (numpy.ascontiguousarray)")
         return addr, nbytes, obj, _whole_buffer(addr, nbytes)
     try:
         mv = memoryview(obj)
@@ -235,15 +240,7 @@ def _device_export(obj: Any, what: str) -> Optional[Tuple[int, int]]:
         raise InvalidArgumentError(f"{what}: {e}") from e
     if not isinstance(cai, dict):
         return None
-    addr, readonly = cai["data"]
-    shape = tuple(cai["shape"])
-    itemsize = int(str(cai["typestr"])[2:])
-    nbytes = itemsize * math.prod(shape)
-    strides = cai.get("strides")
-    if strides is not None and not _c_contiguous(shape, strides, itemsize):
-        raise InvalidArgumentError(f"{what}: non-contiguous device memory (shape {shape}, strides {tuple(strides)})")
-    if readonly:
-        raise InvalidArgumentError(f"{what}: the device array is read-only")
+    addr, nbytes = _interface_span(cai, True, what, "pass a contiguous one (.contiguous())")
     if nbytes == 0 or not addr:
         raise InvalidArgumentError(f"{what}: empty device memory")
     return int(addr), int(nbytes)

@@ -7,8 +7,10 @@
   plan can fit.
 - :class:`Pager` and :class:`StorageMover` move storages through the engine without a plan;
   :class:`PlannedRun` drives the engine's plan executor.
+- :func:`rank_engine` opens one engine per rank under ``torchrun`` (own files, own GPU).
 """
 
+from .distributed import rank_config, rank_engine
 from .optimizer import WorkingSetTooLarge, check_working_sets, make_plannable, step_in_backward
 from .planned import Diverged, PlannedRun
 from .profiler import Profiler, memory_curve, peak_bytes
@@ -17,6 +19,8 @@ from .session import Session
 
 __all__ = [
     "Session",
+    "rank_engine",
+    "rank_config",
     "Profiler",
     "memory_curve",
     "peak_bytes",

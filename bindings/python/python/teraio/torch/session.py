@@ -133,8 +133,7 @@ class Session:
         # what plans and the executor account against: on a GPU the trace's tensors are not all
         # the memory a step allocates (cuBLAS workspaces, the allocator's rounding), so plans
         # keep `page_fraction` of the budget, as the pager does
-        self.plan_budget = None if gpu_budget_bytes is None else int(
-            gpu_budget_bytes * (page_fraction if cuda else 1.0))
+        self._plan_fraction = page_fraction if cuda else 1.0
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
         self._profiled: dict[Any, int] = {}
@@ -217,6 +216,12 @@ class Session:
                 entry["no_run"] = str(e)
                 return None
         return entry["run"]
+
+    @property
+    def plan_budget(self) -> int | None:
+        """The bytes plans and the executor account against (``page_fraction`` of the budget on
+        a GPU, the budget on the CPU)."""
+        return None if self.budget is None else int(self.budget * self._plan_fraction)
 
     def _device_memory(self) -> bool:
         """Whether storages go to the executor as device memory: on a GPU, and on an engine whose
