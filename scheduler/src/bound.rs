@@ -211,18 +211,28 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
         if x_max <= 0.0 || !rho.is_finite() {
             return kernels_us.max(io(0.0));
         }
-        // max(kernels + rho x, io(x)): increasing vs non-increasing in x; bisect the crossing.
-        let (mut lo, mut hi) = (0.0, x_max);
-        for _ in 0..60 {
-            let mid = 0.5 * (lo + hi);
-            if kernels_us + rho * mid < io(mid) {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
         let f = |x: f64| (kernels_us + rho * x).max(io(x));
-        f(lo).min(f(hi)).min(f(0.0))
+        if rho <= 0.0 {
+            // Free recomputation: remake all it may (io is non-increasing in x).
+            return f(x_max);
+        }
+        // max(kernels + rho x, io(x)) over x in [0, x_max]: the first term increases, io is
+        // the max of non-increasing linear pieces. Below the largest x where the first term
+        // meets a piece, that piece alone is above it; above it, the first term is the max:
+        // the minimum is at that x (clamped to the range).
+        let meet = |slope_us_per_byte: f64, at_zero_us: f64| {
+            // kernels + rho x = at_zero - slope x
+            (at_zero_us - kernels_us) / (rho + slope_us_per_byte)
+        };
+        let mut x = (time(need_write, bw_write) - kernels_us) / rho;
+        for (bw, bytes) in [(bw_read, need_read), (bw_both, need_read + need_write)] {
+            if bytes <= 0.0 {
+                continue;
+            }
+            x = x.max(if bw > 0.0 { meet(1e6 / bw, bytes / bw * 1e6) } else { need_read });
+        }
+        let x = if x.is_nan() { 0.0 } else { x.clamp(0.0, x_max) };
+        f(x).min(f(0.0)).min(f(x_max))
     };
     // best[j]: the largest sum over partitions of [cuts[0], cuts[j]).
     let m = cuts.len();

@@ -450,23 +450,30 @@ fn plan_teraio_once(
     planning: &Hardware,
     mode: Mode,
 ) -> Result<Vec<Candidate>> {
-    let (plain, worn) = teraio::plan(trace, planning, mode, false);
+    let shared = teraio::Planning::new(trace, planning, mode);
+    let (plain, worn) = shared.finish(false);
+    // The forced phase's plans, made once when the first plan needing them asks.
+    let mut forced: Option<(Plan, Option<Plan>)> = None;
     let mut out = Vec::new();
     for (i, plan) in std::iter::once(plain).chain(worn).enumerate() {
-        out.push(make_feasible(trace, hw, planning, mode, plan, i == 1)?);
+        out.push(make_feasible(trace, hw, mode, plan, i == 1, || {
+            let (plain, worn) = forced.get_or_insert_with(|| shared.finish(true));
+            if i == 1 { worn.clone().unwrap_or_else(|| plain.clone()) } else { plain.clone() }
+        })?);
     }
     Ok(out)
 }
 
 /// The feasibility pass on one plan of [`plan_teraio_once`] (`worn`: the one after the wear
-/// pass), then, while it runs out of memory, the forced phase and the `lru` fallback.
+/// pass), then, while it runs out of memory, the forced phase (`forced_plan`: the same plan
+/// planned with it) and the `lru` fallback.
 fn make_feasible(
     trace: &Trace,
     hw: &Hardware,
-    planning: &Hardware,
     mode: Mode,
     mut plan: Plan,
     worn: bool,
+    forced_plan: impl FnOnce() -> Plan,
 ) -> Result<Candidate> {
     let name = Mode { wear: worn, ..mode }.name();
     plan.mark_clean_drops(trace)?;
@@ -474,8 +481,7 @@ fn make_feasible(
     if report.as_ref().is_some_and(|r| r.outcome != crate::sim::Outcome::Completed) {
         // Still out of memory: plan again, taking intervals too short for their transfers as
         // on-demand fetches (`State::forced`).
-        let (plain, w) = teraio::plan(trace, planning, Mode { wear: worn, ..mode }, true);
-        let mut forced = if worn { w.unwrap_or(plain) } else { plain };
+        let mut forced = forced_plan();
         forced.mark_clean_drops(trace)?;
         let forced_report = delay_prefetches_until_feasible(trace, hw, &mut forced);
         if forced_report.as_ref().is_none_or(|r| r.outcome == crate::sim::Outcome::Completed) {
@@ -1533,6 +1539,46 @@ mod tests {
         assert_eq!((fa.offload_end, fa.prefetch_start), (1, 4));
         st.accept(a, fa);
         st.fit(&b, Tier::Ssd).unwrap().offload_end
+    }
+
+    /// Resuming a planning for the forced phase ([`teraio::Planning::finish`]) gives the
+    /// same plans as planning from scratch with it, for every mode of `auto`, on small
+    /// generated traces under tight GPU budgets, and the forced phase changes some of them
+    /// (so the comparison covers it).
+    #[test]
+    fn resumed_forced_phase_plans_as_from_scratch() {
+        let mut forced_differs = 0;
+        for spec in ["gpt2-xl,layers=2,dtype=bf16", "llama3-8b,layers=2,dtype=bf16,seq=1024"] {
+            let trace =
+                crate::model::generate(&crate::ModelConfig::from_spec(spec).unwrap()).unwrap();
+            let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+            let (_, ws) = crate::analysis::largest_working_set(&trace);
+            for (frac, weak) in [(0.25, true), (0.5, true), (0.35, false)] {
+                let mut hw = Hardware::paper();
+                hw.gpu_memory_bytes = ((peak as f64 * frac) as u64).max(ws);
+                if weak {
+                    hw.ssd_count = 1;
+                    hw.ssd_read_bytes_per_s = 1e9;
+                    hw.ssd_write_bytes_per_s = 1e9;
+                    hw.host_memory_cap_bytes = hw.gpu_memory_bytes;
+                }
+                for recompute in [RecomputeIn::Never, RecomputeIn::Every, RecomputeIn::Eager] {
+                    for hybrid in [false, true] {
+                        let mode = Mode { hybrid, recompute, wear: true };
+                        let shared = teraio::Planning::new(&trace, &hw, mode);
+                        for forced in [false, true] {
+                            let fresh = teraio::plan(&trace, &hw, mode, forced);
+                            let resumed = shared.finish(forced);
+                            assert!(fresh == resumed, "{spec} {frac} {mode:?} forced {forced}");
+                        }
+                        if shared.finish(true) != shared.finish(false) {
+                            forced_differs += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(forced_differs > 0, "no case where the forced phase changes the plan");
     }
 
     #[test]

@@ -106,6 +106,7 @@ fn evaluate_move(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Opt
 
 /// The candidates of one planning: every inactive interval, and the halves of those split
 /// where a recomputation pins their tensor.
+#[derive(Clone)]
 struct Candidates {
     ivs: Vec<InactiveInterval>,
     taken: Vec<bool>,
@@ -171,9 +172,69 @@ impl Candidates {
     }
 }
 
-/// Plan with `mode`; with [`Mode::wear`], also the same plan after the wear pass (second).
-/// With `forced`, a third phase takes intervals too short for their transfers as on-demand
-/// fetches when nominal bandwidth still leaves memory above capacity (`State::forced`).
+/// A planning after its bandwidth-aware and relaxed phases, before the wear pass: the plans
+/// are taken from it, with or without the forced phase on top ([`Planning::finish`]).
+#[derive(Clone)]
+pub(super) struct Planning<'a> {
+    st: State<'a>,
+    c: Candidates,
+    mode: Mode,
+    count: usize,
+}
+
+impl<'a> Planning<'a> {
+    /// Run the phases that every plan of `mode` shares: bandwidth budgets as reserved, then
+    /// nominal bandwidth while memory is still above capacity.
+    pub(super) fn new(trace: &'a Trace, hw: &'a Hardware, mode: Mode) -> Planning<'a> {
+        let mut st = State::new(trace, hw);
+        let ivs = inactive_intervals(trace);
+        let count = ivs.len();
+        let mut c = Candidates {
+            ivs: Vec::with_capacity(count),
+            taken: Vec::with_capacity(count),
+            epochs: HashMap::new(),
+            by_tensor: HashMap::new(),
+        };
+        for iv in ivs {
+            c.push(iv);
+        }
+        st.recompute = mode.recompute != RecomputeIn::Never;
+        st.eager_chains = mode.recompute == RecomputeIn::Eager;
+        greedy(&mut st, &mut c, mode.hybrid);
+        if st.mem.max() > 0 {
+            // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
+            // (they will stall, but the iteration fits in memory where that is possible at
+            // all).
+            st.relaxed = true;
+            greedy(&mut st, &mut c, mode.hybrid);
+        }
+        Planning { st, c, mode, count }
+    }
+
+    /// The plan, and with [`Mode::wear`] also the same plan after the wear pass (second).
+    /// With `forced`, a third phase first takes intervals too short for their transfers as
+    /// on-demand fetches when nominal bandwidth still leaves memory above capacity
+    /// (`State::forced`). The same as planning from scratch with `forced` (the first two
+    /// phases do not depend on it), without doing them again.
+    pub(super) fn finish(&self, forced: bool) -> (Plan, Option<Plan>) {
+        let mut st = self.st.clone();
+        if forced && st.mem.max() > 0 {
+            let mut c = self.c.clone();
+            st.forced = true;
+            greedy(&mut st, &mut c, self.mode.hybrid);
+        }
+        let worn = self.mode.wear.then(|| {
+            let mut w = st.clone();
+            w.reduce_writes();
+            w.into_plan(&self.mode.name(), self.count)
+        });
+        (st.into_plan(&Mode { wear: false, ..self.mode }.name(), self.count), worn)
+    }
+}
+
+/// Plan with `mode` from scratch (see [`Planning::finish`]); the reference [`Planning`]
+/// must agree with.
+#[cfg(test)]
 pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (Plan, Option<Plan>) {
     let mut st = State::new(trace, hw);
     let ivs = inactive_intervals(trace);
@@ -191,14 +252,10 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (P
     st.eager_chains = mode.recompute == RecomputeIn::Eager;
     greedy(&mut st, &mut c, mode.hybrid);
     if st.mem.max() > 0 {
-        // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
-        // (they will stall, but the iteration fits in memory where that is possible at all).
         st.relaxed = true;
         greedy(&mut st, &mut c, mode.hybrid);
     }
     if forced && st.mem.max() > 0 {
-        // Still above capacity: intervals too short for their transfers at any bandwidth,
-        // fetched on demand (stalls rather than running out of memory).
         st.forced = true;
         greedy(&mut st, &mut c, mode.hybrid);
     }
