@@ -15,7 +15,7 @@ use teraio_scheduler::{
 /// every copy, the others once per copy (new ids).
 fn unrolled(t: &Trace, k: usize) -> Trace {
     let n = t.kernel_count();
-    let mut u = Trace::new(&format!("{} x{k}", t.name));
+    let mut u = Trace::new(format!("{} x{k}", t.name));
     for _ in 0..k {
         u.kernels.extend(t.kernels.iter().cloned());
     }
@@ -27,8 +27,8 @@ fn unrolled(t: &Trace, k: usize) -> Trace {
             ids[i] = vec![next; k];
             next += 1;
         } else {
-            for r in 0..k {
-                ids[i][r] = next;
+            for id in &mut ids[i] {
+                *id = next;
                 next += 1;
             }
         }
