@@ -33,7 +33,11 @@
 //! dropped and remade before its next access ([`crate::plan::Recompute`]); its benefit is the
 //! area of the whole interval, its cost the producer's GPU time, and it competes with the
 //! moves by the same score in every phase (a transfer's cost is its time on its path; `auto`
-//! compares the plan with the one that does not recompute, by simulation). A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
+//! compares the plan with the one that does not recompute, by simulation). With
+//! `Mode::keep_ssd` (hybrid only), an interval whose tensor is read again later in the same
+//! epoch takes the SSD whenever that fits, even where the host tier scores better: the SSD copy
+//! stays and makes the epoch's later offloads clean drops (no PCIe write), a host copy is
+//! gone once read back. A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
 //! runs before: their intervals across that kernel are split there (both halves stay
 //! candidates; the first may itself be recomputed there, a chain). The wear pass (`Mode::wear`, [`State::reduce_writes`]) runs last.
 
@@ -93,6 +97,7 @@ fn evaluate_move(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Opt
     }
     let host = if st.hw.host_memory_cap_bytes >= iv.bytes { st.fit(iv, Tier::Host) } else { None };
     match (ssd, host) {
+        (Some(s), Some(_)) if st.keep_ssd && !s.clean && epoch_continues(st, iv) => Some(s),
         (Some(s), Some(h)) => {
             if h.benefit / h.cost_us > s.benefit / s.cost_us {
                 Some(h)
@@ -102,6 +107,15 @@ fn evaluate_move(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Opt
         }
         (s, h) => s.or(h),
     }
+}
+
+/// Whether `iv`'s tensor is read again after the interval's end within the same epoch (no
+/// write at its next access, and an access after it): an SSD copy made now would make the
+/// next interval's offload a clean drop, a host copy would not.
+fn epoch_continues(st: &State<'_>, iv: &InactiveInterval) -> bool {
+    let t = st.trace.tensor(iv.tensor);
+    let b = iv.next_access;
+    !iv.wraps && b < st.n && !t.writes_at(b) && t.accesses.last().is_some_and(|&l| l > b)
 }
 
 /// The candidates of one planning: every inactive interval, and the halves of those split
@@ -200,6 +214,7 @@ impl<'a> Planning<'a> {
         }
         st.recompute = mode.recompute != RecomputeIn::Never;
         st.eager_chains = mode.recompute == RecomputeIn::Eager;
+        st.keep_ssd = mode.keep_ssd;
         greedy(&mut st, &mut c, mode.hybrid);
         if st.mem.max() > 0 {
             // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
@@ -250,6 +265,7 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (P
     }
     st.recompute = mode.recompute != RecomputeIn::Never;
     st.eager_chains = mode.recompute == RecomputeIn::Eager;
+    st.keep_ssd = mode.keep_ssd;
     greedy(&mut st, &mut c, mode.hybrid);
     if st.mem.max() > 0 {
         st.relaxed = true;
