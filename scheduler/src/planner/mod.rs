@@ -346,7 +346,7 @@ fn plan_auto(trace: &Trace, hw: &Hardware, opts: &PlanOptions) -> Result<Candida
         .filter(|c| fits(&c.1))
         .map(|c| time_of(&c.1))
         .fold(f64::INFINITY, f64::min);
-    if !(best <= ideal * (1.0 + SEARCH_FURTHER_ABOVE_IDEAL)) && hw.has_ssd() {
+    if best > ideal * (1.0 + SEARCH_FURTHER_ABOVE_IDEAL) && hw.has_ssd() {
         let more: Vec<Mode> =
             modes.iter().filter(|m| m.hybrid).map(|&m| Mode { keep_ssd: true, ..m }).collect();
         let results: Vec<Result<Vec<Candidate>>> = std::thread::scope(|scope| {
