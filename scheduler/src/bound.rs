@@ -17,8 +17,11 @@
 //!   recomputable tensor needs no copy, so it counts as free);
 //! - reads and writes together over the SSD array's combined budget plus host memory's.
 //!
-//! Recomputation trades reads for GPU time: `x` bytes remade cost at least `x` times the
-//! cheapest producer's time per byte in the trace; the bound takes the best `x`. The sum over
+//! Recomputation trades reads for GPU time: `x` bytes remade within a window cost at least
+//! what the window's cheapest `x` recomputable bytes cost (those it may remake: away at its
+//! start and used again before its end), each tensor at its producer's time per byte rounded
+//! down to a cost class (a factor of [`CLASS_STEP`] apart, [`CLASSES`] of them); the bound
+//! takes the best `x`. The sum over
 //! a partition of the iteration is a bound; a dynamic program picks the best partition among
 //! windows cut at up to [`MAX_CUTS`] boundaries (evenly spaced in time, plus where the excess
 //! starts, ends and peaks).
@@ -65,44 +68,66 @@ impl Bound {
     }
 }
 
+/// Recomputation cost classes: class 0 costs nothing, class `c >= 1` at least the trace's
+/// cheapest positive cost per byte times `CLASS_STEP^(c - 1)` (the last class takes every
+/// dearer tensor at its floor).
+const CLASSES: usize = 24;
+const CLASS_STEP: f64 = 1.5;
+
 /// One tensor as seen from a cut: its bytes and how far (in kernels) its next access, or its
-/// last write, is; `usize::MAX` for never.
+/// last write, is; `usize::MAX` for never; its recomputation cost class if it can be remade.
 #[derive(Clone, Copy)]
 struct Seen {
     dist: usize,
     bytes: u64,
-    recomputable: bool,
+    class: Option<usize>,
 }
 
-/// Per cut: the tensors away-able there, sorted by distance, with prefix sums.
+/// Per cut: the tensors away-able there, sorted by distance, with prefix sums; the same for
+/// the recomputable ones per cost class.
 struct Cut {
     dist: Vec<usize>,
-    /// Bytes of the first `i` entries (all, and recomputable only).
+    /// Bytes of the first `i` entries.
     prefix: Vec<u64>,
-    prefix_rc: Vec<u64>,
+    /// Bytes of the recomputable entries.
+    total_rc: u64,
+    /// Per cost class: distances of its entries (sorted) and prefix sums of their bytes.
+    classes: Vec<(Vec<usize>, Vec<u64>)>,
 }
 
 impl Cut {
     fn new(mut seen: Vec<Seen>) -> Cut {
         seen.sort_unstable_by_key(|s| s.dist);
         let mut prefix = Vec::with_capacity(seen.len() + 1);
-        let mut prefix_rc = Vec::with_capacity(seen.len() + 1);
-        let (mut a, mut r) = (0u64, 0u64);
+        let mut classes: Vec<(Vec<usize>, Vec<u64>)> = vec![(Vec::new(), vec![0]); CLASSES];
+        let (mut a, mut total_rc) = (0u64, 0u64);
         prefix.push(0);
-        prefix_rc.push(0);
         for s in &seen {
             a = a.saturating_add(s.bytes);
-            r = r.saturating_add(if s.recomputable { s.bytes } else { 0 });
             prefix.push(a);
-            prefix_rc.push(r);
+            if let Some(c) = s.class {
+                total_rc = total_rc.saturating_add(s.bytes);
+                let (d, p) = &mut classes[c];
+                let last = *p.last().unwrap_or(&0);
+                d.push(s.dist);
+                p.push(last.saturating_add(s.bytes));
+            }
         }
-        Cut { dist: seen.into_iter().map(|s| s.dist).collect(), prefix, prefix_rc }
+        Cut { dist: seen.into_iter().map(|s| s.dist).collect(), prefix, total_rc, classes }
     }
 
-    /// (bytes, recomputable bytes) of the entries closer than `d`.
-    fn closer_than(&self, d: usize) -> (u64, u64) {
-        let i = self.dist.partition_point(|&x| x < d);
-        (self.prefix[i], self.prefix_rc[i])
+    /// Bytes of the entries closer than `d`.
+    fn closer_than(&self, d: usize) -> u64 {
+        self.prefix[self.dist.partition_point(|&x| x < d)]
+    }
+
+    /// Bytes of the recomputable entries closer than `d`, per cost class.
+    fn rc_closer_than(&self, d: usize) -> [u64; CLASSES] {
+        let mut out = [0u64; CLASSES];
+        for (o, (dist, p)) in out.iter_mut().zip(&self.classes) {
+            *o = p[dist.partition_point(|&x| x < d)];
+        }
+        out
     }
 
     fn total(&self) -> u64 {
@@ -110,8 +135,68 @@ impl Cut {
     }
 }
 
+/// Per tensor, its recomputation cost class (`None`: not recomputable); and per class, the
+/// floor of its cost, microseconds per byte.
+fn cost_classes(trace: &Trace) -> (Vec<Option<usize>>, [f64; CLASSES]) {
+    let rho: Vec<Option<f64>> = trace
+        .tensors
+        .iter()
+        .map(|t| trace.recompute_us(t.id).map(|us| (us / t.bytes.max(1) as f64).max(0.0)))
+        .collect();
+    let base = rho.iter().flatten().copied().filter(|&r| r > 0.0).fold(f64::INFINITY, f64::min);
+    let mut rate = [0.0; CLASSES];
+    for (c, r) in rate.iter_mut().enumerate().skip(1) {
+        *r = base * CLASS_STEP.powi(c as i32 - 1);
+    }
+    let class = rho
+        .iter()
+        .map(|r| {
+            r.map(|r| {
+                if r <= 0.0 || !base.is_finite() {
+                    0
+                } else {
+                    // The largest class whose floor is at most r (rounding kept safe).
+                    let mut c = 1 + ((r / base).ln() / CLASS_STEP.ln()).floor().max(0.0) as usize;
+                    c = c.min(CLASSES - 1);
+                    while c > 1 && rate[c] > r {
+                        c -= 1;
+                    }
+                    c
+                }
+            })
+        })
+        .collect();
+    (class, rate)
+}
+
+/// One window of the partition that gives the bound (see the module documentation): what
+/// any plan spends at least between the start of kernel `start` and that of kernel `end`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BoundWindow {
+    /// First kernel of the window.
+    pub start: usize,
+    /// The kernel after the window's last.
+    pub end: usize,
+    /// The window's share of the bound, microseconds.
+    pub bound_us: f64,
+    /// Its kernels' time, microseconds.
+    pub kernels_us: f64,
+    /// Bytes that must come back to the GPU within it (before recomputation).
+    pub read_bytes: f64,
+    /// Bytes that must leave the GPU within it.
+    pub write_bytes: f64,
+    /// Bytes of `read_bytes` the bound lets recomputation remake instead.
+    pub recompute_bytes: f64,
+}
+
 /// The lower bound of `trace` on `hw` (see the module documentation).
 pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
+    Ok(lower_bound_windows(trace, hw)?.0)
+}
+
+/// [`lower_bound`] and the windows of the partition that gives it, in order (empty when the
+/// bound is the kernels' time alone or infinite): where the bound says time must go.
+pub fn lower_bound_windows(trace: &Trace, hw: &Hardware) -> Result<(Bound, Vec<BoundWindow>)> {
     trace.validate()?;
     hw.validate()?;
     let n = trace.kernel_count();
@@ -133,12 +218,12 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
              bytes of GPU memory",
             trace.kernels[ws_kernel].name
         ));
-        return Ok(bound);
+        return Ok((bound, Vec::new()));
     }
     let mem = trace.resident_memory_per_kernel();
     let excess: Vec<u64> = mem.iter().map(|&m| m.saturating_sub(cap)).collect();
     if excess.iter().all(|&e| e == 0) {
-        return Ok(bound);
+        return Ok((bound, Vec::new()));
     }
     let has_host = hw.host_memory_cap_bytes > 0;
     let path_bw = |has: bool, path: Vec<Resource>| if has { hw.path_bandwidth(&path) } else { 0.0 };
@@ -152,22 +237,18 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
     );
     let bw_both = if hw.has_ssd() { hw.bandwidth(Resource::SsdDuplex) } else { 0.0 }
         + if has_host { hw.bandwidth(Resource::HostMemory) } else { 0.0 };
-    // Cheapest recomputation, microseconds per byte.
-    let rho = trace
-        .tensors
-        .iter()
-        .filter_map(|t| trace.recompute_us(t.id).map(|us| us / t.bytes as f64))
-        .fold(f64::INFINITY, f64::min);
+    // Recomputation cost classes (cheapest first).
+    let (class, rate) = cost_classes(trace);
 
     // Tier capacity: what is away at a kernel and cannot be remade sits on a tier.
     let tiers =
         hw.host_memory_cap_bytes.saturating_add(hw.ssd_array_capacity_bytes().unwrap_or(u64::MAX));
     let cuts = cut_points(&starts, &excess);
-    let reads: Vec<Cut> = cuts.iter().map(|&s| read_cut(trace, s)).collect();
+    let reads: Vec<Cut> = cuts.iter().map(|&s| read_cut(trace, s, &class)).collect();
     let writes: Vec<Cut> = cuts.iter().map(|&e| write_cut(trace, e.saturating_sub(1))).collect();
     for (i, &s) in cuts.iter().enumerate() {
         if s < n {
-            let rc = reads[i].prefix_rc.last().copied().unwrap_or(0);
+            let rc = reads[i].total_rc;
             if excess[s].saturating_sub(rc) > tiers {
                 bound.iteration_us = f64::INFINITY;
                 bound.infeasible = Some(format!(
@@ -175,20 +256,21 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
                      and the SSD array hold ({tiers} bytes)",
                     trace.kernels[s].name, excess[s]
                 ));
-                return Ok(bound);
+                return Ok((bound, Vec::new()));
             }
         }
     }
-    let window = |i: usize, j: usize| -> f64 {
+    // (the window's share, bytes to read, to write, to recompute)
+    let window = |i: usize, j: usize| -> (f64, f64, f64, f64) {
         let (s, e) = (cuts[i], cuts[j]);
         let kernels_us = starts[e] - starts[s];
         let r = &reads[i];
-        let (close, close_rc) = r.closer_than(e - s);
+        let close = r.closer_than(e - s);
         let far = r.total() - close;
         let need_read = excess[s].saturating_sub(far) as f64;
         let w = &writes[j];
         let need_write = if e > s + 1 {
-            let (recent, _) = w.closer_than(e - s);
+            let recent = w.closer_than(e - s);
             excess[e - 1].saturating_sub(w.total() - recent) as f64
         } else {
             0.0
@@ -207,34 +289,91 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
                 .max(time(need_write, bw_write))
                 .max(time(need_read - x + need_write, bw_both))
         };
-        let x_max = (close_rc as f64).min(need_read);
-        if x_max <= 0.0 || !rho.is_finite() {
-            return kernels_us.max(io(0.0));
+        let rc = r.rc_closer_than(e - s);
+        let x_max = (rc.iter().sum::<u64>() as f64).min(need_read);
+        if x_max <= 0.0 {
+            return (kernels_us.max(io(0.0)), need_read, need_write, 0.0);
         }
-        // max(kernels + rho x, io(x)): increasing vs non-increasing in x; bisect the crossing.
-        let (mut lo, mut hi) = (0.0, x_max);
-        for _ in 0..60 {
-            let mid = 0.5 * (lo + hi);
-            if kernels_us + rho * mid < io(mid) {
-                lo = mid;
-            } else {
-                hi = mid;
+        // Remaking x bytes costs at least g(x): the close recomputable bytes taken cheapest
+        // class first, each at its class's floor (convex, piecewise linear, increasing).
+        // max(kernels + g(x), io(x)) over x in [0, x_max]: the first term increases, io is
+        // the max of non-increasing linear pieces, so their difference increases and the
+        // minimum is where they cross (clamped to the range). Walk g's pieces to the one
+        // where the difference turns >= 0, and solve there.
+        let f_at = |x: f64, g: f64| (kernels_us + g).max(io(x));
+        let (mut x0, mut g0) = (0.0, 0.0);
+        let mut best = (f_at(0.0, 0.0), 0.0);
+        for (c, &bytes) in rc.iter().enumerate() {
+            if bytes == 0 || x0 >= x_max {
+                continue;
             }
+            let x1 = (x0 + bytes as f64).min(x_max);
+            let g1 = g0 + rate[c] * (x1 - x0);
+            if kernels_us + g1 >= io(x1) {
+                // The crossing is in [x0, x1]: kernels + g0 + rate (x - x0) against each
+                // piece of io, the largest meeting point.
+                let a = kernels_us + g0 - rate[c] * x0;
+                let meet = |slope: f64, at_zero: f64| {
+                    if rate[c] + slope > 0.0 { (at_zero - a) / (rate[c] + slope) } else { x0 }
+                };
+                let mut x = meet(0.0, time(need_write, bw_write));
+                for (bw, bytes) in [(bw_read, need_read), (bw_both, need_read + need_write)] {
+                    if bytes > 0.0 {
+                        x = x.max(if bw > 0.0 {
+                            meet(1e6 / bw, bytes / bw * 1e6)
+                        } else {
+                            need_read
+                        });
+                    }
+                }
+                let x = if x.is_nan() { x0 } else { x.clamp(x0, x1) };
+                for (xx, gg) in [(x, g0 + rate[c] * (x - x0)), (x0, g0), (x1, g1)] {
+                    let v = f_at(xx, gg);
+                    if v < best.0 {
+                        best = (v, xx);
+                    }
+                }
+                return (best.0, need_read, need_write, best.1);
+            }
+            let v = f_at(x1, g1);
+            if v < best.0 {
+                best = (v, x1);
+            }
+            (x0, g0) = (x1, g1);
         }
-        let f = |x: f64| (kernels_us + rho * x).max(io(x));
-        f(lo).min(f(hi)).min(f(0.0))
+        (best.0, need_read, need_write, best.1)
     };
-    // best[j]: the largest sum over partitions of [cuts[0], cuts[j]).
+    // best[j]: the largest sum over partitions of [cuts[0], cuts[j]), from cut from[j].
     let m = cuts.len();
     let mut best = vec![0.0f64; m];
+    let mut from = vec![0usize; m];
     for j in 1..m {
-        best[j] = best[..j]
+        let (i, b) = best[..j]
             .iter()
             .enumerate()
-            .map(|(i, &b)| b + window(i, j))
-            .fold(f64::NEG_INFINITY, f64::max);
+            .map(|(i, &b)| (i, b + window(i, j).0))
+            .fold((0, f64::NEG_INFINITY), |a, c| if c.1 > a.1 { c } else { a });
+        best[j] = b;
+        from[j] = i;
     }
     bound.iteration_us = best[m - 1].max(compute_us);
+    let mut windows = Vec::new();
+    let mut j = m - 1;
+    while j > 0 {
+        let i = from[j];
+        let (bound_us, read_bytes, write_bytes, recompute_bytes) = window(i, j);
+        windows.push(BoundWindow {
+            start: cuts[i],
+            end: cuts[j],
+            bound_us,
+            kernels_us: starts[cuts[j]] - starts[cuts[i]],
+            read_bytes,
+            write_bytes,
+            recompute_bytes,
+        });
+        j = i;
+    }
+    windows.reverse();
     if !bound.iteration_us.is_finite() {
         bound.infeasible = Some(
             "some bytes must leave or return to the GPU and there is neither an SSD nor a host \
@@ -242,7 +381,7 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
                 .into(),
         );
     }
-    Ok(bound)
+    Ok((bound, windows))
 }
 
 /// Window boundaries: 0 and `n`, evenly spaced times, and where the excess starts, ends and
@@ -281,7 +420,7 @@ fn cut_points(starts: &[f64], excess: &[u64]) -> Vec<usize> {
 /// The tensors that can be away at the start of kernel `s` (alive, not accessed by it), by
 /// how many kernels later they are next accessed (`MAX`: not again before they die, or
 /// for a global tensor not again in this iteration).
-fn read_cut(trace: &Trace, s: usize) -> Cut {
+fn read_cut(trace: &Trace, s: usize, class: &[Option<usize>]) -> Cut {
     let n = trace.kernel_count();
     if s >= n {
         return Cut::new(Vec::new());
@@ -293,7 +432,7 @@ fn read_cut(trace: &Trace, s: usize) -> Cut {
         }
         let i = t.accesses.partition_point(|&k| k <= s);
         let dist = t.accesses.get(i).map_or(usize::MAX, |&k| k - s);
-        seen.push(Seen { dist, bytes: t.bytes, recomputable: t.recomputable().is_some() });
+        seen.push(Seen { dist, bytes: t.bytes, class: class[t.id.0 as usize] });
     }
     Cut::new(seen)
 }
@@ -320,7 +459,38 @@ fn write_cut(trace: &Trace, p: usize) -> Cut {
             Some(&w) if !recomputable => p - w,
             _ => usize::MAX,
         };
-        seen.push(Seen { dist, bytes: t.bytes, recomputable });
+        seen.push(Seen { dist, bytes: t.bytes, class: None });
     }
     Cut::new(seen)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every recomputable tensor's class floor is at most its cost per byte (so the bound
+    /// never charges a recomputation more than it costs), and within a class step of it
+    /// below the last class.
+    #[test]
+    fn cost_classes_are_floors() {
+        let trace = crate::model::generate(
+            &crate::ModelConfig::from_spec("llama3-8b,layers=2,dtype=bf16").unwrap(),
+        )
+        .unwrap();
+        let (class, rate) = cost_classes(&trace);
+        let mut seen = 0;
+        for t in &trace.tensors {
+            let Some(c) = class[t.id.index()] else {
+                assert!(trace.recompute_us(t.id).is_none());
+                continue;
+            };
+            let rho = trace.recompute_us(t.id).unwrap() / t.bytes as f64;
+            assert!(rate[c] <= rho, "{}: floor {} above {rho}", t.name, rate[c]);
+            if c + 1 < CLASSES && c > 0 {
+                assert!(rho < rate[c] * CLASS_STEP * (1.0 + 1e-9), "{}: class {c} too low", t.name);
+            }
+            seen += 1;
+        }
+        assert!(seen > 0);
+    }
 }

@@ -33,7 +33,11 @@
 //! dropped and remade before its next access ([`crate::plan::Recompute`]); its benefit is the
 //! area of the whole interval, its cost the producer's GPU time, and it competes with the
 //! moves by the same score in every phase (a transfer's cost is its time on its path; `auto`
-//! compares the plan with the one that does not recompute, by simulation). A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
+//! compares the plan with the one that does not recompute, by simulation). With
+//! `Mode::keep_ssd` (hybrid only), an interval whose tensor is read again later in the same
+//! epoch takes the SSD whenever that fits, even where the host tier scores better: the SSD copy
+//! stays and makes the epoch's later offloads clean drops (no PCIe write), a host copy is
+//! gone once read back. A chosen recomputation pins the producer's inputs in GPU memory at the kernel it
 //! runs before: their intervals across that kernel are split there (both halves stay
 //! candidates; the first may itself be recomputed there, a chain). The wear pass (`Mode::wear`, [`State::reduce_writes`]) runs last.
 
@@ -93,6 +97,7 @@ fn evaluate_move(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Opt
     }
     let host = if st.hw.host_memory_cap_bytes >= iv.bytes { st.fit(iv, Tier::Host) } else { None };
     match (ssd, host) {
+        (Some(s), Some(_)) if st.keep_ssd && !s.clean && epoch_continues(st, iv) => Some(s),
         (Some(s), Some(h)) => {
             if h.benefit / h.cost_us > s.benefit / s.cost_us {
                 Some(h)
@@ -104,8 +109,18 @@ fn evaluate_move(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Opt
     }
 }
 
+/// Whether `iv`'s tensor is read again after the interval's end within the same epoch (no
+/// write at its next access, and an access after it): an SSD copy made now would make the
+/// next interval's offload a clean drop, a host copy would not.
+fn epoch_continues(st: &State<'_>, iv: &InactiveInterval) -> bool {
+    let t = st.trace.tensor(iv.tensor);
+    let b = iv.next_access;
+    !iv.wraps && b < st.n && !t.writes_at(b) && t.accesses.last().is_some_and(|&l| l > b)
+}
+
 /// The candidates of one planning: every inactive interval, and the halves of those split
 /// where a recomputation pins their tensor.
+#[derive(Clone)]
 struct Candidates {
     ivs: Vec<InactiveInterval>,
     taken: Vec<bool>,
@@ -171,9 +186,70 @@ impl Candidates {
     }
 }
 
-/// Plan with `mode`; with [`Mode::wear`], also the same plan after the wear pass (second).
-/// With `forced`, a third phase takes intervals too short for their transfers as on-demand
-/// fetches when nominal bandwidth still leaves memory above capacity (`State::forced`).
+/// A planning after its bandwidth-aware and relaxed phases, before the wear pass: the plans
+/// are taken from it, with or without the forced phase on top ([`Planning::finish`]).
+#[derive(Clone)]
+pub(super) struct Planning<'a> {
+    st: State<'a>,
+    c: Candidates,
+    mode: Mode,
+    count: usize,
+}
+
+impl<'a> Planning<'a> {
+    /// Run the phases that every plan of `mode` shares: bandwidth budgets as reserved, then
+    /// nominal bandwidth while memory is still above capacity.
+    pub(super) fn new(trace: &'a Trace, hw: &'a Hardware, mode: Mode) -> Planning<'a> {
+        let mut st = State::new(trace, hw);
+        let ivs = inactive_intervals(trace);
+        let count = ivs.len();
+        let mut c = Candidates {
+            ivs: Vec::with_capacity(count),
+            taken: Vec::with_capacity(count),
+            epochs: HashMap::new(),
+            by_tensor: HashMap::new(),
+        };
+        for iv in ivs {
+            c.push(iv);
+        }
+        st.recompute = mode.recompute != RecomputeIn::Never;
+        st.eager_chains = mode.recompute == RecomputeIn::Eager;
+        st.keep_ssd = mode.keep_ssd;
+        greedy(&mut st, &mut c, mode.hybrid);
+        if st.mem.max() > 0 {
+            // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
+            // (they will stall, but the iteration fits in memory where that is possible at
+            // all).
+            st.relaxed = true;
+            greedy(&mut st, &mut c, mode.hybrid);
+        }
+        Planning { st, c, mode, count }
+    }
+
+    /// The plan, and with [`Mode::wear`] also the same plan after the wear pass (second).
+    /// With `forced`, a third phase first takes intervals too short for their transfers as
+    /// on-demand fetches when nominal bandwidth still leaves memory above capacity
+    /// (`State::forced`). The same as planning from scratch with `forced` (the first two
+    /// phases do not depend on it), without doing them again.
+    pub(super) fn finish(&self, forced: bool) -> (Plan, Option<Plan>) {
+        let mut st = self.st.clone();
+        if forced && st.mem.max() > 0 {
+            let mut c = self.c.clone();
+            st.forced = true;
+            greedy(&mut st, &mut c, self.mode.hybrid);
+        }
+        let worn = self.mode.wear.then(|| {
+            let mut w = st.clone();
+            w.reduce_writes();
+            w.into_plan(&self.mode.name(), self.count)
+        });
+        (st.into_plan(&Mode { wear: false, ..self.mode }.name(), self.count), worn)
+    }
+}
+
+/// Plan with `mode` from scratch (see [`Planning::finish`]); the reference [`Planning`]
+/// must agree with.
+#[cfg(test)]
 pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (Plan, Option<Plan>) {
     let mut st = State::new(trace, hw);
     let ivs = inactive_intervals(trace);
@@ -189,16 +265,13 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, mode: Mode, forced: bool) -> (P
     }
     st.recompute = mode.recompute != RecomputeIn::Never;
     st.eager_chains = mode.recompute == RecomputeIn::Eager;
+    st.keep_ssd = mode.keep_ssd;
     greedy(&mut st, &mut c, mode.hybrid);
     if st.mem.max() > 0 {
-        // Bandwidth-feasible choices were not enough: place the rest at nominal bandwidth
-        // (they will stall, but the iteration fits in memory where that is possible at all).
         st.relaxed = true;
         greedy(&mut st, &mut c, mode.hybrid);
     }
     if forced && st.mem.max() > 0 {
-        // Still above capacity: intervals too short for their transfers at any bandwidth,
-        // fetched on demand (stalls rather than running out of memory).
         st.forced = true;
         greedy(&mut st, &mut c, mode.hybrid);
     }
