@@ -274,6 +274,8 @@ pub struct Executor {
     frees: Vec<Handle<()>>,
     /// The next iteration runs a plan given by `set_plan`.
     replanned: bool,
+    /// The last failed write (for the message when memory runs out because of them).
+    last_write_error: Option<String>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -361,6 +363,7 @@ impl Executor {
             failed: None,
             frees: Vec::new(),
             replanned: false,
+            last_write_error: None,
         })
     }
 
@@ -544,15 +547,42 @@ impl Executor {
             setup.push((t, self.store.offload_keep(t as u64, mem, opts)?));
         }
         for (t, h) in setup {
-            let (_, mem) = h.wait()?;
-            self.alloc.release(TensorId(t as u32), mem);
-            self.used -= self.bytes(t);
-            self.states[t] = State::Offloaded;
+            match h.wait() {
+                Ok((outcome, mem)) => {
+                    self.current[t] = outcome == OffloadOutcome::OnSsd;
+                    self.alloc.release(TensorId(t as u32), mem);
+                    self.used -= self.bytes(t);
+                    self.states[t] = State::Offloaded;
+                }
+                // The write failed: the tensor stays (the plan's prefetch of it is a no-op);
+                // the budget check below says whether memory allows it.
+                Err(e) => {
+                    let mem = self.store.take_held(t as u64).ok_or_else(|| Error::InvalidState {
+                        tensor: format!("t{t}"),
+                        detail: format!(
+                            "its first offload failed ({e}) and the store did not hand its memory back"
+                        ),
+                    })?;
+                    self.last_write_error = Some(e.to_string());
+                    self.report.failed_offloads += 1;
+                    self.stayed[t] = true;
+                    self.states[t] = State::Resident(mem);
+                }
+            }
         }
         if self.used > self.cfg.gpu_budget_bytes {
+            let failed = self.stayed.iter().filter(|&&s| s).count();
             return Err(Error::NoSpace(format!(
-                "the resident global tensors need {} bytes, the GPU budget is {}",
-                self.used, self.cfg.gpu_budget_bytes
+                "the resident global tensors need {} bytes, the GPU budget is {}{}",
+                self.used,
+                self.cfg.gpu_budget_bytes,
+                if failed > 0 {
+                    format!(
+                        " ({failed} of them stayed because their first offload failed: see the store's errors)"
+                    )
+                } else {
+                    String::new()
+                }
             )));
         }
         self.phase = Phase::Idle;
@@ -573,6 +603,8 @@ impl Executor {
             memory_timeline: vec![(0.0, self.used)],
             diverged: self.safe.clone(),
             replanned: std::mem::take(&mut self.replanned),
+            // Writes that failed in start() count in the first iteration.
+            failed_offloads: if self.iteration == 0 { self.report.failed_offloads } else { 0 },
             ..Default::default()
         };
     }
@@ -775,7 +807,7 @@ impl Executor {
                                 ),
                             });
                         };
-                        self.offload_failed(t, keep, mem)?;
+                        self.offload_failed(t, keep, mem, &e)?;
                     }
                 },
                 State::Prefetching(h) => match h.wait() {
@@ -890,8 +922,11 @@ impl Executor {
             if self.in_flight == 0 {
                 let need = self.allocs.front().map_or(0, |a| self.bytes(a.tensor()));
                 return Err(Error::NoSpace(format!(
-                    "GPU budget: kernel {k} cannot start: {need} bytes wanted, {} of {} in use and nothing in flight to free any",
-                    self.used, self.cfg.gpu_budget_bytes
+                    "GPU budget: kernel {k} ({}) cannot start: {need} bytes wanted, {} of {} in use and nothing in flight to free any{}",
+                    self.trace.kernels[k].name,
+                    self.used,
+                    self.cfg.gpu_budget_bytes,
+                    self.stayed_note()
                 )));
             }
             std::thread::sleep(Duration::from_micros(50));

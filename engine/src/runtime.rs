@@ -627,3 +627,62 @@ fn run_kernel(
     emu.events(ex);
     Ok(())
 }
+
+/// Watches the SSD bandwidth replayed iterations measure and says when it moved far enough from
+/// what the plan assumed to plan again: the first iteration that moved at least `min_bytes` in a
+/// direction sets that direction's baseline (the hardware model the first plan was made with
+/// stands for it); afterwards, a direction whose bandwidth is off by more than `threshold`
+/// times from what the current plan assumes gets a new scale (measured / baseline).
+#[derive(Debug, Clone)]
+pub struct BandwidthWatch {
+    /// Factor by which a direction's bandwidth must move to re-plan (> 1).
+    pub threshold: f64,
+    /// Bytes a direction must have moved in an iteration for its bandwidth to count.
+    pub min_bytes: u64,
+    baseline: [Option<f64>; 2],
+    scale: [f64; 2],
+}
+
+impl BandwidthWatch {
+    /// A watch re-planning when a direction moves by more than `threshold` times.
+    pub fn new(threshold: f64, min_bytes: u64) -> Self {
+        Self { threshold: threshold.max(1.0), min_bytes, baseline: [None; 2], scale: [1.0; 2] }
+    }
+
+    /// The (write, read) bandwidth scales the current plan assumes, relative to the first
+    /// plan's hardware model.
+    pub fn scales(&self) -> (f64, f64) {
+        (self.scale[0], self.scale[1])
+    }
+
+    /// After an iteration: `Some((write_scale, read_scale))` when the plan should be made again
+    /// with the SSD bandwidth of the first plan's hardware model multiplied by these.
+    pub fn observe(&mut self, s: &IterationSummary) -> Option<(f64, f64)> {
+        if s.stopped.is_some() {
+            return None;
+        }
+        let measured = [
+            (s.ssd_write_bytes >= self.min_bytes).then_some(s.ssd_write_bytes_per_s),
+            (s.ssd_read_bytes >= self.min_bytes).then_some(s.ssd_read_bytes_per_s),
+        ];
+        let mut changed = false;
+        for (d, m) in measured.into_iter().enumerate() {
+            let Some(bw) = m.filter(|b| *b > 0.0 && b.is_finite()) else { continue };
+            let Some(base) = self.baseline[d] else {
+                self.baseline[d] = Some(bw / self.scale[d]);
+                continue;
+            };
+            let ratio = bw / base;
+            if ratio < self.scale[d] / self.threshold || ratio > self.scale[d] * self.threshold {
+                // Never above the first model: the baseline iteration may not have been busy
+                // enough to show what the array can do.
+                let new = ratio.min(1.0);
+                if (new - self.scale[d]).abs() > 1e-9 {
+                    self.scale[d] = new;
+                    changed = true;
+                }
+            }
+        }
+        changed.then_some((self.scale[0], self.scale[1]))
+    }
+}

@@ -89,7 +89,14 @@ pub(super) fn check_plan(trace: &Trace, plan: &Plan) -> Result<()> {
 impl Executor {
     /// An offload of tensor `t` failed and the store gave its memory back: try the host tier
     /// once (when there is one and no prefetch wants the tensor back), else keep it resident.
-    pub(super) fn offload_failed(&mut self, t: usize, keep: bool, mem: TensorMem) -> Result<()> {
+    pub(super) fn offload_failed(
+        &mut self,
+        t: usize,
+        keep: bool,
+        mem: TensorMem,
+        e: &Error,
+    ) -> Result<()> {
+        self.last_write_error = Some(e.to_string());
         if !keep && self.safe.is_none() && self.store.has_host_tier() && !self.host_retried[t] {
             self.host_retried[t] = true;
             self.report.host_retries += 1;
@@ -134,6 +141,24 @@ impl Executor {
         let err = lost.error();
         self.failed = Some(lost);
         Err(err)
+    }
+
+    /// For an out-of-memory message: how many tensors stayed because their writes failed.
+    pub(super) fn stayed_note(&self) -> String {
+        let stayed: u64 = self
+            .states
+            .iter()
+            .zip(&self.stayed)
+            .filter(|(s, stayed)| **stayed && matches!(s, State::Resident(_)))
+            .map(|_| 1)
+            .sum();
+        match (&self.last_write_error, stayed) {
+            (Some(e), n) if n > 0 => format!(
+                "; {n} tensors stayed in GPU memory because their writes failed (last: {e}): \
+                 a host tier (--host-memory) would take them"
+            ),
+            _ => String::new(),
+        }
     }
 
     fn lost_tensor(&self, t: usize, e: &Error) -> LostTensor {
@@ -212,8 +237,9 @@ impl Executor {
     /// iteration starts. The next iteration starts at kernel 0 as usual. Returns the
     /// iteration's report ([`IterationReport::lost`] says what was lost).
     ///
-    /// Fails when a global tensor cannot be read back (it is lost for good: restore it and open
-    /// a new executor).
+    /// Fails (with [`Error::TensorLost`]) when the tensor lost is a global one, or a global
+    /// tensor cannot be read back now: nothing makes it again, so restore it (from a
+    /// checkpoint) and open a new executor.
     pub fn abort_iteration(&mut self) -> Result<IterationReport> {
         if self.phase != Phase::Running {
             return Err(Error::InvalidArgument(
@@ -234,9 +260,14 @@ impl Executor {
             Ok(()) if self.safe.is_none() => self.settle_globals(),
             other => other,
         };
-        self.failed = None;
+        let lost_global = self.failed.take().filter(|l| l.global);
         let report = self.finish_iteration();
-        settled.map(|()| report)
+        settled?;
+        match lost_global {
+            // Nothing makes a global tensor again: going on would run without it.
+            Some(l) => Err(l.error()),
+            None => Ok(report),
+        }
     }
 
     /// Run `plan` (for the same trace) from the next iteration on: called between iterations
@@ -325,6 +356,7 @@ impl Executor {
                         ),
                     })?;
                     // It stays: the plan's prefetch of it is a no-op.
+                    self.last_write_error = Some(e.to_string());
                     self.report.failed_offloads += 1;
                     self.stayed[t] = true;
                     self.states[t] = State::Resident(mem);
