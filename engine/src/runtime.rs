@@ -135,6 +135,10 @@ pub struct IterationSummary {
     pub ssd_write_bytes: u64,
     /// Bytes read from the SSD array.
     pub ssd_read_bytes: u64,
+    /// Bytes written to the host tier.
+    pub host_write_bytes: u64,
+    /// Bytes read from the host tier.
+    pub host_read_bytes: u64,
     /// SSD write bandwidth measured while writes ran, bytes/s (0: none).
     pub ssd_write_bytes_per_s: f64,
     /// SSD read bandwidth measured while reads ran, bytes/s (0: none).
@@ -504,6 +508,8 @@ pub fn replay_adaptive(
             copies_freed: it.copies_freed,
             ssd_write_bytes: it.store.ssd_write.bytes,
             ssd_read_bytes: it.store.ssd_read.bytes,
+            host_write_bytes: it.store.host_write.bytes,
+            host_read_bytes: it.store.host_read.bytes,
             ssd_write_bytes_per_s: it.store.ssd_write.bandwidth_bytes_per_s(),
             ssd_read_bytes_per_s: it.store.ssd_read.bandwidth_bytes_per_s(),
             io_errors: it.store.ssd_write.errors

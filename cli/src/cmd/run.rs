@@ -533,7 +533,9 @@ pub fn run(args: Args) -> Result<()> {
     let notes = std::cell::RefCell::new(Vec::<String>::new());
     let note = |s: String| {
         if !args.json {
-            bar.println(&s);
+            // Printed above the bar (and also when stderr is not a terminal, where the bar is
+            // hidden).
+            bar.suspend(|| eprintln!("{s}"));
         }
         notes.borrow_mut().push(s);
     };
@@ -752,17 +754,18 @@ pub fn run(args: Args) -> Result<()> {
 fn print_iterations(report: &ReplayReport) {
     println!();
     println!(
-        "{:<10} {:>9} {:>9} {:>12} {:>12}  plan",
-        "iteration", "time", "stall", "SSD write", "SSD read"
+        "{:<10} {:>9} {:>9} {:>12} {:>12} {:>10}  plan",
+        "iteration", "time", "stall", "SSD write", "SSD read", "host tier"
     );
     for s in &report.iterations {
         println!(
-            "{:<10} {:>7.2} s {:>7.2} s {:>12} {:>12}  {} migrations{}",
+            "{:<10} {:>7.2} s {:>7.2} s {:>12} {:>12} {:>10}  {} migrations{}",
             s.iteration,
             s.time_s,
             s.stall_s,
             gbps(s.ssd_write_bytes_per_s),
             gbps(s.ssd_read_bytes_per_s),
+            gb((s.host_write_bytes + s.host_read_bytes) as f64),
             s.migrations,
             if s.replanned { " (re-planned)" } else { "" }
         );
