@@ -11,7 +11,7 @@ fn teraio() -> Command {
 fn small_run(extra: &[&str]) -> (std::process::Output, serde_json::Value) {
     let out = teraio()
         .args(["run", "--json", "--sim", "--model", "gpt2-replay,layers=2,iteration-s=1"])
-        .args(["--file-size", "256M", "--probe-size", "32M"])
+        .args(["--file-size", "512M", "--probe-size", "32M"])
         .args(extra)
         .output()
         .unwrap();

@@ -112,7 +112,7 @@ pub enum Error {
     /// `Executor::abort_iteration` ends the iteration and the next one runs (a lost
     /// activation is made again by its kernel; a lost global tensor must be attached again).
     #[error(
-        "tensor {tensor} is lost: its copy on {device} could not be read back for kernel {kernel} ({kernel_name}): {detail}; the iteration stopped (abort_iteration() ends it and the next iteration can run)"
+        "tensor {tensor} is lost: its copy on {device} could not be read back for kernel {kernel} ({kernel_name}): {detail}; the iteration stopped; the next one can run (abort_iteration() ends this one, or start the next at kernel 0)"
     )]
     TensorLost {
         /// The tensor (id and name).

@@ -871,7 +871,12 @@ impl Executor {
     /// kernel `k` can run (its tensors resident, its new tensors' memory granted).
     pub fn kernel_ready(&mut self, k: usize) -> Result<bool> {
         if let Some(l) = &self.failed {
-            return Err(l.error());
+            if k != 0 {
+                return Err(l.error());
+            }
+            // The caller starts the next iteration without ending the stopped one: end it here
+            // (its report is dropped; `abort_iteration` returns it).
+            self.abort_iteration()?;
         }
         self.boundary(k)?;
         if self.safe.is_none() {

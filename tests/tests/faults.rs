@@ -362,6 +362,62 @@ fn a_slow_device_makes_the_replay_replan_within_two_iterations() {
     assert!(report.replans >= 1);
 }
 
+#[test]
+fn a_trainer_that_starts_over_at_kernel_0_after_a_lost_tensor_goes_on() {
+    let mut caught = 0;
+    for at in [20usize, 30, 40, 50, 60] {
+        let r = rig(0, 0);
+        let n = r.trace.kernels.len();
+        let mem = HostTier::new("gpu", 1 << 30).unwrap();
+        let cfg =
+            ExecutorConfig { gpu_budget_bytes: r.hw.gpu_memory_bytes, allocate_created: true };
+        let alloc = Box::new(TierAllocator(mem.clone() as Arc<dyn MemoryTier>));
+        let mut ex =
+            Executor::new(r.store.clone(), alloc, r.trace.clone(), r.plan.clone(), cfg).unwrap();
+        for t in r.trace.tensors.iter().filter(|t| t.global) {
+            ex.attach(t.id, mem.alloc(t.bytes).unwrap()).unwrap();
+        }
+        ex.start().unwrap();
+        let mut corrupted = None;
+        let mut lost = None;
+        for k in 0..n {
+            if k >= at.min(n - 1)
+                && corrupted.is_none()
+                && let Some(t) = victim(&r, k)
+            {
+                corrupted = corrupt_ssd_copy(&r.store, &r.disks, t as u64).map(|_| t);
+            }
+            match ex.before_kernel(k) {
+                Ok(_) => ex.after_kernel(k).unwrap(),
+                Err(e @ Error::TensorLost { .. }) => {
+                    // Every later call of the iteration says the same.
+                    assert!(matches!(ex.before_kernel(k + 1), Err(Error::TensorLost { .. })));
+                    assert!(matches!(ex.end_iteration(), Err(Error::TensorLost { .. })));
+                    lost = Some(e);
+                    break;
+                }
+                Err(e) => panic!("at {at}: {e}"),
+            }
+        }
+        let Some(e) = lost else {
+            ex.end_iteration().unwrap();
+            continue;
+        };
+        let t = corrupted.expect("only a corrupted copy is lost");
+        assert!(e.to_string().contains(&format!("t{t} (")), "{e}");
+        caught += 1;
+        // The next iteration, started at kernel 0 without abort_iteration(), runs whole.
+        for k in 0..n {
+            ex.before_kernel(k).unwrap();
+            ex.after_kernel(k).unwrap();
+        }
+        let rep = ex.end_iteration().unwrap();
+        assert!(rep.lost.is_none() && rep.iteration == 1);
+        ex.finish().unwrap();
+    }
+    assert!(caught > 0, "no corrupted copy was read again");
+}
+
 /// Drive the executor for `iterations` with a scripted trainer; after each iteration, the SSD
 /// bytes in use and the ids the store holds.
 fn ssd_use_per_iteration(r: &Rig, iterations: usize) -> Vec<(u64, Vec<u64>)> {

@@ -46,8 +46,9 @@ whose only copy cannot be read back stops its iteration with an error naming the
 kernel and the device, and the next iteration runs (the exit status is then 1). After an
 iteration whose SSD bandwidth moved by more than 1.5x from the first one's, the plan is made
 again for the bandwidth measured (--no-replan keeps the first plan).
-Try them without hardware on simulated disks: --sim, with --fault KIND[:DEV[:FACTOR]][@ITER[:KERNEL]]
-(from iteration ITER, before kernel KERNEL; default the first one):
+Faults on simulated disks (no hardware needed): --sim, and --fault SPEC (repeatable), where
+SPEC is KIND[:DEV[:FACTOR]][@ITER[:KERNEL]] and the fault starts before kernel KERNEL of
+iteration ITER (default: the first kernel of the first iteration):
   slow:DEV:FACTOR   the device becomes FACTOR times slower (needs --sim-bandwidth)
   eio-read:DEV      every read of the device fails (EIO)
   eio-write:DEV     every write of the device fails (EIO)
@@ -246,32 +247,25 @@ fn check_room(what: &str, needed: u64, capacity: u64, or: &str) -> Result<()> {
 }
 
 /// Bytes the array must hold for `plan`: the simulated peak of its copies (the executor keeps
-/// a copy until its tensor dies or is written again, as the simulator counts), plus what the
-/// extent allocator rounds up for every tensor the plan writes to the SSDs (at most one
-/// allocation unit per stripe lane).
+/// a copy until its tensor dies or is written again, as the simulator counts), simulated with
+/// every tensor rounded up to the extent allocator's unit, as the store allocates it.
 fn runtime_ssd_bytes(
     trace: &Trace,
     plan: &teraio_scheduler::Plan,
+    hw: &Hardware,
     unit: u64,
-    devices: u64,
     peak: u64,
-) -> u64 {
-    let mut written = vec![false; trace.tensors.len()];
-    for i in &plan.instructions {
-        if i.op == (teraio_scheduler::Op::Offload { dest: teraio_scheduler::Tier::Ssd }) {
-            written[i.tensor.index()] = true;
-        }
+) -> Result<u64> {
+    let mut padded = trace.clone();
+    for t in &mut padded.tensors {
+        t.bytes = t.bytes.div_ceil(unit.max(1)) * unit.max(1);
     }
-    for p in &plan.initially_offloaded {
-        written[p.tensor.index()] |= p.tier == teraio_scheduler::Tier::Ssd;
-    }
-    let rounding: u64 = trace
-        .tensors
-        .iter()
-        .filter(|t| written[t.id.index()])
-        .map(|t| t.bytes.div_ceil(unit).min(devices.max(1)) * unit)
-        .sum();
-    peak + rounding
+    // Rounded-up tensors would not fit the GPU memory the plan was made for; only the SSD
+    // bytes matter here.
+    let mut hw = hw.clone();
+    hw.gpu_memory_bytes = u64::MAX / 4;
+    let sim = simulate(&padded, plan, &hw, &SimOptions { iterations: 2, record_timeline: false })?;
+    Ok(sim.peak_ssd_bytes.max(peak))
 }
 
 /// The plan for `hw`, checked in the simulator: a plan that cannot run (an allocation that
@@ -465,13 +459,7 @@ pub fn run(args: Args) -> Result<()> {
     let plan_s = started.elapsed().as_secs_f64();
     check_room(
         &format!("the `{}` plan", p.policy),
-        runtime_ssd_bytes(
-            &trace,
-            &p,
-            engine.config().alloc_unit_bytes.0,
-            devices,
-            sim.peak_ssd_bytes,
-        ),
+        runtime_ssd_bytes(&trace, &p, &hw, engine.config().alloc_unit_bytes.0, sim.peak_ssd_bytes)?,
         engine.capacity_bytes(),
         "raise --gpu-memory or --host-memory so that less goes to the SSDs",
     )?;
