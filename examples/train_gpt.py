@@ -406,6 +406,10 @@ def make_session(args, torch, mode, model, opt, dev):
         engine.update(alloc_unit=args.ssd_alloc_kib * 1024, stripe_unit=max(64, args.ssd_alloc_kib) * 1024)
     if mode == "teraio-host":
         engine["host_tier"] = int(args.host_gib * 2**30)
+    if dev.type == "cuda":
+        # planned steps hand CUDA storages to the engine as device memory (its GPU data paths);
+        # the tier's own allocations are few (the budget caps them, not the trainer's memory)
+        engine["gpu"] = {"device": dev.index or 0, "budget": "256M"}
     # teraio-noop: a budget nothing reaches and the `none` policy: a plan that moves nothing,
     # so the step pays only the runtime's own overhead
     budget = 1 << 50 if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None

@@ -35,6 +35,7 @@ use teraio_layout::{ArrayGeometry, StripeMap};
 
 use crate::backend::psync::PsyncBackend;
 use crate::backend::sim::{SimBackend, SimDisk};
+use crate::backend::spdk_config::{self, SpdkOptions};
 use crate::backend::uring::{self, UringBackend};
 use crate::backend::{Backend, IoFailure, IoRequest, IoVec, OpKind};
 use crate::device::{self, DEFAULT_MAX_IO_BYTES, PROBE_BYTES};
@@ -59,6 +60,10 @@ pub enum BackendKind {
     Uring,
     /// pread/pwrite on a thread pool.
     Psync,
+    /// SPDK (feature `spdk`): its bdevs over the target files or devices, or its NVMe driver
+    /// (target syntax in [`crate::backend::spdk_config`]). Without the feature, opening an
+    /// array with it fails with [`Error::Unsupported`].
+    Spdk,
 }
 
 /// What to do when a target already holds data.
@@ -89,8 +94,10 @@ pub struct ArrayConfig {
     pub existing: ExistingData,
     /// Stripe unit of the array geometry.
     pub stripe_unit_bytes: u64,
-    /// I/O threads per device (io_uring: one ring each). 0 means 1.
+    /// I/O threads per device (io_uring: one ring each; spdk: one reactor each). 0 means 1.
     pub io_threads: usize,
+    /// Options of the `spdk` backend (ignored by the others).
+    pub spdk: SpdkOptions,
 }
 
 impl ArrayConfig {
@@ -105,6 +112,7 @@ impl ArrayConfig {
             existing: ExistingData::Refuse,
             stripe_unit_bytes: teraio_layout::geometry::DEFAULT_STRIPE_UNIT_BYTES,
             io_threads: 1,
+            spdk: SpdkOptions::default(),
         }
     }
 }
@@ -143,7 +151,7 @@ impl std::fmt::Debug for DeviceArray {
     }
 }
 
-fn check_existing(policy: ExistingData, path: &Path, head: &[u8]) -> Result<()> {
+pub(crate) fn check_existing(policy: ExistingData, path: &Path, head: &[u8]) -> Result<()> {
     if policy == ExistingData::AllowAnything {
         return Ok(());
     }
@@ -152,6 +160,103 @@ fn check_existing(policy: ExistingData, path: &Path, head: &[u8]) -> Result<()> 
         return Ok(());
     }
     Err(Error::OverwriteRefused { path: path.to_path_buf(), found })
+}
+
+/// Open the targets with the SPDK backend.
+#[cfg(feature = "spdk")]
+fn open_spdk(config: &ArrayConfig) -> Result<(Vec<Slot>, Box<dyn Backend>)> {
+    use crate::backend::spdk::SpdkBackend;
+    let paths: Vec<PathBuf> = config
+        .targets
+        .iter()
+        .map(|t| match t {
+            Target::Path(p) => p.clone(),
+            Target::Sim(_) => unreachable!("refused by the caller"),
+        })
+        .collect();
+    let (infos, backend) = SpdkBackend::open(
+        &paths,
+        config.file_size_bytes,
+        config.queue_depth.max(1),
+        config.io_threads.max(1),
+        &config.spdk,
+    )?;
+    let mut slots = Vec::new();
+    for info in infos {
+        slots.push(Slot {
+            index: slots.len() as u32,
+            name: info.name,
+            path: info.path,
+            capacity_bytes: info.capacity_bytes,
+            block_bytes: info.block_bytes,
+            max_io_bytes: info.max_io_bytes,
+            // SPDK takes the request's iovecs whole (the bdev or the NVMe SGL splits).
+            max_io_scattered_bytes: info.max_io_bytes,
+            _lock: info.lock,
+        });
+    }
+    let backend: Box<dyn Backend> = Box::new(backend);
+    // The overwrite guard, through SPDK itself (an NVMe namespace has no path to read).
+    for s in &slots {
+        let head = read_head_via(&*backend, s)?;
+        check_existing(config.existing, Path::new(&s.name), &head)?;
+    }
+    Ok((slots, backend))
+}
+
+#[cfg(not(feature = "spdk"))]
+fn open_spdk(_config: &ArrayConfig) -> Result<(Vec<Slot>, Box<dyn Backend>)> {
+    Err(Error::Unsupported(
+        "the spdk backend is not in this build: rebuild teraio with the cargo feature `spdk` \
+         (SPDK installed, see docs/SPDK.md)"
+            .into(),
+    ))
+}
+
+/// Read the first [`PROBE_BYTES`] (at most the capacity) of one device through `backend`.
+#[cfg(feature = "spdk")]
+fn read_head_via(backend: &dyn Backend, slot: &Slot) -> Result<Vec<u8>> {
+    let block = u64::from(slot.block_bytes).max(512);
+    let len = (PROBE_BYTES as u64).min(slot.capacity_bytes) / block * block;
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::from_size_align(len as usize, 4096)
+        .map_err(|e| Error::InvalidArgument(format!("probe buffer: {e}")))?;
+    struct Aligned(*mut u8, std::alloc::Layout);
+    // SAFETY: the pointer is owned by this value alone.
+    unsafe impl Send for Aligned {}
+    impl Drop for Aligned {
+        fn drop(&mut self) {
+            // SAFETY: allocated below with this layout.
+            unsafe { std::alloc::dealloc(self.0, self.1) }
+        }
+    }
+    // SAFETY: non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    let buf = Aligned(ptr, layout);
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let iov = vec![IoVec { ptr, len: len as usize }];
+    let done = Box::new(move |r: std::result::Result<(), IoFailure>| {
+        let _ = tx.send((buf, r));
+    });
+    // SAFETY: the iovec names `buf`, owned by the completion until it runs.
+    let req = unsafe { IoRequest::new(OpKind::Read, slot.index as usize, 0, iov, done) };
+    backend.submit(req);
+    let (buf, r) = rx.recv().map_err(|_| Error::Closed("spdk backend"))?;
+    r.map_err(|e| Error::Io {
+        device: slot.index,
+        path: slot.path.clone(),
+        source: match e {
+            IoFailure::Os(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        },
+    })?;
+    // SAFETY: `len` bytes were read into the buffer.
+    Ok(unsafe { std::slice::from_raw_parts(buf.0, len as usize) }.to_vec())
 }
 
 impl DeviceArray {
@@ -165,7 +270,27 @@ impl DeviceArray {
             .iter()
             .filter_map(|t| if let Target::Sim(d) = t { Some(Arc::clone(d)) } else { None })
             .collect();
-        let (slots, backend): (Vec<Slot>, Box<dyn Backend>) = if !sims.is_empty() {
+        let spdk = config.backend == BackendKind::Spdk;
+        if !spdk
+            && let Some(Target::Path(p)) = config
+                .targets
+                .iter()
+                .find(|t| matches!(t, Target::Path(p) if spdk_config::is_spdk_syntax(p)))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "target {:?} is an SPDK target (nvme:, uring:, aio:); it needs the spdk backend \
+                 (--backend spdk)",
+                p.display().to_string()
+            )));
+        }
+        let (slots, backend): (Vec<Slot>, Box<dyn Backend>) = if spdk {
+            if !sims.is_empty() {
+                return Err(Error::InvalidArgument(
+                    "the spdk backend does not take simulated disks".into(),
+                ));
+            }
+            open_spdk(&config)?
+        } else if !sims.is_empty() {
             if sims.len() != config.targets.len() {
                 return Err(Error::InvalidArgument(
                     "an array cannot mix simulated disks with files or block devices".into(),
@@ -258,6 +383,7 @@ impl DeviceArray {
             let threads = config.io_threads.max(1);
             let use_uring = match config.backend {
                 BackendKind::Psync => false,
+                BackendKind::Spdk => unreachable!("handled above"),
                 BackendKind::Uring => match uring::probe() {
                     Ok(()) => true,
                     Err(e) => {
@@ -343,13 +469,14 @@ impl DeviceArray {
     /// The paths of the devices, in array order, for other I/O paths to open (GPUDirect
     /// Storage); `None` for simulated disks.
     pub fn device_paths(&self) -> Option<Vec<PathBuf>> {
-        if self.backend.name() == "sim" {
+        // SPDK owns its targets (a PCIe drive is not even visible to the kernel).
+        if matches!(self.backend.name(), "sim" | "spdk") {
             return None;
         }
         Some(self.slots.iter().map(|s| s.path.clone()).collect())
     }
 
-    /// "uring", "psync" or "sim".
+    /// "uring", "psync", "sim" or "spdk".
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()
     }

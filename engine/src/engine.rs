@@ -41,6 +41,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use crate::backend::spdk_config::{SpdkOptions, is_spdk_syntax};
 use crate::executor::{AllocFor, Executor, ExecutorConfig, TensorAllocator};
 use crate::pool::{BufferPool, PoolConfig};
 use crate::store::{GpuIoConfig, GpuPath, GpuPathInfo, StoreConfig, StoreMeta, TensorStore};
@@ -57,6 +58,9 @@ pub enum BackendName {
     Uring,
     /// pread/pwrite on a thread pool.
     Psync,
+    /// SPDK (cargo feature `spdk`): bdevs over the targets, or SPDK's NVMe driver for `nvme:`
+    /// targets (docs/SPDK.md).
+    Spdk,
 }
 
 impl From<BackendName> for BackendKind {
@@ -64,6 +68,7 @@ impl From<BackendName> for BackendKind {
         match b {
             BackendName::Uring => BackendKind::Uring,
             BackendName::Psync => BackendKind::Psync,
+            BackendName::Spdk => BackendKind::Spdk,
         }
     }
 }
@@ -193,6 +198,8 @@ pub struct EngineConfig {
     pub overwrite: Overwrite,
     /// GPU memory as a tier (section `[gpu]`; none by default).
     pub gpu: GpuConfig,
+    /// Options of the `spdk` backend (section `[spdk]`).
+    pub spdk: SpdkOptions,
     /// Simulated disks instead of `targets` (tests and examples; not expressible in a file).
     #[serde(skip)]
     pub sim_disks: Vec<Arc<crate::backend::sim::SimDisk>>,
@@ -221,6 +228,7 @@ impl Default for EngineConfig {
             alloc_unit_bytes: ByteSize(1 << 20),
             overwrite: Overwrite::Refuse,
             gpu: GpuConfig::default(),
+            spdk: SpdkOptions::default(),
             sim_disks: Vec::new(),
         }
     }
@@ -271,7 +279,16 @@ impl EngineConfig {
             })?;
         let base = path.parent().unwrap_or(Path::new("."));
         let rebase = |p: &mut PathBuf| {
-            if p.is_relative() {
+            if is_spdk_syntax(p) {
+                // `uring:PATH` / `aio:PATH`: the path part is relative to the file too.
+                let s = p.to_string_lossy().into_owned();
+                if let Some((prefix, rest)) = s.split_once(':')
+                    && prefix != "nvme"
+                    && Path::new(rest).is_relative()
+                {
+                    *p = PathBuf::from(format!("{prefix}:{}", base.join(rest).display()));
+                }
+            } else if p.is_relative() {
                 *p = base.join(&*p);
             }
         };
@@ -366,6 +383,7 @@ impl EngineConfig {
         cfg.backend = self.backend.into();
         cfg.queue_depth = self.queue_depth;
         cfg.io_threads = self.io_threads.max(1);
+        cfg.spdk = self.spdk.clone();
         cfg.stripe_unit_bytes = self.stripe_unit_bytes.0;
         cfg.existing = match (self.overwrite, self.persistent) {
             (Overwrite::Anything, _) => ExistingData::AllowAnything,
@@ -387,6 +405,8 @@ struct GpuTier {
     runtime: Arc<dyn DeviceRuntime>,
     #[cfg(feature = "cuda")]
     cuda: Option<Arc<crate::cuda::CudaDevice>>,
+    /// The host-memory emulation, when `emulated`.
+    emulated: Option<Arc<HostDeviceTier>>,
     description: String,
 }
 
@@ -402,6 +422,7 @@ impl GpuTier {
             return Ok(Some(GpuTier {
                 runtime: t.runtime().clone(),
                 description: format!("{} (host memory standing in for a GPU)", t.name()),
+                emulated: Some(t.clone()),
                 tier: t,
                 #[cfg(feature = "cuda")]
                 cuda: None,
@@ -416,6 +437,7 @@ impl GpuTier {
                 description: device.describe(),
                 tier,
                 cuda: Some(device),
+                emulated: None,
             }))
         }
         #[cfg(not(feature = "cuda"))]
@@ -565,6 +587,23 @@ impl Engine {
         Err(Error::Unsupported(format!(
             "wrapping device pointer {ptr:#x} ({len} bytes) needs a real CUDA GPU"
         )))
+    }
+
+    /// What a binding hands the store for a caller's device pointer: on a CUDA GPU,
+    /// [`wrap_gpu`](Self::wrap_gpu) (checked); on the host-memory emulation, the caller's host
+    /// memory as the emulated device's (so CPU tests run the device data paths end to end).
+    ///
+    /// # Safety
+    /// On the emulation, `[ptr, ptr + len)` must be host memory valid for reads and writes and
+    /// not used by anyone else while the engine may use it, until the returned memory is
+    /// dropped. (On a GPU the pointer is checked, and the caller keeps the memory alive as
+    /// for [`wrap_gpu`](Self::wrap_gpu).)
+    pub unsafe fn wrap_caller_gpu(&self, ptr: u64, len: u64) -> Result<TensorMem> {
+        match &self.gpu_or_err()?.emulated {
+            // SAFETY: forwarded contract.
+            Some(t) => unsafe { t.wrap_foreign(ptr, len) },
+            None => self.wrap_gpu(ptr, len),
+        }
     }
 
     /// The data path the GPU's tensors take to and from the array, and why (opens cuFile on

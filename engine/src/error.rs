@@ -40,10 +40,9 @@ pub enum Error {
         /// Bytes asked.
         len: u64,
     },
-    /// A buffer address, length or device offset breaks O_DIRECT alignment.
-    #[error(
-        "misaligned {what}: {value:#x} is not a multiple of {align} (O_DIRECT needs block alignment)"
-    )]
+    /// A buffer address, length or device offset breaks the alignment O_DIRECT (or a device
+    /// pointer's) needs.
+    #[error("misaligned {what}: {value:#x} is not a multiple of {align}")]
     Misaligned {
         /// Which value.
         what: &'static str,

@@ -109,11 +109,19 @@ pub struct ExecutorConfig {
     /// about to run. `false` (a trainer whose framework allocates): the budget is reserved and
     /// the caller attaches the memory after the kernel ran ([`Executor::attach`]).
     pub allocate_created: bool,
+    /// The caller's CUDA stream (a `CUstream` as an integer; 0 is the legacy default stream),
+    /// for device memory: an offload reads a tensor only after the work queued on the stream
+    /// when it was issued, a prefetch writes memory only after the work queued when it was
+    /// issued (a caching allocator's block may still be read by it), and a kernel's stream
+    /// waits (without blocking the host) for its tensors' prefetches once `kernel_ready` /
+    /// `before_kernel` says it can run. `None`: host memory, or a caller that synchronizes
+    /// itself.
+    pub stream: Option<u64>,
 }
 
 impl Default for ExecutorConfig {
     fn default() -> Self {
-        Self { gpu_budget_bytes: 1 << 30, allocate_created: false }
+        Self { gpu_budget_bytes: 1 << 30, allocate_created: false, stream: None }
     }
 }
 
@@ -418,6 +426,12 @@ impl Executor {
         }
     }
 
+    /// Switch the caller's CUDA stream (see [`ExecutorConfig::stream`]), e.g. before the first
+    /// attach, or between iterations when the trainer moves to another stream.
+    pub fn set_stream(&mut self, stream: Option<u64>) {
+        self.cfg.stream = stream;
+    }
+
     /// Whether tensor `t` is resident (memory granted).
     pub fn is_resident(&self, t: TensorId) -> bool {
         self.states.get(t.index()).is_some_and(State::is_resident)
@@ -544,7 +558,7 @@ impl Executor {
                 unreachable!("every global is resident here (checked above)")
             };
             let opts = OffloadOptions { destination: destination(p.tier), ..Default::default() };
-            setup.push((t, self.store.offload_keep(t as u64, mem, opts)?));
+            setup.push((t, self.offload_keep(t, mem, opts)?));
         }
         for (t, h) in setup {
             match h.wait() {
@@ -711,7 +725,7 @@ impl Executor {
                                 priority,
                                 name: None,
                             };
-                            let handle = self.store.offload_keep(t as u64, mem, opts)?;
+                            let handle = self.offload_keep(t, mem, opts)?;
                             self.in_flight += 1;
                             self.report.offloads += 1;
                             self.states[t] = State::Offloading { handle, keep: false };
@@ -843,7 +857,12 @@ impl Executor {
                 Alloc::Create(_) => self.states[t] = State::Reserved,
                 Alloc::Prefetch(_, priority) => {
                     let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Prefetch)?;
-                    let h = self.store.prefetch(t as u64, mem, priority)?;
+                    let h = match (self.cfg.stream, mem.device().is_some()) {
+                        (Some(stream), true) => {
+                            self.store.prefetch_after_stream(t as u64, mem, priority, stream)?
+                        }
+                        _ => self.store.prefetch(t as u64, mem, priority)?,
+                    };
                     self.in_flight += 1;
                     self.states[t] = State::Prefetching(h);
                 }
@@ -891,10 +910,51 @@ impl Executor {
         }
         self.poll()?;
         let ready = self.ready(k);
+        if ready {
+            self.order_caller_stream(k)?;
+        }
         if ready && self.safe.is_none() {
             self.next_kernel = k + 1;
         }
         Ok(ready)
+    }
+
+    /// Kernel `k` can run: make the caller's stream wait for the prefetches that brought its
+    /// tensors (every resident tensor in safe mode), without blocking the host. A fence is
+    /// waited on once, then cleared: later work on the stream is ordered after it.
+    fn order_caller_stream(&mut self, k: usize) -> Result<()> {
+        let Some(stream) = self.cfg.stream else { return Ok(()) };
+        let all: Vec<usize>;
+        let tensors: &[usize] = if self.safe.is_some() {
+            all = (0..self.states.len()).collect();
+            &all
+        } else {
+            &self.accesses[k]
+        };
+        for &t in tensors {
+            if let State::Resident(TensorMem::Device(m)) = &mut self.states[t]
+                && let Some(f) = m.ready()
+            {
+                f.wait_on_stream(stream)?;
+                m.set_ready(None);
+            }
+        }
+        Ok(())
+    }
+
+    /// Offload (keeping the memory) after the caller's stream's queued work, for device memory.
+    fn offload_keep(
+        &self,
+        t: usize,
+        mem: TensorMem,
+        opts: OffloadOptions,
+    ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
+        match (self.cfg.stream, mem.device().is_some()) {
+            (Some(stream), true) => {
+                self.store.offload_keep_after_stream(t as u64, mem, opts, stream)
+            }
+            _ => self.store.offload_keep(t as u64, mem, opts),
+        }
     }
 
     /// Issue boundary `k` and wait until kernel `k` can run. Returns the time waited (the
@@ -979,7 +1039,7 @@ impl Executor {
             self.states[t] = State::Offloaded;
         } else {
             let opts = OffloadOptions { priority: Priority::Urgent, ..Default::default() };
-            let handle = self.store.offload_keep(t as u64, mem, opts)?;
+            let handle = self.offload_keep(t, mem, opts)?;
             self.in_flight += 1;
             self.states[t] = State::Offloading { handle, keep: false };
         }

@@ -427,8 +427,11 @@ pub fn replay_adaptive(
             alloc.spare[i] = Some(mem);
         }
     }
-    let ex_cfg =
-        ExecutorConfig { gpu_budget_bytes: cfg.gpu_capacity_bytes, allocate_created: true };
+    let ex_cfg = ExecutorConfig {
+        gpu_budget_bytes: cfg.gpu_capacity_bytes,
+        allocate_created: true,
+        stream: None,
+    };
     let mut ex =
         Executor::new(store.clone(), Box::new(alloc), trace.clone(), plan.clone(), ex_cfg)?;
     for (i, mem) in globals {

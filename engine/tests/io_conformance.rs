@@ -240,7 +240,7 @@ fn dropping_the_array_with_io_in_flight_completes_it() {
                     .unwrap()
             })
             .collect();
-        let io_common::Fixture { array, sims, dir } = fx;
+        let io_common::Fixture { array, sims, dir, .. } = fx;
         drop(array);
         for t in tickets {
             assert!(t.is_done(), "{kind:?}: the array waited for its requests");

@@ -98,3 +98,9 @@ fn uring_retaining() {
 fn psync_retaining() {
     run(BackendKind::Psync, true);
 }
+
+#[cfg(feature = "spdk")]
+#[test]
+fn spdk_bdev_retaining() {
+    run(BackendKind::Spdk, true);
+}

@@ -120,7 +120,7 @@ fn drive(
     iterations: usize,
     seen: &mut Seen,
 ) -> Result<()> {
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false };
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
     let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
     let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg)?;
     let mut version = vec![0u32; trace.tensors.len()];
@@ -292,7 +292,7 @@ fn a_generated_iteration_runs_within_budget_with_every_byte_right() {
 fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
     let (trace, p, budget) = squeezed();
     let rig = rig(256 << 20);
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: true };
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: true, stream: None };
     let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
     let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
     let mut version = vec![0u32; trace.tensors.len()];
@@ -345,7 +345,7 @@ fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
 fn a_tensor_of_another_size_diverges_and_bad_calls_are_errors() {
     let (trace, p, budget) = squeezed();
     let rig = rig(256 << 20);
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false };
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
     let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
     let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
     // Kernels before start(): an error, not a panic.
@@ -371,7 +371,7 @@ fn a_plan_for_another_trace_is_refused() {
     let p = plan(&other, &Hardware::dev(), Policy::Ideal).unwrap();
     let rig = rig(16 << 20);
     let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false };
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
     let e = Executor::new(rig.store.clone(), alloc, trace, p, cfg).unwrap_err();
     assert!(e.to_string().contains("does not fit the trace"), "{e}");
 }

@@ -258,6 +258,46 @@ teraio_status teraio_prefetch(teraio_engine *engine,
                               int32_t priority,
                               teraio_op **out_op);
 
+// Offload `len` bytes of the caller's GPU memory at device address `device_ptr` (memory of the
+// engine's GPU, 16-byte aligned) as tensor `tensor_id`, read once the work queued so far on
+// CUDA stream `stream` (a `CUstream` cast to an integer; 0 the legacy default stream) has
+// finished: an event is recorded on the stream, which is never blocked. The memory must stay
+// allocated and unwritten until the operation finished. Needs an engine with a GPU
+// (`[gpu] device = N`); on the host-memory emulation (`emulated = true`) `device_ptr` is host
+// memory, so the same program runs its GPU path on any machine.
+//
+// # Safety
+// `device_ptr` is `len` bytes of live memory of the engine's GPU (on the emulation: host memory
+// valid for reads) until the operation finished; `name` is NULL or a NUL-terminated string;
+// `out_op` is valid for a write of a pointer.
+teraio_status teraio_offload_device(teraio_engine *engine,
+                                    uint64_t tensor_id,
+                                    uint64_t device_ptr,
+                                    uint64_t len,
+                                    uint64_t stream,
+                                    const char *name,
+                                    int32_t destination,
+                                    int32_t priority,
+                                    teraio_op **out_op);
+
+// Prefetch tensor `tensor_id` into `len` bytes of the caller's GPU memory at `device_ptr`
+// (exactly the tensor's size), written only after the work queued so far on `stream` (memory
+// a caching allocator just handed out may still be read by it). Once the operation is waited
+// (`teraio_wait` returning `TERAIO_OK`), work queued on `stream` afterwards sees the data: the
+// stream waits on the GPU, the host never waits for it.
+//
+// # Safety
+// `device_ptr` is `len` bytes of live memory of the engine's GPU (on the emulation: host
+// memory valid for writes) that nobody else uses until the operation finished; `out_op` is
+// valid for a write of a pointer.
+teraio_status teraio_prefetch_device(teraio_engine *engine,
+                                     uint64_t tensor_id,
+                                     uint64_t device_ptr,
+                                     uint64_t len,
+                                     uint64_t stream,
+                                     int32_t priority,
+                                     teraio_op **out_op);
+
 // Offload the whole of `buffer` as tensor `tensor_id` without a copy. The buffer is busy
 // (other operations on it give `TERAIO_ERR_INVALID_STATE`) until the operation finished; do
 // not write to it meanwhile. After a failed offload the engine holds the memory as the
@@ -424,6 +464,18 @@ teraio_status teraio_executor_attach(teraio_executor *executor,
                                      uint32_t tensor,
                                      void *ptr,
                                      uint64_t len);
+
+// From now on, memory attached to the executor and returned by its allocator is the caller's
+// GPU memory (device addresses of `engine`'s GPU, cast to pointers; on the engine's host-memory
+// emulation, host memory), moved by the engine's GPU data paths in the order of CUDA stream
+// `stream` (a `CUstream` cast to an integer; 0 the legacy default stream): an offload reads a
+// tensor after the work queued on the stream when it is issued, a prefetch writes after it,
+// and once `teraio_executor_before_kernel` / `_kernel_ready` says a kernel can run, the stream
+// waits (on the GPU) for its tensors. Call it before the first `teraio_executor_attach`.
+// `TERAIO_ERR_INVALID_ARGUMENT` when the engine has no GPU.
+teraio_status teraio_executor_use_device_memory(teraio_executor *executor,
+                                                teraio_engine *engine,
+                                                uint64_t stream);
 
 // Offload the plan's initially offloaded global tensors; ready for the first iteration.
 teraio_status teraio_executor_start(teraio_executor *executor);

@@ -86,6 +86,7 @@ fn range(offset: u64, n: usize, len: usize) -> ::teraio_engine::Result<usize> {
 struct CAllocator {
     a: teraio_allocator,
     table: Table,
+    device: DeviceMode,
 }
 
 // SAFETY: the C caller guarantees (docs/C_ABI.md) that its allocator's callbacks and `ctx` may
@@ -117,8 +118,11 @@ impl TensorAllocator for CAllocator {
         let len = usize::try_from(bytes).map_err(|_| {
             ::teraio_engine::Error::InvalidArgument(format!("{bytes} bytes do not fit in memory"))
         })?;
+        // SAFETY: the allocator's contract (docs/C_ABI.md): the memory it returns is valid
+        // (device memory in device mode) until it is released.
+        let mem = unsafe { caller_mem(&self.device, p as usize, len) }?;
         self.table.lock().insert(t.0, (p as usize, len));
-        Ok(TensorMem::Staged(Box::new(CMem { addr: p as usize, len })))
+        Ok(mem)
     }
 
     fn release(&mut self, t: TensorId, mem: TensorMem) {
@@ -154,9 +158,36 @@ impl TensorAllocator for EngineAllocator {
     }
 }
 
+/// Set by `teraio_executor_use_device_memory`: the engine whose GPU the caller's pointers are
+/// memory of (its handle).
+type DeviceMode = Arc<Mutex<Option<u64>>>;
+
 struct ExecEntry {
     ex: Mutex<Option<Executor>>,
     table: Table,
+    device: DeviceMode,
+}
+
+/// Caller memory at `addr` as the executor's: device memory of the engine's GPU in device mode,
+/// else host memory moved through the store's staging buffers.
+///
+/// # Safety
+/// `addr` is `len` bytes of memory the caller keeps valid (and does not use) while the
+/// executor holds it: GPU memory in device mode (on the emulation: host memory), else host
+/// memory valid for reads and writes.
+unsafe fn caller_mem(
+    device: &DeviceMode,
+    addr: usize,
+    len: usize,
+) -> ::teraio_engine::Result<TensorMem> {
+    match *device.lock() {
+        Some(engine) => with_engine(handle(engine), |e| {
+            // SAFETY: forwarded contract.
+            Ok(unsafe { e.wrap_caller_gpu(addr as u64, len as u64) }?)
+        })
+        .map_err(|e| ::teraio_engine::Error::InvalidArgument(e.to_string())),
+        None => Ok(TensorMem::Staged(Box::new(CMem { addr, len }))),
+    }
 }
 
 static EXECUTORS: Registry<ExecEntry> = Registry::new(Kind::Executor);
@@ -197,6 +228,8 @@ pub unsafe extern "C" fn teraio_executor_new(
         // SAFETY: forwarded contract.
         let plan = core::sched::plan_from_json(&t, unsafe { arg_str(plan_json, "plan_json") }?)?;
         let table: Table = Arc::default();
+        let device: DeviceMode = Arc::default();
+        let stream = None; // teraio_executor_use_device_memory sets it
         let custom = if allocator.is_null() {
             None
         } else {
@@ -205,9 +238,9 @@ pub unsafe extern "C" fn teraio_executor_new(
             if a.alloc.is_none() {
                 return Err(Error::InvalidArgument("the allocator's `alloc` is NULL".into()));
             }
-            Some(CAllocator { a, table: table.clone() })
+            Some(CAllocator { a, table: table.clone(), device: device.clone() })
         };
-        let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created };
+        let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created, stream };
         let ex = with_engine(engine, |e| {
             let alloc: Box<dyn TensorAllocator> = match custom {
                 Some(c) => Box::new(c),
@@ -217,7 +250,7 @@ pub unsafe extern "C" fn teraio_executor_new(
             };
             Ok(e.executor((*t).clone(), plan, cfg, alloc)?)
         })?;
-        let id = EXECUTORS.insert(ExecEntry { ex: Mutex::new(Some(ex)), table })?;
+        let id = EXECUTORS.insert(ExecEntry { ex: Mutex::new(Some(ex)), table, device })?;
         // SAFETY: forwarded contract.
         unsafe { put(out_executor, "out_executor", handle(id)) }?;
         Ok(Status::Ok)
@@ -245,12 +278,47 @@ pub unsafe extern "C" fn teraio_executor_attach(
         }
         let len = usize::try_from(len)
             .map_err(|_| Error::InvalidArgument(format!("{len} bytes do not fit in memory")))?;
+        let device = EXECUTORS.get(executor as u64)?.device.clone();
+        // SAFETY: forwarded contract (device memory in device mode).
+        let mem = unsafe { caller_mem(&device, ptr as usize, len) }?;
         with_ex(executor, |ex, table| {
-            let mem = TensorMem::Staged(Box::new(CMem { addr: ptr as usize, len }));
             ex.attach(TensorId(tensor), mem)?;
             table.lock().insert(tensor, (ptr as usize, len));
             Ok(())
         })?;
+        Ok(Status::Ok)
+    })
+}
+
+/// From now on, memory attached to the executor and returned by its allocator is the caller's
+/// GPU memory (device addresses of `engine`'s GPU, cast to pointers; on the engine's host-memory
+/// emulation, host memory), moved by the engine's GPU data paths in the order of CUDA stream
+/// `stream` (a `CUstream` cast to an integer; 0 the legacy default stream): an offload reads a
+/// tensor after the work queued on the stream when it is issued, a prefetch writes after it,
+/// and once `teraio_executor_before_kernel` / `_kernel_ready` says a kernel can run, the stream
+/// waits (on the GPU) for its tensors. Call it before the first `teraio_executor_attach`.
+/// `TERAIO_ERR_INVALID_ARGUMENT` when the engine has no GPU.
+#[unsafe(no_mangle)]
+pub extern "C" fn teraio_executor_use_device_memory(
+    executor: *mut teraio_executor,
+    engine: *mut teraio_engine,
+    stream: u64,
+) -> teraio_status {
+    guard("teraio_executor_use_device_memory", || {
+        with_engine(engine, |e| {
+            e.gpu_runtime().map(|_| ()).ok_or_else(|| {
+                Error::InvalidArgument(
+                    "the engine has no GPU: name one in its configuration ([gpu] device = 0)"
+                        .into(),
+                )
+            })
+        })?;
+        let entry = EXECUTORS.get(executor as u64)?;
+        with_ex(executor, |ex, _| {
+            ex.set_stream(Some(stream));
+            Ok(())
+        })?;
+        *entry.device.lock() = Some(engine as u64);
         Ok(Status::Ok)
     })
 }

@@ -515,6 +515,82 @@ pub unsafe extern "C" fn teraio_prefetch(
     })
 }
 
+/// Offload `len` bytes of the caller's GPU memory at device address `device_ptr` (memory of the
+/// engine's GPU, 16-byte aligned) as tensor `tensor_id`, read once the work queued so far on
+/// CUDA stream `stream` (a `CUstream` cast to an integer; 0 the legacy default stream) has
+/// finished: an event is recorded on the stream, which is never blocked. The memory must stay
+/// allocated and unwritten until the operation finished. Needs an engine with a GPU
+/// (`[gpu] device = N`); on the host-memory emulation (`emulated = true`) `device_ptr` is host
+/// memory, so the same program runs its GPU path on any machine.
+///
+/// # Safety
+/// `device_ptr` is `len` bytes of live memory of the engine's GPU (on the emulation: host memory
+/// valid for reads) until the operation finished; `name` is NULL or a NUL-terminated string;
+/// `out_op` is valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_offload_device(
+    engine: *mut teraio_engine,
+    tensor_id: u64,
+    device_ptr: u64,
+    len: u64,
+    stream: u64,
+    name: *const c_char,
+    destination: i32,
+    priority: i32,
+    out_op: *mut *mut teraio_op,
+) -> teraio_status {
+    guard("teraio_offload_device", || {
+        // SAFETY: forwarded contract.
+        let name = unsafe { opt_str(name, "name") }?;
+        let opts = offload_options(name, destination, priority)?;
+        if len == 0 {
+            return Err(Error::InvalidArgument(format!("tensor {tensor_id}: 0 bytes")));
+        }
+        submit(out_op, None, || {
+            with_engine(engine, |e| {
+                // SAFETY: forwarded contract (checked to be memory of the GPU on a real one).
+                let mem = unsafe { e.wrap_caller_gpu(device_ptr, len) }?;
+                Op::offload_device(e, tensor_id, mem, stream, opts)
+            })
+        })
+    })
+}
+
+/// Prefetch tensor `tensor_id` into `len` bytes of the caller's GPU memory at `device_ptr`
+/// (exactly the tensor's size), written only after the work queued so far on `stream` (memory
+/// a caching allocator just handed out may still be read by it). Once the operation is waited
+/// (`teraio_wait` returning `TERAIO_OK`), work queued on `stream` afterwards sees the data: the
+/// stream waits on the GPU, the host never waits for it.
+///
+/// # Safety
+/// `device_ptr` is `len` bytes of live memory of the engine's GPU (on the emulation: host
+/// memory valid for writes) that nobody else uses until the operation finished; `out_op` is
+/// valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_prefetch_device(
+    engine: *mut teraio_engine,
+    tensor_id: u64,
+    device_ptr: u64,
+    len: u64,
+    stream: u64,
+    priority: i32,
+    out_op: *mut *mut teraio_op,
+) -> teraio_status {
+    guard("teraio_prefetch_device", || {
+        let prio = self::priority(priority)?;
+        if len == 0 {
+            return Err(Error::InvalidArgument(format!("tensor {tensor_id}: 0 bytes")));
+        }
+        submit(out_op, None, || {
+            with_engine(engine, |e| {
+                // SAFETY: forwarded contract.
+                let mem = unsafe { e.wrap_caller_gpu(device_ptr, len) }?;
+                Op::prefetch_device(e, tensor_id, mem, stream, prio)
+            })
+        })
+    })
+}
+
 /// Offload the whole of `buffer` as tensor `tensor_id` without a copy. The buffer is busy
 /// (other operations on it give `TERAIO_ERR_INVALID_STATE`) until the operation finished; do
 /// not write to it meanwhile. After a failed offload the engine holds the memory as the

@@ -493,23 +493,49 @@ unsafe extern "C" fn heap_alloc(ctx: *mut c_void, _t: u32, bytes: u64, why: i32)
     // SAFETY: ctx is the &Heap the test registered.
     let h = unsafe { &*(ctx as *const Heap) };
     h.allocs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    Box::into_raw(vec![0u8; bytes as usize].into_boxed_slice()).cast()
+    // 256-byte aligned, as cudaMalloc (device mode takes these as device pointers)
+    let layout = std::alloc::Layout::from_size_align(bytes as usize, 256).unwrap();
+    // SAFETY: tensors have more than 0 bytes.
+    unsafe { std::alloc::alloc_zeroed(layout) }.cast()
 }
 
 unsafe extern "C" fn heap_release(ctx: *mut c_void, _t: u32, p: *mut c_void, bytes: u64) {
     // SAFETY: ctx is the &Heap the test registered.
     let h = unsafe { &*(ctx as *const Heap) };
     h.releases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let slice = std::ptr::slice_from_raw_parts_mut(p.cast::<u8>(), bytes as usize);
-    // SAFETY: only memory heap_alloc returned reaches release: the test attaches globals from
-    // heap_alloc too.
-    drop(unsafe { Box::from_raw(slice) });
+    let layout = std::alloc::Layout::from_size_align(bytes as usize, 256).unwrap();
+    // SAFETY: only memory heap_alloc returned (with this layout) reaches release: the test
+    // attaches globals from heap_alloc too.
+    unsafe { std::alloc::dealloc(p.cast(), layout) };
 }
 
 #[test]
 fn the_plan_executor_runs_planned_iterations_and_gives_every_tensor_back() {
+    executor_iterations(false);
+}
+
+/// The same with the caller's memory as device memory (the engine's GPU emulation: the GPU data
+/// paths, stream-ordered), as a C++ trainer with CUDA pointers drives it.
+#[test]
+fn the_plan_executor_moves_device_memory_in_stream_order() {
+    executor_iterations(true);
+}
+
+fn executor_iterations(device: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let e = open(dir.path(), false);
+    let e = if device {
+        let toml = cs(&format!(
+            "dir = {:?}\nfiles = 2\nfile_size = \"64M\"\nworkers = 2\n[gpu]\ndevice = 0\nemulated = true\n",
+            dir.path().display().to_string()
+        ));
+        let mut e = null_mut();
+        // SAFETY: valid string and out-pointer.
+        let s = unsafe { teraio_engine_open_toml(toml.as_ptr(), &mut e) };
+        assert_eq!(s, TERAIO_OK, "{}", last_error());
+        e
+    } else {
+        open(dir.path(), false)
+    };
     let mut t = null_mut();
     let spec = cs(
         "preset:gpt2-small,layers=2,hidden=256,heads=4,kv-heads=4,ffn=1024,vocab=2000,seq=128,micro-batch=2",
@@ -559,6 +585,9 @@ fn the_plan_executor_runs_planned_iterations_and_gives_every_tensor_back() {
             "{}",
             last_error()
         );
+        if device {
+            assert_eq!(teraio_executor_use_device_memory(ex, e, 0), TERAIO_OK, "{}", last_error());
+        }
         // Globals: memory from the same allocator (so its release frees it), filled.
         for (i, &(bytes, global)) in tensors.iter().enumerate() {
             if global {
@@ -623,5 +652,115 @@ fn the_plan_executor_runs_planned_iterations_and_gives_every_tensor_back() {
         );
         assert_eq!(teraio_trace_free(t), TERAIO_OK);
     }
+    assert_eq!(teraio_engine_close(e), TERAIO_OK);
+}
+
+/// 256-byte aligned host memory standing in for device memory on the engine's GPU emulation.
+struct Aligned {
+    buf: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize, fill: u8) -> Aligned {
+        let buf = vec![fill; len + 256];
+        let off = (256 - buf.as_ptr() as usize % 256) % 256;
+        Aligned { buf, off, len }
+    }
+    fn addr(&mut self) -> u64 {
+        self.buf[self.off..].as_mut_ptr() as u64
+    }
+    fn bytes(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}
+
+#[test]
+fn device_pointers_offload_and_prefetch_in_stream_order_on_the_gpu_emulation() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = cs(&format!(
+        "dir = {:?}\nfiles = 2\nfile_size = \"64M\"\n[gpu]\ndevice = 0\nemulated = true\nchunk = \"1M\"\n",
+        dir.path().display().to_string()
+    ));
+    let mut e = null_mut();
+    // SAFETY: valid string and out-pointer.
+    let s = unsafe { teraio_engine_open_toml(toml.as_ptr(), &mut e) };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    let len = (3 << 20) + 4096 + 48;
+    let mut src = Aligned::new(len, 0);
+    src.bytes_mut().copy_from_slice(&pattern(7, len));
+    let mut op = null_mut();
+    // SAFETY: src is live host memory (the emulation's device memory) until the op is waited.
+    let s = unsafe {
+        teraio_offload_device(
+            e,
+            7,
+            src.addr(),
+            len as u64,
+            0,
+            std::ptr::null(),
+            TERAIO_DEST_SSD,
+            TERAIO_PRIORITY_NORMAL,
+            &mut op,
+        )
+    };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    assert_eq!(teraio_wait(op, -1), TERAIO_OK, "{}", last_error());
+    assert_eq!(teraio_op_free(op), TERAIO_OK);
+    let mut out = Aligned::new(len, 0xEE);
+    // SAFETY: out is live and unused until the op is waited.
+    let s = unsafe {
+        teraio_prefetch_device(e, 7, out.addr(), len as u64, 0, TERAIO_PRIORITY_URGENT, &mut op)
+    };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    assert_eq!(teraio_wait(op, -1), TERAIO_OK, "{}", last_error());
+    assert_eq!(teraio_op_free(op), TERAIO_OK);
+    assert!(out.bytes() == src.bytes(), "the device prefetch brought other bytes");
+    // misaligned, empty, wrong size: errors naming the problem
+    // SAFETY: as above (refused before any access).
+    let s = unsafe {
+        teraio_offload_device(
+            e,
+            8,
+            src.addr() + 1,
+            100,
+            0,
+            std::ptr::null(),
+            TERAIO_DEST_SSD,
+            TERAIO_PRIORITY_NORMAL,
+            &mut op,
+        )
+    };
+    assert_eq!(s, TERAIO_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("misaligned"), "{}", last_error());
+    // SAFETY: as above.
+    let s =
+        unsafe { teraio_prefetch_device(e, 7, out.addr(), 0, 0, TERAIO_PRIORITY_URGENT, &mut op) };
+    assert_eq!(s, TERAIO_ERR_INVALID_ARGUMENT);
+    assert_eq!(teraio_engine_close(e), TERAIO_OK);
+
+    // an engine without a GPU says how to name one
+    let plain = tempfile::tempdir().unwrap();
+    let e = open(plain.path(), false);
+    // SAFETY: refused before any access.
+    let s = unsafe {
+        teraio_offload_device(
+            e,
+            1,
+            src.addr(),
+            64,
+            0,
+            std::ptr::null(),
+            TERAIO_DEST_SSD,
+            TERAIO_PRIORITY_NORMAL,
+            &mut op,
+        )
+    };
+    assert_eq!(s, TERAIO_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("[gpu]"), "{}", last_error());
     assert_eq!(teraio_engine_close(e), TERAIO_OK);
 }

@@ -184,9 +184,9 @@ impl Error {
         use teraio_scheduler::Error as S;
         match self {
             Error::Engine(e) => match e {
-                E::Io { .. } | E::Os { .. } | E::ShortTransfer { .. } | E::Misaligned { .. } => {
-                    Status::Io
-                }
+                E::Io { .. } | E::Os { .. } | E::ShortTransfer { .. } => Status::Io,
+                // a caller's buffer or pointer: their argument is wrong
+                E::Misaligned { .. } => Status::InvalidArgument,
                 E::NoSpace(_) => Status::NoSpace,
                 E::ChecksumMismatch { .. } => Status::ChecksumMismatch,
                 E::Corruption(_) => Status::Corruption,

@@ -69,6 +69,8 @@ enum Running {
     OffloadBuffer(Handle<(OffloadOutcome, TensorMem)>, Arc<HostBuffer>),
     Prefetch(Handle<TensorMem>),
     PrefetchBuffer(Handle<TensorMem>, Arc<HostBuffer>),
+    /// Into the caller's device memory; the caller's stream waits for the data on completion.
+    PrefetchDevice(Handle<TensorMem>, u64),
     Free(Handle<()>),
 }
 
@@ -166,6 +168,36 @@ impl Op {
         }
     }
 
+    /// Offload the caller's GPU memory `mem` (from `Engine::wrap_caller_gpu`) once the work
+    /// queued on the caller's CUDA `stream` (a `CUstream` as an integer, 0 the legacy default
+    /// stream) has finished; the stream is not blocked. The memory must stay allocated and
+    /// unwritten until the operation finished.
+    pub fn offload_device(
+        engine: &Engine,
+        id: u64,
+        mem: TensorMem,
+        stream: u64,
+        options: OffloadOptions,
+    ) -> Result<Op> {
+        let h = engine.store().offload_after_stream(id, mem, options, stream)?;
+        Ok(Op::new(OpKind::Offload, id, Running::Offload(h)))
+    }
+
+    /// Prefetch tensor `id` into the caller's GPU memory `mem`, written only after the work
+    /// queued on `stream` when this is called (memory a caching allocator just handed out may
+    /// still be read by it). Once the operation finished (waited), work queued on `stream`
+    /// afterwards sees the data; the host never blocks on the stream.
+    pub fn prefetch_device(
+        engine: &Engine,
+        id: u64,
+        mem: TensorMem,
+        stream: u64,
+        priority: Priority,
+    ) -> Result<Op> {
+        let h = engine.store().prefetch_after_stream(id, mem, priority, stream)?;
+        Ok(Op::new(OpKind::Prefetch, id, Running::PrefetchDevice(h, stream)))
+    }
+
     /// Free tensor `id`.
     pub fn free(engine: &Engine, id: u64) -> Result<Op> {
         let h = engine.store().free(id)?;
@@ -189,7 +221,11 @@ impl Op {
             Some(Running::Offload(h)) => h.is_done(),
             Some(Running::OffloadBuffer(h, _)) => h.is_done(),
             Some(Running::Free(h)) => h.is_done(),
-            Some(Running::Prefetch(h) | Running::PrefetchBuffer(h, _)) => h.is_done(),
+            Some(
+                Running::Prefetch(h)
+                | Running::PrefetchBuffer(h, _)
+                | Running::PrefetchDevice(h, _),
+            ) => h.is_done(),
         }
     }
 
@@ -248,6 +284,16 @@ fn finish(
             }
             Err(e) => Err(e.into()),
         },
+        Running::PrefetchDevice(h, stream) => {
+            match wait_handle(h, timeout, |h| Running::PrefetchDevice(h, stream))? {
+                // The caller's memory is only forgotten when `mem` drops.
+                Ok(mem) => mem
+                    .wait_ready_on_stream(stream)
+                    .map(|()| Outcome::Prefetched)
+                    .map_err(Into::into),
+                Err(e) => Err(e.into()),
+            }
+        }
         Running::PrefetchBuffer(h, buf) => {
             let r = match wait_handle(h, timeout, |h| (h, buf.clone())) {
                 Ok(r) => r,

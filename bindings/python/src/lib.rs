@@ -244,6 +244,55 @@ impl NativeEngine {
         Ok(NativeOp::new(op, None, Some(buffer.into_any().unbind())))
     }
 
+    /// Offload `nbytes` of the caller's GPU memory at device address `ptr` after the work
+    /// queued on CUDA stream `stream`; the op keeps `keepalive` (the tensor) until it finished.
+    #[allow(clippy::too_many_arguments)] // the Python signature, one argument per option
+    #[pyo3(signature = (tensor_id, ptr, nbytes, stream, name, destination, priority, keepalive))]
+    fn offload_device(
+        &self,
+        py: Python<'_>,
+        tensor_id: u64,
+        ptr: u64,
+        nbytes: u64,
+        stream: u64,
+        name: Option<String>,
+        destination: &str,
+        priority: &str,
+        keepalive: Py<PyAny>,
+    ) -> PyRes<NativeOp> {
+        let opts = options(name, destination, priority).map_err(err)?;
+        let op = self.with(py, |e| {
+            // SAFETY: the Python layer took `ptr`/`nbytes` from a live device array (or, on
+            // the host emulation, a host buffer) that the op keeps alive until it finished.
+            let mem = unsafe { e.wrap_caller_gpu(ptr, nbytes) }?;
+            Op::offload_device(e, tensor_id, mem, stream, opts)
+        })?;
+        Ok(NativeOp::new(op, None, Some(keepalive)))
+    }
+
+    /// Prefetch into `nbytes` of the caller's GPU memory at `ptr`, written after the work
+    /// queued on `stream`; work queued on `stream` after the op finished sees the data.
+    #[allow(clippy::too_many_arguments)] // the Python signature, one argument per option
+    fn prefetch_device(
+        &self,
+        py: Python<'_>,
+        tensor_id: u64,
+        ptr: u64,
+        nbytes: u64,
+        stream: u64,
+        priority: &str,
+        keepalive: Py<PyAny>,
+    ) -> PyRes<NativeOp> {
+        let prio = core::parse_priority(priority).map_err(err)?;
+        let op = self.with(py, |e| {
+            // SAFETY: as in offload_device; nobody else writes the memory meanwhile (the
+            // caller's contract, docs/PYTHON.md).
+            let mem = unsafe { e.wrap_caller_gpu(ptr, nbytes) }?;
+            Op::prefetch_device(e, tensor_id, mem, stream, prio)
+        })?;
+        Ok(NativeOp::new(op, None, Some(keepalive)))
+    }
+
     /// Free a tensor.
     fn free(&self, py: Python<'_>, tensor_id: u64) -> PyRes<NativeOp> {
         let op = self.with(py, |e| Op::free(e, tensor_id))?;
@@ -608,6 +657,35 @@ fn export(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyRes<(usize, u
     Ok((addr, nbytes, keep))
 }
 
+/// `obj` as the executor's memory: device memory when the Python layer's
+/// `teraio._device_export` says it is (a `teraio.DeviceMemory`, an object with
+/// `__cuda_array_interface__`), else a writable host buffer.
+fn any_mem(
+    py: Python<'_>,
+    engine: &Py<NativeEngine>,
+    obj: &Bound<'_, PyAny>,
+    bytes: u64,
+    what: &str,
+) -> PyRes<TensorMem> {
+    let dev = py.import("teraio")?.getattr("_device_export")?.call1((obj, what))?;
+    if dev.is_none() {
+        return py_mem(py, obj, bytes, what);
+    }
+    let (ptr, len): (u64, u64) = dev.extract()?;
+    if len != bytes {
+        return Err(to_py(
+            py,
+            &Error::InvalidArgument(format!("{what}: device memory of {len} bytes for {bytes}")),
+        ));
+    }
+    engine.get().with(py, move |e| {
+        // SAFETY: the executor's table holds `obj` (the owner of the memory) for as long as
+        // the executor holds the memory; on the host emulation it is a host buffer the caller
+        // does not use meanwhile (the executor's contract, docs/EXECUTOR.md).
+        Ok(unsafe { e.wrap_caller_gpu(ptr, len) }?)
+    })
+}
+
 fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyRes<TensorMem> {
     let (addr, len, keep) = export(py, obj, what)?;
     if len as u64 != bytes || addr == 0 {
@@ -624,6 +702,7 @@ fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyR
 struct PyAllocator {
     obj: Py<PyAny>,
     table: Table,
+    engine: Py<NativeEngine>,
 }
 
 impl TensorAllocator for PyAllocator {
@@ -639,7 +718,7 @@ impl TensorAllocator for PyAllocator {
         };
         Python::attach(|py| {
             let r = self.obj.bind(py).call_method1("alloc", (t.0, bytes, why))?;
-            let mem = py_mem(py, &r, bytes, "allocator.alloc(...)")?;
+            let mem = any_mem(py, &self.engine, &r, bytes, "allocator.alloc(...)")?;
             self.table.lock().insert(t.0, r.unbind());
             Ok::<_, PyErr>(mem)
         })
@@ -672,6 +751,7 @@ type ExecutorState = (u64, usize, usize, Option<(usize, String)>);
 struct NativeExecutor {
     ex: Mutex<Option<Executor>>,
     table: Table,
+    engine: Py<NativeEngine>,
 }
 
 impl NativeExecutor {
@@ -696,36 +776,48 @@ impl NativeExecutor {
 #[pymethods]
 impl NativeExecutor {
     #[new]
-    #[pyo3(signature = (engine, trace, plan, gpu_budget_bytes, allocate_created, allocator=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
+    #[pyo3(signature = (engine, trace, plan, gpu_budget_bytes, allocate_created, allocator=None, stream=None))]
     fn new(
         py: Python<'_>,
-        engine: &NativeEngine,
+        engine: Py<NativeEngine>,
         trace: &NativeTrace,
         plan: &NativePlan,
         gpu_budget_bytes: u64,
         allocate_created: bool,
         allocator: Option<Py<PyAny>>,
+        stream: Option<u64>,
     ) -> PyRes<Self> {
         let table: Table = Arc::default();
         let (t, p) = ((*trace.trace).clone(), (*plan.plan).clone());
-        let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created };
-        let custom = allocator.map(|obj| PyAllocator { obj, table: table.clone() });
-        let ex = engine.with(py, move |e| {
+        let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created, stream };
+        let custom = allocator.map(|obj| PyAllocator {
+            obj,
+            table: table.clone(),
+            engine: engine.clone_ref(py),
+        });
+        let ex = engine.get().with(py, move |e| {
             let alloc: Box<dyn TensorAllocator> = match custom {
                 Some(a) => Box::new(a),
                 None => e.host_allocator(),
             };
             Ok(e.executor(t, p, cfg, alloc)?)
         })?;
-        Ok(NativeExecutor { ex: Mutex::new(Some(ex)), table })
+        Ok(NativeExecutor { ex: Mutex::new(Some(ex)), table, engine })
     }
 
     /// Hand tensor `tensor`'s memory (`nbytes` at `address`, kept alive by `keep`; `obj` is
     /// what `resident` returns and the allocator's `release` gets) to the executor.
     fn attach(&self, py: Python<'_>, tensor: u32, obj: Py<PyAny>) -> PyRes<()> {
         let bound = obj.bind(py);
-        let (addr, len, keep) = export(py, bound, "mem")?;
-        let mem = TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep }));
+        let dev = py.import("teraio")?.getattr("_device_export")?.call1((bound, "mem"))?;
+        let mem = if dev.is_none() {
+            let (addr, len, keep) = export(py, bound, "mem")?;
+            TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep }))
+        } else {
+            let (_, len): (u64, u64) = dev.extract()?;
+            any_mem(py, &self.engine, bound, len, "mem")?
+        };
         self.table.lock().insert(tensor, obj.clone_ref(py));
         self.with(py, move |ex| ex.attach(TensorId(tensor), mem))
     }

@@ -16,6 +16,9 @@ pub enum BackendArg {
     Uring,
     /// pread/pwrite on a thread pool.
     Psync,
+    /// SPDK, userspace NVMe (needs a teraio built with the cargo feature `spdk`): SPDK bdevs
+    /// over the --device files/devices, or SPDK's NVMe driver for `nvme:` targets.
+    Spdk,
 }
 
 impl From<BackendArg> for BackendName {
@@ -23,6 +26,7 @@ impl From<BackendArg> for BackendName {
         match b {
             BackendArg::Uring => BackendName::Uring,
             BackendArg::Psync => BackendName::Psync,
+            BackendArg::Spdk => BackendName::Spdk,
         }
     }
 }
@@ -36,6 +40,13 @@ pub struct ArrayArgs {
     pub config: Option<PathBuf>,
     /// A file or raw block device of the array; repeat for several, in array order. Default:
     /// --files files in --dir.
+    ///
+    /// With --backend spdk a target is one of: PATH (an SPDK uring bdev over the file or
+    /// device), `uring:PATH` or `aio:PATH` (the bdev module named), `nvme:BDF` (a PCIe NVMe
+    /// drive bound to vfio-pci, e.g. `nvme:0000:5e:00.0`; never one the kernel's nvme driver
+    /// holds) or `nvme:TRID` with SPDK's transport ID, e.g. "nvme:trtype:tcp adrfam:ipv4
+    /// traddr:127.0.0.1 trsvcid:4420 subnqn:nqn.2016-06.io.spdk:cnode1" (add ` ns:N` for a
+    /// namespace other than 1). See docs/SPDK.md.
     #[arg(long = "device", visible_alias = "target", value_name = "PATH")]
     pub devices: Vec<PathBuf>,
     /// Folder of the default array files (`dev0`, `dev1`, ...), created if missing
@@ -48,7 +59,9 @@ pub struct ArrayArgs {
     /// Size each file is created or grown to (raw devices are used whole) [default: 1G].
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub file_size: Option<u64>,
-    /// I/O backend [default: uring].
+    /// I/O backend [default: uring]. `spdk` needs a build with the cargo feature `spdk`
+    /// (docs/SPDK.md); its options (memory, huge pages, bdev module) go in the configuration
+    /// file's [spdk] section.
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
     /// Use targets that hold a filesystem, partition table or teraio array (overwriting them).

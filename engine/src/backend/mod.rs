@@ -1,5 +1,6 @@
 //! How I/O is submitted and completed: io_uring ([`uring`]), pread/pwrite on a thread pool
-//! ([`psync`]) and an in-memory simulated device ([`sim`]).
+//! ([`psync`]), an in-memory simulated device ([`sim`]) and, with the `spdk` feature, SPDK's
+//! userspace NVMe driver and bdevs (`spdk`; its target syntax and options in [`spdk_config`]).
 //!
 //! A backend knows devices only by index and knows nothing of tensors or stripes: the device
 //! array ([`crate::array`]) turns tensor ranges into [`IoRequest`]s. Every backend honours the
@@ -16,6 +17,9 @@
 
 pub mod psync;
 pub mod sim;
+#[cfg(feature = "spdk")]
+pub mod spdk;
+pub mod spdk_config;
 pub mod uring;
 
 use std::fmt;
@@ -172,7 +176,7 @@ impl IoRequest {
 
 /// Submits and completes I/O on a fixed set of devices.
 pub trait Backend: Send + Sync {
-    /// Short name ("uring", "psync", "sim").
+    /// Short name ("uring", "psync", "sim", "spdk").
     fn name(&self) -> &'static str;
     /// Start a request. Requests for a device index the backend does not have complete with an
     /// error. The completion may run before this returns.

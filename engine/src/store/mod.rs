@@ -172,6 +172,16 @@ pub(crate) struct SsdCopy {
     pub(crate) checksums: Vec<u32>,
 }
 
+/// A fence recorded now on the caller's `stream`, on the device of `mem` (device memory only).
+fn device_fence(id: TensorId, mem: &TensorMem, stream: u64) -> Result<Box<dyn DeviceFence>> {
+    match mem.device() {
+        Some(dev) => dev.runtime().record_on_stream(stream),
+        None => Err(Error::InvalidArgument(format!(
+            "tensor {id}: ordering after a CUDA stream needs device memory, not {mem:?}"
+        ))),
+    }
+}
+
 enum OpKind {
     Offload {
         src: Option<TensorMem>,
@@ -182,6 +192,9 @@ enum OpKind {
     },
     Prefetch {
         dst: Option<TensorMem>,
+        /// Wait on this fence (recorded on the caller's stream) before writing `dst`: memory a
+        /// caching allocator just handed out may still be read by the caller's queued work.
+        after: Option<Box<dyn DeviceFence>>,
     },
     Free,
 }
@@ -366,12 +379,7 @@ impl TensorStore {
         options: OffloadOptions,
         stream: u64,
     ) -> Result<Handle<OffloadOutcome>> {
-        let Some(dev) = src.device() else {
-            return Err(Error::InvalidArgument(format!(
-                "tensor {id}: offload_after_stream takes device memory, not {src:?}"
-            )));
-        };
-        let fence = dev.runtime().record_on_stream(stream)?;
+        let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
         self.enqueue_offload(id, src, options, Some(fence), Done::Offload(slot.clone()))?;
         Ok(Handle::new(slot))
@@ -440,8 +448,50 @@ impl TensorStore {
     pub fn prefetch(
         &self,
         id: TensorId,
+        dst: TensorMem,
+        priority: Priority,
+    ) -> Result<Handle<TensorMem>> {
+        self.enqueue_prefetch(id, dst, priority, None)
+    }
+
+    /// Prefetch tensor `id` into device memory `dst` once the work already queued on the
+    /// caller's CUDA `stream` has finished (memory the caller's caching allocator just handed
+    /// out may still be read by that work): an event is recorded on the stream now and the
+    /// worker waits on it before it writes. The caller's stream is never blocked; before it uses
+    /// the tensor it waits on the returned memory's ready fence
+    /// ([`TensorMem::wait_ready_on_stream`]).
+    pub fn prefetch_after_stream(
+        &self,
+        id: TensorId,
+        dst: TensorMem,
+        priority: Priority,
+        stream: u64,
+    ) -> Result<Handle<TensorMem>> {
+        let fence = device_fence(id, &dst, stream)?;
+        self.enqueue_prefetch(id, dst, priority, Some(fence))
+    }
+
+    /// [`offload_keep`](Self::offload_keep) of device memory, after the work queued on the
+    /// caller's CUDA `stream` (as [`offload_after_stream`](Self::offload_after_stream)).
+    pub fn offload_keep_after_stream(
+        &self,
+        id: TensorId,
+        src: TensorMem,
+        options: OffloadOptions,
+        stream: u64,
+    ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
+        let fence = device_fence(id, &src, stream)?;
+        let slot = Slot::new();
+        self.enqueue_offload(id, src, options, Some(fence), Done::OffloadKeep(slot.clone()))?;
+        Ok(Handle::new(slot))
+    }
+
+    fn enqueue_prefetch(
+        &self,
+        id: TensorId,
         mut dst: TensorMem,
         priority: Priority,
+        after: Option<Box<dyn DeviceFence>>,
     ) -> Result<Handle<TensorMem>> {
         let mut table = self.inner.table.lock();
         let Some(entry) = table.get_mut(&id) else {
@@ -467,7 +517,7 @@ impl TensorStore {
             if entry.queue.is_empty() {
                 entry.active = Active::Idle;
             }
-            let (OpKind::Offload { src: Some(src), after, .. }, Done::Offload(slot)) =
+            let (OpKind::Offload { src: Some(src), after: src_after, .. }, Done::Offload(slot)) =
                 (op.kind, op.done)
             else {
                 unreachable!("a queued offload owns its source")
@@ -477,8 +527,10 @@ impl TensorStore {
             self.inner.stats.lock().offloads_cancelled += 1;
             slot.complete(Ok(OffloadOutcome::Cancelled));
             // The caller's queued work on the source finishes before it is copied.
-            let copied = after
+            // (and the caller's queued work on the destination, for a prefetch after a stream)
+            let copied = src_after
                 .map_or(Ok(()), |f| f.wait())
+                .and_then(|()| after.map_or(Ok(()), |f| f.wait()))
                 .and_then(|()| src.copy_into(&mut dst))
                 .map(|()| dst);
             return Ok(Handle::ready(copied));
@@ -496,7 +548,7 @@ impl TensorStore {
         let entry = table.get_mut(&id).ok_or_else(|| Error::UnknownTensor(id.to_string()))?;
         let slot = Slot::new();
         let op = Op {
-            kind: OpKind::Prefetch { dst: Some(dst) },
+            kind: OpKind::Prefetch { dst: Some(dst), after },
             priority,
             enqueued: Instant::now(),
             done: Done::Prefetch(slot.clone()),
@@ -690,7 +742,7 @@ impl Inner {
                     name: None,
                     after: None,
                 },
-                OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None },
+                OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None, after: None },
                 OpKind::Free => OpKind::Free,
             };
             let (ssd, host, held) = match &kind {
@@ -717,9 +769,12 @@ impl Inner {
                     Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
                 }
             }
-            OpKind::Prefetch { dst } => {
+            OpKind::Prefetch { dst, after } => {
                 let dst = dst.expect("a dispatched prefetch owns its destination");
-                self.run_prefetch(id, dst, ssd, host, held)
+                match after.map_or(Ok(()), |f| f.wait()) {
+                    Ok(()) => self.run_prefetch(id, dst, ssd, host, held),
+                    Err(e) => (Outcome::Prefetch(Err(e)), Update::Restore { host, held }),
+                }
             }
             OpKind::Free => self.run_free(ssd, host, held),
         };

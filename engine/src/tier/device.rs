@@ -434,7 +434,8 @@ struct HostDeviceMem {
     device: Arc<HostDeviceState>,
     ptr: *mut u8,
     len: u64,
-    layout: std::alloc::Layout,
+    /// `None`: memory the caller owns ([`HostDeviceTier::wrap_foreign`]), never freed here.
+    layout: Option<std::alloc::Layout>,
     tier: Option<Arc<HostDeviceTierState>>,
 }
 
@@ -469,8 +470,10 @@ impl Drop for HostDeviceMem {
         if let Some(t) = &self.tier {
             t.used.fetch_sub(self.len, Ordering::Relaxed);
         }
-        // SAFETY: allocated in `HostDeviceTier::alloc` with exactly this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+        if let Some(layout) = self.layout {
+            // SAFETY: allocated in `HostDeviceTier::alloc` with exactly this layout, freed once.
+            unsafe { std::alloc::dealloc(self.ptr, layout) };
+        }
     }
 }
 
@@ -517,6 +520,31 @@ impl HostDeviceTier {
     pub fn crc_calls(&self) -> u64 {
         self.device.crc_calls.load(Ordering::Relaxed)
     }
+
+    /// Memory a caller owns (`len` bytes of host memory at `ptr`) as this emulated device's
+    /// memory: what a trainer's device pointer is on a real GPU. Not counted against the tier's
+    /// capacity; forgotten (not freed) on drop. Aligned like the CUDA tier's foreign pointers.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be valid for reads and writes, and not used by anyone else while
+    /// the engine may use it, until the returned memory is dropped.
+    pub unsafe fn wrap_foreign(&self, ptr: u64, len: u64) -> Result<TensorMem> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("a device tensor of 0 bytes".into()));
+        }
+        if ptr == 0 || !ptr.is_multiple_of(16) {
+            return Err(Error::Misaligned { what: "device pointer", value: ptr, align: 16 });
+        }
+        self.device.live.lock().push((ptr, len));
+        Ok(TensorMem::Device(Box::new(HostDeviceMem {
+            runtime: self.runtime.clone(),
+            device: self.device.clone(),
+            ptr: ptr as *mut u8,
+            len,
+            layout: None,
+            tier: None,
+        })))
+    }
 }
 
 impl MemoryTier for HostDeviceTier {
@@ -550,7 +578,7 @@ impl MemoryTier for HostDeviceTier {
             device: self.device.clone(),
             ptr,
             len: bytes,
-            layout,
+            layout: Some(layout),
             tier: Some(self.state.clone()),
         })))
     }

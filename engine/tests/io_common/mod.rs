@@ -1,5 +1,11 @@
 //! Helpers shared by the I/O integration tests: arrays on every backend, stripe maps, patterns.
+//! With the `spdk` feature, [`ALL`] also holds the SPDK backend over files (uring bdevs; aio
+//! bdevs with bounce buffers) and over SPDK's NVMe driver talking NVMe/TCP to an `nvmf_tgt` on
+//! loopback ([`spdk_tcp`]).
 #![allow(dead_code)]
+
+#[cfg(feature = "spdk")]
+pub mod spdk_tcp;
 
 use std::sync::Arc;
 
@@ -14,15 +20,33 @@ pub enum Kind {
     Uring,
     Psync,
     Sim,
+    /// SPDK uring bdevs over files.
+    #[cfg(feature = "spdk")]
+    Spdk,
+    /// SPDK aio bdevs over files, every transfer bounced through SPDK's DMA heap (the path PCIe
+    /// targets take).
+    #[cfg(feature = "spdk")]
+    SpdkAioBounce,
+    /// SPDK's NVMe driver over NVMe/TCP (loopback `nvmf_tgt`, aio bdevs over files behind it).
+    #[cfg(feature = "spdk")]
+    SpdkNvmeTcp,
 }
 
+#[cfg(not(feature = "spdk"))]
 pub const ALL: [Kind; 3] = [Kind::Uring, Kind::Psync, Kind::Sim];
+#[cfg(feature = "spdk")]
+pub const ALL: [Kind; 6] =
+    [Kind::Uring, Kind::Psync, Kind::Sim, Kind::Spdk, Kind::SpdkAioBounce, Kind::SpdkNvmeTcp];
 
 /// An array under test and what keeps its storage alive.
 pub struct Fixture {
     pub array: Arc<DeviceArray>,
     pub sims: Vec<Arc<SimDisk>>,
     pub dir: Option<tempfile::TempDir>,
+    /// What serves the devices outside this process (the NVMe/TCP subsystems), released after
+    /// the array.
+    #[cfg(feature = "spdk")]
+    pub served: Option<spdk_tcp::Served>,
 }
 
 /// Open `devices` devices of `capacity` bytes each on the given backend.
@@ -33,7 +57,20 @@ pub fn open(kind: Kind, devices: usize, capacity: u64, queue_depth: u32) -> Fixt
                 (0..devices).map(|i| SimDisk::new(capacity, 4096, 7 + i as u64)).collect();
             (sims.iter().map(|d| Target::Sim(Arc::clone(d))).collect(), sims, None)
         }
-        Kind::Uring | Kind::Psync => {
+        #[cfg(feature = "spdk")]
+        Kind::SpdkNvmeTcp => {
+            let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+            let dir = tempfile::tempdir_in(base).unwrap();
+            let served = spdk_tcp::serve(dir.path(), devices, capacity);
+            let mut config = ArrayConfig::new(served.targets());
+            config.queue_depth = queue_depth;
+            config.existing = ExistingData::Refuse;
+            config.backend = BackendKind::Spdk;
+            let array = DeviceArray::open(config).unwrap();
+            assert_eq!(array.backend_name(), "spdk");
+            return Fixture { array, sims: Vec::new(), dir: Some(dir), served: Some(served) };
+        }
+        _ => {
             // Under the target dir (a real disk filesystem), not /tmp, so O_DIRECT is exercised.
             let base = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
             let dir = tempfile::tempdir_in(base).unwrap();
@@ -46,15 +83,33 @@ pub fn open(kind: Kind, devices: usize, capacity: u64, queue_depth: u32) -> Fixt
     config.file_size_bytes = capacity;
     config.queue_depth = queue_depth;
     config.existing = ExistingData::Refuse;
-    config.backend = if kind == Kind::Psync { BackendKind::Psync } else { BackendKind::Uring };
+    config.backend = match kind {
+        Kind::Psync => BackendKind::Psync,
+        #[cfg(feature = "spdk")]
+        Kind::Spdk | Kind::SpdkAioBounce | Kind::SpdkNvmeTcp => BackendKind::Spdk,
+        _ => BackendKind::Uring,
+    };
+    #[cfg(feature = "spdk")]
+    if kind == Kind::SpdkAioBounce {
+        config.spdk.bdev = teraio_engine::backend::spdk_config::FileBdev::Aio;
+        config.spdk.bounce = true;
+    }
     let array = DeviceArray::open(config).unwrap();
     let expect = match kind {
         Kind::Uring => "uring",
         Kind::Psync => "psync",
         Kind::Sim => "sim",
+        #[cfg(feature = "spdk")]
+        Kind::Spdk | Kind::SpdkAioBounce | Kind::SpdkNvmeTcp => "spdk",
     };
     assert_eq!(array.backend_name(), expect);
-    Fixture { array, sims, dir }
+    Fixture {
+        array,
+        sims,
+        dir,
+        #[cfg(feature = "spdk")]
+        served: None,
+    }
 }
 
 pub fn pool(capacity: u64) -> Arc<BufferPool> {
@@ -111,5 +166,11 @@ pub fn open_uring_threads(
     config.io_threads = threads;
     let array = DeviceArray::open(config).unwrap();
     assert_eq!(array.backend_name(), "uring");
-    Fixture { array, sims: Vec::new(), dir: Some(dir) }
+    Fixture {
+        array,
+        sims: Vec::new(),
+        dir: Some(dir),
+        #[cfg(feature = "spdk")]
+        served: None,
+    }
 }

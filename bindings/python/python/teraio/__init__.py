@@ -201,6 +201,70 @@ def _export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any, Optiona
     return addr, nbytes, (mv, data), None
 
 
+class DeviceMemory:
+    """``nbytes`` of GPU memory at device address ``ptr`` that the caller owns (``owner``, e.g.
+    the PyTorch storage, is kept alive with it). Accepted wherever device memory is: the
+    executor's ``attach`` and its allocator's ``alloc``, :meth:`Engine.offload_device`,
+    :meth:`Engine.prefetch_device`. Objects with ``__cuda_array_interface__`` (a CUDA
+    ``torch.Tensor``, CuPy, Numba) are accepted too. On an engine whose GPU is the host-memory
+    emulation (``gpu={"device": 0, "emulated": True}``), ``ptr`` is host memory: the device data
+    paths run on any machine."""
+
+    __slots__ = ("ptr", "nbytes", "owner")
+
+    def __init__(self, ptr: int, nbytes: int, owner: Any = None) -> None:
+        if not isinstance(ptr, int) or ptr <= 0:
+            raise InvalidArgumentError(f"DeviceMemory: a device address > 0 is required, not {ptr!r}")
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgumentError(f"DeviceMemory: nbytes must be > 0, not {nbytes!r}")
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        return f"DeviceMemory({self.nbytes} bytes at {self.ptr:#x})"
+
+
+def _device_export(obj: Any, what: str) -> Optional[Tuple[int, int]]:
+    """(device address, nbytes) of device memory, or None for anything else (host buffers)."""
+    if isinstance(obj, DeviceMemory):
+        return obj.ptr, obj.nbytes
+    try:
+        cai = getattr(obj, "__cuda_array_interface__", None)
+    except Exception as e:  # e.g. a tensor that requires grad
+        raise InvalidArgumentError(f"{what}: {e}") from e
+    if not isinstance(cai, dict):
+        return None
+    addr, readonly = cai["data"]
+    shape = tuple(cai["shape"])
+    itemsize = int(str(cai["typestr"])[2:])
+    nbytes = itemsize * math.prod(shape)
+    strides = cai.get("strides")
+    if strides is not None and not _c_contiguous(shape, strides, itemsize):
+        raise InvalidArgumentError(f"{what}: non-contiguous device memory (shape {shape}, strides {tuple(strides)})")
+    if readonly:
+        raise InvalidArgumentError(f"{what}: the device array is read-only")
+    if nbytes == 0 or not addr:
+        raise InvalidArgumentError(f"{what}: empty device memory")
+    return int(addr), int(nbytes)
+
+
+def _stream_handle(stream: Any) -> int:
+    """A CUDA stream as the integer the engine takes: an int, or a ``torch.cuda.Stream`` /
+    CuPy stream (``cuda_stream`` / ``ptr``); None is the legacy default stream (0)."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        if stream < 0:
+            raise InvalidArgumentError(f"stream: a CUstream handle >= 0, not {stream}")
+        return stream
+    for attr in ("cuda_stream", "ptr", "handle"):
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    raise InvalidArgumentError(f"stream: an int CUstream handle or a CUDA stream object, not {type(stream).__name__}")
+
+
 def _tensor_id(tensor_id: Any) -> int:
     if not isinstance(tensor_id, int) or isinstance(tensor_id, bool) or not 0 <= tensor_id < 2**64:
         raise InvalidArgumentError(f"a tensor id is an int in [0, 2**64), not {tensor_id!r}")
@@ -353,6 +417,45 @@ class Engine:
             raise InvalidArgumentError(f"tensor {tid}: a prefetch destination of 0 bytes")
         return PendingOp(self._native.prefetch_address(tid, addr, nbytes, priority, keep), out)
 
+    def offload_device(
+        self,
+        tensor_id: int,
+        mem: Any,
+        *,
+        stream: Any = None,
+        name: Optional[str] = None,
+        destination: str = "ssd",
+        priority: str = "normal",
+    ) -> PendingOp:
+        """Store GPU memory ``mem`` (a :class:`DeviceMemory` or a CUDA array such as a
+        contiguous ``torch.Tensor`` on the engine's GPU) as tensor ``tensor_id``, read after the
+        work queued so far on ``stream`` (a ``torch.cuda.Stream``, a CUstream handle, or None for
+        the default stream); the stream is not blocked. Keep the memory unwritten until the
+        operation completed. Needs an engine with a GPU (``gpu={"device": 0}``)."""
+        tid = _tensor_id(tensor_id)
+        dev = _device_export(mem, "mem")
+        if dev is None:
+            raise InvalidArgumentError(
+                f"mem: device memory (DeviceMemory or a CUDA array) is required, not {type(mem).__name__}; "
+                "host buffers go through offload()")
+        op = self._native.offload_device(tid, dev[0], dev[1], _stream_handle(stream), name, destination,
+                                         priority, mem)
+        return PendingOp(op, None)
+
+    def prefetch_device(self, tensor_id: int, mem: Any, *, stream: Any = None, priority: str = "normal") -> PendingOp:
+        """Read tensor ``tensor_id`` into GPU memory ``mem`` (exactly its size), written after
+        the work queued so far on ``stream`` (a caching allocator's fresh block may still be
+        read by it). Once ``wait()`` returned (it returns ``mem``), work queued on ``stream``
+        afterwards sees the data; the host never waits for the stream."""
+        tid = _tensor_id(tensor_id)
+        dev = _device_export(mem, "mem")
+        if dev is None:
+            raise InvalidArgumentError(
+                f"mem: device memory (DeviceMemory or a CUDA array) is required, not {type(mem).__name__}; "
+                "host buffers go through prefetch()")
+        op = self._native.prefetch_device(tid, dev[0], dev[1], _stream_handle(stream), priority, mem)
+        return PendingOp(op, mem)
+
     def free(self, tensor_id: int) -> PendingOp:
         """Forget tensor ``tensor_id`` and release its space (after the operations issued
         before)."""
@@ -382,11 +485,12 @@ class Engine:
         gpu_budget_bytes: int,
         allocate_created: bool = False,
         allocator: Any = None,
+        stream: Any = None,
     ) -> "Executor":
         """A plan :class:`Executor` over this engine's store."""
         return Executor(
             self, trace, plan, gpu_budget_bytes=gpu_budget_bytes,
-            allocate_created=allocate_created, allocator=allocator,
+            allocate_created=allocate_created, allocator=allocator, stream=stream,
         )
 
     def tensors(self) -> List[TensorInfo]:
@@ -475,6 +579,12 @@ class Executor:
     engine's threads while the executor holds them. Without an ``allocator`` the executor uses
     engine host memory.
 
+    Device memory (a :class:`DeviceMemory`, or a CUDA array with ``__cuda_array_interface__``)
+    may be attached and returned by ``alloc`` on an engine with a GPU; with ``stream`` (the
+    trainer's CUDA stream) offloads read a tensor after the work queued on it when they are
+    issued, prefetches write after it, and once ``before_kernel``/``kernel_ready`` says a kernel
+    can run, the stream waits (on the GPU, not the host) for its tensors' prefetches.
+
     Driving it, per iteration: ``before_kernel(k)`` (issue boundary ``k``, wait until kernel
     ``k`` can run; returns the stall in seconds) or ``boundary(k)`` + ``kernel_ready(k)``;
     ``after_kernel(k)``; then :meth:`end_iteration` (a dict report). :meth:`finish` at the end.
@@ -493,6 +603,7 @@ class Executor:
         gpu_budget_bytes: int,
         allocate_created: bool = False,
         allocator: Any = None,
+        stream: Any = None,
     ) -> None:
         if not isinstance(engine, Engine):
             raise InvalidArgumentError(
@@ -514,7 +625,7 @@ class Executor:
         self.plan = plan
         self._native = _teraio.NativeExecutor(
             engine._native, trace._native, plan._native, int(gpu_budget_bytes),
-            bool(allocate_created), allocator,
+            bool(allocate_created), allocator, None if stream is None else _stream_handle(stream),
         )
 
     def attach(self, tensor_id: int, mem: Any) -> None:
@@ -819,6 +930,7 @@ def compare_policies(
 
 
 __all__ = [
+    "DeviceMemory",
     "__version__",
     "version",
     "POLICIES",

@@ -19,7 +19,9 @@ translates between PyTorch and it:
   anything, and the session profiles the next step again.
 
 The executor is created with ``executor_factory(trace_dict, plan, budget_bytes, allocator)``
-(default: ``teraio.Executor`` of the Python package, when it has one).
+(:class:`teraio.torch.Session` passes its engine's ``executor``, with the current CUDA stream on a
+GPU). Storages are handed over as ``teraio.DeviceMemory`` (CUDA storages; the engine's GPU data
+paths, ordered after the trainer's stream) or as host buffers (CPU storages).
 """
 
 from __future__ import annotations
@@ -69,12 +71,9 @@ def named_storages(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
 
 
 def _default_factory(trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
-    # Not wired by default yet: driving the engine's executor with borrowed torch storages
-    # crashed (segfault) in the CPU tests on 2026-12-01 (a storage shrunk while the store still
-    # held its memory, suspected); until that is fixed, steps with a plan fall back to paging.
     raise NotImplementedError(
-        "the planned mode is not wired to the engine's executor yet (see docs/TORCH.md); "
-        "steps page through the engine instead"
+        "PlannedRun needs an executor_factory (teraio.torch.Session passes its engine's "
+        "executor); without one, steps page through the engine instead"
     )
 
 
@@ -82,11 +81,15 @@ class PlannedRun:
     """One plan executed over many iterations of the same shapes (one executor)."""
 
     def __init__(self, entry: dict[str, Any], model: torch.nn.Module | None, optimizer: Any, budget: int,
-                 device: torch.device, executor_factory: Callable[..., Any] | None = None) -> None:
+                 device: torch.device, executor_factory: Callable[..., Any] | None = None,
+                 device_memory: bool | None = None) -> None:
         self.trace = entry["trace"]
         self.signatures = entry["signatures"]
         self.created = entry["created"]  # per op: the trace ids first seen there, in order
         self.device = device
+        # storages go to the executor as device memory (teraio.DeviceMemory: the engine's GPU
+        # data paths, stream-ordered) or as host buffers; CUDA storages always as device memory
+        self.device_memory = device.type == "cuda" if device_memory is None else device_memory
         self.tensors = self.trace["tensors"]
         self.refs: dict[int, Any] = {}  # trace id -> weakref to its storage
         self.tid_of: dict[int, int] = {}  # storage key -> trace id, this iteration
@@ -110,8 +113,10 @@ class PlannedRun:
     # ---- memory callbacks (called by the executor) ------------------------------------
 
     def _mem(self, s: torch.UntypedStorage, nbytes: int) -> Any:
-        if s.device.type != "cpu":
-            raise NotImplementedError("CUDA storages need the engine's CUDA tier (device pointers)")
+        if self.device_memory or s.device.type == "cuda":
+            import teraio
+
+            return teraio.DeviceMemory(s.data_ptr(), nbytes, s)
         return host_view(s, nbytes)
 
     def _bind(self, tid: int, s: torch.UntypedStorage) -> None:

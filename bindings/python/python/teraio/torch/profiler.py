@@ -277,13 +277,14 @@ class Profiler:
         if phase == "fwd" and torch._C._current_graph_task_id() != -1:
             phase = "bwd"
         created: list[int] = []
-        ins = [self._storage(t, op, created, False) for t in iter_tensors((args, kwargs))]
-        written = {id(t) for t in written_tensors(func, args, kwargs)}
         in_tensors = list(iter_tensors((args, kwargs)))
         pager = self.pager
         if pager is not None:
+            # resident first: a storage paged out (0 bytes) when first seen would go unrecorded
             stor = [s for s in (storage_of(t) for t in in_tensors if t.device == self.device) if s is not None]
             pager.before(stor, op)
+        ins = [self._storage(t, op, created, False) for t in in_tensors]
+        written = {id(t) for t in written_tensors(func, args, kwargs)}
         cuda = self.device.type == "cuda"
         if cuda:
             ev = torch.cuda.Event(enable_timing=True)

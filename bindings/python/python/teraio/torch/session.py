@@ -130,6 +130,11 @@ class Session:
             target = int(gpu_budget_bytes * (page_fraction if cuda else 1.0))
             self.pager = Pager(self.mover, target, min_bytes=page_min_bytes, used_bytes=used)
             self.profiler.pager = self.pager
+        # what plans and the executor account against: on a GPU the trace's tensors are not all
+        # the memory a step allocates (cuBLAS workspaces, the allocator's rounding), so plans
+        # keep `page_fraction` of the budget, as the pager does
+        self.plan_budget = None if gpu_budget_bytes is None else int(
+            gpu_budget_bytes * (page_fraction if cuda else 1.0))
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
         self._profiled: dict[Any, int] = {}
@@ -147,6 +152,7 @@ class Session:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        state0 = _state_count(self.optimizer)
         moved0 = (self.mover.bytes_out + self.mover.bytes_in) if self.mover else 0
         wait0 = self.pager.wait_s if self.pager else 0.0
         t0 = time.perf_counter()
@@ -170,6 +176,10 @@ class Session:
             # the executor's own figure when its report has one, else the time in before_kernel
             rec["stall_s"] = rep["stall_s"] if isinstance(rep, dict) and "stall_s" in rep \
                 else run.stall_s - mode.stall0
+            if isinstance(rep, dict) and isinstance(rep.get("store"), dict):
+                st = rep["store"]
+                rec["planned_bytes_moved"] = sum(
+                    st.get(d, {}).get("bytes", 0) for d in ("ssd_write", "ssd_read", "host_write", "host_read"))
             if run.diverged is not None:
                 rec["diverged"] = str(run.diverged)
                 self._drop_plan(mode.key)
@@ -182,11 +192,12 @@ class Session:
             torch.cuda.synchronize(self.device)
         rec["time_s"] = time.perf_counter() - t0
         rec["bytes_moved"] = ((self.mover.bytes_out + self.mover.bytes_in) - moved0) if self.mover else 0
+        rec["bytes_moved"] += rec.pop("planned_bytes_moved", 0)
         rec["ops"] = mode.k
         if cuda:
             rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if mode.run is None and not mode.paged_only:
-            self._after_profile(n, rec)
+            self._after_profile(n, rec, state0)
         self.steps.append(rec)
         if self.report_every and (n + 1) % self.report_every == 0:
             self.log(self.line(rec))
@@ -198,26 +209,55 @@ class Session:
             return None
         if entry.get("run") is None:
             try:
-                entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.budget, self.device,
-                                          self.executor_factory)
-            except (NotImplementedError, Diverged) as e:
+                entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
+                                          self.executor_factory or self._engine_executor,
+                                          device_memory=self._device_memory())
+            except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry["run"] = False
                 entry["no_run"] = str(e)
                 return None
         return entry["run"]
+
+    def _device_memory(self) -> bool:
+        """Whether storages go to the executor as device memory: on a GPU, and on an engine whose
+        GPU is the host-memory emulation (CPU tests of the GPU path)."""
+        if self.device.type == "cuda":
+            return True
+        gpu = (getattr(self.store, "config", None) or {}).get("gpu") or {}
+        return bool(gpu.get("emulated")) and gpu.get("device") is not None
+
+    def _engine_executor(self, trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
+        """The engine's plan executor over the session's store (a ``teraio.Engine``), ordered
+        after the current CUDA stream on a GPU."""
+        executor = getattr(self.store, "executor", None)
+        if executor is None:
+            raise NotImplementedError(
+                f"the store ({type(self.store).__name__}) has no plan executor: steps page instead")
+        stream = None
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+        elif self._device_memory():
+            stream = 0  # the emulation's fences
+        return executor(trace, plan, gpu_budget_bytes=budget, allocate_created=False, allocator=allocator,
+                        stream=stream)
 
     def _drop_plan(self, key: Any) -> None:
         entry = self.plans.pop(key, None)
         if entry and entry.get("run"):
             _finish_run(entry["run"])
 
-    def _after_profile(self, n: int, rec: dict[str, Any]) -> None:
+    def _after_profile(self, n: int, rec: dict[str, Any], state_before: int) -> None:
         if n < self.warmup_steps or not self.profiler.ops:
             return
         key = self.profiler.ops[0].signature
         entry = self.plans.get(key)
         if entry is not None and entry["signatures"] == self.profiler.op_signatures():
             rec["plan"] = "cached"
+            return
+        if state_before != _state_count(self.optimizer):
+            # the optimizer's first step makes its state; later steps only update it, so this
+            # one is not the iteration that repeats (a plan of it diverges at the next step)
+            rec["plan"] = "not yet (this step created the optimizer's state)"
             return
         self._profiled[key] = self._profiled.get(key, 0) + 1
         if self._profiled[key] < self.profile_steps:
@@ -229,18 +269,18 @@ class Session:
         self.plans[key] = entry
         if self.budget is None:
             return
-        check_working_sets(trace, self.budget)
+        check_working_sets(trace, self.plan_budget)
         try:
             import teraio
         except ImportError:
             teraio = None
         if self.planner is not None:
             t0 = time.perf_counter()
-            entry["plan"] = self.planner(trace, self.budget, self.host_budget)
+            entry["plan"] = self.planner(trace, self.plan_budget, self.host_budget)
             rec["plan_s"] = time.perf_counter() - t0
         elif teraio is not None and hasattr(teraio, "plan"):
             hw = self.hardware if self.hardware is not None else "paper"
-            over = {"gpu_memory_bytes": self.budget, "host_memory_cap_bytes": self.host_budget}
+            over = {"gpu_memory_bytes": self.plan_budget, "host_memory_cap_bytes": self.host_budget}
             t0 = time.perf_counter()
             entry["plan"] = teraio.plan(teraio.Trace.from_dict(trace), self.policy, hw, **over)
             rec["plan_s"] = time.perf_counter() - t0
@@ -290,6 +330,21 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _teraio_error() -> type:
+    """The package's base exception (a class nothing raises when the package is missing)."""
+    try:
+        import teraio
+
+        return teraio.TeraioError
+    except (ImportError, AttributeError):
+        return type("_NoTeraio", (Exception,), {})
+
+
+def _state_count(optimizer: Any) -> int:
+    """How many tensors the optimizer's state holds."""
+    return sum(sum(isinstance(v, torch.Tensor) for v in st.values()) for st in optimizer.state.values())
 
 
 def _finish_run(run: PlannedRun) -> None:

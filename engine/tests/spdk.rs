@@ -1,0 +1,153 @@
+//! What only the `spdk` backend has: clean shutdown (no bdev, controller or runtime file left,
+//! also when opening fails half-way), its safety refusals, and a persistent engine reopened
+//! with its tensors. The conformance suite (io_conformance.rs) and the store stress test run on
+//! it too.
+#![cfg(feature = "spdk")]
+
+mod io_common;
+
+use std::path::{Path, PathBuf};
+
+use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
+use teraio_engine::backend::spdk;
+use teraio_engine::store::OffloadOptions;
+use teraio_engine::units::ByteSize;
+use teraio_engine::{BackendName, Engine, EngineConfig, Error};
+
+const MIB: u64 = 1 << 20;
+
+/// The tests of this file count SPDK's bdevs and controllers: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn files(dir: &Path, n: usize) -> Vec<Target> {
+    (0..n).map(|i| Target::Path(dir.join(format!("dev{i}")))).collect()
+}
+
+fn spdk_config(targets: Vec<Target>) -> ArrayConfig {
+    let mut c = ArrayConfig::new(targets);
+    c.backend = BackendKind::Spdk;
+    c.file_size_bytes = 16 * MIB;
+    c
+}
+
+/// Regular files under `dir` (DPDK's runtime folder may hold empty folders only).
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else { return out };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.is_dir() { out.extend(files_under(&p)) } else { out.push(p) }
+    }
+    out
+}
+
+#[test]
+fn dropping_an_array_leaves_no_bdev_controller_or_runtime_file() {
+    let _serial = serial();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let array = DeviceArray::open(spdk_config(files(dir.path(), 2))).unwrap();
+    assert_eq!(array.backend_name(), "spdk");
+    assert_eq!(spdk::live_bdevs().unwrap().len(), 2, "one bdev per device while open");
+    let served = io_common::spdk_tcp::serve(dir.path(), 1, 8 * MIB);
+    let mut c = spdk_config(served.targets());
+    c.existing = ExistingData::Refuse;
+    let tcp = DeviceArray::open(c).unwrap();
+    assert_eq!(spdk::live_controllers().unwrap(), 1);
+    drop((array, tcp));
+    assert!(spdk::live_bdevs().unwrap().is_empty(), "bdevs deleted with the array");
+    assert_eq!(spdk::live_controllers().unwrap(), 0, "controller detached with the array");
+    let rt = spdk::runtime_dir().expect("SPDK started");
+    assert!(files_under(&rt).is_empty(), "no runtime files: {:?}", files_under(&rt));
+}
+
+#[test]
+fn a_failed_open_releases_what_it_had_opened() {
+    let _serial = serial();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // The first target opens (a bdev is created), the second cannot be reached.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut targets = files(dir.path(), 1);
+    targets.push(Target::Path(
+        format!(
+            "nvme:trtype:tcp adrfam:ipv4 traddr:127.0.0.1 trsvcid:{port} subnqn:nqn.2016-06.io.teraio:none"
+        )
+        .into(),
+    ));
+    let e = DeviceArray::open(spdk_config(targets)).unwrap_err();
+    assert!(e.to_string().contains("no NVMe controller could be attached"), "{e}");
+    let names = spdk::live_bdevs().unwrap();
+    assert!(names.is_empty(), "the first target's bdev was deleted: {names:?}");
+    // A directory is no bdev target; the overwrite guard runs through SPDK.
+    let e = DeviceArray::open(spdk_config(vec![Target::Path(dir.path().into())])).unwrap_err();
+    assert!(e.to_string().contains(&dir.path().display().to_string()), "{e}");
+    let mut head = vec![0u8; 2 << 20];
+    head[0x438] = 0x53;
+    head[0x439] = 0xEF;
+    std::fs::write(dir.path().join("ext4"), &head).unwrap();
+    let mut c = spdk_config(vec![Target::Path(dir.path().join("ext4"))]);
+    c.file_size_bytes = 0;
+    let e = DeviceArray::open(c).unwrap_err();
+    assert!(matches!(e, Error::OverwriteRefused { .. }), "{e}");
+}
+
+#[test]
+fn spdk_targets_are_refused_by_other_backends_and_pcie_is_checked() {
+    let _serial = serial();
+    let mut c = ArrayConfig::new(vec![Target::Path("nvme:0000:00:04.0".into())]);
+    c.backend = BackendKind::Uring;
+    let e = DeviceArray::open(c).unwrap_err().to_string();
+    assert!(e.contains("needs the spdk backend"), "{e}");
+    assert!(!Path::new("nvme:0000:00:04.0").exists(), "no file was created");
+    // A PCIe function that is not there: refused before DPDK could touch anything.
+    let e = DeviceArray::open(spdk_config(vec![Target::Path("nvme:0000:7f:1f.7".into())]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not found"), "{e}");
+    let e = DeviceArray::open(spdk_config(vec![Target::Path(
+        "nvme:trtype:tcp traddr:127.0.0.1 trsvcid:4420".into(),
+    )]))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("subnqn"), "{e}");
+}
+
+#[test]
+fn a_persistent_engine_on_spdk_reopens_with_its_tensors() {
+    let _serial = serial();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let cfg = EngineConfig {
+        dir: dir.path().to_path_buf(),
+        files: 2,
+        file_size_bytes: ByteSize(64 << 20),
+        persistent: true,
+        backend: BackendName::Spdk,
+        ..Default::default()
+    };
+    {
+        let engine = Engine::open(cfg.clone()).unwrap();
+        let mut buf = engine.alloc_host(3 << 20).unwrap();
+        buf.host_mut().unwrap().fill(0x5a);
+        let opts = OffloadOptions { name: Some("layer0.w".into()), ..Default::default() };
+        engine.store().offload(4, buf, opts).unwrap().wait().unwrap();
+    }
+    // Reopened on another backend: the bytes SPDK wrote are in the files.
+    let mut uring = cfg.clone();
+    uring.backend = BackendName::Uring;
+    {
+        let engine = Engine::open(uring).unwrap();
+        let id = engine.store().lookup("layer0.w").expect("found by name (uring)");
+        let back = engine.store().prefetch_sync(id, engine.alloc_host(3 << 20).unwrap()).unwrap();
+        assert!(back.host().unwrap().iter().all(|&b| b == 0x5a));
+    }
+    let engine = Engine::open(cfg).unwrap();
+    let id = engine.store().lookup("layer0.w").expect("found by name after reopen");
+    let back = engine.store().prefetch_sync(id, engine.alloc_host(3 << 20).unwrap()).unwrap();
+    assert!(back.host().unwrap().iter().all(|&b| b == 0x5a));
+}
