@@ -369,8 +369,11 @@ fn a_trainer_that_starts_over_at_kernel_0_after_a_lost_tensor_goes_on() {
         let r = rig(0, 0);
         let n = r.trace.kernels.len();
         let mem = HostTier::new("gpu", 1 << 30).unwrap();
-        let cfg =
-            ExecutorConfig { gpu_budget_bytes: r.hw.gpu_memory_bytes, allocate_created: true };
+        let cfg = ExecutorConfig {
+            gpu_budget_bytes: r.hw.gpu_memory_bytes,
+            allocate_created: true,
+            stream: None,
+        };
         let alloc = Box::new(TierAllocator(mem.clone() as Arc<dyn MemoryTier>));
         let mut ex =
             Executor::new(r.store.clone(), alloc, r.trace.clone(), r.plan.clone(), cfg).unwrap();
@@ -422,7 +425,11 @@ fn a_trainer_that_starts_over_at_kernel_0_after_a_lost_tensor_goes_on() {
 /// bytes in use and the ids the store holds.
 fn ssd_use_per_iteration(r: &Rig, iterations: usize) -> Vec<(u64, Vec<u64>)> {
     let mem = HostTier::new("gpu", 1 << 30).unwrap();
-    let cfg = ExecutorConfig { gpu_budget_bytes: r.hw.gpu_memory_bytes, allocate_created: true };
+    let cfg = ExecutorConfig {
+        gpu_budget_bytes: r.hw.gpu_memory_bytes,
+        allocate_created: true,
+        stream: None,
+    };
     let alloc = Box::new(TierAllocator(mem.clone() as Arc<dyn MemoryTier>));
     let mut ex =
         Executor::new(r.store.clone(), alloc, r.trace.clone(), r.plan.clone(), cfg).unwrap();

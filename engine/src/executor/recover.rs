@@ -105,7 +105,7 @@ impl Executor {
                 priority: Priority::Urgent,
                 name: None,
             };
-            let handle = self.store.offload_keep(t as u64, mem, opts)?;
+            let handle = self.offload_keep(t, mem, opts)?;
             self.in_flight += 1;
             self.states[t] = State::Offloading { handle, keep: false };
             return Ok(());
@@ -336,7 +336,7 @@ impl Executor {
                 priority: Priority::Urgent,
                 name: None,
             };
-            writes.push((t, self.store.offload_keep(t as u64, mem, opts)?));
+            writes.push((t, self.offload_keep(t, mem, opts)?));
         }
         for (t, h) in writes {
             let id = TensorId(t as u32);
@@ -371,7 +371,13 @@ impl Executor {
             let mut last = None;
             for _ in 0..=MAX_PREFETCH_RETRIES {
                 let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Prefetch)?;
-                match self.store.prefetch(t as u64, mem, Priority::Urgent)?.wait() {
+                let h = match (self.cfg.stream, mem.device().is_some()) {
+                    (Some(stream), true) => {
+                        self.store.prefetch_after_stream(t as u64, mem, Priority::Urgent, stream)?
+                    }
+                    _ => self.store.prefetch(t as u64, mem, Priority::Urgent)?,
+                };
+                match h.wait() {
                     Ok(mem) => {
                         self.set_used(self.used + self.bytes(t));
                         self.current[t] = self.store.has_current_ssd_copy(t as u64);
