@@ -106,6 +106,25 @@ pub enum Error {
         /// What did not match.
         detail: String,
     },
+    /// A tensor's only copy could not be read back (an I/O error or a checksum mismatch on
+    /// every attempt): the iteration stopped before `kernel`. The executor stays usable:
+    /// `Executor::abort_iteration` ends the iteration and the next one runs (a lost
+    /// activation is made again by its kernel; a lost global tensor must be attached again).
+    #[error(
+        "tensor {tensor} is lost: its copy on {device} could not be read back for kernel {kernel} ({kernel_name}): {detail}; the iteration stopped; the next one can run (abort_iteration() ends this one, or start the next at kernel 0)"
+    )]
+    TensorLost {
+        /// The tensor (id and name).
+        tensor: String,
+        /// The kernel that needed it.
+        kernel: usize,
+        /// That kernel's name in the trace.
+        kernel_name: String,
+        /// Where the unreadable copy is ("device 2", "the host tier").
+        device: String,
+        /// The last error reading it.
+        detail: String,
+    },
     /// The feature is not available on this system or build.
     #[error("unsupported: {0}")]
     Unsupported(String),

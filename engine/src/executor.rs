@@ -47,9 +47,16 @@
 //! # Faults
 //!
 //! A failed offload write leaves the tensor resident (its memory comes back from the store)
-//! and is counted in the report; the plan's later clean drops or prefetches of it become
-//! no-ops. A failed prefetch (an I/O error, a checksum mismatch) is an error naming the tensor
-//! and the kernel.
+//! and is counted in the report; when the store has a host tier the write is tried there once
+//! first. The plan's later clean drops or prefetches of a tensor that stayed become no-ops. A
+//! failed prefetch (an I/O error, a checksum mismatch) is tried again; when every attempt
+//! fails the tensor is lost: [`Error::TensorLost`] names the tensor, the kernel and the device,
+//! the iteration stops, and [`Executor::abort_iteration`] ends it so the next one can run (see
+//! the `recover` module). A tensor's SSD copy is freed when the tensor dies.
+
+mod recover;
+
+pub use recover::LostTensor;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -169,6 +176,17 @@ pub struct IterationReport {
     pub demand_fetches: u64,
     /// The iteration left the plan (safe mode since).
     pub diverged: Option<Divergence>,
+    /// Prefetches tried again after a failed read (an I/O error, a checksum mismatch).
+    pub prefetch_retries: u64,
+    /// Offloads whose SSD write failed and that were written to the host tier instead.
+    pub host_retries: u64,
+    /// SSD copies freed because their tensor died.
+    pub copies_freed: u64,
+    /// The tensor whose only copy could not be read back: the iteration stopped there
+    /// ([`Executor::abort_iteration`] ended it).
+    pub lost: Option<LostTensor>,
+    /// The plan changed before this iteration ([`Executor::set_plan`]).
+    pub replanned: bool,
     /// (seconds from the iteration's start, GPU bytes accounted) at every change.
     pub memory_timeline: Vec<(f64, u64)>,
     /// Store statistics over the iteration.
@@ -254,6 +272,18 @@ pub struct Executor {
     report: IterationReport,
     iteration_start: Instant,
     stats_before: StoreStats,
+    /// Prefetch attempts of each tensor since it last arrived.
+    attempts: Vec<u8>,
+    /// Tensors whose failed SSD write went to the host tier (tried once per failure).
+    host_retried: Vec<bool>,
+    /// The tensor lost in this iteration: the iteration stopped.
+    failed: Option<LostTensor>,
+    /// Frees of dead tensors' copies not known to be done.
+    frees: Vec<Handle<()>>,
+    /// The next iteration runs a plan given by `set_plan`.
+    replanned: bool,
+    /// The last failed write (for the message when memory runs out because of them).
+    last_write_error: Option<String>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -285,23 +315,7 @@ impl Executor {
         plan: Plan,
         cfg: ExecutorConfig,
     ) -> Result<Self> {
-        plan.validate(&trace)
-            .map_err(|e| Error::InvalidArgument(format!("the plan does not fit the trace: {e}")))?;
-        if !plan.host_kernels.is_empty() {
-            return Err(Error::Unsupported(format!(
-                "the `{}` plan runs {} kernels on the CPU (host kernels); the executor runs GPU \
-                 kernels only, so simulate this policy with `teraio simulate`",
-                plan.policy,
-                plan.host_kernels.len()
-            )));
-        }
-        if !plan.recomputations.is_empty() {
-            return Err(Error::Unsupported(format!(
-                "the `{}` plan recomputes {} tensors; the executor does not run recomputations yet: plan without them (e.g. `--policy teraio`)",
-                plan.policy,
-                plan.recomputations.len()
-            )));
-        }
+        recover::check_plan(&trace, &plan)?;
         let n = trace.kernels.len();
         let mut creations = vec![Vec::new(); n];
         let mut deaths = vec![Vec::new(); n];
@@ -325,6 +339,7 @@ impl Executor {
         let evicted = vec![false; trace.tensors.len()];
         let current = vec![false; trace.tensors.len()];
         let stats_before = store.stats();
+        let trace_len = trace.tensors.len();
         Ok(Executor {
             trace,
             plan,
@@ -351,6 +366,12 @@ impl Executor {
             iteration: 0,
             iteration_start: Instant::now(),
             stats_before,
+            attempts: vec![0; trace_len],
+            host_retried: vec![false; trace_len],
+            failed: None,
+            frees: Vec::new(),
+            replanned: false,
+            last_write_error: None,
         })
     }
 
@@ -540,15 +561,42 @@ impl Executor {
             setup.push((t, self.offload_keep(t, mem, opts)?));
         }
         for (t, h) in setup {
-            let (_, mem) = h.wait()?;
-            self.alloc.release(TensorId(t as u32), mem);
-            self.used -= self.bytes(t);
-            self.states[t] = State::Offloaded;
+            match h.wait() {
+                Ok((outcome, mem)) => {
+                    self.current[t] = outcome == OffloadOutcome::OnSsd;
+                    self.alloc.release(TensorId(t as u32), mem);
+                    self.used -= self.bytes(t);
+                    self.states[t] = State::Offloaded;
+                }
+                // The write failed: the tensor stays (the plan's prefetch of it is a no-op);
+                // the budget check below says whether memory allows it.
+                Err(e) => {
+                    let mem = self.store.take_held(t as u64).ok_or_else(|| Error::InvalidState {
+                        tensor: format!("t{t}"),
+                        detail: format!(
+                            "its first offload failed ({e}) and the store did not hand its memory back"
+                        ),
+                    })?;
+                    self.last_write_error = Some(e.to_string());
+                    self.report.failed_offloads += 1;
+                    self.stayed[t] = true;
+                    self.states[t] = State::Resident(mem);
+                }
+            }
         }
         if self.used > self.cfg.gpu_budget_bytes {
+            let failed = self.stayed.iter().filter(|&&s| s).count();
             return Err(Error::NoSpace(format!(
-                "the resident global tensors need {} bytes, the GPU budget is {}",
-                self.used, self.cfg.gpu_budget_bytes
+                "the resident global tensors need {} bytes, the GPU budget is {}{}",
+                self.used,
+                self.cfg.gpu_budget_bytes,
+                if failed > 0 {
+                    format!(
+                        " ({failed} of them stayed because their first offload failed: see the store's errors)"
+                    )
+                } else {
+                    String::new()
+                }
             )));
         }
         self.phase = Phase::Idle;
@@ -568,6 +616,9 @@ impl Executor {
             peak_bytes: self.used,
             memory_timeline: vec![(0.0, self.used)],
             diverged: self.safe.clone(),
+            replanned: std::mem::take(&mut self.replanned),
+            // Writes that failed in start() count in the first iteration.
+            failed_offloads: if self.iteration == 0 { self.report.failed_offloads } else { 0 },
             ..Default::default()
         };
     }
@@ -732,6 +783,7 @@ impl Executor {
     /// whether anything changed.
     pub fn poll(&mut self) -> Result<bool> {
         let mut changed = false;
+        self.frees.retain(|h| !h.is_done());
         for t in 0..self.states.len() {
             let done = match &self.states[t] {
                 State::Offloading { handle, .. } => handle.is_done(),
@@ -747,10 +799,12 @@ impl Executor {
             match std::mem::replace(&mut self.states[t], State::Absent) {
                 State::Offloading { handle, keep } => match handle.wait() {
                     Ok((outcome, mem)) if keep => {
+                        self.host_retried[t] = false;
                         self.current[t] = outcome == OffloadOutcome::OnSsd;
                         self.states[t] = State::Resident(mem);
                     }
                     Ok((outcome, mem)) => {
+                        self.host_retried[t] = false;
                         self.current[t] = outcome == OffloadOutcome::OnSsd;
                         self.alloc.release(id, mem);
                         self.events.push_back(Event::Released(id));
@@ -767,24 +821,20 @@ impl Executor {
                                 ),
                             });
                         };
-                        self.report.failed_offloads += 1;
-                        self.stayed[t] = true;
-                        self.states[t] = State::Resident(mem);
+                        self.offload_failed(t, keep, mem, &e)?;
                     }
                 },
-                State::Prefetching(h) => {
-                    let mem = h.wait().map_err(|e| Error::InvalidState {
-                        tensor: format!("{id} ({})", self.trace.tensors[t].name),
-                        detail: format!(
-                            "its prefetch failed before kernel {}: {e}",
-                            self.next_kernel
-                        ),
-                    })?;
-                    self.states[t] = State::Resident(mem);
-                    self.events.push_back(Event::Arrived(id));
-                    // Read from the SSD array: that copy is current (a host-tier copy is not kept).
-                    self.current[t] = self.store.has_current_ssd_copy(t as u64);
-                }
+                State::Prefetching(h) => match h.wait() {
+                    Ok(mem) => {
+                        self.attempts[t] = 0;
+                        self.states[t] = State::Resident(mem);
+                        self.events.push_back(Event::Arrived(id));
+                        // Read from the SSD array: that copy is current (a host-tier copy is
+                        // not kept).
+                        self.current[t] = self.store.has_current_ssd_copy(t as u64);
+                    }
+                    Err(e) => self.prefetch_failed(t, e)?,
+                },
                 _ => unreachable!("checked above"),
             }
         }
@@ -839,6 +889,14 @@ impl Executor {
     /// Non-blocking: issue boundary `k` if not yet, collect what finished, and say whether
     /// kernel `k` can run (its tensors resident, its new tensors' memory granted).
     pub fn kernel_ready(&mut self, k: usize) -> Result<bool> {
+        if let Some(l) = &self.failed {
+            if k != 0 {
+                return Err(l.error());
+            }
+            // The caller starts the next iteration without ending the stopped one: end it here
+            // (its report is dropped; `abort_iteration` returns it).
+            self.abort_iteration()?;
+        }
         self.boundary(k)?;
         if self.safe.is_none() {
             for i in 0..self.accesses[k].len() {
@@ -929,8 +987,11 @@ impl Executor {
             if self.in_flight == 0 {
                 let need = self.allocs.front().map_or(0, |a| self.bytes(a.tensor()));
                 return Err(Error::NoSpace(format!(
-                    "GPU budget: kernel {k} cannot start: {need} bytes wanted, {} of {} in use and nothing in flight to free any",
-                    self.used, self.cfg.gpu_budget_bytes
+                    "GPU budget: kernel {k} ({}) cannot start: {need} bytes wanted, {} of {} in use and nothing in flight to free any{}",
+                    self.trace.kernels[k].name,
+                    self.used,
+                    self.cfg.gpu_budget_bytes,
+                    self.stayed_note()
                 )));
             }
             std::thread::sleep(Duration::from_micros(50));
@@ -1034,6 +1095,9 @@ impl Executor {
             }
         }
         self.evicted[t] = false;
+        if !self.trace.tensors[t].global {
+            self.free_copy(t);
+        }
         Ok(())
     }
 
@@ -1053,6 +1117,9 @@ impl Executor {
             return Err(Error::InvalidArgument(
                 "end_iteration() without an iteration (call before_kernel(0) first)".into(),
             ));
+        }
+        if let Some(l) = &self.failed {
+            return Err(l.error());
         }
         if self.safe.is_none() && self.next_kernel != n {
             let detail = format!(
@@ -1090,11 +1157,20 @@ impl Executor {
     pub fn finish(mut self) -> Result<()> {
         while self.in_flight > 0 || !self.allocs.is_empty() {
             let before = (self.in_flight, self.allocs.len());
-            self.poll()?;
+            match self.poll() {
+                // A copy that cannot be read is freed below like every other.
+                Err(Error::TensorLost { .. }) => {}
+                r => {
+                    r?;
+                }
+            }
             if self.in_flight == 0 && (self.in_flight, self.allocs.len()) == before {
                 break;
             }
             std::thread::sleep(Duration::from_micros(100));
+        }
+        for h in std::mem::take(&mut self.frees) {
+            h.wait()?;
         }
         for t in 0..self.states.len() {
             if let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) {

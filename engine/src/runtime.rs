@@ -19,7 +19,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use teraio_scheduler::{Plan, TensorId, Trace};
 
-use crate::executor::{AllocFor, Event, Executor, ExecutorConfig, TensorAllocator};
+use crate::executor::{AllocFor, Event, Executor, ExecutorConfig, LostTensor, TensorAllocator};
 use crate::migrate::StoreStats;
 use crate::store::TensorStore;
 use crate::tier::{MemoryTier, TensorMem};
@@ -90,6 +90,65 @@ pub struct ReplayReport {
     pub memory_timeline: Vec<(f64, u64)>,
     /// Store statistics over the reported iteration (bytes and bandwidth per direction).
     pub store: StoreStats,
+    /// Every iteration, in order.
+    pub iterations: Vec<IterationSummary>,
+    /// Iterations that stopped because a tensor was lost (the replay went on after them).
+    pub stopped_iterations: usize,
+    /// Plans replaced between iterations (by the `adapt` callback of [`replay_adaptive`]).
+    pub replans: usize,
+}
+
+/// What one replayed iteration did, and what it measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct IterationSummary {
+    /// Iteration (0-based).
+    pub iteration: usize,
+    /// Wall time, seconds.
+    pub time_s: f64,
+    /// Time kernels waited for tensors or memory, seconds.
+    pub stall_s: f64,
+    /// Policy of the plan it ran.
+    pub policy: String,
+    /// Migrations of the plan it ran.
+    pub migrations: usize,
+    /// It ran a plan made after the previous iteration.
+    pub replanned: bool,
+    /// Offloads written.
+    pub offloads: u64,
+    /// Clean drops.
+    pub clean_drops: u64,
+    /// Prefetches issued.
+    pub prefetches: u64,
+    /// Offloads whose write failed: the tensor stayed in GPU memory.
+    pub failed_offloads: u64,
+    /// Failed SSD writes sent to the host tier instead.
+    pub host_retries: u64,
+    /// Failed reads tried again.
+    pub prefetch_retries: u64,
+    /// Tensors the executor moved out on its own (memory ran short).
+    pub evictions: u64,
+    /// Evicted tensors read back on demand.
+    pub demand_fetches: u64,
+    /// SSD copies freed when their tensors died.
+    pub copies_freed: u64,
+    /// Bytes written to the SSD array.
+    pub ssd_write_bytes: u64,
+    /// Bytes read from the SSD array.
+    pub ssd_read_bytes: u64,
+    /// Bytes written to the host tier.
+    pub host_write_bytes: u64,
+    /// Bytes read from the host tier.
+    pub host_read_bytes: u64,
+    /// SSD write bandwidth measured while writes ran, bytes/s (0: none).
+    pub ssd_write_bytes_per_s: f64,
+    /// SSD read bandwidth measured while reads ran, bytes/s (0: none).
+    pub ssd_read_bytes_per_s: f64,
+    /// Store operations that failed (all directions).
+    pub io_errors: u64,
+    /// The tensor the iteration lost, when it stopped.
+    pub lost: Option<LostTensor>,
+    /// Why the iteration stopped (the error, naming the tensor, the kernel and the device).
+    pub stopped: Option<String>,
 }
 
 /// Work the emulation owes a resident tensor, done inside the next kernel that uses it (so it
@@ -315,6 +374,10 @@ fn debug_stalls() -> bool {
 /// The plan must be valid for the trace (`Plan::validate`). Global tensors the plan starts
 /// offloaded are created and offloaded before the clock starts. `progress` is called before
 /// every kernel.
+///
+/// An iteration that loses a tensor (its only copy could not be read back) stops there; the
+/// replay goes on with the next iteration ([`ReplayReport::iterations`] says which stopped,
+/// naming the tensor, the kernel and the device). Any other error ends the replay.
 pub fn replay(
     trace: &Trace,
     plan: &Plan,
@@ -322,6 +385,22 @@ pub fn replay(
     gpu: Arc<dyn MemoryTier>,
     cfg: &ReplayConfig,
     progress: &mut dyn FnMut(Progress),
+) -> Result<ReplayReport> {
+    replay_adaptive(trace, plan, store, gpu, cfg, progress, &mut |_| Ok(None))
+}
+
+/// [`replay`], asking `adapt` after every iteration but the last whether to run another plan
+/// (for the same trace) from the next iteration on: a front end re-plans with the bandwidth the
+/// iteration measured ([`IterationSummary`]). The executor moves the global tensors to the new
+/// plan's starting placement in between ([`Executor::set_plan`]).
+pub fn replay_adaptive(
+    trace: &Trace,
+    plan: &Plan,
+    store: &Arc<TensorStore>,
+    gpu: Arc<dyn MemoryTier>,
+    cfg: &ReplayConfig,
+    progress: &mut dyn FnMut(Progress),
+    adapt: &mut dyn FnMut(&IterationSummary) -> Result<Option<Plan>>,
 ) -> Result<ReplayReport> {
     if cfg.iterations == 0 || !(cfg.time_scale > 0.0 && cfg.time_scale.is_finite()) {
         return Err(Error::InvalidArgument(
@@ -375,76 +454,81 @@ pub fn replay(
     }
 
     let mut times = Vec::new();
+    let mut summaries = Vec::new();
     let mut report = None;
+    let mut replans = 0;
     let kernel_time_s: f64 =
         trace.kernels.iter().map(|k| k.duration_us * 1e-6 * cfg.time_scale).sum();
     for iteration in 0..cfg.iterations {
         let iteration_start = Instant::now();
         let mut overrun = Duration::ZERO;
-        for k in 0..n {
-            progress(Progress { iteration, kernel: k, kernels: n });
-            let waited = ex.before_kernel(k)?;
-            emu.events(&mut ex);
-            if debug_stalls() && waited > Duration::from_millis(20) {
-                eprintln!(
-                    "teraio: stall {:.1} ms before kernel {k} ({}) at {:.3} s; GPU {} of {} bytes in use, {} migrations in flight",
-                    waited.as_secs_f64() * 1e3,
-                    trace.kernels[k].name,
-                    iteration_start.elapsed().as_secs_f64(),
-                    ex.used_bytes(),
-                    cfg.gpu_capacity_bytes,
-                    ex.in_flight()
-                );
+        let ran = (|| -> Result<()> {
+            for k in 0..n {
+                progress(Progress { iteration, kernel: k, kernels: n });
+                run_kernel(
+                    trace,
+                    cfg,
+                    &mut ex,
+                    &mut emu,
+                    k,
+                    &accesses[k],
+                    &creations[k],
+                    &mut overrun,
+                    iteration_start,
+                )?;
             }
-            for &t in &creations[k] {
-                emu.owe(t, Check::Fill(0));
-            }
-            // The kernel runs: its duration passes while migrations go on.
-            let start = Instant::now();
-            for t in &accesses[k] {
-                let t0 = Instant::now();
-                emu.check(&mut ex, t.index(), u64::MAX)?;
-                if debug_stalls() && t0.elapsed() > Duration::from_millis(20) {
-                    eprintln!(
-                        "teraio: kernel {k}: checking tensor {} ({} bytes) took {:.1} ms",
-                        t.index(),
-                        trace.tensors[t.index()].bytes,
-                        t0.elapsed().as_secs_f64() * 1e3
-                    );
-                }
-            }
-            let deadline = start
-                + Duration::from_secs_f64(trace.kernels[k].duration_us * 1e-6 * cfg.time_scale);
-            loop {
-                ex.poll()?;
-                emu.events(&mut ex);
-                let now = Instant::now();
-                if now >= deadline {
-                    break;
-                }
-                // Idle time: the emulation's own work (fills, verifications) goes here.
-                if !emu.background_step(&mut ex)? {
-                    std::thread::sleep((deadline - now).min(Duration::from_micros(200)));
-                }
-            }
-            let over = start.elapsed().saturating_sub(deadline - start);
-            overrun += over;
-            if debug_stalls() && over > Duration::from_millis(20) {
-                eprintln!(
-                    "teraio: kernel {k} ({}) ran {:.1} ms over its {:.1} ms",
-                    trace.kernels[k].name,
-                    over.as_secs_f64() * 1e3,
-                    trace.kernels[k].duration_us * 1e-3 * cfg.time_scale
-                );
-            }
-            ex.after_kernel(k)?;
-            emu.events(&mut ex);
-        }
+            Ok(())
+        })();
         let elapsed = iteration_start.elapsed();
-        // End-of-iteration instructions (offloads wrapping into the next iteration).
-        let it = ex.end_iteration()?;
+        // End-of-iteration instructions (offloads wrapping into the next iteration); an
+        // iteration that lost a tensor stops, and the executor is put back in shape for the
+        // next one.
+        let (it, stopped) = match ran.and_then(|()| ex.end_iteration()) {
+            Ok(it) => (it, None),
+            Err(e @ Error::TensorLost { .. }) => {
+                let msg = e.to_string();
+                (ex.abort_iteration()?, Some(msg))
+            }
+            Err(e) => return Err(e),
+        };
         emu.events(&mut ex);
         times.push(elapsed.as_secs_f64());
+        let summary = IterationSummary {
+            iteration,
+            time_s: elapsed.as_secs_f64(),
+            stall_s: it.stall_s,
+            policy: ex.plan().policy.clone(),
+            migrations: ex.plan().instructions.len(),
+            replanned: it.replanned,
+            offloads: it.offloads,
+            clean_drops: it.clean_drops,
+            prefetches: it.prefetches,
+            failed_offloads: it.failed_offloads,
+            host_retries: it.host_retries,
+            prefetch_retries: it.prefetch_retries,
+            evictions: it.evictions,
+            demand_fetches: it.demand_fetches,
+            copies_freed: it.copies_freed,
+            ssd_write_bytes: it.store.ssd_write.bytes,
+            ssd_read_bytes: it.store.ssd_read.bytes,
+            host_write_bytes: it.store.host_write.bytes,
+            host_read_bytes: it.store.host_read.bytes,
+            ssd_write_bytes_per_s: it.store.ssd_write.bandwidth_bytes_per_s(),
+            ssd_read_bytes_per_s: it.store.ssd_read.bandwidth_bytes_per_s(),
+            io_errors: it.store.ssd_write.errors
+                + it.store.ssd_read.errors
+                + it.store.host_write.errors
+                + it.store.host_read.errors,
+            lost: it.lost.clone(),
+            stopped,
+        };
+        if iteration + 1 < cfg.iterations
+            && let Some(p) = adapt(&summary)?
+        {
+            ex.set_plan(p)?;
+            replans += 1;
+        }
+        summaries.push(summary);
         if iteration + 1 == cfg.iterations {
             report = Some(ReplayReport {
                 iteration_time_s: elapsed.as_secs_f64(),
@@ -462,6 +546,9 @@ pub fn replay(
                 verified_bytes: 0,
                 memory_timeline: it.memory_timeline,
                 store: it.store,
+                iterations: Vec::new(),
+                stopped_iterations: 0,
+                replans: 0,
             });
         }
     }
@@ -471,5 +558,140 @@ pub fn replay(
     report.iteration_times_s = times;
     report.verified_tensors = emu.verified_tensors;
     report.verified_bytes = emu.verified_bytes;
+    report.stopped_iterations = summaries.iter().filter(|s| s.stopped.is_some()).count();
+    report.iterations = summaries;
+    report.replans = replans;
     Ok(report)
+}
+
+/// Kernel `k` of the emulated iteration: wait until the executor has its tensors, fill and
+/// verify what it owes, spend its duration while migrations go on, let its dead tensors go.
+#[allow(clippy::too_many_arguments)]
+fn run_kernel(
+    trace: &Trace,
+    cfg: &ReplayConfig,
+    ex: &mut Executor,
+    emu: &mut Emulation,
+    k: usize,
+    accesses: &[TensorId],
+    creations: &[usize],
+    overrun: &mut Duration,
+    iteration_start: Instant,
+) -> Result<()> {
+    let waited = ex.before_kernel(k)?;
+    emu.events(ex);
+    if debug_stalls() && waited > Duration::from_millis(20) {
+        eprintln!(
+            "teraio: stall {:.1} ms before kernel {k} ({}) at {:.3} s; GPU {} of {} bytes in use, {} migrations in flight",
+            waited.as_secs_f64() * 1e3,
+            trace.kernels[k].name,
+            iteration_start.elapsed().as_secs_f64(),
+            ex.used_bytes(),
+            cfg.gpu_capacity_bytes,
+            ex.in_flight()
+        );
+    }
+    for &t in creations {
+        emu.owe(t, Check::Fill(0));
+    }
+    // The kernel runs: its duration passes while migrations go on.
+    let start = Instant::now();
+    for t in accesses {
+        let t0 = Instant::now();
+        emu.check(ex, t.index(), u64::MAX)?;
+        if debug_stalls() && t0.elapsed() > Duration::from_millis(20) {
+            eprintln!(
+                "teraio: kernel {k}: checking tensor {} ({} bytes) took {:.1} ms",
+                t.index(),
+                trace.tensors[t.index()].bytes,
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
+    let deadline =
+        start + Duration::from_secs_f64(trace.kernels[k].duration_us * 1e-6 * cfg.time_scale);
+    loop {
+        ex.poll()?;
+        emu.events(ex);
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        // Idle time: the emulation's own work (fills, verifications) goes here.
+        if !emu.background_step(ex)? {
+            std::thread::sleep((deadline - now).min(Duration::from_micros(200)));
+        }
+    }
+    let over = start.elapsed().saturating_sub(deadline - start);
+    *overrun += over;
+    if debug_stalls() && over > Duration::from_millis(20) {
+        eprintln!(
+            "teraio: kernel {k} ({}) ran {:.1} ms over its {:.1} ms",
+            trace.kernels[k].name,
+            over.as_secs_f64() * 1e3,
+            trace.kernels[k].duration_us * 1e-3 * cfg.time_scale
+        );
+    }
+    ex.after_kernel(k)?;
+    emu.events(ex);
+    Ok(())
+}
+
+/// Watches the SSD bandwidth replayed iterations measure and says when it moved far enough from
+/// what the plan assumed to plan again: the first iteration that moved at least `min_bytes` in a
+/// direction sets that direction's baseline (the hardware model the first plan was made with
+/// stands for it); afterwards, a direction whose bandwidth is off by more than `threshold`
+/// times from what the current plan assumes gets a new scale (measured / baseline).
+#[derive(Debug, Clone)]
+pub struct BandwidthWatch {
+    /// Factor by which a direction's bandwidth must move to re-plan (> 1).
+    pub threshold: f64,
+    /// Bytes a direction must have moved in an iteration for its bandwidth to count.
+    pub min_bytes: u64,
+    baseline: [Option<f64>; 2],
+    scale: [f64; 2],
+}
+
+impl BandwidthWatch {
+    /// A watch re-planning when a direction moves by more than `threshold` times.
+    pub fn new(threshold: f64, min_bytes: u64) -> Self {
+        Self { threshold: threshold.max(1.0), min_bytes, baseline: [None; 2], scale: [1.0; 2] }
+    }
+
+    /// The (write, read) bandwidth scales the current plan assumes, relative to the first
+    /// plan's hardware model.
+    pub fn scales(&self) -> (f64, f64) {
+        (self.scale[0], self.scale[1])
+    }
+
+    /// After an iteration: `Some((write_scale, read_scale))` when the plan should be made again
+    /// with the SSD bandwidth of the first plan's hardware model multiplied by these.
+    pub fn observe(&mut self, s: &IterationSummary) -> Option<(f64, f64)> {
+        if s.stopped.is_some() {
+            return None;
+        }
+        let measured = [
+            (s.ssd_write_bytes >= self.min_bytes).then_some(s.ssd_write_bytes_per_s),
+            (s.ssd_read_bytes >= self.min_bytes).then_some(s.ssd_read_bytes_per_s),
+        ];
+        let mut changed = false;
+        for (d, m) in measured.into_iter().enumerate() {
+            let Some(bw) = m.filter(|b| *b > 0.0 && b.is_finite()) else { continue };
+            let Some(base) = self.baseline[d] else {
+                self.baseline[d] = Some(bw / self.scale[d]);
+                continue;
+            };
+            let ratio = bw / base;
+            if ratio < self.scale[d] / self.threshold || ratio > self.scale[d] * self.threshold {
+                // Never above the first model: the baseline iteration may not have been busy
+                // enough to show what the array can do.
+                let new = ratio.min(1.0);
+                if (new - self.scale[d]).abs() > 1e-9 {
+                    self.scale[d] = new;
+                    changed = true;
+                }
+            }
+        }
+        changed.then_some((self.scale[0], self.scale[1]))
+    }
 }

@@ -11,5 +11,6 @@ pub mod hw_args;
 pub mod inspect;
 pub mod plan;
 pub mod run;
+pub mod run_faults;
 pub mod simulate;
 pub mod trace;

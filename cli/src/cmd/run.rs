@@ -8,18 +8,22 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use teraio_engine::Engine;
+use teraio_engine::backend::sim::{SimDisk, SimFault};
 use teraio_engine::migrate::Priority;
 use teraio_engine::pool::BufferPool;
-use teraio_engine::runtime::{ReplayConfig, ReplayReport, replay};
+use teraio_engine::runtime::{
+    BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay_adaptive,
+};
 use teraio_engine::store::OffloadOptions;
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::units::ByteSize;
 use teraio_scheduler::{
-    Hardware, ModelConfig, Policy, SimOptions, SimReport, Trace, generate, plan, simulate,
+    Hardware, ModelConfig, Plan, Policy, SimOptions, SimReport, Trace, generate, plan, simulate,
 };
 
 use super::bench::GpuPathArg;
 use super::engine_args::ArrayArgs;
+use super::run_faults::{FaultSpec, Injector, parse_fault};
 use crate::units::{gb, gbps, parse_size, parse_size_or_zero};
 use crate::{CliError, Result};
 
@@ -34,14 +38,32 @@ What it does:
      the iteration needs, and simulates the plan on the measured hardware,
   5. replays the iteration in real time: kernels wait their duration, tensors are real
      buffers, every planned migration runs on the real engine, every tensor that comes
-     back is verified; then prints real vs simulated vs ideal.
+     back is verified; then prints real vs simulated vs ideal, and every iteration.
+
+Faults (docs/EXECUTOR.md, \"Faults\"): a write that fails keeps the tensor in GPU memory (or
+sends it to the host tier, with --host-memory); a read that fails is tried again; a tensor
+whose only copy cannot be read back stops its iteration with an error naming the tensor, the
+kernel and the device, and the next iteration runs (the exit status is then 1). After an
+iteration whose SSD bandwidth moved by more than 1.5x from the first one's, the plan is made
+again for the bandwidth measured (--no-replan keeps the first plan).
+Faults on simulated disks (no hardware needed): --sim, and --fault SPEC (repeatable), where
+SPEC is KIND[:DEV[:FACTOR]][@ITER[:KERNEL]] and the fault starts before kernel KERNEL of
+iteration ITER (default: the first kernel of the first iteration):
+  slow:DEV:FACTOR   the device becomes FACTOR times slower (needs --sim-bandwidth)
+  eio-read:DEV      every read of the device fails (EIO)
+  eio-write:DEV     every write of the device fails (EIO)
+  enospc:DEV        every write of the device fails (ENOSPC, out of space)
+  short:DEV         every transfer of the device moves half its bytes (resumed)
+  corrupt           the SSD copy of an activation read again later gets corrupt bytes
 
 Examples:
   teraio run                                   # gpt2-replay, 60% of its peak memory
   teraio run --gpu-memory 900M --time-scale 0.5
   teraio run --device /dev/nvme1n1 --device /dev/nvme2n1 --force
   teraio run --json > run.json --plot run.svg
-  teraio run --gpu 0 --gpu-path auto           # tensors in real GPU memory (CUDA)")]
+  teraio run --gpu 0 --gpu-path auto           # tensors in real GPU memory (CUDA)
+  teraio run --sim --iterations 4 --fault slow:1:10@1   # one of 4 disks 10x slower
+  teraio run --sim --fault corrupt@0:60 --iterations 3  # a lost activation; iteration 1 runs")]
 pub struct Args {
     /// Model preset of the trace, with optional overrides `NAME[,KEY=VALUE|,FLAG]...` (see
     /// `teraio trace gen --help`; e.g. `gpt2-replay,selective-recompute`).
@@ -93,6 +115,20 @@ pub struct Args {
     /// With --gpu: host memory stands in for the GPU (the same data paths; for tests).
     #[arg(long, hide = true, requires = "gpu")]
     pub gpu_emulated: bool,
+    /// Simulated in-memory disks instead of files or devices: --files of them (default 4) of
+    /// --file-size each (memory is taken as they are written), each as fast as
+    /// --sim-bandwidth. For trying --fault without hardware.
+    #[arg(long, conflicts_with = "devices")]
+    pub sim: bool,
+    /// With --sim: each disk's bandwidth per direction, bytes/s (0: as fast as memory copies).
+    #[arg(long, default_value = "1G", value_parser = parse_size_or_zero, requires = "sim")]
+    pub sim_bandwidth: u64,
+    /// With --sim: inject a fault while the replay runs (repeat for several); see below.
+    #[arg(long = "fault", value_name = "SPEC", value_parser = parse_fault, requires = "sim")]
+    pub faults: Vec<FaultSpec>,
+    /// Keep the first plan whatever bandwidth the iterations measure.
+    #[arg(long)]
+    pub no_replan: bool,
 }
 
 fn load_trace(args: &Args) -> Result<Trace> {
@@ -210,27 +246,51 @@ fn check_room(what: &str, needed: u64, capacity: u64, or: &str) -> Result<()> {
     )))
 }
 
-/// Bytes the array must hold for `plan`: the simulated peak of its copies, or, if more, every
-/// tensor it writes to the SSDs at once, rounded up to blocks (the store keeps a tensor's copy
-/// until the tensor is offloaded again or the executor finishes; the executor frees no copy
-/// when the tensor dies).
-fn runtime_ssd_bytes(trace: &Trace, plan: &teraio_scheduler::Plan, block: u32, peak: u64) -> u64 {
-    let mut written = vec![false; trace.tensors.len()];
-    for i in &plan.instructions {
-        if i.op == (teraio_scheduler::Op::Offload { dest: teraio_scheduler::Tier::Ssd }) {
-            written[i.tensor.index()] = true;
+/// Bytes the array must hold for `plan`: the simulated peak of its copies (the executor keeps
+/// a copy until its tensor dies or is written again, as the simulator counts), simulated with
+/// every tensor rounded up to the extent allocator's unit, as the store allocates it.
+fn runtime_ssd_bytes(
+    trace: &Trace,
+    plan: &teraio_scheduler::Plan,
+    hw: &Hardware,
+    unit: u64,
+    peak: u64,
+) -> Result<u64> {
+    let mut padded = trace.clone();
+    for t in &mut padded.tensors {
+        t.bytes = t.bytes.div_ceil(unit.max(1)) * unit.max(1);
+    }
+    // Rounded-up tensors would not fit the GPU memory the plan was made for; only the SSD
+    // bytes matter here.
+    let mut hw = hw.clone();
+    hw.gpu_memory_bytes = u64::MAX / 4;
+    let sim = simulate(&padded, plan, &hw, &SimOptions { iterations: 2, record_timeline: false })?;
+    Ok(sim.peak_ssd_bytes.max(peak))
+}
+
+/// The plan for `hw`, checked in the simulator: a plan that cannot run (an allocation that
+/// nothing in flight could ever satisfy) is made again for a little less memory than there is,
+/// leaving the difference as headroom. Returns the plan, its simulation (on `hw`) and the
+/// headroom used (percent).
+fn make_plan(
+    trace: &Trace,
+    hw: &Hardware,
+    capacity: u64,
+    policy: Policy,
+) -> Result<(Plan, SimReport, u64)> {
+    let mut attempt = None;
+    for headroom_percent in [0u64, 5, 10, 15, 20, 30] {
+        let mut planning_hw = hw.clone();
+        planning_hw.gpu_memory_bytes = capacity * (100 - headroom_percent) / 100;
+        let p = plan(trace, &planning_hw, policy)?;
+        let sim = simulate(trace, &p, hw, &SimOptions { iterations: 2, record_timeline: true })?;
+        let fits = matches!(sim.outcome, teraio_scheduler::Outcome::Completed);
+        attempt = Some((p, sim, headroom_percent));
+        if fits {
+            break;
         }
     }
-    for p in &plan.initially_offloaded {
-        written[p.tensor.index()] |= p.tier == teraio_scheduler::Tier::Ssd;
-    }
-    let held: u64 = trace
-        .tensors
-        .iter()
-        .filter(|t| written[t.id.index()])
-        .map(|t| t.bytes.div_ceil(u64::from(block)) * u64::from(block))
-        .sum();
-    held.max(peak)
+    Ok(attempt.expect("at least one attempt"))
 }
 
 /// Pinned host <-> GPU copy bandwidth (bytes/s, host-to-device and device-to-host) of 256 MiB,
@@ -300,6 +360,21 @@ pub fn run(args: Args) -> Result<()> {
     ));
 
     let mut ecfg = args.array.engine_config()?;
+    let sim_disks: Vec<std::sync::Arc<SimDisk>> = if args.sim {
+        let disks: Vec<_> = (0..ecfg.files.max(1))
+            .map(|i| SimDisk::new(ecfg.file_size_bytes.0, 4096, u64::from(i)))
+            .collect();
+        if args.sim_bandwidth > 0 {
+            for d in &disks {
+                d.inject(SimFault::Throughput { bytes_per_s: args.sim_bandwidth });
+            }
+        }
+        ecfg.sim_disks = disks.clone();
+        disks
+    } else {
+        Vec::new()
+    };
+    let mut injector = Injector::new(sim_disks, args.sim_bandwidth, &args.faults)?;
     ecfg.host_tier_bytes = ByteSize(args.host_memory);
     ecfg.checksums = !args.no_verify;
     // Copies stay valid after a prefetch, so the plan's clean drops write nothing.
@@ -378,27 +453,13 @@ pub fn run(args: Args) -> Result<()> {
         hw.pcie_d2h_bytes_per_s = d2h;
     }
 
-    // The plan is checked in the simulator before it runs. A plan that cannot run (an
-    // allocation that nothing in flight could ever satisfy) is made again for a little less
-    // memory than there is, leaving the difference as headroom.
+    // The plan is checked in the simulator before it runs.
     let started = Instant::now();
-    let mut attempt = None;
-    for headroom_percent in [0u64, 5, 10, 15, 20, 30] {
-        let mut planning_hw = hw.clone();
-        planning_hw.gpu_memory_bytes = capacity * (100 - headroom_percent) / 100;
-        let p = plan(&trace, &planning_hw, policy)?;
-        let sim = simulate(&trace, &p, &hw, &SimOptions { iterations: 2, record_timeline: true })?;
-        let fits = matches!(sim.outcome, teraio_scheduler::Outcome::Completed);
-        attempt = Some((p, sim, headroom_percent));
-        if fits {
-            break;
-        }
-    }
-    let (p, sim, headroom_percent) = attempt.expect("at least one attempt");
+    let (p, sim, headroom_percent) = make_plan(&trace, &hw, capacity, policy)?;
     let plan_s = started.elapsed().as_secs_f64();
     check_room(
         &format!("the `{}` plan", p.policy),
-        runtime_ssd_bytes(&trace, &p, array.geometry().block_bytes, sim.peak_ssd_bytes),
+        runtime_ssd_bytes(&trace, &p, &hw, engine.config().alloc_unit_bytes.0, sim.peak_ssd_bytes)?,
         engine.capacity_bytes(),
         "raise --gpu-memory or --host-memory so that less goes to the SSDs",
     )?;
@@ -456,12 +517,80 @@ pub fn run(args: Args) -> Result<()> {
         iterations: args.iterations,
         verify: !args.no_verify,
     };
-    let report = replay(&trace, &p, engine.store_arc(), gpu, &cfg, &mut |pr| {
+    // Notes from the faults injected and the re-plans, printed above the bar as they come.
+    let notes = std::cell::RefCell::new(Vec::<String>::new());
+    let note = |s: String| {
+        if !args.json {
+            // Printed above the bar (and also when stderr is not a terminal, where the bar is
+            // hidden).
+            bar.suspend(|| eprintln!("{s}"));
+        }
+        notes.borrow_mut().push(s);
+    };
+    let store = engine.store_arc().clone();
+    let mut progress = |pr: teraio_engine::runtime::Progress| {
+        for s in injector.at(pr.iteration, pr.kernel, &store, &trace) {
+            note(s);
+        }
         bar.set_message(format!("iteration {}/{}", pr.iteration + 1, args.iterations));
         bar.set_position((pr.iteration * pr.kernels + pr.kernel) as u64);
-    });
+    };
+    // After a slow (or fast again) iteration: plan again for the bandwidth it measured.
+    let mut watch = BandwidthWatch::new(1.5, 4 << 20);
+    let mut replans = Vec::new();
+    let mut adapt = |s: &IterationSummary| -> teraio_engine::Result<Option<Plan>> {
+        if args.no_replan {
+            return Ok(None);
+        }
+        let Some((w, r)) = watch.observe(s) else { return Ok(None) };
+        let mut h = hw.clone();
+        h.ssd_write_bytes_per_s *= w;
+        h.ssd_read_bytes_per_s *= r;
+        if let Some(d) = h.ssd_duplex_bytes_per_s.as_mut() {
+            *d *= w.min(r);
+        }
+        let what = format!(
+            "iteration {}: SSD write {}, read {} while busy (x{w:.2} and x{r:.2} of the first iteration's)",
+            s.iteration,
+            gbps(s.ssd_write_bytes_per_s),
+            gbps(s.ssd_read_bytes_per_s)
+        );
+        match make_plan(&trace, &h, capacity, policy) {
+            Ok((np, nsim, _)) if matches!(nsim.outcome, teraio_scheduler::Outcome::Completed) => {
+                note(format!(
+                    "{what}: re-planned for that bandwidth: {} migrations by `{}`, simulated iteration {:.2} s ({:.1}% of ideal); iteration {} runs it",
+                    np.instructions.len(),
+                    np.policy,
+                    nsim.iteration_time_us * 1e-6,
+                    nsim.percent_of_ideal,
+                    s.iteration + 1
+                ));
+                replans.push(json!({
+                    "after_iteration": s.iteration,
+                    "write_scale": w,
+                    "read_scale": r,
+                    "migrations": np.instructions.len(),
+                    "simulated_iteration_time_s": nsim.iteration_time_us * 1e-6,
+                }));
+                Ok(Some(np))
+            }
+            Ok(_) => {
+                note(format!(
+                    "{what}: no plan for that bandwidth runs in the simulator; keeping the plan"
+                ));
+                Ok(None)
+            }
+            Err(e) => {
+                note(format!("{what}: re-planning failed ({e}); keeping the plan"));
+                Ok(None)
+            }
+        }
+    };
+    let report =
+        replay_adaptive(&trace, &p, engine.store_arc(), gpu, &cfg, &mut progress, &mut adapt);
     bar.finish_and_clear();
     let report = report?;
+    let notes = notes.into_inner();
 
     if let Some(path) = &args.plot {
         plot(path, &trace, &sim, &report, capacity)?;
@@ -522,14 +651,18 @@ pub fn run(args: Args) -> Result<()> {
                 "verified_tensors": report.verified_tensors,
                 "verified_bytes": report.verified_bytes,
                 "store": report.store,
+                "iterations": report.iterations,
+                "stopped_iterations": report.stopped_iterations,
+                "replans": replans,
             },
+            "notes": notes,
             "agreement": {
                 "iteration_time_ratio": real_s / sim_s,
                 "stall_difference_s": report.stall_s - sim_stall_s,
             },
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+        return stopped(&report);
     }
     let st = &report.store;
     println!();
@@ -601,7 +734,70 @@ pub fn run(args: Args) -> Result<()> {
         real_s / sim_s,
         report.stall_s - sim_stall_s
     );
-    Ok(())
+    print_iterations(&report);
+    stopped(&report)
+}
+
+/// Every iteration: time, stall, SSD bandwidth, the plan it ran, what went wrong.
+fn print_iterations(report: &ReplayReport) {
+    println!();
+    println!(
+        "{:<10} {:>9} {:>9} {:>12} {:>12} {:>10}  plan",
+        "iteration", "time", "stall", "SSD write", "SSD read", "host tier"
+    );
+    for s in &report.iterations {
+        println!(
+            "{:<10} {:>7.2} s {:>7.2} s {:>12} {:>12} {:>10}  {} migrations{}",
+            s.iteration,
+            s.time_s,
+            s.stall_s,
+            gbps(s.ssd_write_bytes_per_s),
+            gbps(s.ssd_read_bytes_per_s),
+            gb((s.host_write_bytes + s.host_read_bytes) as f64),
+            s.migrations,
+            if s.replanned { " (re-planned)" } else { "" }
+        );
+        let mut went_on = Vec::new();
+        if s.failed_offloads > 0 {
+            went_on.push(format!(
+                "{} writes failed (the tensors stayed in GPU memory)",
+                s.failed_offloads
+            ));
+        }
+        if s.host_retries > 0 {
+            went_on.push(format!("{} failed SSD writes went to the host tier", s.host_retries));
+        }
+        if s.prefetch_retries > 0 {
+            went_on.push(format!("{} failed reads tried again", s.prefetch_retries));
+        }
+        if s.evictions > 0 {
+            went_on.push(format!(
+                "{} tensors evicted, {} read back on demand",
+                s.evictions, s.demand_fetches
+            ));
+        }
+        if !went_on.is_empty() {
+            println!("{:<10} went on: {}", "", went_on.join("; "));
+        }
+        if let Some(why) = &s.stopped {
+            println!("{:<10} STOPPED: {why}", "");
+        }
+    }
+}
+
+/// An error (exit status 1) when an iteration stopped, after the report was printed.
+fn stopped(report: &ReplayReport) -> Result<()> {
+    if report.stopped_iterations == 0 {
+        return Ok(());
+    }
+    let first = report.iterations.iter().find(|s| s.stopped.is_some()).expect("counted");
+    Err(CliError::Usage(format!(
+        "{} of {} iterations stopped because a tensor was lost (first: iteration {}: {}); the iterations after each one ran",
+        report.stopped_iterations,
+        report.iterations.len(),
+        first.iteration,
+        first.stopped.as_deref().unwrap_or("")
+    )))
 }
 
 fn plot(

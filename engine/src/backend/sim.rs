@@ -63,6 +63,12 @@ pub enum SimFault {
         /// Matching operations let through first.
         after_ops: u64,
     },
+    /// Every operation takes `len / bytes_per_s` seconds (a drive's bandwidth; several of
+    /// these add up: a second one of a ninth of the first makes the disk 10x slower).
+    Throughput {
+        /// Bytes per second.
+        bytes_per_s: u64,
+    },
     /// Every operation takes a seeded random time in `[min_us, max_us]`.
     Latency {
         /// Shortest latency in microseconds.
@@ -164,6 +170,18 @@ impl SimDisk {
         self.state.lock().faults.push(ActiveFault { fault, seen: 0 });
     }
 
+    /// Remove one fault equal to `fault` (the first one added); returns whether there was one.
+    pub fn remove_fault(&self, fault: SimFault) -> bool {
+        let mut st = self.state.lock();
+        match st.faults.iter().position(|f| f.fault == fault) {
+            Some(i) => {
+                st.faults.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Remove every fault.
     pub fn clear_faults(&self) {
         self.state.lock().faults.clear();
@@ -237,6 +255,9 @@ impl SimDisk {
                     let us =
                         if max_us > min_us { st.rng.gen_range(min_us..=max_us) } else { min_us };
                     latency += Duration::from_micros(us);
+                }
+                SimFault::Throughput { bytes_per_s } if bytes_per_s > 0 => {
+                    latency += Duration::from_secs_f64(len as f64 / bytes_per_s as f64);
                 }
                 SimFault::Eio { op, after_ops } if op.matches(kind) => {
                     f.seen += 1;
@@ -339,6 +360,28 @@ impl SimDisk {
         }
         (Ok(n), d.latency)
     }
+}
+
+/// Flip the bytes of the first block of tensor `id`'s SSD copy on `disks` (the disks of the
+/// store's array, in array order), as silent corruption on a drive would: the next read of the
+/// copy fails its checksum. Returns the device corrupted, or `None` when the tensor has no SSD
+/// copy (for fault-injection tests and `teraio run --fault corrupt`).
+pub fn corrupt_ssd_copy(
+    store: &crate::store::TensorStore,
+    disks: &[Arc<SimDisk>],
+    id: crate::store::TensorId,
+) -> Option<u32> {
+    let map = store.info(id)?.stripe_map?;
+    let (device, extent) = map.extents().next()?;
+    let disk = disks.get(device as usize)?;
+    let len = extent.len.min(u64::from(disk.block_bytes())) as usize;
+    let mut block = vec![0u8; len];
+    disk.peek(extent.offset, &mut block);
+    for b in &mut block {
+        *b ^= 0xff;
+    }
+    disk.poke(extent.offset, &block);
+    Some(device)
 }
 
 /// Backend over simulated disks: a few worker threads execute requests against the disks.
@@ -498,5 +541,24 @@ mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { d.transfer(OpKind::Read, 0, &v) }.0.unwrap(), 2048);
         assert_eq!(d.stats().short_transfers, 1);
+    }
+
+    #[test]
+    fn throughput_faults_add_up_and_come_off_one_by_one() {
+        let d = SimDisk::new(1 << 20, 512, 1);
+        let base = SimFault::Throughput { bytes_per_s: 1 << 30 };
+        let slow = SimFault::Throughput { bytes_per_s: (1 << 30) / 9 };
+        d.inject(base);
+        d.inject(slow);
+        let mut st = d.state.lock();
+        let t = d.decide(&mut st, OpKind::Write, 0, 1 << 20).latency;
+        drop(st);
+        let expected = 10.0 * (1 << 20) as f64 / (1u64 << 30) as f64;
+        assert!((t.as_secs_f64() - expected).abs() < 1e-6, "{t:?} vs {expected}");
+        assert!(d.remove_fault(slow));
+        assert!(!d.remove_fault(slow), "removed once");
+        let mut st = d.state.lock();
+        let t = d.decide(&mut st, OpKind::Read, 0, 1 << 20).latency;
+        assert!((t.as_secs_f64() - expected / 10.0).abs() < 1e-6, "{t:?}");
     }
 }

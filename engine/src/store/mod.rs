@@ -602,6 +602,11 @@ impl TensorStore {
             .and_then(|e| if e.queue.is_empty() { e.held.take() } else { None })
     }
 
+    /// Whether the store has a host tier (a second offload destination).
+    pub fn has_host_tier(&self) -> bool {
+        self.inner.host_tier.is_some()
+    }
+
     /// Whether tensor `id` has an SSD copy and no operation queued or running (so a caller
     /// that did not modify it may release its memory without writing it again). Unlike
     /// [`info`](Self::info), it copies nothing.
