@@ -42,7 +42,9 @@ pub enum Error {
     },
     /// A buffer address, length or device offset breaks the alignment O_DIRECT (or a device
     /// pointer's) needs.
-    #[error("misaligned {what}: {value:#x} is not a multiple of {align}")]
+    #[error(
+        "misaligned {what}: {value:#x} is not a multiple of {align} (O_DIRECT and DMA need aligned buffers)"
+    )]
     Misaligned {
         /// Which value.
         what: &'static str,
