@@ -116,6 +116,15 @@ pub fn plan(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
     Ok(teraio_scheduler::plan(trace, hw, policy)?)
 }
 
+/// [`plan`], checked as the CLI's `plan` checks it: a kernel whose working set exceeds the GPU
+/// budget, a plan that runs out of GPU memory in the simulator, or one whose SSD or host
+/// footprint exceeds the hardware's capacities is an error naming what is needed and what
+/// there is.
+pub fn plan_checked(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan> {
+    let opts = teraio_scheduler::PlanOptions::default();
+    Ok(teraio_scheduler::plan_checked(trace, hw, policy, &opts)?.plan)
+}
+
 /// A plan from its JSON text, checked against `trace`.
 pub fn plan_from_json(trace: &Trace, text: &str) -> Result<Plan> {
     let p = Plan::from_json(text).map_err(|e| match e {

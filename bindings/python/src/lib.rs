@@ -545,19 +545,25 @@ fn hardware_json(preset_or_json: String, overrides_json: Option<String>) -> PyRe
 
 /// Plan a trace.
 #[pyfunction]
-#[pyo3(signature = (trace, policy, hardware, overrides_json=None))]
+#[pyo3(signature = (trace, policy, hardware, overrides_json=None, checked=false))]
 fn plan(
     py: Python<'_>,
     trace: &NativeTrace,
     policy: String,
     hardware: String,
     overrides_json: Option<String>,
+    checked: bool,
 ) -> PyRes<NativePlan> {
     let t = trace.trace.clone();
     let p = py
         .detach(|| {
             let h = hw(&hardware, overrides_json.as_deref())?;
-            core::sched::plan(&t, &h, core::sched::policy(&policy)?)
+            let policy = core::sched::policy(&policy)?;
+            if checked {
+                core::sched::plan_checked(&t, &h, policy)
+            } else {
+                core::sched::plan(&t, &h, policy)
+            }
         })
         .map_err(err)?;
     Ok(NativePlan { plan: Arc::new(p) })

@@ -887,11 +887,16 @@ def plan(
     trace: Trace,
     policy: str = "teraio",
     hardware: Union[str, Dict[str, Any]] = "paper",
+    *,
+    checked: bool = False,
     **overrides: Any,
 ) -> Plan:
     """Plan ``trace`` with ``policy`` (:data:`POLICIES`) on ``hardware`` (a preset name or a
-    dict), with ``overrides`` of hardware fields."""
-    return Plan(_teraio.plan(trace._native, policy, _hw(hardware), _overrides(overrides)))
+    dict), with ``overrides`` of hardware fields. ``checked=True`` refuses, as ``teraio plan``
+    does, a plan that cannot run: a kernel larger than the GPU budget, a plan out of GPU memory
+    in the simulator, or one needing more SSD or host space than the hardware's capacities
+    (:class:`PlanError` / :class:`SimulationError` naming what is needed and what there is)."""
+    return Plan(_teraio.plan(trace._native, policy, _hw(hardware), _overrides(overrides), bool(checked)))
 
 
 def simulate(

@@ -202,3 +202,35 @@ def test_pager_retries_an_operator_that_ran_out_of_memory():
     pager.restore_all()
     assert all(torch.equal(x, torch.full((1024,), float(i))) for i, x in enumerate(xs))
     assert store.d == {}
+
+
+def test_a_plan_that_does_not_fit_the_array_is_refused_and_steps_keep_paging(tmp_path):
+    engine = engine_store(tmp_path)
+
+    class SmallArray:
+        """The engine, saying its array holds 64 KiB: less than the copies any plan under this
+        budget needs (the session reads the capacity from the store)."""
+
+        capacity_bytes = 64 << 10
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+    ref_losses, ref_model = reference(4)
+    budget = 3 * params_bytes(ref_model)
+    model, opt = make()
+    lines = []
+    s = tt.Session(model, opt, store=SmallArray(), gpu_budget_bytes=budget, page_min_bytes=0,
+                   log=lines.append)
+    losses = []
+    for t in batches(4):
+        with s.step():
+            losses.append(train_step(model, opt, t))
+    assert losses == ref_losses
+    refused = [r["plan"] for r in s.steps if str(r.get("plan", "")).startswith("refused")]
+    assert refused and "on the SSD array" in refused[0] and "holds 65536" in refused[0], \
+        [r.get("plan") for r in s.steps]
+    assert all(r["mode"] == "paged" for r in s.steps)
+    assert any("no plan for this iteration" in line for line in lines)
+    s.close()
+    engine.close()

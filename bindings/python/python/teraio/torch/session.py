@@ -101,6 +101,7 @@ class Session:
             raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
         if profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+
         self.model = model
         self.optimizer = make_plannable(optimizer, optimizer_chunk_bytes)
         self.budget = gpu_budget_bytes
@@ -120,6 +121,12 @@ class Session:
         self.profiler = Profiler(model, optimizer, device=device)
         self.device = self.profiler.device
         cuda = self.device.type == "cuda"
+        if cuda and gpu_budget_bytes is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            if gpu_budget_bytes > total:
+                raise ValueError(
+                    f"gpu_budget_bytes {gpu_budget_bytes} is above {self.device}'s memory ({total} bytes): "
+                    "lower gpu_budget_bytes (the memory the iteration's tensors may use)")
         self.mover = StorageMover(store) if store is not None else None
         self.pager = None
         if gpu_budget_bytes is not None and self.mover is not None:
@@ -285,9 +292,23 @@ class Session:
             rec["plan_s"] = time.perf_counter() - t0
         elif teraio is not None and hasattr(teraio, "plan"):
             hw = self.hardware if self.hardware is not None else "paper"
-            over = {"gpu_memory_bytes": self.plan_budget, "host_memory_cap_bytes": self.host_budget}
+            over: dict[str, Any] = {"gpu_memory_bytes": self.plan_budget,
+                                    "host_memory_cap_bytes": self.host_budget}
+            capacity = getattr(self.store, "capacity_bytes", None)
+            if isinstance(capacity, int) and capacity > 0:
+                # the plan must fit the engine's array: the planner keeps its SSD footprint under
+                # the capacity (per SSD of the hardware model) or refuses the plan
+                over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
             t0 = time.perf_counter()
-            entry["plan"] = teraio.plan(teraio.Trace.from_dict(trace), self.policy, hw, **over)
+            try:
+                entry["plan"] = teraio.plan(teraio.Trace.from_dict(trace), self.policy, hw, checked=True, **over)
+            except teraio.TeraioError as e:
+                # no plan fits (the array, the host tier): steps keep paging, and say why
+                entry["plan"] = None
+                rec["plan"] = (f"refused: {e} (more or larger engine files, a host tier with "
+                               "host_budget_bytes, or a larger gpu_budget_bytes change it)")
+                self.log(f"teraio: no plan for this iteration ({e}); steps page through the engine")
+                return
             rec["plan_s"] = time.perf_counter() - t0
         rec["plan"] = "made" if entry["plan"] is not None else "profiled (no planner in this build)"
 
