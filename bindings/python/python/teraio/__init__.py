@@ -246,6 +246,16 @@ def _device_export(obj: Any, what: str) -> Optional[Tuple[int, int]]:
     return int(addr), int(nbytes)
 
 
+def _device_arg(mem: Any, host_call: str) -> Tuple[int, int]:
+    """(address, nbytes) of the device memory an ``*_device`` call was given, or a clear error."""
+    dev = _device_export(mem, "mem")
+    if dev is None:
+        raise InvalidArgumentError(
+            f"mem: device memory (DeviceMemory or a CUDA array) is required, not {type(mem).__name__}; "
+            f"host buffers go through {host_call}()")
+    return dev
+
+
 def _stream_handle(stream: Any) -> int:
     """A CUDA stream as the integer the engine takes: an int, or a ``torch.cuda.Stream`` /
     CuPy stream (``cuda_stream`` / ``ptr``); None is the legacy default stream (0)."""
@@ -430,11 +440,7 @@ class Engine:
         the default stream); the stream is not blocked. Keep the memory unwritten until the
         operation completed. Needs an engine with a GPU (``gpu={"device": 0}``)."""
         tid = _tensor_id(tensor_id)
-        dev = _device_export(mem, "mem")
-        if dev is None:
-            raise InvalidArgumentError(
-                f"mem: device memory (DeviceMemory or a CUDA array) is required, not {type(mem).__name__}; "
-                "host buffers go through offload()")
+        dev = _device_arg(mem, "offload")
         op = self._native.offload_device(tid, dev[0], dev[1], _stream_handle(stream), name, destination,
                                          priority, mem)
         return PendingOp(op, None)
@@ -445,11 +451,7 @@ class Engine:
         read by it). Once ``wait()`` returned (it returns ``mem``), work queued on ``stream``
         afterwards sees the data; the host never waits for the stream."""
         tid = _tensor_id(tensor_id)
-        dev = _device_export(mem, "mem")
-        if dev is None:
-            raise InvalidArgumentError(
-                f"mem: device memory (DeviceMemory or a CUDA array) is required, not {type(mem).__name__}; "
-                "host buffers go through prefetch()")
+        dev = _device_arg(mem, "prefetch")
         op = self._native.prefetch_device(tid, dev[0], dev[1], _stream_handle(stream), priority, mem)
         return PendingOp(op, mem)
 
