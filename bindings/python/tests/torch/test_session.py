@@ -86,27 +86,45 @@ def test_paged_training_is_bitwise_identical(tmp_path, store_kind):
     rep = s.report()
     assert rep["evictions"] > 0 and rep["fetches"] > 0, "the budget must force paging"
     assert rep["bytes_moved_per_step"] > 0
-    if store_kind != "mem":
-        # step 0 makes the optimizer's state (not planned from), step 1 is profiled and planned,
-        # then the engine's plan executor runs the steps: same losses, bitwise
-        assert [r["mode"] for r in s.steps] == ["paged", "paged", "planned", "planned"], s.steps
-        for r in s.steps[2:]:
-            ex = r["executor"]
-            assert "diverged" not in r and ex["diverged"] is None
-            assert ex["offloads"] > 0 and ex["prefetches"] > 0 and r["bytes_moved"] > 0
-            assert ex["peak_bytes"] <= budget
-        (entry,) = [e for e in s.plans.values() if e.get("run")]
-        run = entry["run"]
-        held = [run.ex.resident(t) for t, x in enumerate(run.tensors) if x["global"]]
-        kinds = {type(m).__name__ for m in held if m is not None}
-        if store_kind == "engine-device":
-            assert kinds == {"DeviceMemory"}, kinds
-        else:
-            assert kinds and "DeviceMemory" not in kinds, kinds
-        assert run.device_memory == (store_kind == "engine-device")
     s.close()
     if store_kind == "mem":
         assert store.d == {}, "every paged copy is freed once read back"
+
+
+# Planned steps (opt-in): the engine's plan executor runs steps 2 and 3 with the same losses.
+# Parameters are not compared after the steps: a planned step can end with a global tensor
+# offloaded or still being prefetched (the known gap that keeps planned steps opt-in).
+@pytest.mark.parametrize("store_kind", ["engine", "engine-device"])
+def test_planned_steps_run_on_the_engines_executor_with_the_same_losses(tmp_path, store_kind):
+    store = engine_store(tmp_path, device=store_kind == "engine-device")
+    ref_losses, ref_model = reference(4)
+    budget = 3 * params_bytes(ref_model)
+    model, opt = make()
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, planned=True,
+                   log=lambda _: None)
+    losses = []
+    for t in batches(4):
+        with s.step():
+            losses.append(train_step(model, opt, t))
+    assert losses == ref_losses
+    # step 0 makes the optimizer's state (not planned from), step 1 is profiled and planned,
+    # then the engine's plan executor runs the steps: same losses, bitwise
+    assert [r["mode"] for r in s.steps] == ["paged", "paged", "planned", "planned"], s.steps
+    for r in s.steps[2:]:
+        ex = r["executor"]
+        assert "diverged" not in r and ex["diverged"] is None
+        assert ex["offloads"] > 0 and ex["prefetches"] > 0 and r["bytes_moved"] > 0
+        assert ex["peak_bytes"] <= budget
+    (entry,) = [e for e in s.plans.values() if e.get("run")]
+    run = entry["run"]
+    held = [run.ex.resident(t) for t, x in enumerate(run.tensors) if x["global"]]
+    kinds = {type(m).__name__ for m in held if m is not None}
+    if store_kind == "engine-device":
+        assert kinds == {"DeviceMemory"}, kinds
+    else:
+        assert kinds and "DeviceMemory" not in kinds, kinds
+    assert run.device_memory == (store_kind == "engine-device")
+    s.close()
 
 
 def test_the_trace_peak_exceeds_the_budget_it_ran_under():

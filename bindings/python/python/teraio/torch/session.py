@@ -92,6 +92,7 @@ class Session:
         page_min_bytes: int = 1 << 16,
         page_fraction: float = 0.85,
         executor_factory: Callable[..., Any] | None = None,
+        planned: bool = False,
         planner: Callable[[dict, int, int], Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
@@ -113,6 +114,10 @@ class Session:
         self.report_every = report_every
         self.log = log
         self.executor_factory = executor_factory
+        # the engine's executor runs planned steps only when asked: at the end of a planned step
+        # a global tensor can still be offloaded or being prefetched (2026-12-02, an intermittent
+        # CI failure), and code between steps must see every tensor (docs/TORCH.md, Limits)
+        self.planned = planned
         self.planner = planner
         self._engine = None
         if store is None and gpu_budget_bytes is not None:
@@ -216,7 +221,7 @@ class Session:
         if entry.get("run") is None:
             try:
                 entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
-                                          self.executor_factory or self._engine_executor,
+                                          self.executor_factory or self._planned_executor,
                                           device_memory=self._device_memory())
             except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry["run"] = False
@@ -237,6 +242,13 @@ class Session:
             return True
         gpu = (getattr(self.store, "config", None) or {}).get("gpu") or {}
         return bool(gpu.get("emulated")) and gpu.get("device") is not None
+
+    def _planned_executor(self, trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
+        if not self.planned:
+            raise NotImplementedError(
+                "planned steps are opt-in (Session(planned=True)) until a planned step ends with "
+                "every global tensor resident; steps page through the engine")
+        return self._engine_executor(trace, plan, budget, allocator)
 
     def _engine_executor(self, trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
         """The engine's plan executor over the session's store (a ``teraio.Engine``), ordered
