@@ -27,6 +27,8 @@
 //!         ... the kernel runs; resident(t) gives a tensor's memory ...
 //!         after_kernel(k)                       // tensors whose last use was k die
 //!     end_iteration()                           // wrap-around instructions, the report
+//!     gather_globals()                          // optional: every global resident until
+//!                                               // kernel 0 (the caller's code between steps)
 //! finish()
 //! ```
 //!
@@ -44,6 +46,14 @@
 //! and every later call succeeds without plan checks until the caller re-plans (a new
 //! executor). No tensor is lost and none is handed back wrong.
 //!
+//! # Between iterations
+//!
+//! When an iteration ends the plan may leave global tensors off the GPU or still moving. A
+//! caller whose own code touches them between iterations calls
+//! [`Executor::gather_globals`]: every global tensor resident with its bytes in place until the
+//! next iteration's boundary 0 puts them back (the `between` module; [`Executor::modified`]
+//! when that code wrote one).
+//!
 //! # Faults
 //!
 //! A failed offload write leaves the tensor resident (its memory comes back from the store)
@@ -54,8 +64,10 @@
 //! the iteration stops, and [`Executor::abort_iteration`] ends it so the next one can run (see
 //! the `recover` module). A tensor's SSD copy is freed when the tensor dies.
 
+mod between;
 mod recover;
 
+pub use between::GatherReport;
 pub use recover::LostTensor;
 
 use std::collections::VecDeque;
@@ -284,6 +296,11 @@ pub struct Executor {
     replanned: bool,
     /// The last failed write (for the message when memory runs out because of them).
     last_write_error: Option<String>,
+    /// Global tensors `gather_globals` kept or read back: boundary 0 puts them back where the
+    /// plan starts them.
+    regather: Vec<bool>,
+    /// `gather_globals` is reading global tensors back: the budget does not hold them back.
+    gathering: bool,
 }
 
 impl std::fmt::Debug for Executor {
@@ -372,6 +389,8 @@ impl Executor {
             frees: Vec::new(),
             replanned: false,
             last_write_error: None,
+            regather: vec![false; trace_len],
+            gathering: false,
         })
     }
 
@@ -670,6 +689,9 @@ impl Executor {
         if self.safe.is_some() {
             return Ok(());
         }
+        if self.issued == 0 {
+            self.scatter_gathered()?;
+        }
         while self.issued <= k {
             let b = self.issued;
             self.issue(b)?;
@@ -840,7 +862,10 @@ impl Executor {
         }
         while let Some(a) = self.allocs.front() {
             let t = a.tensor();
-            if self.safe.is_none() && self.used + self.bytes(t) > self.cfg.gpu_budget_bytes {
+            if self.safe.is_none()
+                && !self.gathering
+                && self.used + self.bytes(t) > self.cfg.gpu_budget_bytes
+            {
                 break;
             }
             let a = self.allocs.pop_front().expect("front exists");

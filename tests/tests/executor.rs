@@ -9,7 +9,9 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use teraio_engine::array::{ArrayConfig, DeviceArray, Target};
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
-use teraio_engine::executor::{Executor, ExecutorConfig, IterationReport, TierAllocator};
+use teraio_engine::executor::{
+    Executor, ExecutorConfig, GatherReport, IterationReport, TierAllocator,
+};
 use teraio_engine::store::{StoreConfig, TensorStore};
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::{Error, Result};
@@ -105,19 +107,24 @@ fn rig(disk_bytes: u64) -> Rig {
 #[derive(Default)]
 struct Seen {
     reports: Vec<IterationReport>,
+    /// `gather_globals` after each iteration (when the trainer gathers).
+    gathers: Vec<GatherReport>,
     /// Wrong bytes handed back (must stay empty whatever happens).
     wrong: Vec<String>,
     max_used: u64,
 }
 
 /// A trainer running `iterations` iterations of `trace` under `plan`: it creates and writes
-/// tensors as the trace says, checks the bytes of every tensor its kernels access.
+/// tensors as the trace says, checks the bytes of every tensor its kernels access. With
+/// `gather`, after each iteration it gathers the global tensors, checks every one of them,
+/// and rewrites one (as a trainer loading a checkpoint would).
 fn drive(
     rig: &Rig,
     trace: &Trace,
     p: &Plan,
     budget: u64,
     iterations: usize,
+    gather: bool,
     seen: &mut Seen,
 ) -> Result<()> {
     let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
@@ -162,6 +169,35 @@ fn drive(
             ex.after_kernel(k)?;
         }
         seen.reports.push(ex.end_iteration()?);
+        if gather {
+            let g = ex.gather_globals()?;
+            // Every global is resident, or keeps its memory while its write completes (the
+            // store owns that memory until then: a trainer's own buffer stays readable).
+            let mut writing = 0;
+            for (i, t) in trace.tensors.iter().enumerate().filter(|(_, t)| t.global) {
+                match ex.resident(t.id) {
+                    None => writing += 1,
+                    Some(mem) => {
+                        if let Err(e) = check(mem, i, version[i]) {
+                            seen.wrong.push(format!("between iterations: {e}"));
+                        }
+                    }
+                }
+            }
+            if writing > g.kept_in_flight {
+                seen.wrong.push(format!("{writing} globals off the GPU after gather_globals"));
+            }
+            seen.gathers.push(g);
+            // The trainer writes one of the tensors the plan starts offloaded (or any global);
+            // `modified` waits for a write of it still in flight.
+            let first_global = trace.tensors.iter().find(|t| t.global).map(|t| t.id);
+            if let Some(id) = p.initially_offloaded.first().map(|x| x.tensor).or(first_global) {
+                let i = id.index();
+                ex.modified(id)?;
+                version[i] += 1;
+                fill(ex.resident_mut(id).expect("resident after modified()"), i, version[i]);
+            }
+        }
     }
     ex.finish()
 }
@@ -176,7 +212,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 
     #[test]
-    fn the_executor_runs_what_the_simulator_runs(trace in random_trace(), frac in 0.35f64..1.1) {
+    fn the_executor_runs_what_the_simulator_runs(
+        trace in random_trace(),
+        frac in 0.35f64..1.1,
+        gather in any::<bool>(),
+    ) {
         trace.validate().unwrap();
         let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
         let mut hw = Hardware::dev();
@@ -185,19 +225,36 @@ proptest! {
         let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
         let rig = rig(64 << 20);
         let mut seen = Seen::default();
-        let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, &mut seen);
+        let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, gather, &mut seen);
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         if matches!(sim.outcome, Outcome::Completed) {
             run.unwrap();
             let (offloads, prefetches) = plan_counts(&p);
-            for r in &seen.reports {
-                prop_assert_eq!(r.offloads + r.clean_drops, offloads, "every planned offload issued");
+            for (i, r) in seen.reports.iter().enumerate() {
+                // After a gather, the tensors read back go out again at boundary 0, and the
+                // iteration starts with what the gather left resident.
+                // After a gather, the tensors read back go out again at boundary 0 (and the
+                // kept ones whose write finished first are dropped again), and the iteration
+                // starts with what the gather left resident.
+                let (lo, hi, start) = match i.checked_sub(1).and_then(|j| seen.gathers.get(j)) {
+                    Some(g) => (g.read_back, g.read_back + g.kept_in_flight, g.used_bytes),
+                    None => (0, 0, 0),
+                };
+                let issued = r.offloads + r.clean_drops;
+                prop_assert!(
+                    (offloads + lo..=offloads + hi).contains(&issued),
+                    "every planned offload issued: {issued} in iteration {i}, {offloads} planned, {lo}..={hi} again"
+                );
                 prop_assert_eq!(r.prefetches, prefetches, "every planned prefetch issued");
-                prop_assert!(r.peak_bytes <= hw.gpu_memory_bytes, "{} over {}", r.peak_bytes, hw.gpu_memory_bytes);
+                let limit = hw.gpu_memory_bytes.max(start);
+                prop_assert!(r.peak_bytes <= limit, "{} over {}", r.peak_bytes, limit);
                 prop_assert!(r.diverged.is_none());
                 prop_assert_eq!(r.failed_offloads, 0);
             }
-            prop_assert!(seen.max_used <= hw.gpu_memory_bytes);
+            // Every kernel ran within the budget (or within what a gather left resident, which
+            // only shrinks: allocations wait for the budget).
+            let gathered = seen.gathers.iter().map(|g| g.used_bytes).max().unwrap_or(0);
+            prop_assert!(seen.max_used <= hw.gpu_memory_bytes.max(gathered));
             prop_assert!(rig.store.tensors().is_empty(), "finish() leaves the store empty");
         } else if let Err(e) = run {
             // The simulator ran out of memory: so may the executor, with a clear error.
@@ -225,7 +282,7 @@ proptest! {
         };
         rig.disks[which].inject(fault);
         let mut seen = Seen::default();
-        let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, &mut seen);
+        let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, false, &mut seen);
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         match run {
             Ok(()) => {
@@ -278,7 +335,7 @@ fn a_generated_iteration_runs_within_budget_with_every_byte_right() {
     let (trace, p, budget) = squeezed();
     let rig = rig(256 << 20);
     let mut seen = Seen::default();
-    drive(&rig, &trace, &p, budget, 3, &mut seen).unwrap();
+    drive(&rig, &trace, &p, budget, 3, false, &mut seen).unwrap();
     assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
     assert_eq!(seen.reports.len(), 3);
     let last = seen.reports.last().unwrap();

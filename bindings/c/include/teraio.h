@@ -531,6 +531,21 @@ teraio_status teraio_executor_events(teraio_executor *executor, char **out_json)
 // `out_report_json` is valid for a write of a pointer.
 teraio_status teraio_executor_end_iteration(teraio_executor *executor, char **out_report_json);
 
+// Between iterations (after `teraio_executor_end_iteration`): make every global tensor
+// resident with its bytes in place until the next iteration's first kernel, for the caller's
+// own code between steps (logging, a checkpoint). Offloads still being written keep their
+// memory; tensors already off the GPU are read back (on a GPU the caller's stream waits for
+// them). The report as JSON (`read_back`, `read_back_bytes`, `kept_in_flight`, `waited_s`,
+// `used_bytes`). Kernel 0 of the next iteration puts them back where the plan starts them.
+//
+// # Safety
+// `out_report_json` is valid for a write of a pointer.
+teraio_status teraio_executor_gather_globals(teraio_executor *executor, char **out_report_json);
+
+// The caller wrote global tensor `tensor` between iterations (after
+// `teraio_executor_gather_globals`): the store's copy is stale and the next offload writes it.
+teraio_status teraio_executor_modified(teraio_executor *executor, uint32_t tensor);
+
 // Wait for the migrations in flight, free the store's copies of the trace's tensors, release
 // resident memory, and free the handle (also when it fails).
 teraio_status teraio_executor_finish(teraio_executor *executor);

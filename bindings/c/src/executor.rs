@@ -507,6 +507,43 @@ pub unsafe extern "C" fn teraio_executor_end_iteration(
     })
 }
 
+/// Between iterations (after `teraio_executor_end_iteration`): make every global tensor
+/// resident with its bytes in place until the next iteration's first kernel, for the caller's
+/// own code between steps (logging, a checkpoint). Offloads still being written keep their
+/// memory; tensors already off the GPU are read back (on a GPU the caller's stream waits for
+/// them). The report as JSON (`read_back`, `read_back_bytes`, `kept_in_flight`, `waited_s`,
+/// `used_bytes`). Kernel 0 of the next iteration puts them back where the plan starts them.
+///
+/// # Safety
+/// `out_report_json` is valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_gather_globals(
+    executor: *mut teraio_executor,
+    out_report_json: *mut *mut c_char,
+) -> teraio_status {
+    guard("teraio_executor_gather_globals", || {
+        need(out_report_json, "out_report_json")?;
+        let r = with_ex(executor, |ex, _| ex.gather_globals())?;
+        let text = serde_json::to_string(&r).expect("a report serializes");
+        // SAFETY: forwarded contract.
+        unsafe { put_string(out_report_json, "out_report_json", text) }?;
+        Ok(Status::Ok)
+    })
+}
+
+/// The caller wrote global tensor `tensor` between iterations (after
+/// `teraio_executor_gather_globals`): the store's copy is stale and the next offload writes it.
+#[unsafe(no_mangle)]
+pub extern "C" fn teraio_executor_modified(
+    executor: *mut teraio_executor,
+    tensor: u32,
+) -> teraio_status {
+    guard("teraio_executor_modified", || {
+        with_ex(executor, |ex, _| ex.modified(TensorId(tensor)))?;
+        Ok(Status::Ok)
+    })
+}
+
 /// Wait for the migrations in flight, free the store's copies of the trace's tensors, release
 /// resident memory, and free the handle (also when it fails).
 #[unsafe(no_mangle)]

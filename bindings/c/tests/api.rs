@@ -622,6 +622,12 @@ fn executor_iterations(device: bool) {
             assert!(r["offloads"].as_u64().unwrap() > 0 && r["prefetches"].as_u64().unwrap() > 0);
             assert!(r["diverged"].is_null());
         }
+        // Between iterations: every global back (or keeping its memory while its write ends).
+        let mut rep = null_mut();
+        assert_eq!(teraio_executor_gather_globals(ex, &mut rep), TERAIO_OK, "{}", last_error());
+        let g: serde_json::Value = serde_json::from_str(&take_string(rep)).unwrap();
+        let kept = g["kept_in_flight"].as_u64().unwrap();
+        let globals = tensors.iter().filter(|x| x.1).count() as u64;
         // Every resident global holds its bytes.
         let mut checked = 0;
         for (i, &(bytes, global)) in tensors.iter().enumerate() {
@@ -634,6 +640,13 @@ fn executor_iterations(device: bool) {
             }
         }
         assert!(checked > 0);
+        // Off the GPU: at most the ones whose write was still in flight (some ended since).
+        assert!(checked <= globals && checked + kept >= globals, "{checked} of {globals}: {g}");
+        let first_global = tensors.iter().position(|x| x.1).unwrap() as u32;
+        let first_local = tensors.iter().position(|x| !x.1).unwrap() as u32;
+        assert_eq!(teraio_executor_modified(ex, first_global), TERAIO_OK, "{}", last_error());
+        assert_eq!(teraio_executor_modified(ex, first_local), TERAIO_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("not a global tensor"), "{}", last_error());
         let mut ev = null_mut();
         assert_eq!(teraio_executor_events(ex, &mut ev), TERAIO_OK);
         assert!(take_string(ev).contains("released"));

@@ -881,6 +881,17 @@ impl NativeExecutor {
         })
     }
 
+    fn gather_globals_json(&self, py: Python<'_>) -> PyRes<String> {
+        self.with(py, |ex| {
+            let r = ex.gather_globals()?;
+            Ok(serde_json::to_string(&r).expect("a report serializes"))
+        })
+    }
+
+    fn modified(&self, py: Python<'_>, tensor: u32) -> PyRes<()> {
+        self.with(py, |ex| ex.modified(TensorId(tensor)))
+    }
+
     fn finish(&self, py: Python<'_>) -> PyRes<()> {
         py.detach(|| {
             let ex = self.ex.lock().take();

@@ -673,6 +673,19 @@ class Executor:
         memory timeline, store statistics)."""
         return json.loads(self._native.end_iteration_json())
 
+    def gather_globals(self) -> Dict[str, Any]:
+        """Between iterations (after :meth:`end_iteration`): every global tensor resident with
+        its bytes in place until the next iteration's kernel 0, for the caller's own code
+        between steps. Offloads still being written keep their memory, tensors already off the
+        GPU are read back. A dict: ``read_back``, ``read_back_bytes``, ``kept_in_flight``,
+        ``waited_s``, ``used_bytes``."""
+        return json.loads(self._native.gather_globals_json())
+
+    def modified(self, tensor_id: int) -> None:
+        """The caller wrote global tensor ``tensor_id`` between iterations: its stored copy
+        is stale, the next offload writes it."""
+        self._native.modified(tensor_id)
+
     def finish(self) -> None:
         """Wait for migrations in flight and free the store's copies of the trace's tensors."""
         self._native.finish()

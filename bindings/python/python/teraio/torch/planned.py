@@ -46,28 +46,33 @@ class Diverged(Exception):
         self.detail = detail
 
 
-def named_storages(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.UntypedStorage]:
-    """The storages the profiler names (``param:``, ``grad:``, ``buffer:``, ``state:``)."""
-    out: dict[str, torch.UntypedStorage] = {}
+def named_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """The tensors the profiler names (``param:``, ``grad:``, ``buffer:``, ``state:``)."""
+    out: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}
     if model is not None:
         for n, p in model.named_parameters():
             names[id(p)] = n
-            s = storage_of(p)
-            if s is not None:
-                out[f"param:{n}"] = s
-            if p.grad is not None and (g := storage_of(p.grad)) is not None:
-                out[f"grad:{n}"] = g
+            out[f"param:{n}"] = p
+            if p.grad is not None:
+                out[f"grad:{n}"] = p.grad
         for n, b in model.named_buffers():
-            if (s := storage_of(b)) is not None:
-                out[f"buffer:{n}"] = s
+            out[f"buffer:{n}"] = b
     if optimizer is not None:
         for p, state in optimizer.state.items():
             pn = names.get(id(p), f"p{id(p):x}")
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and (s := storage_of(v)) is not None:
-                    out[f"state:{pn}.{k}"] = s
+                if isinstance(v, torch.Tensor):
+                    out[f"state:{pn}.{k}"] = v
     return out
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place write counter (shared with its views), None when it has none."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):  # inference tensors have no version counter
+        return None
 
 
 def _default_factory(trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
@@ -82,7 +87,7 @@ class PlannedRun:
 
     def __init__(self, entry: dict[str, Any], model: torch.nn.Module | None, optimizer: Any, budget: int,
                  device: torch.device, executor_factory: Callable[..., Any] | None = None,
-                 device_memory: bool | None = None) -> None:
+                 device_memory: bool | None = None, gather: bool = True) -> None:
         self.trace = entry["trace"]
         self.signatures = entry["signatures"]
         self.created = entry["created"]  # per op: the trace ids first seen there, in order
@@ -97,15 +102,23 @@ class PlannedRun:
         self.diverged: Diverged | None = None
         self.stall_s = 0.0
         self.reports: list[Any] = []
+        # between steps every global tensor resident (the executor's gather_globals), and what
+        # the caller's code wrote meanwhile told to the executor (the tensors' version counters)
+        self.gather = gather
+        self.gathers: list[Any] = []
+        self._versions: dict[int, tuple[torch.Tensor, int | None]] = {}
         factory = executor_factory or _default_factory
         self.ex = factory(self.trace, entry["plan"], budget, self)
-        named = named_storages(model, optimizer)
+        named = named_tensors(model, optimizer)
+        self._globals: list[tuple[int, torch.Tensor]] = []
         for tid, t in enumerate(self.tensors):
             if not t["global"]:
                 continue
-            s = named.get(t["name"])
+            x = named.get(t["name"])
+            s = storage_of(x) if x is not None else None
             if s is None or s.nbytes() != t["bytes"]:
                 raise Diverged(0, f"global tensor {t['name']} ({t['bytes']} bytes) not found as such")
+            self._globals.append((tid, x))
             self._bind(tid, s)
             self.ex.attach(tid, self._mem(s, t["bytes"]))
         self.ex.start()
@@ -144,8 +157,16 @@ class PlannedRun:
     # ---- one iteration -----------------------------------------------------------------
 
     def begin_iteration(self) -> None:
-        """A new iteration: only the global tensors' storages are known."""
+        """A new iteration: only the global tensors' storages are known; the global tensors the
+        caller's code wrote since the last step are told to the executor (their stored copies
+        are stale)."""
         self.tid_of = {k: v for k, v in self.tid_of.items() if self.tensors[v]["global"]}
+        modified = getattr(self.ex, "modified", None)
+        if modified is not None:
+            for tid, (t, v) in self._versions.items():
+                if v is None or _version(t) != v:
+                    modified(tid)
+        self._versions = {}
 
     def mode(self) -> "_PlannedMode":
         """A dispatch mode that runs one iteration under the plan."""
@@ -223,9 +244,29 @@ class PlannedRun:
                 self.diverged = Diverged(-1, str(e))
             rep = None
         self.reports.append(rep)
+        if self.gather:
+            self.gather_globals()
         return rep
 
+    def gather_globals(self) -> Any:
+        """Every global tensor resident with its bytes until the next step (the executor's
+        ``gather_globals``); the tensors' version counters noted, so writes by the caller's code
+        between steps reach the executor at the next step."""
+        gather = getattr(self.ex, "gather_globals", None)
+        if gather is None:
+            return None
+        g = gather()
+        self.gathers.append(g)
+        self._versions = {tid: (t, _version(t)) for tid, t in self._globals}
+        return g
+
     def finish(self) -> None:
+        """Every global tensor back (gathered), then the executor lets go of them."""
+        if not self._versions:
+            try:
+                self.gather_globals()
+            except Exception:
+                pass  # finish() below waits for what is in flight and says what failed
         self._releasing_deaths = True  # memory handed back at the end is resident, keep it
         try:
             self.ex.finish()

@@ -92,7 +92,8 @@ class Session:
         page_min_bytes: int = 1 << 16,
         page_fraction: float = 0.85,
         executor_factory: Callable[..., Any] | None = None,
-        planned: bool = False,
+        planned: bool = True,
+        gather_between_steps: bool = True,
         planner: Callable[[dict, int, int], Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
@@ -114,10 +115,12 @@ class Session:
         self.report_every = report_every
         self.log = log
         self.executor_factory = executor_factory
-        # the engine's executor runs planned steps only when asked: at the end of a planned step
-        # a global tensor can still be offloaded or being prefetched (2026-12-02, an intermittent
-        # CI failure), and code between steps must see every tensor (docs/TORCH.md, Limits)
+        # planned steps run on the engine's executor (False: every step pages); after each
+        # planned step every global tensor is gathered back (resident, complete) so code between
+        # steps sees them all; without it the plan's steady state stays (faster, and then only
+        # the next step may touch parameters, gradients and optimizer states)
         self.planned = planned
+        self.gather_between_steps = gather_between_steps
         self.planner = planner
         self._engine = None
         if store is None and gpu_budget_bytes is not None:
@@ -184,6 +187,8 @@ class Session:
             rep = run.end_iteration()
             rec["mode"] = "planned"
             rec["executor"] = rep
+            if run.gather and run.gathers:
+                rec["gathered"] = run.gathers[-1]
             # the executor's own figure when its report has one, else the time in before_kernel
             rec["stall_s"] = rep["stall_s"] if isinstance(rep, dict) and "stall_s" in rep \
                 else run.stall_s - mode.stall0
@@ -222,7 +227,8 @@ class Session:
             try:
                 entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
                                           self.executor_factory or self._planned_executor,
-                                          device_memory=self._device_memory())
+                                          device_memory=self._device_memory(),
+                                          gather=self.gather_between_steps)
             except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry["run"] = False
                 entry["no_run"] = str(e)
@@ -246,8 +252,7 @@ class Session:
     def _planned_executor(self, trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
         if not self.planned:
             raise NotImplementedError(
-                "planned steps are opt-in (Session(planned=True)) until a planned step ends with "
-                "every global tensor resident; steps page through the engine")
+                "planned steps are off (Session(planned=False)): steps page through the engine")
         return self._engine_executor(trace, plan, budget, allocator)
 
     def _engine_executor(self, trace: dict, plan: Any, budget: int, allocator: Any) -> Any:
@@ -386,10 +391,7 @@ def _state_count(optimizer: Any) -> int:
 
 
 def _finish_run(run: PlannedRun) -> None:
-    restore = getattr(run.ex, "restore_all", None)
-    if restore is not None:  # bring offloaded globals back before the executor lets go
-        restore()
-    run.finish()
+    run.finish()  # every global tensor gathered back first
 
 
 class _StepMode(TorchDispatchMode):

@@ -1,0 +1,193 @@
+//! Between iterations: every global tensor resident and complete for the caller's own code.
+//!
+//! A plan's steady state leaves some global tensors off the GPU when an iteration ends (those in
+//! [`Plan::initially_offloaded`](teraio_scheduler::Plan::initially_offloaded): offloaded after
+//! their last use, prefetched in the next iteration) and some still moving (an offload being
+//! written, a prefetch arriving). A trainer that reads or writes its parameters and optimizer
+//! states between steps (logging, evaluation, a checkpoint, loading one) must not see that.
+//!
+//! - [`Executor::gather_globals`] (after `end_iteration`): offloads still being written keep
+//!   their GPU memory (the write completes in the background, the copy becomes current), global
+//!   tensors already off the GPU are read back (urgent, past the budget: between iterations only
+//!   global tensors are alive), and it returns once every global tensor is resident with its
+//!   bytes in place (on a GPU: the caller's stream waits for them). Only reads the plan did not
+//!   schedule cost time: tensors whose offload had already finished.
+//! - [`Executor::modified`]: the caller wrote a global tensor between iterations, so the store's
+//!   copy is stale (a write still in flight completes first).
+//! - At the next iteration's boundary 0 the gathered tensors go back where the plan starts
+//!   them: an offload still being written releases its memory when stored (as planned), a
+//!   resident one is dropped without writing when the store's SSD copy is current (it was not
+//!   modified), else written again.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use teraio_scheduler::{TensorId, Tier};
+
+use super::{Alloc, Event, Executor, Phase, State, destination};
+use crate::migrate::Priority;
+use crate::store::OffloadOptions;
+use crate::tier::TensorMem;
+use crate::{Error, Result};
+
+/// What [`Executor::gather_globals`] did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GatherReport {
+    /// Global tensors read back (their offload had finished).
+    pub read_back: u64,
+    /// Their bytes.
+    pub read_back_bytes: u64,
+    /// Global tensors whose offload was still being written: they keep their GPU memory.
+    pub kept_in_flight: u64,
+    /// Time the call waited, seconds.
+    pub waited_s: f64,
+    /// GPU bytes accounted once every global tensor is resident (may exceed the budget: the
+    /// next iteration's boundary 0 puts them back where the plan starts them).
+    pub used_bytes: u64,
+}
+
+impl Executor {
+    /// Make every global tensor resident and complete until the next iteration starts (see the
+    /// module documentation). Call it after [`end_iteration`](Self::end_iteration) or
+    /// [`abort_iteration`](Self::abort_iteration).
+    pub fn gather_globals(&mut self) -> Result<GatherReport> {
+        if self.phase != Phase::Idle {
+            return Err(Error::InvalidArgument(
+                "gather_globals() between iterations only: after start(), end_iteration() or abort_iteration()"
+                    .into(),
+            ));
+        }
+        let start = Instant::now();
+        let mut rep = GatherReport::default();
+        let globals: Vec<usize> =
+            (0..self.states.len()).filter(|&t| self.trace.tensors[t].global).collect();
+        let planned = self.safe.is_none();
+        for &t in &globals {
+            match &mut self.states[t] {
+                State::Offloading { keep, .. } if !*keep => {
+                    *keep = true;
+                    self.regather[t] = planned;
+                    rep.kept_in_flight += 1;
+                }
+                State::Offloaded => {
+                    self.states[t] = State::QueuedPrefetch;
+                    self.allocs.push_back(Alloc::Prefetch(t, Priority::Urgent));
+                    self.regather[t] = planned;
+                    rep.read_back += 1;
+                    rep.read_back_bytes += self.trace.tensors[t].bytes;
+                }
+                _ => {}
+            }
+        }
+        self.gathering = true;
+        let waited = self.wait_globals(&globals);
+        self.gathering = false;
+        waited?;
+        // On a GPU the caller's stream waits for the reads, as for a kernel.
+        if let Some(stream) = self.cfg.stream {
+            for &t in &globals {
+                if let State::Resident(TensorMem::Device(m)) = &mut self.states[t]
+                    && let Some(f) = m.ready()
+                {
+                    f.wait_on_stream(stream)?;
+                    m.set_ready(None);
+                }
+            }
+        }
+        rep.waited_s = start.elapsed().as_secs_f64();
+        rep.used_bytes = self.used;
+        Ok(rep)
+    }
+
+    /// Poll until no global tensor waits for memory or a read.
+    fn wait_globals(&mut self, globals: &[usize]) -> Result<()> {
+        loop {
+            let changed = self.poll()?;
+            let waiting = globals
+                .iter()
+                .any(|&t| matches!(self.states[t], State::QueuedPrefetch | State::Prefetching(_)));
+            if !waiting {
+                return Ok(());
+            }
+            if !changed && self.in_flight == 0 {
+                return Err(Error::InvalidState {
+                    tensor: "global tensors".into(),
+                    detail: "they wait to be read back and nothing is in flight".into(),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// The caller wrote global tensor `t` between iterations: the store's copy is stale, so the
+    /// next offload writes it (a write of it still in flight completes first).
+    pub fn modified(&mut self, t: TensorId) -> Result<()> {
+        let i = self.tensor_index(t)?;
+        if !self.trace.tensors[i].global {
+            return Err(Error::InvalidArgument(format!(
+                "modified({t}): {} is not a global tensor (only global tensors live between iterations)",
+                self.trace.tensors[i].name
+            )));
+        }
+        if self.phase == Phase::Running {
+            return Err(Error::InvalidArgument(
+                "modified() inside an iteration: the trace says which kernels write".into(),
+            ));
+        }
+        while matches!(self.states[i], State::Offloading { .. }) {
+            if !self.poll()? {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        if !self.states[i].is_resident() {
+            return Err(Error::InvalidState {
+                tensor: t.to_string(),
+                detail: format!(
+                    "{} is off the GPU: it was written without being resident (call gather_globals() after end_iteration())",
+                    self.trace.tensors[i].name
+                ),
+            });
+        }
+        self.current[i] = false;
+        Ok(())
+    }
+
+    /// Boundary 0: put the tensors [`gather_globals`](Self::gather_globals) kept or read back
+    /// where the plan starts them.
+    pub(super) fn scatter_gathered(&mut self) -> Result<()> {
+        if !self.regather.contains(&true) {
+            return Ok(());
+        }
+        let initial: Vec<(usize, Tier)> =
+            self.plan.initially_offloaded.iter().map(|p| (p.tensor.index(), p.tier)).collect();
+        for (t, tier) in initial {
+            if !std::mem::take(&mut self.regather[t]) {
+                continue;
+            }
+            let id = TensorId(t as u32);
+            match std::mem::replace(&mut self.states[t], State::Absent) {
+                State::Offloading { handle, .. } => {
+                    self.states[t] = State::Offloading { handle, keep: false };
+                }
+                State::Resident(mem) if tier == Tier::Ssd && self.is_clean(t) => {
+                    self.alloc.release(id, mem);
+                    self.events.push_back(Event::Released(id));
+                    self.set_used(self.used - self.bytes(t));
+                    self.states[t] = State::Offloaded;
+                    self.report.clean_drops += 1;
+                }
+                State::Resident(mem) => {
+                    let opts =
+                        OffloadOptions { destination: destination(tier), ..Default::default() };
+                    let handle = self.offload_keep(t, mem, opts)?;
+                    self.in_flight += 1;
+                    self.report.offloads += 1;
+                    self.states[t] = State::Offloading { handle, keep: false };
+                }
+                other => self.states[t] = other,
+            }
+        }
+        self.regather.fill(false);
+        Ok(())
+    }
+}
