@@ -77,7 +77,7 @@ def parse_args(argv=None):
     ap.add_argument("--page-min-kib", type=int, default=64,
                     help="teraio: storages the pager leaves in place when smaller")
     ap.add_argument("--host-gib", type=float, default=0.0, help="teraio-host: host tier cap")
-    ap.add_argument("--teraio-policy", default="teraio")
+    ap.add_argument("--teraio-policy", default="auto", help="teraio: the planner (auto: the best of the teraio variants)")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
     ap.add_argument("--chunk-mib", type=float, default=0.0,
                     help="teraio: optimizer step chunk (0: one parameter at a time)")

@@ -57,9 +57,11 @@ def host_view(s: torch.UntypedStorage, nbytes: int | None = None) -> Any:
 class StorageMover:
     """Moves one storage's bytes to an engine and back, and frees / regrows its memory.
 
-    CPU storages go to the engine straight from their memory. CUDA storages go through a
-    pinned host staging tensor (one copy each way on the current stream, synchronized) until
-    the engine takes device pointers (the CUDA tier).
+    CPU storages go to the engine straight from their memory. CUDA storages go through the
+    engine's GPU data paths (``offload_device``/``prefetch_device``, ordered after the current
+    stream) when the engine has a GPU, else through a pinned host staging tensor (one copy each
+    way, synchronized). ``destination``: ``"ssd"``, or ``"host"`` for the engine's host tier
+    (SSD when it is absent or full).
     """
 
     def __init__(self, store: Store, destination: str = "ssd") -> None:
@@ -68,6 +70,27 @@ class StorageMover:
         self.bytes_out = 0
         self.bytes_in = 0
         self.busy_s = 0.0
+        # None: not tried yet; False: the engine has no GPU (staging through host memory)
+        self._device_path: bool | None = None if hasattr(store, "offload_device") else False
+
+    def _device_mem(self, s: torch.UntypedStorage, nbytes: int) -> Any:
+        import teraio
+
+        return teraio.DeviceMemory(s.data_ptr(), nbytes, s)
+
+    def _try_device(self, s: torch.UntypedStorage, op: Callable[[], Any]) -> bool:
+        """Run ``op`` (a device-path transfer) when the engine can; whether it did."""
+        if s.device.type != "cuda" or self._device_path is False:
+            return False
+        try:
+            op().wait()
+        except Exception as e:  # the engine has no GPU: stage through host memory from now on
+            if self._device_path is None and "Unsupported" in type(e).__name__ + str(e):
+                self._device_path = False
+                return False
+            raise
+        self._device_path = True
+        return True
 
     def offload(self, s: torch.UntypedStorage, tensor_id: int, nbytes: int) -> None:
         """Copy the storage out, then release its memory (resize to 0)."""
@@ -75,7 +98,9 @@ class StorageMover:
         with _disable_current_modes(), torch.no_grad():
             if s.device.type == "cpu":
                 self.store.offload(tensor_id, host_view(s, nbytes), destination=self.destination).wait()
-            else:
+            elif not self._try_device(s, lambda: self.store.offload_device(
+                    tensor_id, self._device_mem(s, nbytes), stream=torch.cuda.current_stream(s.device),
+                    destination=self.destination)):
                 stage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 src = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (nbytes,), (1,))
                 stage.copy_(src)
@@ -92,7 +117,8 @@ class StorageMover:
             s.resize_(nbytes)
             if s.device.type == "cpu":
                 self.store.prefetch(tensor_id, host_view(s, nbytes)).wait()
-            else:
+            elif not self._try_device(s, lambda: self.store.prefetch_device(
+                    tensor_id, self._device_mem(s, nbytes), stream=torch.cuda.current_stream(s.device))):
                 stage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 self.store.prefetch(tensor_id, stage.numpy()).wait()
                 dst = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (nbytes,), (1,))

@@ -81,7 +81,7 @@ class Session:
         engine: Any = None,
         gpu_budget_bytes: int | None = None,
         host_budget_bytes: int = 0,
-        policy: str = "teraio",
+        policy: str = "auto",
         hardware: Any = None,
         optimizer_chunk_bytes: int = 0,
         profile_steps: int = 1,
@@ -135,7 +135,9 @@ class Session:
                 raise ValueError(
                     f"gpu_budget_bytes {gpu_budget_bytes} is above {self.device}'s memory ({total} bytes): "
                     "lower gpu_budget_bytes (the memory the iteration's tensors may use)")
-        self.mover = StorageMover(store) if store is not None else None
+        # paging (warm-up and profiled steps) uses the host tier when the planner may
+        self.mover = StorageMover(store, destination="host" if host_budget_bytes > 0 else "ssd") \
+            if store is not None else None
         self.pager = None
         if gpu_budget_bytes is not None and self.mover is not None:
             used = (lambda: torch.cuda.memory_allocated(self.device)) if cuda else None
