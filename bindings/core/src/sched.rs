@@ -89,9 +89,18 @@ pub fn hardware(preset_or_json: &str, overrides: Option<&Value>) -> Result<Hardw
                 "hardware must be a preset name or a JSON object, not {text}"
             )));
         };
+        // Every field of the model, also the optional ones a given JSON object leaves out.
+        let all =
+            serde_json::to_value(Hardware::preset("paper")?).expect("a hardware model serializes");
+        let mut known: Vec<&str> = m.keys().map(String::as_str).collect();
+        if let Value::Object(all) = &all {
+            known.extend(all.keys().map(String::as_str));
+        }
+        known.sort_unstable();
+        known.dedup();
+        let known: Vec<String> = known.into_iter().map(str::to_owned).collect();
         for (k, val) in over {
-            if !m.contains_key(k) {
-                let known: Vec<&str> = m.keys().map(String::as_str).collect();
+            if !known.contains(k) {
                 return Err(Error::InvalidArgument(format!(
                     "unknown hardware field {k:?} (known: {})",
                     known.join(", ")
@@ -233,6 +242,14 @@ mod tests {
         assert_eq!(e.status(), Status::Io);
         let e = hardware("paper", Some(&serde_json::json!({"gpu_mem": 1}))).unwrap_err();
         assert!(e.to_string().contains("gpu_mem"), "{e}");
+        // A JSON model that leaves an optional field out still takes it as an override (the
+        // PyTorch session gives the array's capacity to a model loaded from a file).
+        let mut given = serde_json::to_value(Hardware::preset("dev").unwrap()).unwrap();
+        given.as_object_mut().unwrap().remove("ssd_capacity_bytes");
+        let hw =
+            hardware(&given.to_string(), Some(&serde_json::json!({"ssd_capacity_bytes": 1 << 30})))
+                .unwrap();
+        assert_eq!(hw.ssd_capacity_bytes, Some(1 << 30));
         assert!(hardware("moon", None).is_err());
         assert!(policy("magic").unwrap_err().to_string().contains("teraio-hybrid"));
         let e = plan_from_json(&small(), "{\"policy\": 1}").unwrap_err();
