@@ -24,8 +24,8 @@
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
@@ -74,6 +74,24 @@ struct Region {
     map_len: usize,
     /// The io_uring registration slot of the mapping this memory lies in.
     reg: Option<Registration>,
+    /// Page-locked by the pool's [`HostPinner`] (whole mappings only).
+    pinned: bool,
+}
+
+/// Page-locks a pool's mappings for a device's DMA (CUDA's `cuMemHostRegister`), so copies
+/// between them and device memory run at the bus's speed instead of through the driver's own
+/// staging. Set with [`BufferPool::pin_with`].
+pub trait HostPinner: Send + Sync {
+    /// Page-lock `[ptr, ptr + len)`.
+    ///
+    /// # Safety
+    /// The range must be mapped and stay mapped until [`unpin`](Self::unpin).
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<()>;
+    /// Undo [`pin`](Self::pin).
+    ///
+    /// # Safety
+    /// `ptr` was pinned by `pin` and no copy uses the memory any more.
+    unsafe fn unpin(&self, ptr: *mut u8);
 }
 
 // SAFETY: a Region is an exclusively owned anonymous mapping; moving it between threads is fine.
@@ -200,6 +218,10 @@ pub struct BufferPool {
     capacity_bytes: u64,
     backing: PageBacking,
     state: Mutex<PoolState>,
+    /// Page-locks new mappings ([`BufferPool::pin_with`]).
+    pinner: OnceLock<Arc<dyn HostPinner>>,
+    /// A pin failed (reported once).
+    pin_failed: AtomicBool,
 }
 
 impl std::fmt::Debug for BufferPool {
@@ -264,6 +286,8 @@ impl BufferPool {
                 small_free: HashMap::new(),
                 slabs: Vec::new(),
             }),
+            pinner: OnceLock::new(),
+            pin_failed: AtomicBool::new(false),
         }))
     }
 
@@ -336,7 +360,7 @@ impl BufferPool {
         let map_bytes = if slab { HUGE_PAGE_BYTES } else { capacity };
         st.mapped_bytes += map_bytes as u64;
         drop(st);
-        victims.into_iter().for_each(Region::unmap);
+        victims.into_iter().for_each(|r| self.unmap_region(r));
         let region = match self.map_region(map_bytes) {
             Ok(r) => r,
             Err(e) => {
@@ -363,6 +387,7 @@ impl BufferPool {
                 map_ptr: std::ptr::null_mut(),
                 map_len: 0,
                 reg: region.reg,
+                pinned: false,
             });
         }
         let first = Region {
@@ -371,6 +396,7 @@ impl BufferPool {
             map_ptr: std::ptr::null_mut(),
             map_len: 0,
             reg: region.reg,
+            pinned: false,
         };
         st.slabs.push(region);
         Ok(IoBuf { pool: Arc::clone(self), region: Some(first), len })
@@ -388,7 +414,14 @@ impl BufferPool {
             if p != libc::MAP_FAILED {
                 let ptr = NonNull::new(p.cast::<u8>()).expect("mmap returned a non-null pointer");
                 let reg = registry_acquire(ptr.as_ptr(), capacity);
-                return Ok(Region { ptr, capacity, map_ptr: p, map_len: capacity, reg });
+                return Ok(self.pin(Region {
+                    ptr,
+                    capacity,
+                    map_ptr: p,
+                    map_len: capacity,
+                    reg,
+                    pinned: false,
+                }));
             }
             // The reserve is used up: fall back to transparent huge pages for this region.
         }
@@ -412,7 +445,53 @@ impl BufferPool {
         }
         let ptr = NonNull::new(start as *mut u8).expect("aligned address inside a mapping");
         let reg = registry_acquire(ptr.as_ptr(), capacity);
-        Ok(Region { ptr, capacity, map_ptr: p, map_len, reg })
+        Ok(self.pin(Region { ptr, capacity, map_ptr: p, map_len, reg, pinned: false }))
+    }
+
+    /// Page-lock a fresh mapping when the pool has a pinner. A mapping that cannot be pinned
+    /// stays as it is (copies to it are correct, only slower); the first failure is reported.
+    fn pin(&self, mut r: Region) -> Region {
+        let Some(pinner) = self.pinner.get() else { return r };
+        // SAFETY: the region's `capacity` bytes from `ptr` lie in its fresh mapping; writing
+        // them faults the pages in before they are locked.
+        unsafe { std::ptr::write_bytes(r.ptr.as_ptr(), 0, r.capacity) };
+        // SAFETY: the mapping stays until `unmap_region`, which unpins first.
+        match unsafe { pinner.pin(r.ptr.as_ptr(), r.capacity) } {
+            Ok(()) => r.pinned = true,
+            Err(e) => {
+                if !self.pin_failed.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "teraio: page-locking a {}-byte host buffer failed ({e}); copies between it and the GPU go through the driver's staging (slower)",
+                        r.capacity
+                    );
+                }
+            }
+        }
+        r
+    }
+
+    /// Unpin (when pinned) and unmap a whole mapping.
+    fn unmap_region(&self, r: Region) {
+        if r.pinned
+            && let Some(pinner) = self.pinner.get()
+        {
+            // SAFETY: pinned by `pin` above; the region is being unmapped, nothing uses it.
+            unsafe { pinner.unpin(r.ptr.as_ptr()) };
+        }
+        r.unmap();
+    }
+
+    /// Page-lock every mapping made from now on with `pinner` (a device's DMA: the host tier of
+    /// an engine with a GPU). Mappings made before stay as they are. Once per pool.
+    pub fn pin_with(&self, pinner: Arc<dyn HostPinner>) -> Result<()> {
+        self.pinner
+            .set(pinner)
+            .map_err(|_| Error::InvalidArgument("the buffer pool has a pinner already".into()))
+    }
+
+    /// Whether mappings are page-locked for a device.
+    pub fn pinned(&self) -> bool {
+        self.pinner.get().is_some()
     }
 
     fn release(&self, region: Region) {
@@ -428,7 +507,7 @@ impl BufferPool {
         } else {
             st.mapped_bytes -= cap;
             drop(st);
-            region.unmap();
+            self.unmap_region(region);
         }
     }
 }
@@ -436,12 +515,13 @@ impl BufferPool {
 impl Drop for BufferPool {
     fn drop(&mut self) {
         let st = self.state.get_mut();
-        for (_, list) in st.free.drain() {
-            list.into_iter().for_each(Region::unmap);
-        }
+        let mut regions: Vec<Region> = st.free.drain().flat_map(|(_, list)| list).collect();
         // Slab pieces are views into the slabs; no IoBuf is alive (each holds the pool).
         st.small_free.clear();
-        st.slabs.drain(..).for_each(Region::unmap);
+        regions.append(&mut st.slabs);
+        for r in regions {
+            self.unmap_region(r);
+        }
     }
 }
 
@@ -556,6 +636,65 @@ mod tests {
 
     fn pool(cap: u64) -> Arc<BufferPool> {
         BufferPool::new(PoolConfig { capacity_bytes: cap, prefer_huge_pages: true }).unwrap()
+    }
+
+    /// Records pins and unpins; fails every pin when `fail`.
+    #[derive(Default)]
+    struct CountingPinner {
+        pinned: Mutex<Vec<(usize, usize)>>,
+        unpinned: Mutex<Vec<usize>>,
+        fail: bool,
+    }
+
+    impl HostPinner for CountingPinner {
+        unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<()> {
+            if self.fail {
+                return Err(Error::Unsupported("no device to pin for".into()));
+            }
+            self.pinned.lock().push((ptr as usize, len));
+            Ok(())
+        }
+        unsafe fn unpin(&self, ptr: *mut u8) {
+            self.unpinned.lock().push(ptr as usize);
+        }
+    }
+
+    #[test]
+    fn a_pinner_locks_each_mapping_once_and_unlocks_it_when_unmapped() {
+        let p = pool(64 << 20);
+        let pinner = Arc::new(CountingPinner::default());
+        p.pin_with(pinner.clone()).unwrap();
+        assert!(p.pin_with(pinner.clone()).is_err(), "one pinner per pool");
+        assert!(p.pinned());
+        let a = p.alloc(8 << 20).unwrap();
+        let b = p.alloc(100).unwrap();
+        let c = p.alloc(100).unwrap();
+        // One large mapping and one slab for both small pieces.
+        assert_eq!(pinner.pinned.lock().len(), 2);
+        assert!(
+            pinner.pinned.lock().iter().any(|&(q, l)| q == a.as_ptr() as usize && l >= 8 << 20)
+        );
+        drop((a, b, c));
+        // Reused, not pinned again.
+        let a2 = p.alloc(8 << 20).unwrap();
+        assert_eq!(pinner.pinned.lock().len(), 2);
+        assert!(pinner.unpinned.lock().is_empty());
+        drop(a2);
+        drop(p);
+        let mut pinned: Vec<usize> = pinner.pinned.lock().iter().map(|x| x.0).collect();
+        let mut unpinned = pinner.unpinned.lock().clone();
+        pinned.sort_unstable();
+        unpinned.sort_unstable();
+        assert_eq!(pinned, unpinned, "every pinned mapping is unpinned before it is unmapped");
+    }
+
+    #[test]
+    fn a_failing_pinner_leaves_buffers_usable() {
+        let p = pool(16 << 20);
+        p.pin_with(Arc::new(CountingPinner { fail: true, ..Default::default() })).unwrap();
+        let mut a = p.alloc(4 << 20).unwrap();
+        a.fill(7);
+        assert!(a.iter().all(|&x| x == 7));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 pub use device::{
     CopyQueue, DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage, HostDevice,
-    HostDeviceTier,
+    HostDeviceTier, RuntimePinner,
 };
 
 use crate::pool::{BufferPool, IoBuf, PoolConfig};

@@ -158,6 +158,24 @@ pub trait DeviceRuntime: Send + Sync {
     fn record_on_stream(&self, stream: u64) -> Result<Box<dyn DeviceFence>>;
 }
 
+/// A device runtime page-locking a buffer pool's mappings (the host tier of an engine with a
+/// GPU: tensors offloaded to host memory move by DMA at the bus's speed).
+pub struct RuntimePinner(pub Arc<dyn DeviceRuntime>);
+
+impl crate::pool::HostPinner for RuntimePinner {
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: forwarded contract (mapped until unpin).
+        unsafe { self.0.pin_host(ptr, len) }
+    }
+
+    unsafe fn unpin(&self, ptr: *mut u8) {
+        // SAFETY: forwarded contract (pinned by `pin`, unused now).
+        if let Err(e) = unsafe { self.0.unpin_host(ptr) } {
+            eprintln!("teraio: unpinning a host-tier buffer failed: {e}");
+        }
+    }
+}
+
 /// One tensor's device memory. Dropping it returns the memory to its tier (or, for memory a
 /// trainer owns, forgets it).
 pub trait DeviceMemory: Send + Sync {
