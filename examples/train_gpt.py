@@ -78,6 +78,8 @@ def parse_args(argv=None):
                     help="teraio: storages the pager leaves in place when smaller")
     ap.add_argument("--host-gib", type=float, default=0.0, help="teraio-host: host tier cap")
     ap.add_argument("--teraio-policy", default="auto", help="teraio: the planner (auto: the best of the teraio variants)")
+    ap.add_argument("--teraio-no-gather", action="store_true",
+                    help="teraio: keep the plan's steady state between steps (no gather of parameters and optimizer states)")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
     ap.add_argument("--chunk-mib", type=float, default=0.0,
                     help="teraio: optimizer step chunk (0: one parameter at a time)")
@@ -412,13 +414,16 @@ def make_session(args, torch, mode, model, opt, dev):
         engine["gpu"] = {"device": dev.index or 0, "budget": "256M"}
     # teraio-noop: a budget nothing reaches and the `none` policy: a plan that moves nothing,
     # so the step pays only the runtime's own overhead
-    budget = 1 << 50 if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None
+    # (the GPU's whole memory: a budget above it is refused)
+    whole = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 1 << 50
+    budget = whole if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None
     host = int(args.host_gib * 2**30) if mode == "teraio-host" else 0
     return tt.Session(model, opt, engine=engine, gpu_budget_bytes=budget, host_budget_bytes=host,
                       policy="none" if mode == "teraio-noop" else args.teraio_policy,
                       hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=int(args.chunk_mib * 2**20),
                       profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1,
                       page_min_bytes=args.page_min_kib * 1024,
+                      gather_between_steps=not args.teraio_no_gather,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
 
 

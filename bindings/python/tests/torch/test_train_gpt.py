@@ -40,10 +40,16 @@ def test_teraio_mode_pages_through_the_engine_and_matches_ideal(tmp_path):
     if not hasattr(teraio, "Engine"):
         pytest.fail("the teraio package has no Engine: the bindings are not installed")
     # a 150 KiB budget: far below the tiny model's iteration, so the pager must move storages
-    res, _ = drive(tmp_path, "ideal,teraio-ssd", "--cap-gib", str(150 / 2**20),
+    res, _ = drive(tmp_path, "ideal,teraio-ssd,teraio-noop", "--cap-gib", str(150 / 2**20),
                    "--ssd-dir", str(tmp_path / "ssd"), "--ssd-file-gib", "0.0625", "--ssd-alloc-kib", "4",
                    "--page-min-kib", "0")
     t = res["teraio-ssd"]
     assert t["outcome"] == "ok", t.get("error")
     assert t["losses"] == res["ideal"]["losses"]
     assert t["teraio"]["bytes_moved_per_step"] > 0
+    # teraio-noop: a plan that moves nothing under a budget nothing reaches (the runtime's own
+    # cost); its steps after the profiled ones run planned
+    n = res["teraio-noop"]
+    assert n["outcome"] == "ok", n.get("error")
+    assert n["losses"] == res["ideal"]["losses"]
+    assert n["teraio"]["steps"][-1]["mode"] == "planned", n["teraio"]["steps"]

@@ -101,6 +101,7 @@ class PlannedRun:
         self._releasing_deaths = False
         self.diverged: Diverged | None = None
         self.stall_s = 0.0
+        self.stalls: dict[int, float] = {}  # kernel -> seconds waited before it, this step
         self.reports: list[Any] = []
         # between steps every global tensor resident (the executor's gather_globals), and what
         # the caller's code wrote meanwhile told to the executor (the tensors' version counters)
@@ -161,6 +162,7 @@ class PlannedRun:
         caller's code wrote since the last step are told to the executor (their stored copies
         are stale)."""
         self.tid_of = {k: v for k, v in self.tid_of.items() if self.tensors[v]["global"]}
+        self.stalls = {}
         modified = getattr(self.ex, "modified", None)
         if modified is not None:
             for tid, (t, v) in self._versions.items():
@@ -186,7 +188,10 @@ class PlannedRun:
             self.ex.boundary_named(k, self.trace["kernels"][k]["name"])
             t0 = time.perf_counter()
             self.ex.before_kernel(k)
-            self.stall_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stall_s += dt
+            if dt > 1e-4:
+                self.stalls[k] = self.stalls.get(k, 0.0) + dt
         except Exception as e:  # a divergence: the executor's own or ours
             self._diverge(k, e)
 
@@ -247,6 +252,11 @@ class PlannedRun:
         if self.gather:
             self.gather_globals()
         return rep
+
+    def top_stalls(self, n: int = 5) -> list[tuple[int, str, float]]:
+        """The kernels this step waited longest before: (kernel, name, seconds)."""
+        top = sorted(self.stalls.items(), key=lambda kv: -kv[1])[:n]
+        return [(k, self.trace["kernels"][k]["name"], round(s, 6)) for k, s in top]
 
     def gather_globals(self) -> Any:
         """Every global tensor resident with its bytes until the next step (the executor's

@@ -191,6 +191,7 @@ class Session:
             rec["executor"] = rep
             if run.gather and run.gathers:
                 rec["gathered"] = run.gathers[-1]
+            rec["top_stalls"] = run.top_stalls()
             # the executor's own figure when its report has one, else the time in before_kernel
             rec["stall_s"] = rep["stall_s"] if isinstance(rep, dict) and "stall_s" in rep \
                 else run.stall_s - mode.stall0
@@ -342,6 +343,9 @@ class Session:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
         if "plan" in rec:
             s += f", plan {rec['plan']}"
+        if rec.get("top_stalls"):
+            s += ", waited longest before " + ", ".join(
+                f"{k} {name} {t * 1e3:.1f} ms" for k, name, t in rec["top_stalls"][:3])
         return s
 
     def report(self) -> dict[str, Any]:
