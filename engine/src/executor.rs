@@ -316,6 +316,11 @@ impl std::fmt::Debug for Executor {
     }
 }
 
+/// Whether an offload left a copy equal to the memory (not one a later prefetch took over).
+fn stored(outcome: OffloadOutcome) -> bool {
+    matches!(outcome, OffloadOutcome::OnSsd | OffloadOutcome::InHost)
+}
+
 fn destination(tier: Tier) -> Destination {
     match tier {
         Tier::Ssd => Destination::Ssd,
@@ -582,7 +587,7 @@ impl Executor {
         for (t, h) in setup {
             match h.wait() {
                 Ok((outcome, mem)) => {
-                    self.current[t] = outcome == OffloadOutcome::OnSsd;
+                    self.current[t] = stored(outcome);
                     self.alloc.release(TensorId(t as u32), mem);
                     self.used -= self.bytes(t);
                     self.states[t] = State::Offloaded;
@@ -726,7 +731,7 @@ impl Executor {
             let priority = if ins.urgent { Priority::Urgent } else { Priority::Normal };
             match ins.op {
                 Op::Offload { dest } => {
-                    let clean = ins.is_clean_drop() && self.is_clean(t);
+                    let clean = ins.is_clean_drop() && self.is_clean_in(t, dest);
                     if std::mem::take(&mut self.evicted[t])
                         && !matches!(self.states[t], State::Resident(_) | State::Reserved)
                     {
@@ -822,12 +827,12 @@ impl Executor {
                 State::Offloading { handle, keep } => match handle.wait() {
                     Ok((outcome, mem)) if keep => {
                         self.host_retried[t] = false;
-                        self.current[t] = outcome == OffloadOutcome::OnSsd;
+                        self.current[t] = stored(outcome);
                         self.states[t] = State::Resident(mem);
                     }
                     Ok((outcome, mem)) => {
                         self.host_retried[t] = false;
-                        self.current[t] = outcome == OffloadOutcome::OnSsd;
+                        self.current[t] = stored(outcome);
                         self.alloc.release(id, mem);
                         self.events.push_back(Event::Released(id));
                         self.set_used(self.used - self.bytes(t));
@@ -853,7 +858,7 @@ impl Executor {
                         self.events.push_back(Event::Arrived(id));
                         // Read from the SSD array: that copy is current (a host-tier copy is
                         // not kept).
-                        self.current[t] = self.store.has_current_ssd_copy(t as u64);
+                        self.current[t] = self.has_copy(t);
                     }
                     Err(e) => self.prefetch_failed(t, e)?,
                 },
@@ -1028,7 +1033,19 @@ impl Executor {
 
     /// Whether tensor `t` can leave the GPU without a write: the store's SSD copy is current.
     fn is_clean(&self, t: usize) -> bool {
-        self.current[t] && self.store.has_current_ssd_copy(t as u64)
+        self.is_clean_in(t, Tier::Ssd) || self.is_clean_in(t, Tier::Host)
+    }
+
+    /// Whether tensor `t` can leave the GPU without a write, its current copy being in `tier`.
+    fn is_clean_in(&self, t: usize, tier: Tier) -> bool {
+        self.current[t] && self.store.has_current_copy_in(t as u64, destination(tier))
+    }
+
+    /// Whether the store holds a current copy of `t` (SSD, or a host-tier copy a retaining
+    /// store keeps after a prefetch).
+    fn has_copy(&self, t: usize) -> bool {
+        self.store.has_current_copy_in(t as u64, Destination::Ssd)
+            || self.store.has_current_copy_in(t as u64, Destination::Host)
     }
 
     /// Nothing in flight will free the memory the first waiting allocation needs: move out the

@@ -16,8 +16,8 @@ use teraio_engine::store::{StoreConfig, TensorStore};
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::{Error, Result};
 use teraio_scheduler::{
-    Hardware, Kernel, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId, TensorKind, Trace,
-    plan, simulate,
+    Hardware, Kernel, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId, TensorKind, Tier,
+    Trace, plan, simulate,
 };
 
 fn random_trace() -> impl Strategy<Value = Trace> {
@@ -93,12 +93,20 @@ struct Rig {
 }
 
 fn rig(disk_bytes: u64) -> Rig {
+    rig_with_host(disk_bytes, 0)
+}
+
+/// A retaining store over three simulated disks, with a host tier of `host_bytes` (0: none).
+fn rig_with_host(disk_bytes: u64, host_bytes: u64) -> Rig {
     let disks: Vec<Arc<SimDisk>> = (0..3).map(|i| SimDisk::new(disk_bytes, 4096, i)).collect();
     let array =
         DeviceArray::open(ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect()))
             .unwrap();
     let mut scfg = StoreConfig::new(array);
     scfg.retain_on_prefetch = true;
+    if host_bytes > 0 {
+        scfg.host_tier = Some(HostTier::new("host", host_bytes).unwrap() as Arc<dyn MemoryTier>);
+    }
     let store = Arc::new(TensorStore::open(scfg).unwrap());
     Rig { disks, store, mem: HostTier::new("gpu", 1 << 30).unwrap() }
 }
@@ -343,6 +351,30 @@ fn a_generated_iteration_runs_within_budget_with_every_byte_right() {
     let planned_drops = p.instructions.iter().filter(|i| i.is_clean_drop()).count() as u64;
     assert_eq!(last.clean_drops, planned_drops, "steady state: every planned drop writes nothing");
     assert!(last.peak_bytes <= budget);
+}
+
+#[test]
+fn gathered_tensors_go_back_to_the_host_tier_without_a_write_unless_modified() {
+    let trace = gpt(2);
+    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = peak * 3 / 5;
+    hw.host_memory_cap_bytes = 4 * peak;
+    let p = plan(&trace, &hw, Policy::TeraioHybrid).unwrap();
+    let on_host = p.initially_offloaded.iter().filter(|x| x.tier == Tier::Host).count();
+    assert!(on_host > 1, "the plan starts global tensors on the host tier");
+    let rig = rig_with_host(256 << 20, 8 * peak);
+    let mut seen = Seen::default();
+    drive(&rig, &trace, &p, hw.gpu_memory_bytes, 3, true, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    let planned_drops = p.instructions.iter().filter(|i| i.is_clean_drop()).count() as u64;
+    for (g, r) in seen.gathers.iter().zip(&seen.reports[1..]) {
+        assert!(g.read_back + g.kept_in_flight > 0, "{g:?}");
+        // Every gathered tensor goes back without a write (its retained copy is current) but
+        // the one the trainer rewrote, and those whose write was still in flight.
+        let again = r.clean_drops - planned_drops;
+        assert!(again + 1 >= g.read_back, "{again} clean re-offloads after {g:?}");
+    }
 }
 
 #[test]

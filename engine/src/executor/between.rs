@@ -169,7 +169,7 @@ impl Executor {
                 State::Offloading { handle, .. } => {
                     self.states[t] = State::Offloading { handle, keep: false };
                 }
-                State::Resident(mem) if tier == Tier::Ssd && self.is_clean(t) => {
+                State::Resident(mem) if self.is_clean_in(t, tier) => {
                     self.alloc.release(id, mem);
                     self.events.push_back(Event::Released(id));
                     self.set_used(self.used - self.bytes(t));

@@ -22,10 +22,10 @@ use std::time::Duration;
 use serde::Serialize;
 use teraio_scheduler::{Plan, TensorId, Tier, Trace};
 
-use super::{Alloc, Event, Executor, IterationReport, Phase, State, destination};
+use super::{Alloc, Event, Executor, IterationReport, Phase, State, destination, stored};
 use crate::executor::AllocFor;
 use crate::migrate::Priority;
-use crate::store::{Destination, OffloadOptions, OffloadOutcome};
+use crate::store::{Destination, OffloadOptions};
 use crate::tier::TensorMem;
 use crate::{Error, Result};
 
@@ -324,7 +324,7 @@ impl Executor {
                 unreachable!("checked above")
             };
             let id = TensorId(t as u32);
-            if tier == Tier::Ssd && self.is_clean(t) {
+            if self.is_clean_in(t, tier) {
                 self.alloc.release(id, mem);
                 self.events.push_back(Event::Released(id));
                 self.set_used(self.used - self.bytes(t));
@@ -342,7 +342,7 @@ impl Executor {
             let id = TensorId(t as u32);
             match h.wait() {
                 Ok((outcome, mem)) => {
-                    self.current[t] = outcome == OffloadOutcome::OnSsd;
+                    self.current[t] = stored(outcome);
                     self.alloc.release(id, mem);
                     self.events.push_back(Event::Released(id));
                     self.set_used(self.used - self.bytes(t));
@@ -380,7 +380,7 @@ impl Executor {
                 match h.wait() {
                     Ok(mem) => {
                         self.set_used(self.used + self.bytes(t));
-                        self.current[t] = self.store.has_current_ssd_copy(t as u64);
+                        self.current[t] = self.has_copy(t);
                         self.states[t] = State::Resident(mem);
                         self.events.push_back(Event::Arrived(id));
                         last = None;

@@ -607,11 +607,17 @@ impl TensorStore {
         self.inner.host_tier.is_some()
     }
 
-    /// Whether tensor `id` has an SSD copy and no operation queued or running (so a caller
-    /// that did not modify it may release its memory without writing it again). Unlike
-    /// [`info`](Self::info), it copies nothing.
-    pub fn has_current_ssd_copy(&self, id: TensorId) -> bool {
-        self.inner.table.lock().get(&id).is_some_and(|e| e.ssd.is_some() && e.queue.is_empty())
+    /// Whether tensor `id` has a copy in `tier` (the SSD array, or the host tier) and no
+    /// operation queued or running: a caller that did not modify it may release its memory
+    /// without writing, the tensor then being offloaded to that tier.
+    pub fn has_current_copy_in(&self, id: TensorId, tier: Destination) -> bool {
+        self.inner.table.lock().get(&id).is_some_and(|e| {
+            e.queue.is_empty()
+                && match tier {
+                    Destination::Ssd => e.ssd.is_some(),
+                    Destination::Host => e.host.is_some(),
+                }
+        })
     }
 
     /// What the store knows of tensor `id`.

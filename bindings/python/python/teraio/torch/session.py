@@ -52,7 +52,9 @@ def _open_engine(engine: Any) -> Any:
     import teraio
 
     if isinstance(engine, dict):
-        return teraio.Engine(**engine)
+        # a retaining store keeps a copy after a prefetch: a tensor the step did not change
+        # (a weight, a tensor gathered between steps) leaves the GPU again without a write
+        return teraio.Engine(**{"retain_on_prefetch": True, **engine})
     if isinstance(engine, str):
         return teraio.Engine(engine)
     return engine
