@@ -10,6 +10,7 @@
 #
 # Environment (defaults): FILES=4 SIZE=1G BS=1M QD=32 (per file) ROUNDS=3 RAND_BS=4k
 # RAND_RUNTIME=10 DIR=./teraio-data TERAIO=target/release/teraio WORKLOADS="write read randread"
+# TOOLS="teraio fio-uring-huge fio-libaio-huge fio-uring" (teraio first; a subset for sweeps)
 #
 # Run from the repository root as root (installing fio and reserving huge pages need it).
 set -euo pipefail
@@ -105,7 +106,7 @@ run_one() { # $1 tool  $2 rw  $3 bs  $4 runtime  -> prints bw_bytes and iops of 
     echo "$json" | jq -r ".jobs[0].$dirn | \"\(.bw_bytes) \(.iops) \(.clat_ns.percentile[\"99.000000\"] // 0)\""
 }
 
-tools=(teraio fio-uring-huge fio-libaio-huge fio-uring)
+read -r -a tools <<< "${TOOLS:-teraio fio-uring-huge fio-libaio-huge fio-uring}"
 results="$OUT/results.txt"
 : > "$results"
 for wl in $WORKLOADS; do

@@ -156,3 +156,28 @@ fn inspect_of_files_without_an_array_says_so() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no teraio array"));
 }
+
+#[test]
+fn bench_json_reports_throughput_and_cpu_per_io_like_fio() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = teraio()
+        .args(["bench", "--json", "--files", "2", "--size", "8M", "--bs", "64k", "--iodepth", "4"])
+        .args(["--rw", "write", "--backend", "psync"])
+        .arg("--dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let v = json_of(&out);
+    let job = &v["jobs"][0];
+    assert_eq!(job["write"]["io_bytes"].as_u64().unwrap(), 16 << 20, "{job}");
+    assert_eq!(job["write"]["total_ios"].as_u64().unwrap(), 256);
+    // fio's fields: percent of one CPU over the run; and the CPU time per I/O.
+    let (usr, sys) = (job["usr_cpu"].as_f64().unwrap(), job["sys_cpu"].as_f64().unwrap());
+    assert!((0.0..=100.0 * 64.0).contains(&usr) && (0.0..=100.0 * 64.0).contains(&sys), "{job}");
+    let per_io = job["cpu_us_per_io"].as_f64().unwrap();
+    let runtime_us = job["job_runtime"].as_f64().unwrap() * 1e3;
+    assert!(
+        per_io >= 0.0 && per_io * 256.0 <= (usr + sys) / 100.0 * runtime_us + 20_000.0,
+        "{job}"
+    );
+}

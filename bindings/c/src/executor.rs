@@ -487,6 +487,22 @@ pub unsafe extern "C" fn teraio_executor_events(
     })
 }
 
+/// Run `f` on the executor and hand its report to the caller as a JSON string.
+///
+/// # Safety
+/// `out` is valid for a write of a pointer.
+unsafe fn report_json(
+    executor: *mut teraio_executor,
+    out: *mut *mut c_char,
+    f: impl FnOnce(&mut Executor) -> ::teraio_engine::Result<serde_json::Value>,
+) -> core::Result<Status> {
+    need(out, "out_report_json")?;
+    let text = with_ex(executor, |ex, _| f(ex))?.to_string();
+    // SAFETY: forwarded contract.
+    unsafe { put_string(out, "out_report_json", text) }?;
+    Ok(Status::Ok)
+}
+
 /// End the iteration; its report as JSON (`time_s`, `stall_s`, `peak_bytes`, `offloads`,
 /// `prefetches`, `diverged`, `memory_timeline`, `store`, ...).
 ///
@@ -498,12 +514,12 @@ pub unsafe extern "C" fn teraio_executor_end_iteration(
     out_report_json: *mut *mut c_char,
 ) -> teraio_status {
     guard("teraio_executor_end_iteration", || {
-        need(out_report_json, "out_report_json")?;
-        let r = with_ex(executor, |ex, _| ex.end_iteration())?;
-        let text = serde_json::to_string(&r).expect("a report serializes");
         // SAFETY: forwarded contract.
-        unsafe { put_string(out_report_json, "out_report_json", text) }?;
-        Ok(Status::Ok)
+        unsafe {
+            report_json(executor, out_report_json, |ex| {
+                ex.end_iteration().map(|r| serde_json::json!(r))
+            })
+        }
     })
 }
 
@@ -522,12 +538,12 @@ pub unsafe extern "C" fn teraio_executor_gather_globals(
     out_report_json: *mut *mut c_char,
 ) -> teraio_status {
     guard("teraio_executor_gather_globals", || {
-        need(out_report_json, "out_report_json")?;
-        let r = with_ex(executor, |ex, _| ex.gather_globals())?;
-        let text = serde_json::to_string(&r).expect("a report serializes");
         // SAFETY: forwarded contract.
-        unsafe { put_string(out_report_json, "out_report_json", text) }?;
-        Ok(Status::Ok)
+        unsafe {
+            report_json(executor, out_report_json, |ex| {
+                ex.gather_globals().map(|r| serde_json::json!(r))
+            })
+        }
     })
 }
 

@@ -444,7 +444,7 @@ fn execute(args: &Args) -> Result<Report> {
         })
         .collect();
     let total = if runtime.is_some() { None } else { Some(spans.iter().sum::<u64>()) };
-    let (rd, wr) = run_jobs(&array, &pool, jobs, total.map(|t| (t, args.runtime)), args.json)?;
+    let (rd, wr, cpu) = run_jobs(&array, &pool, jobs, total.map(|t| (t, args.runtime)), args.json)?;
     if !args.rw.reads() {
         // Not part of the timing (as fio without --end_fsync), but leave the data durable.
         array.sync()?;
@@ -454,6 +454,7 @@ fn execute(args: &Args) -> Result<Report> {
         rd: rd.0,
         wr: wr.0,
         runtime,
+        cpu,
         names: (0..n).map(|d| array.device_name(d)).collect(),
         backend: array.backend_name(),
         backing: pool.backing(),
@@ -465,6 +466,8 @@ struct Report {
     rd: DirStats,
     wr: DirStats,
     runtime: Duration,
+    /// Process CPU time (user, system) while the jobs ran.
+    cpu: (Duration, Duration),
     names: Vec<String>,
     backend: &'static str,
     backing: teraio_engine::pool::PageBacking,
@@ -501,7 +504,11 @@ pub fn run(args: Args) -> Result<()> {
         return super::bench_tensors::from_config(cfg, !args.no_checksums, args.seed, args.json);
     }
     let report = execute(&args)?;
-    let Report { rd, wr, runtime, names, backend, backing } = report;
+    let Report { rd, wr, runtime, cpu, names, backend, backing } = report;
+    // As fio: percent of one CPU over the run; and the CPU time per I/O.
+    let pct = |d: Duration| 100.0 * d.as_secs_f64() / runtime.as_secs_f64().max(1e-9);
+    let ios = rd.ios + wr.ios;
+    let cpu_us_per_io = (cpu.0 + cpu.1).as_secs_f64() * 1e6 / ios.max(1) as f64;
     let n = names.len();
     let engine = format!("teraio-{backend}");
     if args.json {
@@ -524,6 +531,9 @@ pub fn run(args: Args) -> Result<()> {
             "jobs": [{
                 "jobname": "teraio",
                 "job_runtime": runtime.as_millis() as u64,
+                "usr_cpu": pct(cpu.0),
+                "sys_cpu": pct(cpu.1),
+                "cpu_us_per_io": cpu_us_per_io,
                 "read": dir_json(&rd, runtime),
                 "write": dir_json(&wr, runtime),
             }],
@@ -541,11 +551,33 @@ pub fn run(args: Args) -> Result<()> {
         );
         print_dir("read", &rd, runtime);
         print_dir("write", &wr, runtime);
+        println!(
+            "  cpu: usr={:.1}%, sys={:.1}% of one core, {:.1} us per I/O",
+            pct(cpu.0),
+            pct(cpu.1),
+            cpu_us_per_io
+        );
     }
     Ok(())
 }
 
-type Totals = ((DirStats, Duration), (DirStats, Duration));
+/// Read and write statistics with the wall time, and the process's CPU time (user, system)
+/// over the same span.
+type Totals = ((DirStats, Duration), (DirStats, Duration), (Duration, Duration));
+
+/// This process's CPU time so far (user, system), from `/proc/self/stat` (clock ticks of 10 ms:
+/// Linux's user-visible tick rate is 100 Hz on every architecture); zero where it is unreadable.
+fn process_cpu() -> (Duration, Duration) {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return (Duration::ZERO, Duration::ZERO);
+    };
+    // The command name (field 2) may contain spaces: count fields after its closing ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
+    // utime and stime are fields 14 and 15 of the line: 12 and 13 after the name.
+    let tick = |i: usize| Duration::from_millis(f.get(i).copied().unwrap_or(0) * 10);
+    (tick(11), tick(12))
+}
 
 /// Run one driver thread per job; returns merged read and write stats with the wall time.
 fn run_jobs(
@@ -574,6 +606,7 @@ fn run_jobs(
     };
     let ready = Barrier::new(jobs.len() + 1);
     let mut started = Instant::now();
+    let mut cpu0 = process_cpu();
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = jobs
             .iter()
@@ -590,12 +623,14 @@ fn run_jobs(
             .collect();
         ready.wait();
         started = Instant::now();
+        cpu0 = process_cpu();
         while !handles.iter().all(|h| h.is_finished()) {
             bar.set_position(progress.load(Ordering::Relaxed));
             std::thread::sleep(Duration::from_millis(100));
         }
         handles.into_iter().map(|h| h.join().expect("driver thread panicked")).collect::<Vec<_>>()
     });
+    let cpu1 = process_cpu();
     bar.finish_and_clear();
     let (mut rd, mut wr) = (DirStats::new(), DirStats::new());
     let mut ended = started;
@@ -606,7 +641,8 @@ fn run_jobs(
         ended = ended.max(end);
     }
     let elapsed = ended - started;
-    Ok(((rd, elapsed), (wr, elapsed)))
+    let cpu = (cpu1.0.saturating_sub(cpu0.0), cpu1.1.saturating_sub(cpu0.1));
+    Ok(((rd, elapsed), (wr, elapsed), cpu))
 }
 
 #[cfg(test)]

@@ -271,12 +271,11 @@ class PlannedRun:
         return g
 
     def finish(self) -> None:
-        """Every global tensor back (gathered), then the executor lets go of them."""
+        """Every global tensor back (gathered), then the executor lets go of them. When a global
+        tensor cannot be read back the error is raised and the executor is left as it is: its
+        copies are not freed."""
         if not self._versions:
-            try:
-                self.gather_globals()
-            except Exception:
-                pass  # finish() below waits for what is in flight and says what failed
+            self.gather_globals()
         self._releasing_deaths = True  # memory handed back at the end is resident, keep it
         try:
             self.ex.finish()
