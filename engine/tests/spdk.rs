@@ -151,3 +151,104 @@ fn a_persistent_engine_on_spdk_reopens_with_its_tensors() {
     let back = engine.store().prefetch_sync(id, engine.alloc_host(3 << 20).unwrap()).unwrap();
     assert!(back.host().unwrap().iter().all(|&b| b == 0x5a));
 }
+
+/// The engine of the crash test: persistent, on SPDK bdevs over two files in `dir`.
+fn crash_config(dir: &Path) -> EngineConfig {
+    EngineConfig {
+        dir: dir.to_path_buf(),
+        files: 2,
+        file_size_bytes: ByteSize(64 << 20),
+        persistent: true,
+        backend: BackendName::Spdk,
+        ..Default::default()
+    }
+}
+
+/// Bytes of version `v` of tensor `id` (sizes differ per version, not page multiples).
+fn crash_content(id: u64, v: u64) -> Vec<u8> {
+    let len = (1 + (id + v) % 3) * MIB + id * 4096 + 17;
+    (0..len).map(|i| (i.wrapping_mul(31) ^ (id << 5) ^ v.wrapping_mul(0x9d)) as u8).collect()
+}
+
+/// The child of the crash test (run by it, with the folder in `TERAIO_SPDK_CRASH_DIR`): rewrites
+/// four named tensors again and again on a persistent engine on SPDK, printing `ack ID VERSION`
+/// after each offload the store acknowledged, until it is killed.
+#[test]
+#[ignore = "the child process of a_persistent_store_on_spdk_keeps_every_acknowledged_tensor_when_killed"]
+fn crash_child() {
+    let dir =
+        PathBuf::from(std::env::var_os("TERAIO_SPDK_CRASH_DIR").expect("run by the crash test"));
+    let base: u64 = std::env::var("TERAIO_SPDK_CRASH_BASE").unwrap().parse().unwrap();
+    let engine = Engine::open(crash_config(&dir)).unwrap();
+    println!("open");
+    for v in base.. {
+        for id in 0..4u64 {
+            let bytes = crash_content(id, v);
+            let mut buf = engine.alloc_host(bytes.len() as u64).unwrap();
+            buf.host_mut().unwrap().copy_from_slice(&bytes);
+            let opts = OffloadOptions { name: Some(format!("t{id}")), ..Default::default() };
+            engine.store().offload_sync(id, buf, opts).unwrap();
+            println!("ack {id} {v}");
+        }
+    }
+}
+
+#[test]
+fn a_persistent_store_on_spdk_keeps_every_acknowledged_tensor_when_killed() {
+    use std::collections::HashMap;
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let _serial = serial();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // id -> the last version the store acknowledged
+    let mut acked: HashMap<u64, u64> = HashMap::new();
+    for (round, kill_after) in [3usize, 10, 6].into_iter().enumerate() {
+        let base = round as u64 * 1000;
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "crash_child", "--nocapture", "--test-threads=1"])
+            .env("TERAIO_SPDK_CRASH_DIR", dir.path())
+            .env("TERAIO_SPDK_CRASH_BASE", base.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut acks = 0;
+        while acks < kill_after {
+            let Some(Ok(line)) = lines.next() else {
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "round {round}: the child ended after {acks} acknowledgements: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            };
+            let mut f = line.split_whitespace();
+            if f.next() == Some("ack") {
+                let id: u64 = f.next().unwrap().parse().unwrap();
+                let v: u64 = f.next().unwrap().parse().unwrap();
+                acked.insert(id, v);
+                acks += 1;
+            }
+        }
+        // Killed while it writes the next tensor (SIGKILL: no shutdown, no flush).
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Reopened here: every acknowledged tensor is there with the acknowledged bytes, or the
+        // version the child was writing when it was killed (the next of this round, or this
+        // round's first), had that offload completed.
+        let engine = Engine::open(crash_config(dir.path()))
+            .unwrap_or_else(|e| panic!("round {round}: reopening after the kill failed: {e}"));
+        for (&id, &v) in &acked {
+            let found = engine.store().lookup(&format!("t{id}"));
+            let id2 = found.unwrap_or_else(|| panic!("round {round}: t{id} (version {v}) lost"));
+            let len = engine.store().info(id2).unwrap().size_bytes;
+            let back = engine.store().prefetch_sync(id2, engine.alloc_host(len).unwrap()).unwrap();
+            let got = back.host().unwrap();
+            assert!(
+                [v, v + 1, base].iter().any(|&w| got == crash_content(id, w)),
+                "round {round}: t{id} is neither the acknowledged version {v} nor one written after it"
+            );
+        }
+    }
+}
