@@ -78,6 +78,8 @@ def parse_args(argv=None):
                     help="teraio: storages the pager leaves in place when smaller")
     ap.add_argument("--host-gib", type=float, default=0.0, help="teraio-host: host tier cap")
     ap.add_argument("--teraio-policy", default="auto", help="teraio: the planner (auto: the best of the teraio variants)")
+    ap.add_argument("--page-fraction", type=float, default=0.85,
+                    help="teraio: the share of the cap that paging and plans use on a GPU (the rest: workspaces, allocator slack)")
     ap.add_argument("--teraio-no-gather", action="store_true",
                     help="teraio: keep the plan's steady state between steps (no gather of parameters and optimizer states)")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
@@ -423,7 +425,7 @@ def make_session(args, torch, mode, model, opt, dev):
                       hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=int(args.chunk_mib * 2**20),
                       profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1,
                       page_min_bytes=args.page_min_kib * 1024,
-                      gather_between_steps=not args.teraio_no_gather,
+                      gather_between_steps=not args.teraio_no_gather, page_fraction=args.page_fraction,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
