@@ -69,7 +69,12 @@ class Session:
     the planner may use (0: SSD only). ``policy``/``hardware``: the planner's (``teraio plan``).
     ``store`` (tests): any object with the engine's ``offload``/``prefetch``/``free``.
     ``page_min_bytes``: the pager leaves smaller storages in place; ``page_fraction``: on the
-    GPU it pages down to this share of the budget. ``executor_factory``
+    GPU it pages down to this share of the budget (and plans keep it). ``planned`` (default
+    True): steps with a plan run it on the engine's executor (False: every step pages).
+    ``gather_between_steps`` (default True): after a planned step every parameter, gradient and
+    optimizer state is resident and complete, and writes to them before the next step are seen
+    (version counters); False keeps the plan's steady state between steps, for loops whose code
+    between steps touches none of them. ``executor_factory``
     (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
     ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
     host_budget_bytes)`` returning a plan (default: ``teraio.plan`` with ``policy``/``hardware``).
