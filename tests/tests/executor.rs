@@ -19,6 +19,7 @@ use teraio_scheduler::{
     Hardware, Kernel, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId, TensorKind, Tier,
     Trace, plan, simulate,
 };
+use teraio_tests::small_gpt;
 
 fn random_trace() -> impl Strategy<Value = Trace> {
     proptest::collection::vec(10.0f64..2000.0, 3..30)
@@ -314,22 +315,8 @@ proptest! {
     }
 }
 
-/// A generated GPT-like iteration with a squeezed budget, for the divergence tests.
-fn gpt(layers: u32) -> Trace {
-    let mut c = teraio_scheduler::ModelConfig::preset("gpt2-replay").unwrap();
-    c.layers = layers;
-    c.hidden = 256;
-    c.heads = 4;
-    c.kv_heads = 4;
-    c.ffn = 1024;
-    c.vocab = 8192;
-    c.seq_len = 128;
-    c.micro_batch = 2;
-    teraio_scheduler::generate(&c).unwrap()
-}
-
 fn squeezed() -> (Trace, Plan, u64) {
-    let trace = gpt(2);
+    let trace = small_gpt(2, None);
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
     let mut hw = Hardware::dev();
     hw.gpu_memory_bytes = peak * 3 / 5;
@@ -355,7 +342,7 @@ fn a_generated_iteration_runs_within_budget_with_every_byte_right() {
 
 #[test]
 fn gathered_tensors_go_back_to_the_host_tier_without_a_write_unless_modified() {
-    let trace = gpt(2);
+    let trace = small_gpt(2, None);
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
     let mut hw = Hardware::dev();
     hw.gpu_memory_bytes = peak * 3 / 5;
@@ -456,7 +443,7 @@ fn a_tensor_of_another_size_diverges_and_bad_calls_are_errors() {
 #[test]
 fn a_plan_for_another_trace_is_refused() {
     let (trace, _, budget) = squeezed();
-    let other = gpt(1);
+    let other = small_gpt(1, None);
     let p = plan(&other, &Hardware::dev(), Policy::Ideal).unwrap();
     let rig = rig(16 << 20);
     let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));

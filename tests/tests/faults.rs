@@ -19,21 +19,8 @@ use teraio_engine::runtime::{
 };
 use teraio_engine::store::{Location, StoreConfig, TensorStore};
 use teraio_engine::tier::{HostTier, MemoryTier};
-use teraio_scheduler::{Hardware, ModelConfig, Plan, Policy, Trace, generate, plan};
-
-fn small_trace(iteration_us: f64) -> Trace {
-    let mut c = ModelConfig::preset("gpt2-replay").unwrap();
-    c.layers = 2;
-    c.hidden = 256;
-    c.heads = 4;
-    c.kv_heads = 4;
-    c.ffn = 1024;
-    c.vocab = 8192;
-    c.seq_len = 128;
-    c.micro_batch = 2;
-    c.target_iteration_us = Some(iteration_us);
-    generate(&c).unwrap()
-}
+use teraio_scheduler::{Hardware, Plan, Policy, Trace, plan};
+use teraio_tests::small_gpt;
 
 /// splitmix64: the seeded choices of these tests.
 fn rng(seed: &mut u64) -> u64 {
@@ -55,7 +42,7 @@ struct Rig {
 /// A squeezed plan (3/4 of the peak) over 4 simulated disks, with a host tier of `host_bytes`
 /// (0: none); each disk as fast as `disk_bytes_per_s` (0: as fast as memory).
 fn rig(host_bytes: u64, disk_bytes_per_s: u64) -> Rig {
-    let trace = small_trace(150_000.0);
+    let trace = small_gpt(2, Some(150_000.0));
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
     let mut hw = Hardware::dev();
     hw.gpu_memory_bytes = peak * 3 / 4;
@@ -362,25 +349,32 @@ fn a_slow_device_makes_the_replay_replan_within_two_iterations() {
     assert!(report.replans >= 1);
 }
 
+/// An executor of the rig's plan (it allocates created tensors from host memory standing in
+/// for the GPU), its global tensors attached and `start()`ed.
+fn started_executor(r: &Rig) -> Executor {
+    let mem = HostTier::new("gpu", 1 << 30).unwrap();
+    let cfg = ExecutorConfig {
+        gpu_budget_bytes: r.hw.gpu_memory_bytes,
+        allocate_created: true,
+        stream: None,
+    };
+    let alloc = Box::new(TierAllocator(mem.clone() as Arc<dyn MemoryTier>));
+    let mut ex =
+        Executor::new(r.store.clone(), alloc, r.trace.clone(), r.plan.clone(), cfg).unwrap();
+    for t in r.trace.tensors.iter().filter(|t| t.global) {
+        ex.attach(t.id, mem.alloc(t.bytes).unwrap()).unwrap();
+    }
+    ex.start().unwrap();
+    ex
+}
+
 #[test]
 fn a_trainer_that_starts_over_at_kernel_0_after_a_lost_tensor_goes_on() {
     let mut caught = 0;
     for at in [20usize, 30, 40, 50, 60] {
         let r = rig(0, 0);
         let n = r.trace.kernels.len();
-        let mem = HostTier::new("gpu", 1 << 30).unwrap();
-        let cfg = ExecutorConfig {
-            gpu_budget_bytes: r.hw.gpu_memory_bytes,
-            allocate_created: true,
-            stream: None,
-        };
-        let alloc = Box::new(TierAllocator(mem.clone() as Arc<dyn MemoryTier>));
-        let mut ex =
-            Executor::new(r.store.clone(), alloc, r.trace.clone(), r.plan.clone(), cfg).unwrap();
-        for t in r.trace.tensors.iter().filter(|t| t.global) {
-            ex.attach(t.id, mem.alloc(t.bytes).unwrap()).unwrap();
-        }
-        ex.start().unwrap();
+        let mut ex = started_executor(&r);
         let mut corrupted = None;
         let mut lost = None;
         for k in 0..n {
@@ -424,19 +418,7 @@ fn a_trainer_that_starts_over_at_kernel_0_after_a_lost_tensor_goes_on() {
 /// Drive the executor for `iterations` with a scripted trainer; after each iteration, the SSD
 /// bytes in use and the ids the store holds.
 fn ssd_use_per_iteration(r: &Rig, iterations: usize) -> Vec<(u64, Vec<u64>)> {
-    let mem = HostTier::new("gpu", 1 << 30).unwrap();
-    let cfg = ExecutorConfig {
-        gpu_budget_bytes: r.hw.gpu_memory_bytes,
-        allocate_created: true,
-        stream: None,
-    };
-    let alloc = Box::new(TierAllocator(mem.clone() as Arc<dyn MemoryTier>));
-    let mut ex =
-        Executor::new(r.store.clone(), alloc, r.trace.clone(), r.plan.clone(), cfg).unwrap();
-    for t in r.trace.tensors.iter().filter(|t| t.global) {
-        ex.attach(t.id, mem.alloc(t.bytes).unwrap()).unwrap();
-    }
-    ex.start().unwrap();
+    let mut ex = started_executor(r);
     let mut out = Vec::new();
     for _ in 0..iterations {
         for k in 0..r.trace.kernels.len() {

@@ -10,24 +10,11 @@ use teraio_engine::runtime::{ReplayConfig, replay};
 use teraio_engine::store::{StoreConfig, TensorStore};
 use teraio_engine::tier::HostTier;
 use teraio_scheduler::{Hardware, ModelConfig, Policy, SimOptions, generate, plan, simulate};
-
-fn small_trace() -> teraio_scheduler::Trace {
-    let mut c = ModelConfig::preset("gpt2-replay").unwrap();
-    c.layers = 2;
-    c.hidden = 256;
-    c.heads = 4;
-    c.kv_heads = 4;
-    c.ffn = 1024;
-    c.vocab = 8192;
-    c.seq_len = 128;
-    c.micro_batch = 2;
-    c.target_iteration_us = Some(400_000.0);
-    generate(&c).unwrap()
-}
+use teraio_tests::small_gpt;
 
 #[test]
 fn replay_executes_the_plan_and_verifies_every_tensor_that_comes_back() {
-    let trace = small_trace();
+    let trace = small_gpt(2, Some(400_000.0));
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
     let mut hw = Hardware::dev();
     hw.gpu_memory_bytes = peak * 3 / 4;
@@ -69,7 +56,7 @@ fn replay_executes_the_plan_and_verifies_every_tensor_that_comes_back() {
 
 #[test]
 fn replay_refuses_a_plan_for_another_trace() {
-    let trace = small_trace();
+    let trace = small_gpt(2, Some(400_000.0));
     let mut c = ModelConfig::preset("gpt2-replay").unwrap();
     c.layers = 1;
     let other = generate(&c).unwrap();
