@@ -739,23 +739,8 @@ impl Executor {
                         continue;
                     }
                     match std::mem::replace(&mut self.states[t], State::Absent) {
-                        State::Resident(mem) if clean => {
-                            self.alloc.release(ins.tensor, mem);
-                            self.events.push_back(Event::Released(ins.tensor));
-                            self.set_used(self.used - self.bytes(t));
-                            self.states[t] = State::Offloaded;
-                            self.report.clean_drops += 1;
-                        }
                         State::Resident(mem) => {
-                            let opts = OffloadOptions {
-                                destination: destination(dest),
-                                priority,
-                                name: None,
-                            };
-                            let handle = self.offload_keep(t, mem, opts)?;
-                            self.in_flight += 1;
-                            self.report.offloads += 1;
-                            self.states[t] = State::Offloading { handle, keep: false };
+                            self.offload_or_drop(t, mem, dest, priority, clean)?
                         }
                         State::Reserved => {
                             self.states[t] = State::Reserved;
@@ -833,10 +818,7 @@ impl Executor {
                     Ok((outcome, mem)) => {
                         self.host_retried[t] = false;
                         self.current[t] = stored(outcome);
-                        self.alloc.release(id, mem);
-                        self.events.push_back(Event::Released(id));
-                        self.set_used(self.used - self.bytes(t));
-                        self.states[t] = State::Offloaded;
+                        self.let_go(t, mem);
                     }
                     Err(e) => {
                         // The write failed: the store holds the memory; the tensor stays.
@@ -1041,6 +1023,38 @@ impl Executor {
         self.current[t] && self.store.has_current_copy_in(t as u64, destination(tier))
     }
 
+    /// Tensor `t`'s copy is stored: its memory goes back to the allocator and it is offloaded.
+    fn let_go(&mut self, t: usize, mem: TensorMem) {
+        let id = TensorId(t as u32);
+        self.alloc.release(id, mem);
+        self.events.push_back(Event::Released(id));
+        self.set_used(self.used - self.bytes(t));
+        self.states[t] = State::Offloaded;
+    }
+
+    /// Move resident tensor `t` (its memory `mem`) to `tier`: dropped at once when `clean` (the
+    /// store's copy there is current), else written, its memory released when stored.
+    fn offload_or_drop(
+        &mut self,
+        t: usize,
+        mem: TensorMem,
+        tier: Tier,
+        priority: Priority,
+        clean: bool,
+    ) -> Result<()> {
+        if clean {
+            self.let_go(t, mem);
+            self.report.clean_drops += 1;
+            return Ok(());
+        }
+        let opts = OffloadOptions { destination: destination(tier), priority, name: None };
+        let handle = self.offload_keep(t, mem, opts)?;
+        self.in_flight += 1;
+        self.report.offloads += 1;
+        self.states[t] = State::Offloading { handle, keep: false };
+        Ok(())
+    }
+
     /// Whether the store holds a current copy of `t` (SSD, or a host-tier copy a retaining
     /// store keeps after a prefetch).
     fn has_copy(&self, t: usize) -> bool {
@@ -1068,17 +1082,13 @@ impl Executor {
             })
             .max_by_key(|&t| next_use(t));
         let Some(t) = victim else { return Ok(false) };
-        let id = TensorId(t as u32);
         let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
             unreachable!("filtered above")
         };
         self.report.evictions += 1;
         self.evicted[t] = true;
         if self.is_clean(t) {
-            self.alloc.release(id, mem);
-            self.events.push_back(Event::Released(id));
-            self.set_used(self.used - self.bytes(t));
-            self.states[t] = State::Offloaded;
+            self.let_go(t, mem);
         } else {
             let opts = OffloadOptions { priority: Priority::Urgent, ..Default::default() };
             let handle = self.offload_keep(t, mem, opts)?;

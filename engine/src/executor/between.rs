@@ -24,9 +24,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use teraio_scheduler::{TensorId, Tier};
 
-use super::{Alloc, Event, Executor, Phase, State, destination};
+use super::{Alloc, Executor, Phase, State};
 use crate::migrate::Priority;
-use crate::store::OffloadOptions;
 use crate::tier::TensorMem;
 use crate::{Error, Result};
 
@@ -164,25 +163,13 @@ impl Executor {
             if !std::mem::take(&mut self.regather[t]) {
                 continue;
             }
-            let id = TensorId(t as u32);
             match std::mem::replace(&mut self.states[t], State::Absent) {
                 State::Offloading { handle, .. } => {
                     self.states[t] = State::Offloading { handle, keep: false };
                 }
-                State::Resident(mem) if self.is_clean_in(t, tier) => {
-                    self.alloc.release(id, mem);
-                    self.events.push_back(Event::Released(id));
-                    self.set_used(self.used - self.bytes(t));
-                    self.states[t] = State::Offloaded;
-                    self.report.clean_drops += 1;
-                }
                 State::Resident(mem) => {
-                    let opts =
-                        OffloadOptions { destination: destination(tier), ..Default::default() };
-                    let handle = self.offload_keep(t, mem, opts)?;
-                    self.in_flight += 1;
-                    self.report.offloads += 1;
-                    self.states[t] = State::Offloading { handle, keep: false };
+                    let clean = self.is_clean_in(t, tier);
+                    self.offload_or_drop(t, mem, tier, Priority::Normal, clean)?;
                 }
                 other => self.states[t] = other,
             }

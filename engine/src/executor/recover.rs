@@ -323,12 +323,8 @@ impl Executor {
             let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
                 unreachable!("checked above")
             };
-            let id = TensorId(t as u32);
             if self.is_clean_in(t, tier) {
-                self.alloc.release(id, mem);
-                self.events.push_back(Event::Released(id));
-                self.set_used(self.used - self.bytes(t));
-                self.states[t] = State::Offloaded;
+                self.let_go(t, mem);
                 continue;
             }
             let opts = OffloadOptions {
@@ -343,10 +339,7 @@ impl Executor {
             match h.wait() {
                 Ok((outcome, mem)) => {
                     self.current[t] = stored(outcome);
-                    self.alloc.release(id, mem);
-                    self.events.push_back(Event::Released(id));
-                    self.set_used(self.used - self.bytes(t));
-                    self.states[t] = State::Offloaded;
+                    self.let_go(t, mem);
                 }
                 Err(e) => {
                     let mem = self.store.take_held(t as u64).ok_or_else(|| Error::InvalidState {
