@@ -7,19 +7,18 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use teraio_engine::array::{ArrayConfig, DeviceArray, Target};
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::executor::{
     Executor, ExecutorConfig, GatherReport, IterationReport, TierAllocator,
 };
-use teraio_engine::store::{StoreConfig, TensorStore};
+use teraio_engine::store::TensorStore;
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::{Error, Result};
 use teraio_scheduler::{
     Hardware, Kernel, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId, TensorKind, Tier,
     Trace, plan, simulate,
 };
-use teraio_tests::small_gpt;
+use teraio_tests::{sim_store, small_gpt};
 
 fn random_trace() -> impl Strategy<Value = Trace> {
     proptest::collection::vec(10.0f64..2000.0, 3..30)
@@ -99,16 +98,7 @@ fn rig(disk_bytes: u64) -> Rig {
 
 /// A retaining store over three simulated disks, with a host tier of `host_bytes` (0: none).
 fn rig_with_host(disk_bytes: u64, host_bytes: u64) -> Rig {
-    let disks: Vec<Arc<SimDisk>> = (0..3).map(|i| SimDisk::new(disk_bytes, 4096, i)).collect();
-    let array =
-        DeviceArray::open(ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect()))
-            .unwrap();
-    let mut scfg = StoreConfig::new(array);
-    scfg.retain_on_prefetch = true;
-    if host_bytes > 0 {
-        scfg.host_tier = Some(HostTier::new("host", host_bytes).unwrap() as Arc<dyn MemoryTier>);
-    }
-    let store = Arc::new(TensorStore::open(scfg).unwrap());
+    let (disks, store) = sim_store(3, disk_bytes, host_bytes, |_| {});
     Rig { disks, store, mem: HostTier::new("gpu", 1 << 30).unwrap() }
 }
 

@@ -10,17 +10,16 @@
 use std::sync::Arc;
 
 use teraio_engine::Error;
-use teraio_engine::array::{ArrayConfig, DeviceArray, Target};
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp, corrupt_ssd_copy};
 use teraio_engine::executor::{Executor, ExecutorConfig, TierAllocator};
 use teraio_engine::pool::BufferPool;
 use teraio_engine::runtime::{
     BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay, replay_adaptive,
 };
-use teraio_engine::store::{Location, StoreConfig, TensorStore};
+use teraio_engine::store::{Location, TensorStore};
 use teraio_engine::tier::{HostTier, MemoryTier};
 use teraio_scheduler::{Hardware, Plan, Policy, Trace, plan};
-use teraio_tests::small_gpt;
+use teraio_tests::{sim_store, small_gpt};
 
 /// splitmix64: the seeded choices of these tests.
 fn rng(seed: &mut u64) -> u64 {
@@ -54,21 +53,11 @@ fn rig(host_bytes: u64, disk_bytes_per_s: u64) -> Rig {
     }
     let p = plan(&trace, &hw, Policy::Teraio).unwrap();
     assert!(!p.instructions.is_empty(), "memory is squeezed: the plan must move tensors");
-    let disks: Vec<Arc<SimDisk>> = (0..4).map(|i| SimDisk::new(256 << 20, 4096, i)).collect();
-    if disk_bytes_per_s > 0 {
-        for d in &disks {
+    let (disks, store) = sim_store(4, 256 << 20, host_bytes, |d| {
+        if disk_bytes_per_s > 0 {
             d.inject(SimFault::Throughput { bytes_per_s: disk_bytes_per_s });
         }
-    }
-    let array =
-        DeviceArray::open(ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect()))
-            .unwrap();
-    let mut scfg = StoreConfig::new(array);
-    scfg.retain_on_prefetch = true;
-    if host_bytes > 0 {
-        scfg.host_tier = Some(HostTier::new("host", host_bytes).unwrap() as Arc<dyn MemoryTier>);
-    }
-    let store = Arc::new(TensorStore::open(scfg).unwrap());
+    });
     Rig { trace, plan: p, hw, disks, store }
 }
 
