@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import statistics
@@ -82,6 +83,16 @@ def parse_args(argv=None):
                     help="teraio: the share of the cap that paging and plans use on a GPU (the rest: workspaces, allocator slack)")
     ap.add_argument("--teraio-no-gather", action="store_true",
                     help="teraio: keep the plan's steady state between steps (no gather of parameters and optimizer states)")
+    ap.add_argument("--teraio-ahead", type=int, default=0,
+                    help="teraio: the host runs at most this many operators ahead of the GPU (0: no limit)")
+    ap.add_argument("--teraio-no-recompute", action="store_true",
+                    help="teraio: plans only move tensors (no activation is dropped and recomputed)")
+    ap.add_argument("--teraio-save-trace", metavar="PREFIX",
+                    help="teraio: write each planned iteration's trace and plan to PREFIX.N.trace.json.gz / .plan.json")
+    ap.add_argument("--teraio-time-gpu", action="store_true",
+                    help="teraio: CUDA events around every operator of planned steps (where the GPU waited)")
+    ap.add_argument("--teraio-workers", type=int, default=0,
+                    help="teraio: the engine's transfer worker threads (0: the engine's default)")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
     ap.add_argument("--chunk-mib", type=float, default=0.0,
                     help="teraio: optimizer step chunk (0: one parameter at a time)")
@@ -394,6 +405,14 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
             out["host_bytes_moved_per_step"] = 2 * moved["bytes"] / n  # copied out and back in
         if session is not None:
             out["teraio"] = session.report()
+            if args.teraio_save_trace:
+                # the profiled trace and the plan of the planned steps, for `teraio simulate`
+                for i, e in enumerate(e for e in session.plans.values() if e.get("plan") is not None):
+                    base = f"{args.teraio_save_trace}.{i}"
+                    with gzip.open(base + ".trace.json.gz", "wt") as f:
+                        json.dump(e["trace"], f)
+                    with open(base + ".plan.json", "w") as f:
+                        f.write(e["plan"].to_json())
             session.close()
         return out
 
@@ -408,6 +427,8 @@ def make_session(args, torch, mode, model, opt, dev):
                   overwrite="anything")
     if args.ssd_alloc_kib:
         engine.update(alloc_unit=args.ssd_alloc_kib * 1024, stripe_unit=max(64, args.ssd_alloc_kib) * 1024)
+    if args.teraio_workers:
+        engine["workers"] = args.teraio_workers
     if mode == "teraio-host":
         engine["host_tier"] = int(args.host_gib * 2**30)
     if dev.type == "cuda":
@@ -426,6 +447,8 @@ def make_session(args, torch, mode, model, opt, dev):
                       profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1,
                       page_min_bytes=args.page_min_kib * 1024,
                       gather_between_steps=not args.teraio_no_gather, page_fraction=args.page_fraction,
+                      max_ahead=args.teraio_ahead, recompute=not args.teraio_no_recompute,
+                      time_gpu=args.teraio_time_gpu,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
 
 

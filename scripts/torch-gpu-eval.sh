@@ -8,6 +8,8 @@
 #     bash scripts/torch-gpu-eval.sh OUT [train_gpt options...]
 #
 # GATHER_AB=1: teraio-host with and without the gather between steps, alternated twice.
+# VARIANTS="name:train_gpt options;name:options;...": teraio-host once per variant, in this
+#   order, ROUNDS times (default 1), e.g. VARIANTS="base:;w16:--teraio-workers 16".
 set -u
 OUT=${1:?output folder}; shift
 WHEELS=${WHEELS:-.devcarry/torch/tw}
@@ -19,7 +21,17 @@ SSD=${SSD:-/var/tmp/teraio-eval}; mkdir -p "$SSD" "$OUT"
 date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 CONFIG="--layers 12 --hidden 1024 --heads 16 --vocab 8192 --seq 1024 --batch 16 --warmup 2 --dtype fp32
   --cap-gib 6 --host-gib 24 --ssd-dir $SSD --hw docs/torch-eval/traces/h200-one-disk.hw.json"
-if [ -n "${GATHER_AB:-}" ]; then
+if [ -n "${VARIANTS:-}" ]; then
+  IFS=';' read -ra VS <<< "$VARIANTS"
+  for r in $(seq 1 "${ROUNDS:-1}"); do for v in "${VS[@]}"; do
+    name=${v%%:*}; opts=${v#*:}
+    # shellcheck disable=SC2086
+    timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
+      --steps "${STEPS:-4}" --mode-timeout-s 130 $opts "$@" --out "$OUT/$name$r" > "$OUT/$name$r.log" 2>&1
+    echo "== $name round $r ($opts)"; grep -E "teraio step [1-9]|Error|Traceback" "$OUT/$name$r.log" | cut -c1-330
+    grep -h "| teraio" "$OUT/$name$r/table.md"
+  done; done
+elif [ -n "${GATHER_AB:-}" ]; then
   for r in 1 2; do for g in gather nogather; do
     extra=""; [ $g = nogather ] && extra="--teraio-no-gather"
     timeout 150 python3 examples/train_gpt.py --modes teraio-host $CONFIG --steps 4 --mode-timeout-s 120 \

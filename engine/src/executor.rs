@@ -89,6 +89,8 @@ pub enum AllocFor {
     Create,
     /// The destination of a prefetch.
     Prefetch,
+    /// A tensor the plan dropped and recomputes ([`TensorAllocator::recompute`] fills it).
+    Recompute,
 }
 
 /// Where the executor's memory comes from and goes back to.
@@ -100,6 +102,20 @@ pub trait TensorAllocator: Send {
     fn release(&mut self, t: TensorId, mem: TensorMem) {
         let _ = t;
         drop(mem);
+    }
+    /// Whether this allocator can make tensors again ([`recompute`](Self::recompute)); an
+    /// executor refuses a plan with recomputations when it cannot. The default: no.
+    fn can_recompute(&self) -> bool {
+        false
+    }
+    /// Make tensor `t` again in `mem` (memory from [`alloc`](Self::alloc) with
+    /// [`AllocFor::Recompute`]) by running its producer (`teraio_scheduler::Producer`) once
+    /// more, ordered on the caller's stream before the kernel about to run. Called once the
+    /// producer's inputs are resident (the caller's stream already waits for their prefetches),
+    /// in plan order when several tensors are remade before one kernel.
+    fn recompute(&mut self, t: TensorId, mem: &mut TensorMem) -> Result<()> {
+        let _ = mem;
+        Err(Error::Unsupported(format!("this allocator cannot recompute tensor {t}")))
     }
 }
 
@@ -179,6 +195,8 @@ pub struct IterationReport {
     pub kept_copies: u64,
     /// Offloads whose write failed; the tensor stayed resident.
     pub failed_offloads: u64,
+    /// Tensors dropped and made again by their producer (the plan's recomputations).
+    pub recomputations: u64,
     /// Tensors the executor moved out on its own because a kernel waited for memory that
     /// nothing in flight would free (the caller ran faster than the plan's timing assumed: a
     /// prefetch met its offload still being written and kept the tensor).
@@ -217,6 +235,10 @@ enum State {
     Offloaded,
     QueuedPrefetch,
     Prefetching(Handle<TensorMem>),
+    /// Dropped for recomputation: no memory, no copy needed (its producer makes it again).
+    Dropped,
+    /// Memory granted for a recomputation that has not run yet.
+    Remaking(TensorMem),
 }
 
 impl State {
@@ -228,12 +250,13 @@ impl State {
 enum Alloc {
     Create(usize),
     Prefetch(usize, Priority),
+    Remake(usize),
 }
 
 impl Alloc {
     fn tensor(&self) -> usize {
         match self {
-            Alloc::Create(t) | Alloc::Prefetch(t, _) => *t,
+            Alloc::Create(t) | Alloc::Prefetch(t, _) | Alloc::Remake(t) => *t,
         }
     }
 }
@@ -258,6 +281,13 @@ pub struct Executor {
     creations: Vec<Vec<usize>>,
     deaths: Vec<Vec<usize>>,
     accesses: Vec<Vec<usize>>,
+    /// Per boundary: tensors the plan drops there for recomputation.
+    drops: Vec<Vec<usize>>,
+    /// Per kernel: tensors remade right before it, in plan order.
+    remakes: Vec<Vec<usize>>,
+    /// Per kernel: the tensors it needs resident, its accesses and the inputs of the
+    /// recomputations before it (equal to `accesses` where nothing is remade).
+    needs: Vec<Vec<usize>>,
     states: Vec<State>,
     allocs: VecDeque<Alloc>,
     events: VecDeque<Event>,
@@ -351,11 +381,34 @@ impl Executor {
                 }
             }
         }
-        let accesses = trace
+        if !plan.recomputations.is_empty() && !alloc.can_recompute() {
+            return Err(Error::Unsupported(format!(
+                "the `{}` plan recomputes {} tensors and this executor's allocator cannot run \
+                 producers (the PyTorch runtime can; `teraio run` and the C ABI cannot yet): \
+                 plan without recomputation (e.g. `--no-recompute`, or `--policy teraio`)",
+                plan.policy,
+                plan.recomputations.len()
+            )));
+        }
+        let accesses: Vec<Vec<usize>> = trace
             .accesses_per_kernel()
             .into_iter()
             .map(|v| v.into_iter().map(|t| t.index()).collect())
             .collect();
+        let mut drops = vec![Vec::new(); n + 1];
+        let mut remakes = vec![Vec::new(); n];
+        let mut needs = accesses.clone();
+        for r in &plan.recomputations {
+            drops[r.drop_at].push(r.tensor.index());
+            remakes[r.before_kernel].push(r.tensor.index());
+            if let Some(p) = &trace.tensors[r.tensor.index()].producer {
+                needs[r.before_kernel].extend(p.inputs.iter().map(|t| t.index()));
+            }
+        }
+        for v in &mut needs {
+            v.sort_unstable();
+            v.dedup();
+        }
         let states = (0..trace.tensors.len()).map(|_| State::Absent).collect();
         let stayed = vec![false; trace.tensors.len()];
         let evicted = vec![false; trace.tensors.len()];
@@ -372,6 +425,9 @@ impl Executor {
             creations,
             deaths,
             accesses,
+            drops,
+            remakes,
+            needs,
             states,
             allocs: VecDeque::new(),
             events: VecDeque::new(),
@@ -500,6 +556,8 @@ impl Executor {
                         self.states[t] = State::QueuedPrefetch;
                         self.allocs.push_back(Alloc::Prefetch(t, Priority::Urgent));
                     }
+                    // Dropped for recomputation: made again as soon as its inputs are back.
+                    State::Dropped => self.allocs.push_back(Alloc::Remake(t)),
                     _ => {}
                 }
             }
@@ -700,10 +758,62 @@ impl Executor {
         while self.issued <= k {
             let b = self.issued;
             self.issue(b)?;
+            // Recomputed tensors get their memory first, in plan order, then the creations.
+            for &t in &self.remakes[b] {
+                if matches!(self.states[t], State::Dropped) {
+                    self.allocs.push_back(Alloc::Remake(t));
+                }
+            }
             for &t in &self.creations[b] {
                 self.allocs.push_back(Alloc::Create(t));
             }
             self.issued += 1;
+        }
+        Ok(())
+    }
+
+    /// The plan's drops for recomputation at boundary `b` (after its instructions): the memory
+    /// goes back at once, no copy is made (the producer makes the tensor again).
+    fn drop_for_recompute(&mut self, b: usize) {
+        for i in 0..self.drops[b].len() {
+            let t = self.drops[b][i];
+            // Only a resident tensor is dropped (an evicted one is already off the GPU; its
+            // read-back makes it resident for the kernel that needs it).
+            if !matches!(self.states[t], State::Resident(_)) {
+                continue;
+            }
+            let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Dropped)
+            else {
+                unreachable!("checked above")
+            };
+            let id = TensorId(t as u32);
+            self.alloc.release(id, mem);
+            self.events.push_back(Event::Released(id));
+            self.set_used(self.used - self.bytes(t));
+        }
+    }
+
+    /// Run the recomputations due before kernel `k` (every pending one, inputs first, in safe
+    /// mode): the allocator runs each producer on the caller's stream.
+    fn remake(&mut self, k: usize) -> Result<()> {
+        let list: Vec<usize> = if self.safe.is_some() {
+            let mut v: Vec<usize> = (0..self.states.len())
+                .filter(|&t| matches!(self.states[t], State::Remaking(_)))
+                .collect();
+            v.sort_by_key(|&t| self.trace.tensors[t].created_by);
+            v
+        } else {
+            self.remakes[k].clone()
+        };
+        for t in list {
+            if let State::Remaking(mut mem) = std::mem::replace(&mut self.states[t], State::Absent)
+            {
+                if let Err(e) = self.alloc.recompute(TensorId(t as u32), &mut mem) {
+                    return Err(self.recompute_failed(t, mem, e));
+                }
+                self.states[t] = State::Resident(mem);
+                self.report.recomputations += 1;
+            }
         }
         Ok(())
     }
@@ -788,6 +898,7 @@ impl Executor {
                 }
             }
         }
+        self.drop_for_recompute(boundary);
         Ok(())
     }
 
@@ -867,6 +978,10 @@ impl Executor {
                     self.states[t] = State::Resident(mem);
                 }
                 Alloc::Create(_) => self.states[t] = State::Reserved,
+                Alloc::Remake(_) => {
+                    let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Recompute)?;
+                    self.states[t] = State::Remaking(mem);
+                }
                 Alloc::Prefetch(_, priority) => {
                     let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Prefetch)?;
                     let h = match (self.cfg.stream, mem.device().is_some()) {
@@ -894,8 +1009,15 @@ impl Executor {
                     )
                 });
         }
+        // A tensor remade before `k` counts once its memory is granted: `remake` runs its
+        // producer (after the inputs, remade earlier in the list or resident).
+        let ok = |t: usize| match &self.states[t] {
+            State::Remaking(_) => self.remakes[k].contains(&t),
+            s => s.is_resident(),
+        };
         self.creations[k].iter().all(|&t| self.states[t].is_resident())
-            && self.accesses[k].iter().all(|&t| self.states[t].is_resident())
+            && self.needs[k].iter().all(|&t| ok(t))
+            && self.remakes[k].iter().all(|&t| ok(t))
     }
 
     /// Non-blocking: issue boundary `k` if not yet, collect what finished, and say whether
@@ -911,8 +1033,8 @@ impl Executor {
         }
         self.boundary(k)?;
         if self.safe.is_none() {
-            for i in 0..self.accesses[k].len() {
-                let t = self.accesses[k][i];
+            for i in 0..self.needs[k].len() {
+                let t = self.needs[k][i];
                 if matches!(self.states[t], State::Offloaded) && self.evicted[t] {
                     self.report.demand_fetches += 1;
                     self.states[t] = State::QueuedPrefetch;
@@ -924,6 +1046,7 @@ impl Executor {
         let ready = self.ready(k);
         if ready {
             self.order_caller_stream(k)?;
+            self.remake(k)?;
         }
         if ready && self.safe.is_none() {
             self.next_kernel = k + 1;
@@ -941,7 +1064,7 @@ impl Executor {
             all = (0..self.states.len()).collect();
             &all
         } else {
-            &self.accesses[k]
+            &self.needs[k]
         };
         for &t in tensors {
             if let State::Resident(TensorMem::Device(m)) = &mut self.states[t]
@@ -1125,7 +1248,13 @@ impl Executor {
                 self.set_used(self.used - self.bytes(t));
             }
             State::Reserved => self.set_used(self.used - self.bytes(t)),
+            State::Remaking(mem) => {
+                self.alloc.release(id, mem);
+                self.set_used(self.used - self.bytes(t));
+            }
             State::Absent | State::Offloaded => {}
+            // Dropped for recomputation (a remake may be queued, in safe mode): nothing to make.
+            State::Dropped => self.allocs.retain(|a| a.tensor() != t),
             // Off the GPU at its death (evicted by the executor): nothing comes back.
             State::QueuedPrefetch => {
                 self.allocs.retain(|a| a.tensor() != t);
@@ -1225,7 +1354,9 @@ impl Executor {
             h.wait()?;
         }
         for t in 0..self.states.len() {
-            if let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) {
+            if let State::Resident(mem) | State::Remaking(mem) =
+                std::mem::replace(&mut self.states[t], State::Absent)
+            {
                 self.alloc.release(TensorId(t as u32), mem);
             }
             if self.store.info(t as u64).is_some()

@@ -4,19 +4,20 @@
 //! simulated backend's faults no wrong byte is ever handed back; a caller that leaves the plan
 //! gets `Diverged` and a safe mode that loses nothing.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::executor::{
-    Executor, ExecutorConfig, GatherReport, IterationReport, TierAllocator,
+    AllocFor, Executor, ExecutorConfig, GatherReport, IterationReport, TensorAllocator,
+    TierAllocator,
 };
 use teraio_engine::store::TensorStore;
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::{Error, Result};
 use teraio_scheduler::{
-    Hardware, Kernel, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId, TensorKind, Tier,
-    Trace, plan, simulate,
+    Hardware, Kernel, Op, Outcome, Plan, PlanOptions, Policy, SimOptions, Tensor, TensorId,
+    TensorKind, Tier, Trace, plan, plan_with, simulate,
 };
 use teraio_tests::{sim_store, small_gpt};
 
@@ -102,6 +103,29 @@ fn rig_with_host(disk_bytes: u64, host_bytes: u64) -> Rig {
     Rig { disks, store, mem: HostTier::new("gpu", 1 << 30).unwrap() }
 }
 
+/// Memory from a tier; a recomputation writes the bytes the tensor's creation wrote (the
+/// trainer's version of it, shared), as running its producer again would.
+struct RemakingAllocator {
+    tier: Arc<HostTier>,
+    versions: Arc<Mutex<Vec<u32>>>,
+    remade: Arc<Mutex<Vec<usize>>>,
+}
+
+impl TensorAllocator for RemakingAllocator {
+    fn alloc(&mut self, _t: TensorId, bytes: u64, _why: AllocFor) -> Result<TensorMem> {
+        self.tier.alloc(bytes)
+    }
+    fn can_recompute(&self) -> bool {
+        true
+    }
+    fn recompute(&mut self, t: TensorId, mem: &mut TensorMem) -> Result<()> {
+        let v = self.versions.lock().unwrap()[t.index()];
+        fill(mem, t.index(), v);
+        self.remade.lock().unwrap().push(t.index());
+        Ok(())
+    }
+}
+
 /// What the scripted trainer saw.
 #[derive(Default)]
 struct Seen {
@@ -111,6 +135,8 @@ struct Seen {
     /// Wrong bytes handed back (must stay empty whatever happens).
     wrong: Vec<String>,
     max_used: u64,
+    /// Tensors remade by the allocator, in order (with [`drive_remaking`]).
+    remade: Vec<usize>,
 }
 
 /// A trainer running `iterations` iterations of `trace` under `plan`: it creates and writes
@@ -126,8 +152,44 @@ fn drive(
     gather: bool,
     seen: &mut Seen,
 ) -> Result<()> {
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
     let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    drive_with(rig, alloc, None, trace, p, budget, iterations, gather, seen)
+}
+
+/// [`drive`] with an allocator that recomputes (plans with recomputations).
+fn drive_remaking(
+    rig: &Rig,
+    trace: &Trace,
+    p: &Plan,
+    budget: u64,
+    iterations: usize,
+    seen: &mut Seen,
+) -> Result<()> {
+    let versions = Arc::new(Mutex::new(vec![0u32; trace.tensors.len()]));
+    let remade = Arc::new(Mutex::new(Vec::new()));
+    let alloc = Box::new(RemakingAllocator {
+        tier: rig.mem.clone(),
+        versions: versions.clone(),
+        remade: remade.clone(),
+    });
+    let r = drive_with(rig, alloc, Some(versions), trace, p, budget, iterations, false, seen);
+    seen.remade = remade.lock().unwrap().clone();
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn drive_with(
+    rig: &Rig,
+    alloc: Box<dyn TensorAllocator>,
+    shared: Option<Arc<Mutex<Vec<u32>>>>,
+    trace: &Trace,
+    p: &Plan,
+    budget: u64,
+    iterations: usize,
+    gather: bool,
+    seen: &mut Seen,
+) -> Result<()> {
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
     let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg)?;
     let mut version = vec![0u32; trace.tensors.len()];
     for (i, t) in trace.tensors.iter().enumerate() {
@@ -150,6 +212,9 @@ fn drive(
                     fill(&mut m, i, version[i]);
                     ex.attach(t.id, m)?;
                 }
+            }
+            if let Some(v) = &shared {
+                v.lock().unwrap().clone_from(&version);
             }
             for id in accessed {
                 let i = id.index();
@@ -303,6 +368,81 @@ proptest! {
             }
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_executor_recomputes_what_the_plan_says(layers in 1u32..3, frac in 0.5f64..0.95) {
+        // Generated GPT traces say how their activations are recomputed.
+        let trace = small_gpt(layers, None);
+        let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+        let mut hw = Hardware::dev();
+        hw.gpu_memory_bytes = ((peak as f64 * frac) as u64).max(1);
+        let opts = PlanOptions { recompute: true, ..PlanOptions::default() };
+        let Ok(p) = plan_with(&trace, &hw, Policy::Auto, &opts) else { return Ok(()) };
+        let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
+        let rig = rig(64 << 20);
+        let mut seen = Seen::default();
+        let run = drive_remaking(&rig, &trace, &p, hw.gpu_memory_bytes, 2, &mut seen);
+        prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+        if matches!(sim.outcome, Outcome::Completed) {
+            run.unwrap();
+            let planned: Vec<usize> = p.recomputations.iter().map(|r| r.tensor.index()).collect();
+            let twice: Vec<usize> = planned.iter().chain(&planned).copied().collect();
+            prop_assert_eq!(&seen.remade, &twice, "each planned recomputation, in plan order");
+            for r in &seen.reports {
+                prop_assert_eq!(r.recomputations, planned.len() as u64);
+                prop_assert!(r.peak_bytes <= hw.gpu_memory_bytes);
+            }
+            prop_assert!(seen.max_used <= hw.gpu_memory_bytes);
+        } else if let Err(e) = run {
+            prop_assert!(matches!(e, Error::NoSpace(_)), "{e}");
+        }
+    }
+}
+
+/// A small GPT whose activations can be recomputed, squeezed so that `auto` recomputes some.
+fn squeezed_recomputing() -> (Trace, Plan, u64) {
+    let trace = small_gpt(2, None);
+    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = peak * 3 / 5;
+    let p = plan(&trace, &hw, Policy::Auto).unwrap();
+    assert!(!p.recomputations.is_empty(), "auto recomputes on this trace");
+    (trace, p, hw.gpu_memory_bytes)
+}
+
+#[test]
+fn recomputed_tensors_are_dropped_and_made_again_before_their_kernel() {
+    let (trace, p, budget) = squeezed_recomputing();
+    let rig = rig(256 << 20);
+    let mut seen = Seen::default();
+    drive_remaking(&rig, &trace, &p, budget, 3, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    assert_eq!(seen.remade.len(), 3 * p.recomputations.len());
+    for r in &seen.reports {
+        assert_eq!(r.recomputations, p.recomputations.len() as u64);
+        assert!(r.peak_bytes <= budget, "{} over {budget}", r.peak_bytes);
+    }
+    // Without the drops the same plan would not fit: the dropped bytes made room.
+    let dropped: u64 = p.recomputations.iter().map(|r| trace.tensors[r.tensor.index()].bytes).sum();
+    assert!(dropped > 0);
+}
+
+#[test]
+fn a_recomputing_plan_needs_an_allocator_that_recomputes() {
+    let (trace, p, budget) = squeezed_recomputing();
+    let rig = rig(16 << 20);
+    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
+    let e = Executor::new(rig.store.clone(), alloc, trace, p, cfg).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    assert!(
+        e.to_string().contains("recomputes") && e.to_string().contains("--no-recompute"),
+        "{e}"
+    );
 }
 
 fn squeezed() -> (Trace, Plan, u64) {

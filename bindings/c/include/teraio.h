@@ -50,6 +50,10 @@
 // The executor asks for the destination of a prefetch.
 #define TERAIO_ALLOC_PREFETCH 1
 
+// The executor asks for memory of a tensor it recomputes (not asked of a C allocator yet: it
+// cannot run producers, so an executor refuses plans with recomputations).
+#define TERAIO_ALLOC_RECOMPUTE 2
+
 // Engine host memory with a stable address, moved without a copy (opaque).
 typedef struct teraio_buffer teraio_buffer;
 

@@ -25,6 +25,9 @@ pub struct teraio_executor {
 pub const TERAIO_ALLOC_CREATE: i32 = 0;
 /// The executor asks for the destination of a prefetch.
 pub const TERAIO_ALLOC_PREFETCH: i32 = 1;
+/// The executor asks for memory of a tensor it recomputes (not asked of a C allocator yet: it
+/// cannot run producers, so an executor refuses plans with recomputations).
+pub const TERAIO_ALLOC_RECOMPUTE: i32 = 2;
 
 /// Where an executor's memory comes from: `alloc` returns `bytes` bytes for tensor `tensor`
 /// (`why`: `TERAIO_ALLOC_*`) or NULL on failure; `release` (may be NULL) gets memory the
@@ -104,6 +107,7 @@ impl TensorAllocator for CAllocator {
         let why = match why {
             AllocFor::Create => TERAIO_ALLOC_CREATE,
             AllocFor::Prefetch => TERAIO_ALLOC_PREFETCH,
+            AllocFor::Recompute => TERAIO_ALLOC_RECOMPUTE,
         };
         let f = self.a.alloc.ok_or_else(|| {
             ::teraio_engine::Error::InvalidArgument("the allocator has no alloc callback".into())

@@ -704,7 +704,9 @@ fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyR
 }
 
 /// The executor's memory from a Python object's `alloc(tensor_id, nbytes, why)` (a writable
-/// buffer of exactly `nbytes`) and, when it has one, `release(tensor_id, obj)`.
+/// buffer of exactly `nbytes`) and, when it has one, `release(tensor_id, obj)`; with a
+/// `recompute(tensor_id, obj)` it runs the plan's recomputations (the object `alloc` returned
+/// for the tensor, to fill by running its producer again).
 struct PyAllocator {
     obj: Py<PyAny>,
     table: Table,
@@ -721,6 +723,7 @@ impl TensorAllocator for PyAllocator {
         let why = match why {
             AllocFor::Create => "create",
             AllocFor::Prefetch => "prefetch",
+            AllocFor::Recompute => "recompute",
         };
         Python::attach(|py| {
             let r = self.obj.bind(py).call_method1("alloc", (t.0, bytes, why))?;
@@ -746,6 +749,23 @@ impl TensorAllocator for PyAllocator {
                 e.write_unraisable(py, Some(a));
             }
         });
+    }
+
+    fn can_recompute(&self) -> bool {
+        Python::attach(|py| self.obj.bind(py).hasattr("recompute").unwrap_or(false))
+    }
+
+    fn recompute(&mut self, t: TensorId, mem: &mut TensorMem) -> teraio_engine::Result<()> {
+        let _ = mem; // the memory `alloc` returned, which `obj` owns
+        Python::attach(|py| {
+            let obj = self.table.lock().get(&t.0).map(|o| o.clone_ref(py));
+            self.obj.bind(py).call_method1("recompute", (t.0, obj)).map(|_| ())
+        })
+        .map_err(|e| {
+            teraio_engine::Error::InvalidArgument(format!(
+                "the allocator's recompute({t}) failed: {e}"
+            ))
+        })
     }
 }
 

@@ -338,7 +338,8 @@ pub fn run(args: Args) -> Result<()> {
     if args.time_scale != 1.0 {
         trace.scale_durations(args.time_scale)?;
     }
-    // The executor does not run recomputations yet: plans here move tensors only.
+    // The emulated trainer cannot run producers (the executor's allocator here cannot
+    // recompute): plans here move tensors only.
     for t in &mut trace.tensors {
         t.producer = None;
     }

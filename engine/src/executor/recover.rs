@@ -76,13 +76,6 @@ pub(super) fn check_plan(trace: &Trace, plan: &Plan) -> Result<()> {
             plan.host_kernels.len()
         )));
     }
-    if !plan.recomputations.is_empty() {
-        return Err(Error::Unsupported(format!(
-            "the `{}` plan recomputes {} tensors; the executor does not run recomputations yet: plan without them (e.g. `--policy teraio`)",
-            plan.policy,
-            plan.recomputations.len()
-        )));
-    }
     Ok(())
 }
 
@@ -141,6 +134,22 @@ impl Executor {
         let err = lost.error();
         self.failed = Some(lost);
         Err(err)
+    }
+
+    /// The recomputation of tensor `t` (memory `mem`) failed: its memory goes back, the tensor
+    /// is lost (it has no copy: the plan dropped it), the iteration stops as for a failed read.
+    pub(super) fn recompute_failed(&mut self, t: usize, mem: TensorMem, e: Error) -> Error {
+        self.alloc.release(TensorId(t as u32), mem);
+        self.set_used(self.used - self.bytes(t));
+        self.states[t] = State::Dropped;
+        let mut lost = self.lost_tensor(t, &e);
+        lost.device = "no tier (the plan dropped it to recompute it, and that failed)".into();
+        if self.report.lost.is_none() {
+            self.report.lost = Some(lost.clone());
+        }
+        let err = lost.error();
+        self.failed = Some(lost);
+        err
     }
 
     /// For an out-of-memory message: how many tensors stayed because their writes failed.

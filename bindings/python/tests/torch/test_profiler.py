@@ -136,3 +136,29 @@ def test_trace_loads_with_the_rust_parser(tmp_path):
     path = tmp_path / "t.json"
     prof.save(str(path))
     assert json.loads(path.read_text())["format"] == "teraio-trace"
+
+
+def test_producers_of_deterministic_results_only():
+    import teraio.torch as tt
+
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    prof = tt.Profiler(lin, None)
+    with prof.record():
+        h = torch.nn.functional.gelu(lin(x))
+        d = torch.nn.functional.dropout(h, 0.5, training=True)
+        (d.sum() + h.sum()).backward()
+    tr = prof.trace()
+    local = [t for t in tr["tensors"] if not t["global"]]
+    name = lambda t: tr["kernels"][t["created_by"]]["name"]  # noqa: E731
+    (gelu,) = [t for t in local if name(t) == "fwd.gelu"]
+    # gelu of the linear's result: made again from it
+    (inp,) = gelu["producer"]["inputs"]
+    assert name(tr["tensors"][inp]) == "fwd.addmm" and "producer" in tr["tensors"][inp]
+    # the input batch x, first seen at the linear (not made by it), has no producer
+    assert any(name(t) == "fwd.addmm" and "producer" not in t for t in local)
+    # dropout's mask is filled with random numbers after it is made (bernoulli_ on the CPU,
+    # native_dropout on a GPU): never recomputed; nothing made in backward is either
+    masks = [t for t in local if len(t["writes"]) > 1 or "dropout" in name(t)]
+    assert masks and all("producer" not in t for t in masks)
+    assert all("producer" not in t for t in local if name(t).startswith("bwd."))

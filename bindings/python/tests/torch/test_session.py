@@ -275,3 +275,61 @@ def test_a_plan_that_does_not_fit_the_array_is_refused_and_steps_keep_paging(tmp
     assert any("no plan for this iteration" in line for line in lines)
     s.close()
     engine.close()
+
+
+# Recomputation: with a slow disk and PCIe in the hardware model, plans drop activations and
+# make them again (their operator run once more) instead of moving them; the losses and the
+# parameters stay bitwise those of plain training.
+_SLOW = {"ssd_count": 1, "ssd_read_bytes_per_s": 1e7, "ssd_write_bytes_per_s": 1e7, "ssd_latency_us": 80.0,
+         "pcie_h2d_bytes_per_s": 1e8, "pcie_d2h_bytes_per_s": 1e8, "host_memory_cap_bytes": 0,
+         "host_memory_bytes_per_s": 1e9, "gpudirect": False}
+
+
+@pytest.mark.parametrize("store_kind", ["engine", "engine-device"])
+def test_planned_steps_recompute_activations_with_the_same_losses(tmp_path, store_kind):
+    store = engine_store(tmp_path, device=store_kind == "engine-device")
+    data = batches(5, batch=16, seq=64)
+    ref_model, ref_opt = make(seq=64)
+    ref_losses = [train_step(ref_model, ref_opt, t) for t in data]
+    model, opt = make(seq=64)
+    budget = 10 * params_bytes(model)
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0,
+                   hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
+    losses = []
+    for t in data:
+        with s.step():
+            losses.append(train_step(model, opt, t))
+    assert losses == ref_losses
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    (entry,) = s.plans.values()
+    planned = len(entry["plan"].to_dict()["recomputations"])
+    assert planned > 0, "the plan recomputes activations"
+    assert [r["mode"] for r in s.steps][2:] == ["planned"] * 3, s.steps
+    for r in s.steps[2:]:
+        assert r["recomputed"] == planned and r["executor"]["recomputations"] == planned
+        assert r["executor"]["lost"] is None and "diverged" not in r
+    # written in place by the operator's out= form where it has one (else run and copied)
+    assert 0 < entry["run"].recomputed_in_place <= planned
+    # every recomputed tensor is an activation the profiler said how to make again
+    tensors = entry["trace"]["tensors"]
+    for rc in entry["plan"].to_dict()["recomputations"]:
+        t = tensors[rc["tensor"]]
+        assert t["kind"] == "activation" and "producer" in t, t
+    s.close()
+
+
+def test_recompute_off_leaves_producers_out_and_plans_only_move(tmp_path):
+    store = engine_store(tmp_path)
+    model, opt = make(seq=64)
+    budget = 10 * params_bytes(model)
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, recompute=False,
+                   hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
+    for t in batches(3, batch=16, seq=64):
+        with s.step():
+            train_step(model, opt, t)
+    (entry,) = s.plans.values()
+    assert not any("producer" in t for t in entry["trace"]["tensors"])
+    assert entry["plan"].to_dict().get("recomputations", []) == []
+    assert "recomputed" not in s.steps[2]
+    s.close()

@@ -87,3 +87,18 @@ def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
         op_name(func),
         tuple((tuple(t.shape), t.dtype) for t in iter_tensors((args, kwargs))),
     )
+
+
+def remakeable(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether running the op again on the same inputs makes the same bytes: no argument it
+    writes, no random numbers (``nondeterministic_seeded``), no nondeterministic kernels
+    (``nondeterministic_bitwise``: atomics)."""
+    tags = getattr(func, "tags", ()) or ()
+    if torch.Tag.nondeterministic_seeded in tags or torch.Tag.nondeterministic_bitwise in tags:
+        return False
+    return next(written_tensors(func, args, kwargs), None) is None
+
+
+def byte_view(s: torch.UntypedStorage) -> torch.Tensor:
+    """All bytes of a storage as a flat uint8 tensor (sharing it)."""
+    return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (s.nbytes(),), (1,))

@@ -14,6 +14,10 @@ translates between PyTorch and it:
   shapes, dtypes) must be the profiled one, then ``boundary_named(k)`` and ``before_kernel(k)``
   (the stall); after it ran, the storages it created are attached (matched to trace ids in the
   order the profiler discovered them) and ``after_kernel(k)``;
+- a tensor the plan recomputes: its creating operator, with its arguments, is kept from its
+  creation until its last recomputation; the executor drops the tensor (``release``), grows it
+  back (``alloc``) and asks for it (``recompute``) right before the kernel that needs it, and the
+  operator runs again, its result copied into the storage;
 - a mismatch, or the executor's ``Diverged`` error, ends planned execution for the step: the
   executor reads everything back (its safe mode), the rest of the step runs without moving
   anything, and the session profiles the next step again.
@@ -33,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ._storages import iter_tensors, signature, storage_key, storage_of
+from ._storages import byte_view, iter_tensors, signature, storage_key, storage_of
 from .runtime import host_view
 
 
@@ -87,7 +91,8 @@ class PlannedRun:
 
     def __init__(self, entry: dict[str, Any], model: torch.nn.Module | None, optimizer: Any, budget: int,
                  device: torch.device, executor_factory: Callable[..., Any] | None = None,
-                 device_memory: bool | None = None, gather: bool = True) -> None:
+                 device_memory: bool | None = None, gather: bool = True, max_ahead: int = 0,
+                 time_gpu: bool = False) -> None:
         self.trace = entry["trace"]
         self.signatures = entry["signatures"]
         self.created = entry["created"]  # per op: the trace ids first seen there, in order
@@ -108,8 +113,33 @@ class PlannedRun:
         self.gather = gather
         self.gathers: list[Any] = []
         self._versions: dict[int, tuple[torch.Tensor, int | None]] = {}
+        # on a GPU, the host runs at most ``max_ahead`` operators ahead of the GPU (0: no limit):
+        # the executor's view of what is stored and free is the host's, and memory a prefetch
+        # gets is ordered after everything queued before it, so a host far ahead of the GPU
+        # starts prefetches later than the plan's timing assumes
+        self.max_ahead = max_ahead if device.type == "cuda" else 0
+        self._marks: list[Any] = []
+        self.ahead_wait_s = 0.0
+        # on a GPU, with ``time_gpu``: an event right before and right after each operator's
+        # launch, so a step reports where the GPU itself waited (host-side waits overstate it:
+        # the host runs ahead of the GPU)
+        self.time_gpu = time_gpu and device.type == "cuda"
+        self._starts: list[Any] = []
+        self._ends: list[Any] = []
+        self._timed = 0
+        # recomputations: tensor -> how many times the plan remakes it per iteration, and the
+        # operator (func, args, kwargs, which result) that made it this iteration
+        self._remakes: dict[int, int] = {}
+        plan = entry["plan"]
+        to_dict = getattr(plan, "to_dict", None)
+        for r in (to_dict().get("recomputations", []) if to_dict is not None else []):
+            self._remakes[r["tensor"]] = self._remakes.get(r["tensor"], 0) + 1
+        self._producers: dict[int, tuple[Any, tuple, dict, int, tuple]] = {}
+        self._left: dict[int, int] = {}
+        self.recomputed = 0
+        self.recomputed_in_place = 0  # of them, written by the operator's ``out=`` form
         factory = executor_factory or _default_factory
-        self.ex = factory(self.trace, entry["plan"], budget, self)
+        self.ex = factory(self.trace, plan, budget, self)
         named = named_tensors(model, optimizer)
         self._globals: list[tuple[int, torch.Tensor]] = []
         for tid, t in enumerate(self.tensors):
@@ -147,13 +177,46 @@ class PlannedRun:
         return self._mem(s, nbytes)
 
     def release(self, tid: int, mem: Any = None) -> None:
-        """The executor gave ``tid``'s memory back: after an offload, shrink the storage."""
+        """The executor gave ``tid``'s memory back: after an offload (or a drop before a
+        recomputation), shrink the storage."""
         if self._releasing_deaths:
+            self._producers.pop(tid, None)  # it died: nothing will remake it
             return
         s = self.refs[tid]()
         if s is not None:
             with _disable_current_modes():
                 s.resize_(0)
+
+    def recompute(self, tid: int, mem: Any = None) -> None:
+        """Make ``tid`` again in its (regrown) storage: its creating operator runs once more on
+        the same arguments (the executor made them resident), the result copied in."""
+        s = self.refs[tid]()
+        p = self._producers.get(tid)
+        if s is None or p is None:
+            raise RuntimeError(f"tensor {tid} ({self.tensors[tid]['name']}) cannot be recomputed: "
+                               "its storage or its operator is gone")
+        func, args, kwargs, which, (shape, stride, offset, dtype, n_out) = p
+        with _disable_current_modes(), torch.no_grad(), torch.autocast(s.device.type, enabled=False):
+            # an operator with one result and an ``out=`` form writes straight into the storage
+            # (no second copy of the tensor in memory meanwhile); others run and are copied
+            out_form = getattr(func.overloadpacket, "out", None) if n_out == 1 else None
+            done = False
+            if out_form is not None:
+                dst = torch.empty(0, dtype=dtype, device=s.device).set_(s, offset, shape, stride)
+                try:
+                    out_form(*args, **kwargs, out=dst)
+                    done = True
+                    self.recomputed_in_place += 1
+                except (RuntimeError, TypeError):
+                    done = False  # another signature: the functional form below rewrites it all
+            if not done:
+                out = func(*args, **kwargs)
+                src = storage_of(list(iter_tensors(out))[which])
+                byte_view(s).copy_(byte_view(src))
+        self.recomputed += 1
+        self._left[tid] -= 1
+        if self._left[tid] <= 0:  # the last recomputation: let its arguments go
+            del self._producers[tid]
 
     # ---- one iteration -----------------------------------------------------------------
 
@@ -163,6 +226,11 @@ class PlannedRun:
         are stale)."""
         self.tid_of = {k: v for k, v in self.tid_of.items() if self.tensors[v]["global"]}
         self.stalls = {}
+        self.ahead_wait_s = 0.0
+        self._producers = {}
+        self.recomputed = 0
+        self.recomputed_in_place = 0
+        self._timed = 0
         modified = getattr(self.ex, "modified", None)
         if modified is not None:
             for tid, (t, v) in self._versions.items():
@@ -175,10 +243,25 @@ class PlannedRun:
         self.begin_iteration()
         return _PlannedMode(self)
 
+    def _hold_back(self, k: int) -> None:
+        """Wait until the GPU finished the operator ``max_ahead`` before ``k``; mark ``k``."""
+        n = self.max_ahead
+        if n <= 0:
+            return
+        if len(self._marks) < n:
+            self._marks = [torch.cuda.Event() for _ in range(n)]
+        ev = self._marks[k % n]
+        if k >= n:
+            t0 = time.perf_counter()
+            ev.synchronize()
+            self.ahead_wait_s += time.perf_counter() - t0
+        ev.record()
+
     def before(self, k: int, func: Any, args: tuple, kwargs: dict) -> None:
         if self.diverged is not None:
             return
         try:
+            self._hold_back(k)
             if k >= len(self.signatures):
                 raise Diverged(k, f"more operators than the {len(self.signatures)} profiled")
             sig = signature(func, args, kwargs)
@@ -192,12 +275,37 @@ class PlannedRun:
             self.stall_s += dt
             if dt > 1e-4:
                 self.stalls[k] = self.stalls.get(k, 0.0) + dt
+            if self.time_gpu:
+                self._mark(self._starts, k)
         except Exception as e:  # a divergence: the executor's own or ours
             self._diverge(k, e)
 
-    def after(self, k: int, args: tuple, kwargs: dict, out: Any) -> None:
+    def _mark(self, events: list[Any], k: int) -> None:
+        while len(events) <= k:
+            events.append(torch.cuda.Event(enable_timing=True))
+        events[k].record()
+        self._timed = max(self._timed, k + 1)
+
+    def gpu_gaps(self) -> dict[str, Any] | None:
+        """Where the GPU waited this step (``time_gpu``): the time between one operator's end
+        and the next one's start on the trainer's stream (a prefetch or memory not there yet,
+        a recomputation before it, the host's own pace), in total and the longest five."""
+        n = self._timed
+        if not self.time_gpu or n < 2 or self.diverged is not None:
+            return None
+        torch.cuda.synchronize(self.device)
+        gaps = [(k, self._ends[k - 1].elapsed_time(self._starts[k]) / 1e3) for k in range(1, n)]
+        busy = sum(self._starts[k].elapsed_time(self._ends[k]) for k in range(n)) / 1e3
+        span = self._starts[0].elapsed_time(self._ends[n - 1]) / 1e3
+        top = sorted(gaps, key=lambda g: -g[1])[:5]
+        return {"gpu_span_s": span, "gpu_busy_s": busy, "gpu_gap_s": sum(g for _, g in gaps),
+                "top_gaps": [(k, self.trace["kernels"][k]["name"], round(g, 6)) for k, g in top]}
+
+    def after(self, k: int, args: tuple, kwargs: dict, out: Any, func: Any = None) -> None:
         if self.diverged is not None:
             return
+        if self.time_gpu:
+            self._mark(self._ends, k)
         try:
             new = []
             for t in list(iter_tensors((args, kwargs))) + list(iter_tensors(out)):
@@ -218,6 +326,14 @@ class PlannedRun:
             for s, tid in zip(new, want):
                 t = self.tensors[tid]
                 self._bind(tid, s)
+                if tid in self._remakes and func is not None:
+                    outs = [storage_key(storage_of(x)) if storage_of(x) is not None else None
+                            for x in iter_tensors(out)]
+                    which = outs.index(storage_key(s))
+                    x = list(iter_tensors(out))[which]
+                    meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, len(outs))
+                    self._producers[tid] = (func, args, kwargs, which, meta)
+                    self._left[tid] = self._remakes[tid]
                 if not t["global"]:
                     self.ex.attach(tid, self._mem(s, s.nbytes()))
             self._releasing_deaths = True
@@ -295,5 +411,5 @@ class _PlannedMode(TorchDispatchMode):
         self.k += 1
         self.run.before(k, func, args, kwargs)
         out = func(*args, **kwargs)
-        self.run.after(k, args, kwargs, out)
+        self.run.after(k, args, kwargs, out, func)
         return out

@@ -44,7 +44,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import iter_tensors, op_name, signature, storage_key, storage_of, written_tensors
+from ._storages import iter_tensors, op_name, remakeable, signature, storage_key, storage_of, written_tensors
 
 TRACE_FORMAT = "teraio-trace"
 TRACE_VERSION = 1
@@ -80,6 +80,8 @@ class OpRecord:
     signature: tuple  # see :func:`teraio.torch._storages.signature`
     layer: int | None
     created: list[int]  # trace-order indices of the storages first seen at this op
+    # the storages it read, when running it again makes its results again (``remakeable``)
+    remake_inputs: list[Any] | None = None  # their ``_Storage`` records
 
 
 class _Mode(TorchDispatchMode):
@@ -108,8 +110,10 @@ class Profiler:
         device: torch.device | str | None = None,
         name: str = "torch",
         pager: Any = None,
+        producers: bool = True,
     ) -> None:
         self.model = model
+        self.producers = producers
         self.optimizer = optimizer
         if device is None:
             p = next(model.parameters(), None) if model is not None else None
@@ -307,6 +311,9 @@ class Profiler:
                 st.touch(op, st.created_by == op or id(t) in written)
         for idx in created:
             self._storages[idx].phase = phase
+        remake = None
+        if self.producers and created and phase == "fwd" and remakeable(func, args, kwargs):
+            remake = [st for st in ins if st is not None]
         if pager is not None:
             outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == self.device) if s is not None]
             for s in stor + outs:
@@ -318,6 +325,7 @@ class Profiler:
                 signature=signature(func, args, kwargs),
                 layer=self._layer[-1] if phase == "fwd" else None,
                 created=created,
+                remake_inputs=remake,
             )
         )
         return out
@@ -420,6 +428,8 @@ class Profiler:
         self.created_ids = [
             [self.tensor_of_storage[i] for i in r.created if i in self.tensor_of_storage] for r in self.ops
         ]
+        if self.producers:
+            self._add_producers(tensors)
         self._trace = {
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,
@@ -431,6 +441,27 @@ class Profiler:
             f.detach()
         self._finalizers = []
         self._live = {}
+
+    def _add_producers(self, tensors: list[dict]) -> None:
+        """How to make an activation again (the trace's ``producer``): its creating operator, run
+        again on the tensors it read, when that operator is ``remakeable``. A runtime may then
+        drop the activation and recompute it instead of moving it (the planner decides)."""
+        tid_of = {id(st): self.tensor_of_storage[i] for i, st in enumerate(self._storages)
+                  if i in self.tensor_of_storage}
+        for idx, tid in self.tensor_of_storage.items():
+            t = tensors[tid]
+            if t["global"] or t["kind"] != "activation" or t["writes"] != [t["created_by"]]:
+                continue
+            r = self.ops[t["created_by"]]
+            # an operator's result (not an input first seen there, such as a batch)
+            if r.remake_inputs is None or self._storages[idx].created_by != t["created_by"]:
+                continue
+            inputs: list[int] = []
+            for st in r.remake_inputs:
+                x = tid_of.get(id(st))
+                if x is not None and x != tid and x not in inputs:
+                    inputs.append(x)
+            t["producer"] = {"inputs": inputs}
 
     def trace(self) -> dict:
         """The recorded iteration as a trace dict (``teraio-trace`` version 1)."""

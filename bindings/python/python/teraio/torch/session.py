@@ -74,7 +74,15 @@ class Session:
     ``gather_between_steps`` (default True): after a planned step every parameter, gradient and
     optimizer state is resident and complete, and writes to them before the next step are seen
     (version counters); False keeps the plan's steady state between steps, for loops whose code
-    between steps touches none of them. ``executor_factory``
+    between steps touches none of them. ``max_ahead`` (GPU, planned steps; 0: no limit): the host
+    runs at most this many operators ahead of the GPU, so the executor sees memory freed and
+    transfers done close to when the GPU does (a prefetch into memory granted late is ordered
+    after all work queued before it). ``recompute`` (default True): traces say how activations
+    are made again (their operator, when it is deterministic), so plans may drop and recompute
+    some instead of moving them (the planner chooses); False: plans only move tensors.
+    ``time_gpu`` (GPU, planned steps): CUDA events around every operator, so each step reports
+    the GPU's own busy time and where it waited (``gpu_busy_s``, ``gpu_gap_s``, ``top_gaps``).
+    ``executor_factory``
     (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
     ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
     host_budget_bytes)`` returning a plan (default: ``teraio.plan`` with ``policy``/``hardware``).
@@ -101,6 +109,9 @@ class Session:
         executor_factory: Callable[..., Any] | None = None,
         planned: bool = True,
         gather_between_steps: bool = True,
+        max_ahead: int = 0,
+        recompute: bool = True,
+        time_gpu: bool = False,
         planner: Callable[[dict, int, int], Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
@@ -128,12 +139,16 @@ class Session:
         # the next step may touch parameters, gradients and optimizer states)
         self.planned = planned
         self.gather_between_steps = gather_between_steps
+        if max_ahead < 0:
+            raise ValueError(f"max_ahead must be >= 0, got {max_ahead}")
+        self.max_ahead = max_ahead
+        self.time_gpu = time_gpu
         self.planner = planner
         self._engine = None
         if store is None and gpu_budget_bytes is not None:
             store = self._engine = _open_engine(engine)
         self.store = store
-        self.profiler = Profiler(model, optimizer, device=device)
+        self.profiler = Profiler(model, optimizer, device=device, producers=recompute)
         self.device = self.profiler.device
         cuda = self.device.type == "cuda"
         if cuda and gpu_budget_bytes is not None:
@@ -199,6 +214,13 @@ class Session:
             if run.gather and run.gathers:
                 rec["gathered"] = run.gathers[-1]
             rec["top_stalls"] = run.top_stalls()
+            if run.recomputed:
+                rec["recomputed"] = run.recomputed
+            gaps = run.gpu_gaps()
+            if gaps is not None:
+                rec.update(gaps)
+            if run.max_ahead:
+                rec["ahead_wait_s"] = run.ahead_wait_s
             # the executor's own figure when its report has one, else the time in before_kernel
             rec["stall_s"] = rep["stall_s"] if isinstance(rep, dict) and "stall_s" in rep \
                 else run.stall_s - mode.stall0
@@ -238,7 +260,8 @@ class Session:
                 entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
                                           self.executor_factory or self._planned_executor,
                                           device_memory=self._device_memory(),
-                                          gather=self.gather_between_steps)
+                                          gather=self.gather_between_steps, max_ahead=self.max_ahead,
+                                          time_gpu=self.time_gpu)
             except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry["run"] = False
                 entry["no_run"] = str(e)
@@ -337,7 +360,8 @@ class Session:
                 self.log(f"teraio: no plan for this iteration ({e}); steps page through the engine")
                 return
             rec["plan_s"] = time.perf_counter() - t0
-        rec["plan"] = "made" if entry["plan"] is not None else "profiled (no planner in this build)"
+        rec["plan"] = _plan_summary(entry["plan"]) if entry["plan"] is not None \
+            else "profiled (no planner in this build)"
 
     # ---- reporting ---------------------------------------------------------------------
 
@@ -348,6 +372,13 @@ class Session:
              f"{rec['stall_s']:.3f} s, moved {rec['bytes_moved'] / 1e9:.2f} GB")
         if "peak_allocated_bytes" in rec:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
+        if rec.get("recomputed"):
+            s += f", recomputed {rec['recomputed']}"
+        if "gpu_gap_s" in rec:
+            s += (f", GPU busy {rec['gpu_busy_s']:.3f} s, waited {rec['gpu_gap_s']:.3f} s (longest before "
+                  + ", ".join(f"{k} {name} {t * 1e3:.1f} ms" for k, name, t in rec["top_gaps"][:3]) + ")")
+        if rec.get("ahead_wait_s"):
+            s += f", held back {rec['ahead_wait_s']:.3f} s"
         if "plan" in rec:
             s += f", plan {rec['plan']}"
         if rec.get("top_stalls"):
@@ -396,6 +427,19 @@ def _teraio_error() -> type:
         return teraio.TeraioError
     except (ImportError, AttributeError):
         return type("_NoTeraio", (Exception,), {})
+
+
+def _plan_summary(plan: Any) -> str:
+    """``made (policy, what it moves and recomputes)`` for the step's report line."""
+    to_dict = getattr(plan, "to_dict", None)
+    if to_dict is None:
+        return "made"
+    d = to_dict()
+    st = d.get("stats", {})
+    moved = (st.get("ssd_offload_bytes", 0) + st.get("host_offload_bytes", 0)) / 1e9
+    return (f"made ({d.get('policy', '?')}: {moved:.2f} GB offloaded, "
+            f"{len(d.get('recomputations', []))} tensors recomputed "
+            f"({st.get('recompute_bytes', 0) / 1e9:.2f} GB))")
 
 
 def _state_count(optimizer: Any) -> int:
@@ -447,7 +491,7 @@ class _StepMode(TorchDispatchMode):
         if self.run is not None:
             self.run.before(k, func, args, kwargs)
             out = func(*args, **kwargs)
-            self.run.after(k, args, kwargs, out)
+            self.run.after(k, args, kwargs, out, func)
             return out
         if self.paged_only:
             return self.session.pager.dispatch(func, args, kwargs, k, self.session.device)
