@@ -42,8 +42,9 @@ pub enum Policy {
     /// the SSDs. Its plan's policy name says which variant won (`auto[...]`). Where the
     /// fastest of those is more than 10% above the all-resident iteration, the hybrid variants
     /// are also planned keeping SSD copies for their epoch's later clean drops (`+keep-ssd`),
-    /// each also planned again up to three times leaving the bandwidth that the previous
-    /// planning's relaxed phase oversubscribed to those transfers (`+anticipateN`).
+    /// those that recompute also planned again up to three times, leaving the bandwidth that
+    /// the previous planning's relaxed phase oversubscribed to its transfers
+    /// (`+anticipateN`).
     Auto,
     /// The paper's Algorithm 1: lazy greedy benefit/cost over inactive intervals with
     /// bandwidth-aware offload-end / prefetch-start times; SSD first, then host.
@@ -303,7 +304,10 @@ fn ssd_written(r: &SimReport) -> u64 {
 /// fastest iteration is more than this fraction above the all-resident one.
 const SEARCH_FURTHER_ABOVE_IDEAL: f64 = 0.10;
 
-/// Rounds of [`Mode::anticipate`] in `auto`'s second round of candidates.
+/// Rounds of [`Mode::anticipate`] in `auto`'s second round of candidates. (On the sweep's
+/// rows, the anticipating plans that won were all of modes that recompute, from the first
+/// round to the third: the hybrid mode that does not is planned without them where the
+/// others run.)
 const ANTICIPATE_ROUNDS: usize = 3;
 
 /// A candidate plan and its check in the simulator (`None`: the simulator failed).
@@ -344,7 +348,8 @@ fn plan_auto(trace: &Trace, hw: &Hardware, opts: &PlanOptions) -> Result<Candida
         candidates.extend(r?);
     }
     // Where the best of these is more than 10% above the all-resident iteration (transfers
-    // show), also the hybrid modes that keep SSD copies for the epoch's later clean drops.
+    // show), also the hybrid modes that keep SSD copies for the epoch's later clean drops;
+    // those that recompute (the one that does not where none does) with anticipating rounds.
     let ideal: f64 = trace.kernels.iter().map(|k| k.duration_us).sum();
     let best = candidates
         .iter()
@@ -352,11 +357,15 @@ fn plan_auto(trace: &Trace, hw: &Hardware, opts: &PlanOptions) -> Result<Candida
         .map(|c| time_of(&c.1))
         .fold(f64::INFINITY, f64::min);
     if best > ideal * (1.0 + SEARCH_FURTHER_ABOVE_IDEAL) && hw.has_ssd() {
-        let more: Vec<Mode> = modes
-            .iter()
-            .filter(|m| m.hybrid)
-            .map(|&m| Mode { keep_ssd: true, anticipate: ANTICIPATE_ROUNDS, ..m })
-            .collect();
+        let anticipate = |m: &Mode| {
+            let rounds = if recompute == (m.recompute != RecomputeIn::Never) {
+                ANTICIPATE_ROUNDS
+            } else {
+                0
+            };
+            Mode { keep_ssd: true, anticipate: rounds, ..*m }
+        };
+        let more: Vec<Mode> = modes.iter().filter(|m| m.hybrid).map(anticipate).collect();
         let results: Vec<Result<Vec<Candidate>>> = std::thread::scope(|scope| {
             let handles: Vec<_> =
                 more.iter().map(|&m| scope.spawn(move || plan_teraio(trace, hw, m))).collect();
