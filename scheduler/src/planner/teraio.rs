@@ -50,7 +50,7 @@
 //! and chooses around it (other moves, other times, or recomputation); in its own relaxed
 //! phase, each choice takes its transfers off the budgets too and a transfer's cost counts
 //! the bytes it places beyond them ([`State::relaxed_load`]). Each round's plan is a
-//! candidate of `auto`, which keeps the fastest by simulation as for every mode.
+//! candidate of `auto`, which simulates it like every other candidate.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
