@@ -234,13 +234,15 @@ def run_mode(args):
     res["torch"] = torch.__version__
     model = build(args, torch)
     res["params"] = sum(p.numel() for p in model.parameters())
-    data = batches(args, torch, args.warmup + args.steps)
+    # on a GPU one more step after the timed ones samples the memory curve (a sampling thread
+    # would take the GIL from a timed step)
+    data = batches(args, torch, args.warmup + args.steps + (1 if cuda else 0))
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
     losses, step_s = [], []
     sampler = None
     extra = {}
-    disk0 = None
+    disk0 = disk1 = None
 
     def sync():
         if cuda:
@@ -257,12 +259,12 @@ def run_mode(args):
             step, finish = setup_torch(args, torch, mode, model, opt, autocast, dev, extra)
         for i, tokens in enumerate(data):
             tokens = tokens.to(dev)
-            timed = i >= args.warmup
+            timed = args.warmup <= i < args.warmup + args.steps
             if timed and disk0 is None:
                 disk0 = disk_bytes(args.ssd_dir if os.path.exists(args.ssd_dir) else "/")
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(dev)
-            last = i == len(data) - 1
+            last = i == args.warmup + args.steps
             if last and cuda:
                 sampler = MemorySampler(torch).__enter__()
             t0 = sync()
@@ -273,6 +275,8 @@ def run_mode(args):
             losses.append(loss)
             if timed:
                 step_s.append(t1 - t0)
+                if len(step_s) == args.steps and disk0 is not None:
+                    disk1 = disk_bytes(args.ssd_dir if os.path.exists(args.ssd_dir) else "/")
             print(f"[{mode}] step {i} loss {loss:.6f} {t1 - t0:.3f} s", file=sys.stderr, flush=True)
         res.update(finish() or {})
         if args.profile_dir and mode == "ideal":
@@ -295,8 +299,8 @@ def run_mode(args):
     if cuda:
         res["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
         res["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
-    if disk0 is not None:
-        d1 = disk_bytes(args.ssd_dir if os.path.exists(args.ssd_dir) else "/")
+    if disk0 is not None and disk1 is not None:
+        d1 = disk1
         n = max(1, len(step_s))
         res["disk_read_bytes_per_step"] = (d1[0] - disk0[0]) / n
         res["disk_write_bytes_per_step"] = (d1[1] - disk0[1]) / n
@@ -366,7 +370,7 @@ def profile_check(args, torch, model, opt, autocast, dev, tokens):
 
 def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
     """The step function of every mode but zero-infinity."""
-    moved = {"bytes": 0}
+    moved = {"bytes": 0, "steps": 0}
     pack_ctx = contextlib.nullcontext
     if mode == "save_on_cpu":
         class Counting(torch.autograd.graph.save_on_cpu):
@@ -388,6 +392,7 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
         session = make_session(args, torch, mode, model, opt, dev)
 
     def step(tokens):
+        moved["steps"] += 1
         ctx = session.step() if session is not None else contextlib.nullcontext()
         with ctx:
             with pack_ctx():
@@ -401,7 +406,7 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
     def finish():
         out = {}
         if mode == "save_on_cpu":
-            n = args.warmup + args.steps
+            n = max(1, moved["steps"])
             out["host_bytes_moved_per_step"] = 2 * moved["bytes"] / n  # copied out and back in
         if session is not None:
             out["teraio"] = session.report()
