@@ -1664,29 +1664,8 @@ mod tests {
     /// read budget. B's offload (from slot 4) fits in slot 4 unless reads and writes share
     /// 1 GB/s, in which case A's prefetch took it and B's offload moves to slot 5.
     fn b_offload_end(duplex: Option<f64>) -> usize {
-        let mut t = Trace::new("budget");
-        for i in 0..6 {
-            t.kernels.push(Kernel { name: format!("k{i}"), duration_us: 1e6, layer: None });
-        }
-        for (i, acc) in [vec![0, 5], vec![3]].into_iter().enumerate() {
-            t.tensors.push(Tensor {
-                id: TensorId(i as u32),
-                name: format!("t{i}"),
-                bytes: 1_000_000_000,
-                kind: TensorKind::Weight,
-                global: true,
-                created_by: None,
-                accesses: acc,
-                dies_after: None,
-                writes: None,
-                producer: None,
-            });
-        }
-        let mut hw = Hardware::paper();
+        let (t, mut hw) = six_seconds("budget", [vec![0, 5], vec![3]]);
         hw.gpu_memory_bytes = 1_000_000_000;
-        hw.ssd_count = 1;
-        hw.ssd_read_bytes_per_s = 1e9;
-        hw.ssd_write_bytes_per_s = 1e9;
         hw.ssd_duplex_bytes_per_s = duplex;
         let ivs = inactive_intervals(&t);
         let a = *ivs.iter().find(|iv| iv.tensor == TensorId(0) && iv.next_access == 5).unwrap();
@@ -1742,31 +1721,38 @@ mod tests {
     /// way, 0.5 GB of GPU memory: A's offload takes slot 1's whole write budget, its prefetch
     /// slot 4's read budget.
     fn two_alike() -> (Trace, Hardware) {
-        let mut t = Trace::new("alike");
+        let (t, mut hw) = six_seconds("alike", [vec![0, 5], vec![0, 5]]);
+        hw.gpu_memory_bytes = 500_000_000;
+        hw.host_memory_cap_bytes = 0;
+        hw.ssd_duplex_bytes_per_s = None;
+        (t, hw)
+    }
+
+    /// Six 1 s kernels and a 1 GB global weight per access list; the paper's hardware with one
+    /// SSD of 1 GB/s each way.
+    fn six_seconds<const N: usize>(name: &str, accesses: [Vec<usize>; N]) -> (Trace, Hardware) {
+        let mut t = Trace::new(name);
         for i in 0..6 {
             t.kernels.push(Kernel { name: format!("k{i}"), duration_us: 1e6, layer: None });
         }
-        for i in 0..2 {
+        for (i, acc) in accesses.into_iter().enumerate() {
             t.tensors.push(Tensor {
-                id: TensorId(i),
+                id: TensorId(i as u32),
                 name: format!("t{i}"),
                 bytes: 1_000_000_000,
                 kind: TensorKind::Weight,
                 global: true,
                 created_by: None,
-                accesses: vec![0, 5],
+                accesses: acc,
                 dies_after: None,
                 writes: None,
                 producer: None,
             });
         }
         let mut hw = Hardware::paper();
-        hw.gpu_memory_bytes = 500_000_000;
-        hw.host_memory_cap_bytes = 0;
         hw.ssd_count = 1;
         hw.ssd_read_bytes_per_s = 1e9;
         hw.ssd_write_bytes_per_s = 1e9;
-        hw.ssd_duplex_bytes_per_s = None;
         (t, hw)
     }
 
