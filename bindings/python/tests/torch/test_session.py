@@ -236,8 +236,11 @@ def test_pager_retries_an_operator_that_ran_out_of_memory():
             raise torch.cuda.OutOfMemoryError("scripted")
         return a * 2
 
-    out = pager.run_op(op, (xs[0],), {}, [xs[0].untyped_storage()], 4)
+    restarts = []  # the profiler restarts the operator's clock there: paging is not its time
+    out = pager.run_op(op, (xs[0],), {}, [xs[0].untyped_storage()], 4,
+                       again=lambda: restarts.append(sum(x.untyped_storage().nbytes() for x in xs)))
     assert len(calls) == 2 and torch.equal(out, xs[0] * 2)
+    assert restarts == [4096], "called once, after the paging out, before the second attempt"
     # everything the operator did not use went out, and comes back intact
     assert [x.untyped_storage().nbytes() for x in xs] == [4096, 0, 0, 0]
     pager.restore_all()

@@ -250,15 +250,20 @@ class Pager:
         finally:
             self.budget = budget
 
-    def run_op(self, func: Any, args: tuple, kwargs: dict, keep: list[torch.UntypedStorage], op: int) -> Any:
+    def run_op(self, func: Any, args: tuple, kwargs: dict, keep: list[torch.UntypedStorage], op: int,
+               again: Callable[[], None] | None = None) -> Any:
         """Run an operator; if the GPU runs out of memory, page out everything it does not use and
-        run it once more (an allocation fails before the operator writes anything)."""
+        run it once more (an allocation fails before the operator writes anything). ``again`` is
+        called right before that second attempt (the profiler restarts the operator's clock
+        there, so the paging is not timed as the operator's)."""
         try:
             return func(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
             if not self.make_room(keep, op):
                 raise
             torch.cuda.empty_cache()
+            if again is not None:
+                again()
             return func(*args, **kwargs)
 
     def restore_all(self) -> None:
