@@ -184,3 +184,38 @@ fn stalls_lists_where_each_policy_waits_longest() {
     let lru = &v.as_array().unwrap()[1];
     assert_eq!(lru["stalls"].as_array().unwrap().len(), 3, "lru waits here: {lru}");
 }
+
+#[test]
+fn gzip_compressed_traces_load_like_plain_ones_and_other_bytes_are_named() {
+    let gz = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/torch-eval/traces/gpt-12l-1024h-b16x1024-bf16.trace.json.gz"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    // The same trace decompressed by hand.
+    let mut text = String::new();
+    std::io::Read::read_to_string(
+        &mut flate2::read::GzDecoder::new(std::fs::File::open(gz).unwrap()),
+        &mut text,
+    )
+    .unwrap();
+    let plain = dir.path().join("t.json");
+    std::fs::write(&plain, &text).unwrap();
+    let a = json_of(&teraio(&["analyze", gz, "--json"]));
+    let b = json_of(&teraio(&["analyze", plain.to_str().unwrap(), "--json"]));
+    assert_eq!(a, b);
+    assert_eq!(a["kernels"], 1519, "{a}");
+    // Bytes that are neither: a clear error naming the file, no panic.
+    let junk = dir.path().join("junk.json");
+    std::fs::write(&junk, [0xff, 0xfe, 0x00, 0x01]).unwrap();
+    let out = teraio(&["analyze", junk.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("junk.json") && err.contains("neither JSON text nor gzip"), "{err}");
+    // A gzip stream cut short.
+    let cut = dir.path().join("cut.json.gz");
+    std::fs::write(&cut, &std::fs::read(gz).unwrap()[..1000]).unwrap();
+    let out = teraio(&["analyze", cut.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a whole gzip stream"));
+}

@@ -133,11 +133,7 @@ pub struct Args {
 
 fn load_trace(args: &Args) -> Result<Trace> {
     match &args.trace {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|source| CliError::File { path: path.clone(), source })?;
-            Ok(Trace::from_json(&text)?)
-        }
+        Some(path) => Ok(Trace::from_json(&crate::cmd::trace::read_text(path)?)?),
         None => Ok(generate(&ModelConfig::from_spec(&args.model)?)?),
     }
 }

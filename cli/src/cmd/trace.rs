@@ -144,20 +144,44 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
     Ok(c)
 }
 
-/// Load a trace: a JSON file, or `preset:NAME[,KEY=VALUE...]` to generate a preset on the fly
-/// with overrides (`preset:llama3-8b,dtype=tf32,activation-checkpointing`; keys as the long
-/// options of `teraio trace gen`, see `ModelConfig::set`).
+/// Load a trace: a JSON file (gzip-compressed or not), or `preset:NAME[,KEY=VALUE...]` to
+/// generate a preset on the fly with overrides (`preset:llama3-8b,dtype=tf32,activation-checkpointing`;
+/// keys as the long options of `teraio trace gen`, see `ModelConfig::set`).
 pub fn load(spec: &str) -> Result<Trace> {
     if let Some(model) = spec.strip_prefix("preset:") {
         return Ok(generate(&ModelConfig::from_spec(model)?)?);
     }
-    let text = std::fs::read_to_string(spec)
-        .map_err(|source| CliError::File { path: spec.into(), source })?;
+    let text = read_text(std::path::Path::new(spec))?;
     Trace::from_json(&text).map_err(|e| match e {
         teraio_scheduler::Error::InvalidTrace { path, detail } => {
             CliError::Usage(format!("{spec}: invalid trace at {path}: {detail}"))
         }
         other => other.into(),
+    })
+}
+
+/// A trace file's text: JSON, or JSON compressed with gzip (found by its magic bytes, whatever
+/// the file is called).
+pub fn read_text(path: &std::path::Path) -> Result<String> {
+    let bytes =
+        std::fs::read(path).map_err(|source| CliError::File { path: path.into(), source })?;
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut text)
+            .map_err(|e| {
+                CliError::Usage(format!(
+                    "{}: gzip-compressed, but not a whole gzip stream of JSON text: {e}",
+                    path.display()
+                ))
+            })?;
+        return Ok(text);
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        CliError::Usage(format!(
+            "{}: neither JSON text nor gzip-compressed JSON (invalid UTF-8 at byte {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
     })
 }
 
