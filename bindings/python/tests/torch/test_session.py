@@ -336,3 +336,95 @@ def test_recompute_off_leaves_producers_out_and_plans_only_move(tmp_path):
     assert entry["plan"].to_dict().get("recomputations", []) == []
     assert "recomputed" not in s.steps[2]
     s.close()
+
+
+@pytest.mark.parametrize("margin", [0.03, 0.5])
+def test_of_two_close_plans_the_one_that_moves_less_is_taken(tmp_path, margin):
+    store = engine_store(tmp_path)
+    model, opt = make(seq=64)
+    budget = 10 * params_bytes(model)
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0,
+                   traffic_margin=margin, hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
+    for t in batches(3, batch=16, seq=64):
+        with s.step():
+            train_step(model, opt, t)
+    (entry,) = s.plans.values()
+    t = entry["traffic"]
+    moved = lambda p: p.to_dict()["stats"]["ssd_offload_bytes"] + p.to_dict()["stats"]["host_offload_bytes"]  # noqa: E731
+    take = (t["slower_transfers_moved_bytes"] < t["modelled_moved_bytes"]
+            and t["slower_transfers_s"] <= t["modelled_s"] * (1 + margin))
+    assert t["chosen"] == ("planned for slower transfers" if take else "as modelled"), t
+    assert moved(entry["plan"]) == (t["slower_transfers_moved_bytes"] if take else t["modelled_moved_bytes"])
+    assert ("planned for slower transfers" in s.steps[1]["plan"]) == take
+    assert s.steps[2]["mode"] == "planned" and "diverged" not in s.steps[2]
+    s.close()
+
+
+class _FakePlan:
+    def __init__(self, name, moved):
+        self.name, self.moved = name, moved
+
+    def to_dict(self):
+        return {"stats": {"ssd_offload_bytes": self.moved, "host_offload_bytes": 0}}
+
+
+class _FakeTeraio:
+    """teraio.plan/simulate/hardware scripted: the plan for the given rates, another for slower
+    ones, each with its simulated time."""
+
+    class TeraioError(Exception):
+        pass
+
+    def __init__(self, fast, slow, times, refuse_slow=False):
+        self.fast, self.slow, self.times, self.refuse_slow = fast, slow, times, refuse_slow
+        self.asked = []
+
+    def hardware(self, hw, **over):
+        return {"pcie_h2d_bytes_per_s": 50e9, "pcie_d2h_bytes_per_s": 50e9, "ssd_read_bytes_per_s": 2e9,
+                "ssd_write_bytes_per_s": 2e9, "host_memory_bytes_per_s": 1e11, "ssd_count": 1, **over}
+
+    def plan(self, trace, policy, hw, checked=False, **over):
+        self.asked.append(over)
+        if over.get("pcie_h2d_bytes_per_s"):
+            if self.refuse_slow:
+                raise self.TeraioError("no plan fits")
+            return self.slow
+        return self.fast
+
+    def simulate(self, trace, plan, hw, **over):
+        assert "pcie_h2d_bytes_per_s" not in over, "simulated on the model as given"
+        return type("R", (), {"iteration_time_us": self.times[plan.name], "completed": True})()
+
+
+@pytest.mark.parametrize("slow_moved, slow_s, refuse, taken", [
+    (1_000, 1.02, False, True),     # moves less, 2% slower in the model: taken at a 3% margin
+    (1_000, 1.04, False, False),    # 4% slower: not taken
+    (9_000, 0.99, False, False),    # faster but moves as much or more: not taken
+    (1_000, 1.00, True, False),     # no plan for slower transfers: the first one
+])
+def test_less_traffic_rule(slow_moved, slow_s, refuse, taken):
+    from teraio.torch.session import _less_traffic
+
+    fast, slow = _FakePlan("fast", 9_000), _FakePlan("slow", slow_moved)
+    fake = _FakeTeraio(fast, slow, {"fast": 1e6, "slow": slow_s * 1e6}, refuse_slow=refuse)
+    plan, info = _less_traffic(fake, None, fast, "auto", "paper", {"gpu_memory_bytes": 1}, 0.03)
+    assert (plan is slow) == taken and info["chosen"] == ("planned for slower transfers" if taken else "as modelled")
+    # the second plan was asked for with every transfer rate at 0.7 of the model's
+    (second,) = fake.asked
+    assert second["pcie_h2d_bytes_per_s"] == pytest.approx(0.7 * 50e9)
+    assert second["ssd_write_bytes_per_s"] == pytest.approx(0.7 * 2e9) and second["gpu_memory_bytes"] == 1
+
+
+def test_traffic_margin_zero_plans_once(tmp_path):
+    store = engine_store(tmp_path)
+    model, opt = make(seq=64)
+    budget = 10 * params_bytes(model)
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, traffic_margin=0,
+                   hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
+    for t in batches(2, batch=16, seq=64):
+        with s.step():
+            train_step(model, opt, t)
+    (entry,) = s.plans.values()
+    assert "traffic" not in entry
+    with pytest.raises(ValueError, match="traffic_margin"):
+        tt.Session(model, opt, store=store, gpu_budget_bytes=budget, traffic_margin=1.5)
