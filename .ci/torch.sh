@@ -8,7 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 step() { echo "=== torch: $* ($(( $(date +%s) - start ))s)"; }
-VENV=${TERAIO_TORCH_VENV:-$(mktemp -d)/venv}
+# a venv of its own (5.5 GB with torch) is removed at the end, as is a wheel built here
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+VENV=${TERAIO_TORCH_VENV:-$scratch/venv}
 
 step "venv with CPU torch"
 python3 -m venv "$VENV"
@@ -22,7 +25,7 @@ step "the teraio wheel"
 # The wheel .ci/bindings.sh built (TERAIO_WHEEL_DIR), else build it (maturin, dev profile:
 # reuses .ci/run's cargo build).
 if ! compgen -G "${TERAIO_WHEEL_DIR:-/nonexistent}/teraio-*.whl" >/dev/null; then
-  TERAIO_WHEEL_DIR=$(mktemp -d)
+  TERAIO_WHEEL_DIR=$scratch/wheel
   "$VENV/bin/maturin" build --locked -m bindings/python/Cargo.toml --profile dev -o "$TERAIO_WHEEL_DIR"
 fi
 "$VENV/bin/pip" install -q "$TERAIO_WHEEL_DIR"/teraio-*.whl
