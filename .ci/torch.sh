@@ -25,7 +25,7 @@ step "the teraio wheel"
 # The wheel .ci/bindings.sh built (TERAIO_WHEEL_DIR), else build it (maturin, dev profile:
 # reuses .ci/run's cargo build).
 if ! compgen -G "${TERAIO_WHEEL_DIR:-/nonexistent}/teraio-*.whl" >/dev/null; then
-  TERAIO_WHEEL_DIR=$scratch/wheel
+  TERAIO_WHEEL_DIR=$scratch/wheel; mkdir -p "$TERAIO_WHEEL_DIR"
   "$VENV/bin/maturin" build --locked -m bindings/python/Cargo.toml --profile dev -o "$TERAIO_WHEEL_DIR"
 fi
 "$VENV/bin/pip" install -q "$TERAIO_WHEEL_DIR"/teraio-*.whl
