@@ -1361,15 +1361,7 @@ impl<'a> State<'a> {
             }
             s = live;
             let take = self.avail(path, s).min(left);
-            for r in path {
-                let b = &mut self.budget[r.index()][s % n];
-                *b -= take;
-                if *b < EXHAUSTED_BYTES {
-                    *b = 0.0;
-                    self.skip[r.index()].kill(s % n);
-                    self.skip[r.index()].kill(s % n + n);
-                }
-            }
+            self.spend(path, s, take);
             left -= take;
             if left <= 0.0 {
                 return;
@@ -1380,6 +1372,23 @@ impl<'a> State<'a> {
                 return;
             } else {
                 s -= 1;
+            }
+        }
+    }
+
+    /// Take `take` bytes off unrolled slot `s`'s budget of every resource on `path` (down to
+    /// zero); a budget used up is skipped from then on.
+    fn spend(&mut self, path: &[Resource], s: usize, take: f64) {
+        let n = self.n;
+        for r in path {
+            let b = &mut self.budget[r.index()][s % n];
+            if *b > 0.0 {
+                *b = (*b - take).max(0.0);
+                if *b < EXHAUSTED_BYTES {
+                    *b = 0.0;
+                    self.skip[r.index()].kill(s % n);
+                    self.skip[r.index()].kill(s % n + n);
+                }
             }
         }
     }
@@ -1401,17 +1410,7 @@ impl<'a> State<'a> {
         let mut s = if forward { from } else { to_incl };
         while left > 0.0 && from <= s && s <= to_incl {
             let take = (nominal * self.dur[s % n] * 1e-6).min(left);
-            for r in path {
-                let b = &mut self.budget[r.index()][s % n];
-                if *b > 0.0 {
-                    *b = (*b - take).max(0.0);
-                    if *b < EXHAUSTED_BYTES {
-                        *b = 0.0;
-                        self.skip[r.index()].kill(s % n);
-                        self.skip[r.index()].kill(s % n + n);
-                    }
-                }
-            }
+            self.spend(path, s, take);
             left -= take;
             if forward {
                 s += 1;
