@@ -786,10 +786,7 @@ impl Executor {
             else {
                 unreachable!("checked above")
             };
-            let id = TensorId(t as u32);
-            self.alloc.release(id, mem);
-            self.events.push_back(Event::Released(id));
-            self.set_used(self.used - self.bytes(t));
+            self.hand_back(t, mem);
         }
     }
 
@@ -1148,11 +1145,16 @@ impl Executor {
 
     /// Tensor `t`'s copy is stored: its memory goes back to the allocator and it is offloaded.
     fn let_go(&mut self, t: usize, mem: TensorMem) {
+        self.hand_back(t, mem);
+        self.states[t] = State::Offloaded;
+    }
+
+    /// Tensor `t`'s memory goes back to the allocator (`Released`), off the budget.
+    fn hand_back(&mut self, t: usize, mem: TensorMem) {
         let id = TensorId(t as u32);
         self.alloc.release(id, mem);
         self.events.push_back(Event::Released(id));
         self.set_used(self.used - self.bytes(t));
-        self.states[t] = State::Offloaded;
     }
 
     /// Move resident tensor `t` (its memory `mem`) to `tier`: dropped at once when `clean` (the
@@ -1242,11 +1244,7 @@ impl Executor {
     fn release(&mut self, t: usize) -> Result<()> {
         let id = TensorId(t as u32);
         match std::mem::replace(&mut self.states[t], State::Absent) {
-            State::Resident(mem) => {
-                self.alloc.release(id, mem);
-                self.events.push_back(Event::Released(id));
-                self.set_used(self.used - self.bytes(t));
-            }
+            State::Resident(mem) => self.hand_back(t, mem),
             State::Reserved => self.set_used(self.used - self.bytes(t)),
             State::Remaking(mem) => {
                 self.alloc.release(id, mem);
