@@ -200,16 +200,17 @@ class PlannedRun:
             # an operator with one result and an ``out=`` form writes straight into the storage
             # (no second copy of the tensor in memory meanwhile); others run and are copied
             out_form = getattr(func.overloadpacket, "out", None) if n_out == 1 else None
-            done = False
+            in_place = False
             if out_form is not None:
                 dst = torch.empty(0, dtype=dtype, device=s.device).set_(s, offset, shape, stride)
                 try:
                     out_form(*args, **kwargs, out=dst)
-                    done = True
-                    self.recomputed_in_place += 1
+                    in_place = True
                 except (RuntimeError, TypeError):
-                    done = False  # another signature: the functional form below rewrites it all
-            if not done:
+                    pass  # another signature: the functional form below rewrites it all
+            if in_place:
+                self.recomputed_in_place += 1
+            else:
                 out = func(*args, **kwargs)
                 src = storage_of(list(iter_tensors(out))[which])
                 byte_view(s).copy_(byte_view(src))
@@ -327,10 +328,11 @@ class PlannedRun:
                 t = self.tensors[tid]
                 self._bind(tid, s)
                 if tid in self._remakes and func is not None:
-                    outs = [storage_key(storage_of(x)) if storage_of(x) is not None else None
-                            for x in iter_tensors(out)]
-                    which = outs.index(storage_key(s))
-                    x = list(iter_tensors(out))[which]
+                    outs = list(iter_tensors(out))
+                    key = storage_key(s)
+                    which = next(i for i, x in enumerate(outs)
+                                 if (st := storage_of(x)) is not None and storage_key(st) == key)
+                    x = outs[which]
                     meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, len(outs))
                     self._producers[tid] = (func, args, kwargs, which, meta)
                     self._left[tid] = self._remakes[tid]
