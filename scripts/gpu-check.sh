@@ -66,11 +66,16 @@ gpu_bench() { # path bs depth [extra]
 for r in $(seq "$ROUNDS"); do
   for bs in $SIZES; do
     d=$(depth_for "$bs")
-    if [ $((r % 2)) = 1 ]; then order="bounce gds kvikio"; else order="kvikio gds bounce"; fi
+    if [ $((r % 2)) = 1 ]; then order="bounce gds kvikio disk"; else order="disk kvikio gds bounce"; fi
     for what in $order; do
       log "round $r: $bs tensors, $d in flight: $what"
       drop
-      if [ "$what" = kvikio ]; then
+      if [ "$what" = disk ]; then
+        # the disk's own O_DIRECT bandwidth at this size and depth (host memory, no GPU)
+        { "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$bs" --iodepth "$d" --rw write --json > "$OUT/w.json" &&
+          drop && "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$bs" --iodepth "$d" --rw read --no-prefill --json > "$OUT/r.json" &&
+          python3 -c 'import json,sys; w,r=(json.load(open(f)) for f in sys.argv[1:3]); w["jobs"]+=r["jobs"]; print(json.dumps(w))' "$OUT/w.json" "$OUT/r.json"; } > "$OUT/one.json" 2> "$OUT/one.err"
+      elif [ "$what" = kvikio ]; then
         python3 "$(dirname "$0")/kvikio-bench.py" --files "$B"/dev0 "$B"/dev1 "$B"/dev2 "$B"/dev3 --bs "$bs" --iodepth "$d" --size "$PER_FILE" > "$OUT/one.json" 2> "$OUT/one.err"
       else
         gpu_bench "$what" "$bs" "$d" > "$OUT/one.json" 2> "$OUT/one.err"
@@ -109,17 +114,21 @@ if kv:
 g = [r for r in rows if r["what"] == "gds"]
 if g:
     print("teraio gds path: cuFile", g[0]["result"]["gpu"]["cufile_mode"])
-print("| tensors | path | GPU->SSD GB/s | vs KvikIO | vs disk | SSD->GPU GB/s | vs KvikIO | vs disk | runs |")
-print("|---|---|---|---|---|---|---|---|---|")
+# "vs disk": the 4M qd16 reference above; "vs disk at size": the disk's own O_DIRECT at the
+# tensors' size and depth (host memory), measured in the same rounds
+print("| tensors | path | GPU->SSD GB/s | vs KvikIO | vs disk | vs disk at size | SSD->GPU GB/s | vs KvikIO | vs disk | vs disk at size | runs |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for bs in dict.fromkeys(r["bs"] for r in rows if r["what"] in ("gds", "bounce", "kvikio")):
     kw = med([bw(r, "write") for r in rows if r["bs"] == bs and r["what"] == "kvikio"])
     kr = med([bw(r, "read") for r in rows if r["bs"] == bs and r["what"] == "kvikio"])
-    for what in ("bounce", "gds", "kvikio"):
+    sw = med([bw(r, "write") for r in rows if r["bs"] == bs and r["what"] == "disk"])
+    sr = med([bw(r, "read") for r in rows if r["bs"] == bs and r["what"] == "disk"])
+    for what in ("bounce", "gds", "kvikio", "disk"):
         sel = [r for r in rows if r["bs"] == bs and r["what"] == what]
         if not sel:
             continue
         w = med([bw(r, "write") for r in sel]); rd = med([bw(r, "read") for r in sel])
-        print(f"| {bs} | {what} | {w/1e9:.2f} | {w/kw:.2f}x | {w/disk_w:.2f}x | {rd/1e9:.2f} | {rd/kr:.2f}x | {rd/disk_r:.2f}x | {len(sel)} |")
+        print(f"| {bs} | {what} | {w/1e9:.2f} | {w/kw:.2f}x | {w/disk_w:.2f}x | {w/sw:.2f}x | {rd/1e9:.2f} | {rd/kr:.2f}x | {rd/disk_r:.2f}x | {rd/sr:.2f}x | {len(sel)} |")
 on = [r for r in rows if r["what"] == "gds" and r["bs"] == "64M"]
 off = [r for r in rows if r["what"] == "gds-nocrc"]
 if on and off:
@@ -128,6 +137,6 @@ if on and off:
     crc = med([r["result"]["gpu"]["gpu_crc_s"] for r in on])
     print(f"GPU crc32c (gds, 64M): throughput with/without checksums: write {tw_on/tw_off:.3f}, read {tr_on/tr_off:.3f}; crc calls took {crc:.3f} s summed over the operations (they overlap)")
 PY
-rm -f "$OUT/one.json" "$OUT/one.err"
+rm -f "$OUT/one.json" "$OUT/one.err" "$OUT/w.json" "$OUT/r.json"
 log "done: $fails failure(s)"
 exit $((fails > 0))

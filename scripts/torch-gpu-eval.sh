@@ -28,7 +28,7 @@ if [ -n "${VARIANTS:-}" ]; then
     # shellcheck disable=SC2086
     timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
       --steps "${STEPS:-4}" --mode-timeout-s 130 $opts "$@" --out "$OUT/$name$r" > "$OUT/$name$r.log" 2>&1
-    echo "== $name round $r ($opts)"; grep -E "teraio step [1-9]|Error|Traceback" "$OUT/$name$r.log" | cut -c1-330
+    echo "== $name round $r ($opts)"; grep -E "teraio step [1-9]|Error|Traceback" "$OUT/$name$r.log" | cut -c1-700
     grep -h "| teraio" "$OUT/$name$r/table.md"
   done; done
 elif [ -n "${GATHER_AB:-}" ]; then

@@ -181,6 +181,9 @@ pub struct IterationReport {
     pub time_s: f64,
     /// Time spent waiting in `before_kernel` for tensors or memory, seconds.
     pub stall_s: f64,
+    /// Of `stall_s`, the time a waiting allocation did not fit the budget (memory that offloads
+    /// in flight free once stored); the rest waited for reads to arrive.
+    pub stall_memory_s: f64,
     /// Peak GPU bytes accounted.
     pub peak_bytes: u64,
     /// The budget.
@@ -1126,7 +1129,15 @@ impl Executor {
                     self.stayed_note()
                 )));
             }
+            let for_memory = self
+                .allocs
+                .front()
+                .is_some_and(|a| self.used + self.bytes(a.tensor()) > self.cfg.gpu_budget_bytes);
+            let t = Instant::now();
             std::thread::sleep(Duration::from_micros(50));
+            if for_memory {
+                self.report.stall_memory_s += t.elapsed().as_secs_f64();
+            }
         }
         let waited = start.elapsed();
         self.report.stall_s += waited.as_secs_f64();

@@ -9,7 +9,7 @@
 //! through the store's GPU data paths (`store::gpu`): a pipelined pinned bounce or GPUDirect
 //! Storage.
 
-mod device;
+pub(crate) mod device;
 
 use std::sync::Arc;
 

@@ -308,3 +308,54 @@ fn offload_after_stream_and_wrong_sizes() {
     let host = host_zeroed(&host_pool(), 10);
     assert!(store.offload_after_stream(2, host, OffloadOptions::default(), 0).is_err());
 }
+
+/// Device memory to the host tier and back (the prefetch's copy is queued without the worker
+/// waiting for the device), in a retaining store over several rounds, then rewritten: every
+/// read gives the newest bytes and the host tier is empty once the tensors are freed.
+#[test]
+fn device_memory_through_the_host_tier_round_trips_and_releases_it() {
+    let disks = sim_disks(2, 64 << 20, 11);
+    let mut acfg = ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect());
+    acfg.existing = ExistingData::AllowTeraio;
+    acfg.stripe_unit_bytes = 16 << 10;
+    let host = teraio_engine::tier::HostTier::new("host", 16 << 20).unwrap();
+    let mut cfg = StoreConfig::new(DeviceArray::open(acfg).unwrap());
+    cfg.alloc_unit_bytes = 16 << 10;
+    cfg.retain_on_prefetch = true;
+    cfg.host_tier = Some(host.clone());
+    cfg.gpu = small_pipeline(GpuPath::Bounce);
+    let store = TensorStore::open(cfg).unwrap();
+    let tier = HostDeviceTier::new(0, 64 << 20);
+    let to_host = OffloadOptions {
+        destination: teraio_engine::store::Destination::Host,
+        ..OffloadOptions::default()
+    };
+    let sizes = [777u64, (1 << 20) + 333, 3 * (1 << 20) + 5];
+    for (i, &size) in sizes.iter().enumerate() {
+        let out = store.offload_sync(
+            i as u64,
+            device_mem(&tier, &content(i as u64, 0, size as usize)),
+            to_host.clone(),
+        );
+        assert_eq!(out.unwrap(), teraio_engine::store::OffloadOutcome::InHost);
+    }
+    for round in 0..3 {
+        for (i, &size) in sizes.iter().enumerate() {
+            let back = store.prefetch_sync(i as u64, tier.alloc(size).unwrap()).unwrap();
+            assert!(
+                read_back(&back) == content(i as u64, 0, size as usize),
+                "round {round}, {size} bytes"
+            );
+        }
+    }
+    // Rewritten on the device and offloaded again: the new copy replaces the old one.
+    for (i, &size) in sizes.iter().enumerate() {
+        let v = content(i as u64, 7, size as usize);
+        store.offload_sync(i as u64, device_mem(&tier, &v), to_host.clone()).unwrap();
+        let back = store.prefetch_sync(i as u64, tier.alloc(size).unwrap()).unwrap();
+        assert!(read_back(&back) == v, "rewritten, {size} bytes");
+        store.free(i as u64).unwrap().wait().unwrap();
+    }
+    assert_eq!(host.used_bytes(), 0, "every host-tier copy went back to the tier");
+    assert_eq!(tier.used_bytes(), 0, "every device buffer was released");
+}

@@ -416,6 +416,10 @@ impl CopyQueue for CudaQueue {
     fn fence(&mut self) -> Result<Box<dyn DeviceFence>> {
         Ok(Box::new(CudaFence::record(&self.device, self.stream)?))
     }
+
+    fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()> {
+        fence.wait_on_stream(self.stream as u64)
+    }
 }
 
 impl Drop for CudaQueue {

@@ -220,11 +220,114 @@ enum Active {
     Running,
 }
 
+/// A tensor's copy in the host tier. A prefetch into device memory copies it asynchronously
+/// (the worker does not wait for the GPU): the copy's fences are kept here, and a copy dropped
+/// while one is still reading it goes to the store's [`Graveyard`] instead of back to the tier.
+struct HostCopy {
+    mem: Option<TensorMem>,
+    readers: Vec<Box<dyn DeviceFence>>,
+    graveyard: Arc<Graveyard>,
+}
+
+impl HostCopy {
+    fn new(mem: TensorMem, graveyard: Arc<Graveyard>) -> Self {
+        Self { mem: Some(mem), readers: Vec::new(), graveyard }
+    }
+
+    /// Copy into `dst`: host memory to device memory queued without blocking (the copy waits on
+    /// the device for `dst`'s ready fence, `dst`'s ready fence becomes the copy's); anything
+    /// else synchronously.
+    fn copy_into(&mut self, dst: &mut TensorMem) -> Result<()> {
+        let mem = self.mem.as_ref().expect("a live host copy holds its memory");
+        match (mem.host(), dst) {
+            (Some(src), TensorMem::Device(d)) => {
+                // SAFETY: `src` is this copy's memory, never written after the offload that made
+                // it; it is released only once `f` completed (kept in `readers`, then the
+                // graveyard).
+                let f = unsafe { crate::tier::device::copy_in_async(d.as_mut(), src)? };
+                self.readers.retain(|r| !r.is_done());
+                self.readers.push(f);
+                Ok(())
+            }
+            (_, dst) => mem.copy_into(dst),
+        }
+    }
+}
+
+impl Drop for HostCopy {
+    fn drop(&mut self) {
+        self.readers.retain(|r| !r.is_done());
+        if let Some(mem) = self.mem.take()
+            && !self.readers.is_empty()
+        {
+            self.graveyard.bury(std::mem::take(&mut self.readers), mem);
+        }
+    }
+}
+
+/// Host-tier memory whose copy was dropped while asynchronous copies to the GPU still read it:
+/// released once they complete (reaped before the tier allocates, drained when it is full, and
+/// waited for when the store closes).
+#[derive(Default)]
+struct Graveyard(Mutex<Vec<Buried>>);
+
+/// Memory and the copies still reading it.
+type Buried = (Vec<Box<dyn DeviceFence>>, TensorMem);
+
+impl Graveyard {
+    fn bury(&self, readers: Vec<Box<dyn DeviceFence>>, mem: TensorMem) {
+        self.0.lock().push((readers, mem));
+    }
+
+    /// Release the memory no copy reads any more; returns how many bytes.
+    fn reap(&self) -> u64 {
+        let done: Vec<Buried> = {
+            let mut g = self.0.lock();
+            let (done, pending) = std::mem::take(&mut *g)
+                .into_iter()
+                .partition(|(r, _): &Buried| r.iter().all(|f| f.is_done()));
+            *g = pending;
+            done
+        };
+        done.iter().map(|(_, m)| m.len()).sum()
+    }
+
+    /// Wait for every copy still reading buried memory, then release it all; returns how many
+    /// bytes.
+    fn drain(&self) -> Result<u64> {
+        let all = std::mem::take(&mut *self.0.lock());
+        let bytes = all.iter().map(|(_, m)| m.len()).sum();
+        let mut first = None;
+        for (readers, mem) in all {
+            for f in &readers {
+                if let Err(e) = f.wait() {
+                    first.get_or_insert(e);
+                }
+            }
+            drop(mem);
+        }
+        first.map_or(Ok(bytes), Err)
+    }
+
+    /// Buried memory, bytes.
+    fn bytes(&self) -> u64 {
+        self.0.lock().iter().map(|(_, m)| m.len()).sum()
+    }
+}
+
+impl Drop for Graveyard {
+    fn drop(&mut self) {
+        if let Err(e) = self.drain() {
+            eprintln!("teraio: waiting for copies from the host tier failed: {e}");
+        }
+    }
+}
+
 struct Entry {
     size: u64,
     name: Option<String>,
     ssd: Option<SsdCopy>,
-    host: Option<TensorMem>,
+    host: Option<HostCopy>,
     held: Option<TensorMem>,
     queue: VecDeque<Op>,
     active: Active,
@@ -273,6 +376,7 @@ struct Inner {
     persist: Option<Persistence>,
     retain: bool,
     gpu: gpu::GpuState,
+    graveyard: Arc<Graveyard>,
 }
 
 /// The tensor store. Cheap to share (`Arc`); dropping the last handle drains the queues, stops
@@ -334,6 +438,7 @@ impl TensorStore {
             retain: persist.is_some() || config.retain_on_prefetch,
             persist,
             gpu: gpu::GpuState::new(config.gpu, config.workers)?,
+            graveyard: Arc::default(),
         });
         let workers = (0..config.workers)
             .map(|i| {
@@ -776,7 +881,16 @@ impl Inner {
                 }
             }
             OpKind::Prefetch { dst, after } => {
-                let dst = dst.expect("a dispatched prefetch owns its destination");
+                let mut dst = dst.expect("a dispatched prefetch owns its destination");
+                // Device memory: what is copied into it waits for the caller's queued work on the
+                // device (its ready fence), not in this worker.
+                let after = match (after, &mut dst) {
+                    (Some(f), TensorMem::Device(d)) if d.ready().is_none() => {
+                        d.set_ready(Some(f));
+                        None
+                    }
+                    (after, _) => after,
+                };
                 match after.map_or(Ok(()), |f| f.wait()) {
                     Ok(()) => self.run_prefetch(id, dst, ssd, host, held),
                     Err(e) => (Outcome::Prefetch(Err(e)), Update::Restore { host, held }),
@@ -911,7 +1025,7 @@ enum Update {
     Held(TensorMem),
     /// Prefetch done: give back memory copies that were not consumed.
     Restore {
-        host: Option<TensorMem>,
+        host: Option<HostCopy>,
         held: Option<TensorMem>,
     },
     /// Free done: the SSD copy (if any) is released.
@@ -951,7 +1065,7 @@ impl Update {
                 Some(src)
             }
             Update::Host { mem, name, src } => {
-                entry.host = Some(mem);
+                entry.host = Some(HostCopy::new(mem, inner.graveyard.clone()));
                 if let Some(old) = entry.ssd.take() {
                     inner.release_extents(&old.map);
                 }
@@ -1021,7 +1135,14 @@ impl Inner {
             if let Some(tier) = &self.host_tier {
                 let started = Instant::now();
                 self.stats.lock().host_write.start(started);
-                match tier.alloc(size) {
+                // Memory whose last reader finished goes back first; when the tier is full,
+                // wait for the readers of what is buried.
+                self.graveyard.reap();
+                let mut got = tier.alloc(size);
+                if matches!(got, Err(Error::NoSpace(_))) && self.graveyard.bytes() > 0 {
+                    got = self.graveyard.drain().and_then(|_| tier.alloc(size));
+                }
+                match got {
                     Ok(mut mem) => {
                         let r = src.copy_into(&mut mem);
                         let ok = r.is_ok();
@@ -1173,17 +1294,23 @@ impl Inner {
         id: TensorId,
         mut dst: TensorMem,
         ssd: Option<SsdCopy>,
-        host: Option<TensorMem>,
+        host: Option<HostCopy>,
         held: Option<TensorMem>,
     ) -> (Outcome, Update) {
         let size = dst.len();
-        if let Some(mem) = held.as_ref().or(host.as_ref()) {
+        let mut host = host;
+        if held.is_some() || host.is_some() {
             let from_host = held.is_none();
             let started = Instant::now();
             if from_host {
                 self.stats.lock().host_read.start(started);
             }
-            let r = mem.copy_into(&mut dst).map(|()| dst);
+            let r = match (&held, &mut host) {
+                (Some(mem), _) => mem.copy_into(&mut dst),
+                (None, Some(h)) => h.copy_into(&mut dst),
+                (None, None) => unreachable!("checked above"),
+            }
+            .map(|()| dst);
             if from_host {
                 self.stats.lock().host_read.finish(
                     Instant::now(),
@@ -1289,11 +1416,78 @@ impl Inner {
     fn run_free(
         &self,
         ssd: Option<SsdCopy>,
-        host: Option<TensorMem>,
+        host: Option<HostCopy>,
         held: Option<TensorMem>,
     ) -> (Outcome, Update) {
         drop(host);
         drop(held);
         (Outcome::Free(Ok(())), Update::Freed(ssd))
+    }
+}
+
+#[cfg(test)]
+mod graveyard_tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// A fence that completes when the test says so (a copy still running on the device).
+    struct Pending(Arc<AtomicBool>);
+
+    impl DeviceFence for Pending {
+        fn wait(&self) -> Result<()> {
+            self.0.store(true, Ordering::SeqCst);
+            Ok(())
+        }
+        fn is_done(&self) -> bool {
+            self.0.load(Ordering::SeqCst)
+        }
+        fn wait_on_stream(&self, _stream: u64) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn tier_mem(tier: &Arc<dyn MemoryTier>, bytes: u64) -> TensorMem {
+        tier.alloc(bytes).unwrap()
+    }
+
+    #[test]
+    fn a_host_copy_still_read_is_released_only_when_its_copies_complete() {
+        let tier: Arc<dyn MemoryTier> = crate::tier::HostTier::new("host", 8 << 20).unwrap();
+        let graveyard = Arc::new(Graveyard::default());
+        let done = Arc::new(AtomicBool::new(false));
+        let mut copy = HostCopy::new(tier_mem(&tier, 1 << 20), graveyard.clone());
+        copy.readers.push(Box::new(Pending(done.clone())));
+        drop(copy);
+        assert_eq!(tier.used_bytes(), 1 << 20, "a copy still reads it: buried, not released");
+        assert_eq!(graveyard.bytes(), 1 << 20);
+        assert_eq!(graveyard.reap(), 0, "nothing to reap while the copy runs");
+        assert_eq!(tier.used_bytes(), 1 << 20);
+        done.store(true, Ordering::SeqCst);
+        assert_eq!(graveyard.reap(), 1 << 20);
+        assert_eq!(tier.used_bytes(), 0, "released once the copy completed");
+        // A copy nobody reads goes straight back.
+        drop(HostCopy::new(tier_mem(&tier, 1 << 20), graveyard.clone()));
+        assert_eq!((tier.used_bytes(), graveyard.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn drain_waits_for_every_reader_and_dropping_the_graveyard_drains_it() {
+        let tier: Arc<dyn MemoryTier> = crate::tier::HostTier::new("host", 8 << 20).unwrap();
+        let graveyard = Arc::new(Graveyard::default());
+        let flags: Vec<_> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
+        for f in &flags[..2] {
+            let mut copy = HostCopy::new(tier_mem(&tier, 1 << 20), graveyard.clone());
+            copy.readers.push(Box::new(Pending(f.clone())));
+        }
+        assert_eq!(graveyard.drain().unwrap(), 2 << 20);
+        assert!(flags[..2].iter().all(|f| f.load(Ordering::SeqCst)), "every reader waited for");
+        assert_eq!(tier.used_bytes(), 0);
+        let mut copy = HostCopy::new(tier_mem(&tier, 1 << 20), graveyard.clone());
+        copy.readers.push(Box::new(Pending(flags[2].clone())));
+        drop(copy);
+        drop(graveyard);
+        assert!(flags[2].load(Ordering::SeqCst), "the graveyard waited before letting go");
+        assert_eq!(tier.used_bytes(), 0);
     }
 }

@@ -53,6 +53,9 @@ pub trait CopyQueue: Send {
     unsafe fn host_to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()>;
     /// A fence after everything queued so far.
     fn fence(&mut self) -> Result<Box<dyn DeviceFence>>;
+    /// Make copies queued later on this queue wait until `fence` completes, without blocking
+    /// the host (CUDA: cuStreamWaitEvent on the queue's stream).
+    fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()>;
 }
 
 /// How direct storage reaches the disk.
@@ -197,10 +200,14 @@ pub trait DeviceMemory: Send + Sync {
     fn as_any(&self) -> &dyn Any;
 }
 
-/// Copy `dst.len()` bytes at `offset` of device memory into host memory, synchronously.
+/// Copy `dst.len()` bytes at `offset` of device memory into host memory, synchronously (after
+/// the last prefetch into it completed).
 pub(crate) fn copy_out(mem: &dyn DeviceMemory, offset: u64, dst: &mut [u8]) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
+    }
+    if let Some(f) = mem.ready() {
+        f.wait()?;
     }
     let mut q = mem.runtime().copy_queue()?;
     // SAFETY: `dst` is borrowed mutably until the fence below completed; the range was checked
@@ -222,6 +229,38 @@ pub(crate) fn copy_in(mem: &mut dyn DeviceMemory, offset: u64, src: &[u8]) -> Re
     // SAFETY: `src` is borrowed until the fence below completed; range checked by the caller.
     unsafe { q.host_to_device(src.as_ptr(), mem.device_ptr() + offset, src.len())? };
     q.fence()?.wait()
+}
+
+/// Queue a copy of `src` into the whole of device memory `mem` without blocking the host: the
+/// copy waits on the device for `mem`'s ready fence (the caller's queued work on that memory),
+/// and `mem`'s ready fence becomes the copy's. Returns a second fence of the copy: `src` must
+/// stay valid and unchanged until it completes.
+///
+/// # Safety
+/// `src` must stay valid for reads, and must not be written, until the returned fence has
+/// completed (drop it only after [`DeviceFence::is_done`] or [`DeviceFence::wait`]).
+pub(crate) unsafe fn copy_in_async(
+    mem: &mut dyn DeviceMemory,
+    src: &[u8],
+) -> Result<Box<dyn DeviceFence>> {
+    if src.len() as u64 != mem.len() {
+        return Err(Error::InvalidArgument(format!(
+            "copy of {} bytes into a tensor of {} bytes",
+            src.len(),
+            mem.len()
+        )));
+    }
+    let mut q = mem.runtime().copy_queue()?;
+    if let Some(f) = mem.ready() {
+        q.wait_for(f)?;
+    }
+    // SAFETY: `src` outlives the copy (this function's contract); the destination is the
+    // tensor's own live allocation, of `src.len()` bytes (checked above).
+    unsafe { q.host_to_device(src.as_ptr(), mem.device_ptr(), src.len())? };
+    let ready = q.fence()?;
+    let keep = q.fence()?;
+    mem.set_ready(Some(ready));
+    Ok(keep)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,6 +306,10 @@ impl CopyQueue for HostQueue {
 
     fn fence(&mut self) -> Result<Box<dyn DeviceFence>> {
         Ok(Box::new(DoneFence))
+    }
+
+    fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()> {
+        fence.wait()
     }
 }
 

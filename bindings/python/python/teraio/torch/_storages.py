@@ -15,16 +15,23 @@ from typing import Any, Iterator
 import torch
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj`` (a tensor, or lists/tuples/dicts of them), in order."""
+def iter_tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Every tensor in ``obj`` (a tensor, or lists/tuples/dicts of them), in order (appended to
+    ``out`` when given). A list, not a generator: this runs for every operator of a planned step."""
+    if out is None:
+        out = []
     if isinstance(obj, torch.Tensor):
-        yield obj
+        out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from iter_tensors(x)
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                iter_tensors(x, out)
     elif isinstance(obj, dict):
         for x in obj.values():
-            yield from iter_tensors(x)
+            iter_tensors(x, out)
+    return out
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -72,21 +79,27 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tens
             yield from iter_tensors(a)
 
 
+_NAMES: dict[Any, str] = {}
+
+
 def op_name(func: Any) -> str:
     """Short name of an aten op overload, e.g. ``mm`` or ``add_.Tensor``."""
-    name = getattr(func, "__name__", None) or str(func)
-    if name.endswith(".default"):
-        name = name[: -len(".default")]
+    name = _NAMES.get(func)
+    if name is None:
+        name = getattr(func, "__name__", None) or str(func)
+        if name.endswith(".default"):
+            name = name[: -len(".default")]
+        _NAMES[func] = name
     return name
 
 
-def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+def signature(func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor] | None = None) -> tuple:
     """What must match between the profiled iteration and a planned one at each op: the op and
-    the shapes and dtypes of its tensor arguments."""
-    return (
-        op_name(func),
-        tuple((tuple(t.shape), t.dtype) for t in iter_tensors((args, kwargs))),
-    )
+    the shapes and dtypes of its tensor arguments (``tensors``: those already listed by
+    :func:`iter_tensors` of ``(args, kwargs)``)."""
+    if tensors is None:
+        tensors = iter_tensors((args, kwargs))
+    return (op_name(func), tuple((tuple(t.shape), t.dtype) for t in tensors))
 
 
 def remakeable(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -101,6 +101,8 @@ class PlannedRun:
         # data paths, stream-ordered) or as host buffers; CUDA storages always as device memory
         self.device_memory = device.type == "cuda" if device_memory is None else device_memory
         self.tensors = self.trace["tensors"]
+        # per op: the non-global trace tensors it creates, in the order the profiler found them
+        self._want = [[t for t in c if not self.tensors[t]["global"]] for c in self.created]
         self.refs: dict[int, Any] = {}  # trace id -> weakref to its storage
         self.tid_of: dict[int, int] = {}  # storage key -> trace id, this iteration
         self._releasing_deaths = False
@@ -127,6 +129,10 @@ class PlannedRun:
         self._starts: list[Any] = []
         self._ends: list[Any] = []
         self._timed = 0
+        self._remade: list[tuple[Any, Any, int]] = []  # events around each recomputation, this step
+        self._remade_n = 0
+        self._k = 0  # the operator about to run
+        self._flat: list[torch.Tensor] = []  # its tensor arguments
         # recomputations: tensor -> how many times the plan remakes it per iteration, and the
         # operator (func, args, kwargs, which result) that made it this iteration
         self._remakes: dict[int, int] = {}
@@ -196,6 +202,7 @@ class PlannedRun:
             raise RuntimeError(f"tensor {tid} ({self.tensors[tid]['name']}) cannot be recomputed: "
                                "its storage or its operator is gone")
         func, args, kwargs, which, (shape, stride, offset, dtype, n_out) = p
+        timed = self._remade_mark() if self.time_gpu else None
         with _disable_current_modes(), torch.no_grad(), torch.autocast(s.device.type, enabled=False):
             # an operator with one result and an ``out=`` form writes straight into the storage
             # (no second copy of the tensor in memory meanwhile); others run and are copied
@@ -214,6 +221,8 @@ class PlannedRun:
                 out = func(*args, **kwargs)
                 src = storage_of(list(iter_tensors(out))[which])
                 byte_view(s).copy_(byte_view(src))
+        if timed is not None:
+            timed[1].record()
         self.recomputed += 1
         self._left[tid] -= 1
         if self._left[tid] <= 0:  # the last recomputation: let its arguments go
@@ -232,6 +241,7 @@ class PlannedRun:
         self.recomputed = 0
         self.recomputed_in_place = 0
         self._timed = 0
+        self._remade_n = 0
         modified = getattr(self.ex, "modified", None)
         if modified is not None:
             for tid, (t, v) in self._versions.items():
@@ -265,10 +275,12 @@ class PlannedRun:
             self._hold_back(k)
             if k >= len(self.signatures):
                 raise Diverged(k, f"more operators than the {len(self.signatures)} profiled")
-            sig = signature(func, args, kwargs)
+            self._flat = iter_tensors((args, kwargs))
+            sig = signature(func, args, kwargs, self._flat)
             if sig != self.signatures[k]:
                 raise Diverged(k, f"{sig[0]} with {len(sig[1])} tensors where the profile has "
                                   f"{self.signatures[k][0]} with {len(self.signatures[k][1])}")
+            self._k = k
             self.ex.boundary_named(k, self.trace["kernels"][k]["name"])
             t0 = time.perf_counter()
             self.ex.before_kernel(k)
@@ -287,6 +299,17 @@ class PlannedRun:
         events[k].record()
         self._timed = max(self._timed, k + 1)
 
+    def _remade_mark(self) -> tuple[Any, Any]:
+        """A pair of events for the next recomputation (before the operator about to run), the
+        first recorded now."""
+        if len(self._remade) <= self._remade_n:
+            self._remade.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 0))
+        a, b, _ = self._remade[self._remade_n]
+        self._remade[self._remade_n] = (a, b, self._k)
+        self._remade_n += 1
+        a.record()
+        return a, b
+
     def gpu_gaps(self) -> dict[str, Any] | None:
         """Where the GPU waited this step (``time_gpu``): the time between one operator's end
         and the next one's start on the trainer's stream (a prefetch or memory not there yet,
@@ -299,7 +322,15 @@ class PlannedRun:
         busy = sum(self._starts[k].elapsed_time(self._ends[k]) for k in range(n)) / 1e3
         span = self._starts[0].elapsed_time(self._ends[n - 1]) / 1e3
         top = sorted(gaps, key=lambda g: -g[1])[:5]
+        # of the gaps, the GPU time the recomputations took (they run between two operators);
+        # the rest of a gap the GPU had nothing to run (idle)
+        remade: dict[int, float] = {}
+        for a, b, k in self._remade[:self._remade_n]:
+            remade[k] = remade.get(k, 0.0) + a.elapsed_time(b) / 1e3
+        idle = sorted(((k, max(0.0, g - remade.get(k, 0.0))) for k, g in gaps), key=lambda g: -g[1])
         return {"gpu_span_s": span, "gpu_busy_s": busy, "gpu_gap_s": sum(g for _, g in gaps),
+                "gpu_recompute_s": sum(remade.values()), "gpu_idle_s": sum(g for _, g in idle),
+                "top_idle": [(k, self.trace["kernels"][k]["name"], round(g, 6)) for k, g in idle[:5]],
                 "top_gaps": [(k, self.trace["kernels"][k]["name"], round(g, 6)) for k, g in top]}
 
     def after(self, k: int, args: tuple, kwargs: dict, out: Any, func: Any = None) -> None:
@@ -309,8 +340,10 @@ class PlannedRun:
             self._mark(self._ends, k)
         try:
             new = []
-            for t in list(iter_tensors((args, kwargs))) + list(iter_tensors(out)):
-                if t.device != self.device:
+            outs = iter_tensors(out)
+            dev = self.device
+            for t in self._flat + outs:
+                if t.device != dev:
                     continue
                 s = storage_of(t)
                 if s is None or s.nbytes() == 0:
@@ -321,14 +354,13 @@ class PlannedRun:
                 known = tid is not None and self.refs[tid]() is s
                 if not known and all(key != storage_key(x) for x in new):
                     new.append(s)
-            want = [t for t in self.created[k] if not self.tensors[t]["global"]]
+            want = self._want[k]
             if len(new) != len(want):
                 raise Diverged(k, f"{len(new)} new storages where the profile saw {len(want)}")
             for s, tid in zip(new, want):
                 t = self.tensors[tid]
                 self._bind(tid, s)
                 if tid in self._remakes and func is not None:
-                    outs = list(iter_tensors(out))
                     key = storage_key(s)
                     which = next(i for i, x in enumerate(outs)
                                  if (st := storage_of(x)) is not None and storage_key(st) == key)

@@ -199,6 +199,7 @@ class Session:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            alloc0 = _allocator_counts(self.device)
         state0 = _state_count(self.optimizer)
         moved0 = (self.mover.bytes_out + self.mover.bytes_in) if self.mover else 0
         wait0 = self.pager.wait_s if self.pager else 0.0
@@ -253,6 +254,9 @@ class Session:
         rec["ops"] = mode.k
         if cuda:
             rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            # the caching allocator's work this step: cudaMalloc/cudaFree calls, and retries
+            # after freeing its cache (each one synchronizes the device)
+            rec["allocator"] = {k: v - alloc0[k] for k, v in _allocator_counts(self.device).items()}
         if mode.run is None and not mode.paged_only:
             self._after_profile(n, rec, state0)
         self.steps.append(rec)
@@ -386,14 +390,26 @@ class Session:
     def line(rec: dict[str, Any]) -> str:
         """A one-line report of a step."""
         s = (f"teraio step {rec['step']}: {rec['mode']}, {rec['time_s']:.3f} s, stall "
-             f"{rec['stall_s']:.3f} s, moved {rec['bytes_moved'] / 1e9:.2f} GB")
+             f"{rec['stall_s']:.3f} s")
+        ex = rec.get("executor")
+        if isinstance(ex, dict) and ex.get("stall_memory_s"):
+            s += f" ({ex['stall_memory_s']:.3f} s for memory)"
+        s += f", moved {rec['bytes_moved'] / 1e9:.2f} GB"
         if "peak_allocated_bytes" in rec:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
         if rec.get("recomputed"):
             s += f", recomputed {rec['recomputed']}"
         if "gpu_gap_s" in rec:
-            s += (f", GPU busy {rec['gpu_busy_s']:.3f} s, waited {rec['gpu_gap_s']:.3f} s (longest before "
+            s += (f", GPU busy {rec['gpu_busy_s']:.3f} s, waited {rec['gpu_gap_s']:.3f} s"
+                  + (f" (recomputing {rec['gpu_recompute_s']:.3f} s, idle {rec['gpu_idle_s']:.3f} s, longest "
+                     "idle before " + ", ".join(f"{k} {name} {t * 1e3:.1f} ms" for k, name, t in rec["top_idle"][:3])
+                     + ")" if rec.get("gpu_recompute_s") else "")
+                  + " (longest before "
                   + ", ".join(f"{k} {name} {t * 1e3:.1f} ms" for k, name, t in rec["top_gaps"][:3]) + ")")
+        a = rec.get("allocator") or {}
+        if any(a.values()):
+            s += (f", allocator: {a['num_device_alloc']} cudaMalloc, {a['num_device_free']} cudaFree, "
+                  f"{a['num_alloc_retries']} retries")
         if rec.get("ahead_wait_s"):
             s += f", held back {rec['ahead_wait_s']:.3f} s"
         if "plan" in rec:
@@ -489,6 +505,12 @@ def _plan_summary(plan: Any) -> str:
     return (f"made ({d.get('policy', '?')}: {moved:.2f} GB offloaded, "
             f"{len(d.get('recomputations', []))} tensors recomputed "
             f"({st.get('recompute_bytes', 0) / 1e9:.2f} GB))")
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's counters that cost the trainer time."""
+    st = torch.cuda.memory_stats(device)
+    return {k: int(st.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
 def _state_count(optimizer: Any) -> int:
