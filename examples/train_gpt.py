@@ -83,6 +83,9 @@ def parse_args(argv=None):
                     help="teraio: the share of the cap that paging and plans use on a GPU (the rest: workspaces, allocator slack)")
     ap.add_argument("--teraio-no-gather", action="store_true",
                     help="teraio: keep the plan's steady state between steps (no gather of parameters and optimizer states)")
+    ap.add_argument("--teraio-plan-margin", type=float, default=0.0,
+                    help="plans are made for this fraction less GPU memory than the executor runs with "
+                         "(slack for the host running ahead of the GPU; Session(plan_margin=))")
     ap.add_argument("--teraio-ahead", type=int, default=0,
                     help="teraio: the host runs at most this many operators ahead of the GPU (0: no limit)")
     ap.add_argument("--teraio-no-recompute", action="store_true",
@@ -452,7 +455,7 @@ def make_session(args, torch, mode, model, opt, dev):
                       profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1,
                       page_min_bytes=args.page_min_kib * 1024,
                       gather_between_steps=not args.teraio_no_gather, page_fraction=args.page_fraction,
-                      max_ahead=args.teraio_ahead, recompute=not args.teraio_no_recompute,
+                      max_ahead=args.teraio_ahead, plan_margin=args.teraio_plan_margin, recompute=not args.teraio_no_recompute,
                       time_gpu=args.teraio_time_gpu,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
 

@@ -428,3 +428,30 @@ def test_traffic_margin_zero_plans_once(tmp_path):
     assert "traffic" not in entry
     with pytest.raises(ValueError, match="traffic_margin"):
         tt.Session(model, opt, store=store, gpu_budget_bytes=budget, traffic_margin=1.5)
+
+
+def test_plan_margin_plans_for_less_than_the_executor_runs_with(tmp_path):
+    store = engine_store(tmp_path)
+    model, opt = make(seq=64)
+    budget = 10 * params_bytes(model)
+    seen = {}
+    from test_planned import script_for
+
+    def planner(trace, gpu_bytes, host_bytes):
+        seen["planned"] = gpu_bytes
+        return script_for(trace, gpu_bytes, host_bytes)
+
+    def factory(trace, plan, executor_bytes, allocator):
+        seen["executor"] = executor_bytes
+        raise NotImplementedError("only the budgets are checked here")
+
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, plan_margin=0.1,
+                   planner=planner, executor_factory=factory, log=lambda _: None)
+    for t in batches(3, batch=16, seq=64):
+        with s.step():
+            train_step(model, opt, t)
+    assert s.plan_budget == budget  # on the CPU the executor keeps the whole budget
+    assert seen == {"planned": int(budget * 0.9), "executor": budget}
+    for bad in (-0.1, 0.5):
+        with pytest.raises(ValueError, match="plan_margin"):
+            tt.Session(model, opt, store=store, gpu_budget_bytes=budget, plan_margin=bad)

@@ -85,6 +85,10 @@ class Session:
     hardware model as given) within this fraction of the first one: on a GPU the copies slow the
     kernels beside them and the host's waits add up, so of two plans the model finds about as
     fast, the one that moves less runs faster (measured on an H200: docs/BENCHMARKS.md).
+    ``plan_margin`` (default 0): plans are made for this fraction less than the executor's
+    budget. On a GPU the host runs ahead of the device, so the executor sees an offload's memory
+    freed later than the plan's timing does; the margin is the slack that keeps the host from
+    waiting for it (the plan moves or recomputes a little more instead).
     ``time_gpu`` (GPU, planned steps): CUDA events around every operator, so each step reports
     the GPU's own busy time and where it waited (``gpu_busy_s``, ``gpu_gap_s``, ``top_gaps``).
     ``executor_factory``
@@ -118,6 +122,7 @@ class Session:
         recompute: bool = True,
         time_gpu: bool = False,
         traffic_margin: float = 0.03,
+        plan_margin: float = 0.0,
         planner: Callable[[dict, int, int], Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
@@ -127,6 +132,9 @@ class Session:
             raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
         if profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+        if not 0.0 <= plan_margin < 0.5:
+            raise ValueError(f"plan_margin must be in [0, 0.5), got {plan_margin}")
+        self.plan_margin = plan_margin
 
         self.model = model
         self.optimizer = make_plannable(optimizer, optimizer_chunk_bytes)
@@ -287,6 +295,12 @@ class Session:
         a GPU, the budget on the CPU)."""
         return None if self.budget is None else int(self.budget * self._plan_fraction)
 
+    @property
+    def planning_budget(self) -> int | None:
+        """The GPU bytes plans are made for: :attr:`plan_budget` less ``plan_margin``."""
+        b = self.plan_budget
+        return None if b is None else int(b * (1.0 - self.plan_margin))
+
     def _device_memory(self) -> bool:
         """Whether storages go to the executor as device memory: on a GPU, and on an engine whose
         GPU is the host-memory emulation (CPU tests of the GPU path)."""
@@ -351,11 +365,11 @@ class Session:
             teraio = None
         if self.planner is not None:
             t0 = time.perf_counter()
-            entry["plan"] = self.planner(trace, self.plan_budget, self.host_budget)
+            entry["plan"] = self.planner(trace, self.planning_budget, self.host_budget)
             rec["plan_s"] = time.perf_counter() - t0
         elif teraio is not None and hasattr(teraio, "plan"):
             hw = self.hardware if self.hardware is not None else "paper"
-            over: dict[str, Any] = {"gpu_memory_bytes": self.plan_budget,
+            over: dict[str, Any] = {"gpu_memory_bytes": self.planning_budget,
                                     "host_memory_cap_bytes": self.host_budget}
             capacity = getattr(self.store, "capacity_bytes", None)
             if isinstance(capacity, int) and capacity > 0:
