@@ -83,6 +83,9 @@ def parse_args(argv=None):
                     help="teraio: the share of the cap that paging and plans use on a GPU (the rest: workspaces, allocator slack)")
     ap.add_argument("--teraio-no-gather", action="store_true",
                     help="teraio: keep the plan's steady state between steps (no gather of parameters and optimizer states)")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="run the second timed step under cProfile and write the host's top functions "
+                         "to OUT/host-profile-MODE.txt (where the host's time goes per step)")
     ap.add_argument("--teraio-plan-margin", type=float, default=0.0,
                     help="plans are made for this fraction less GPU memory than the executor runs with "
                          "(slack for the host running ahead of the GPU; Session(plan_margin=))")
@@ -270,9 +273,23 @@ def run_mode(args):
             last = i == args.warmup + args.steps
             if last and cuda:
                 sampler = MemorySampler(torch).__enter__()
+            prof = None
+            if args.profile_host and i == args.warmup + 1:
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
             t0 = sync()
             loss = step(tokens)
             t1 = sync()
+            if prof is not None:
+                prof.disable()
+                import io
+                import pstats
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+                with open(os.path.join(os.path.dirname(os.path.abspath(args.result)) if args.result else args.out,
+                                       f"host-profile-{mode}.txt"), "w") as f:
+                    f.write(buf.getvalue())
             if sampler is not None:
                 sampler.__exit__()
             losses.append(loss)

@@ -92,7 +92,11 @@ fn evaluate(st: &mut State<'_>, iv: &InactiveInterval, hybrid: bool) -> Option<F
     let rc = st.fit_recompute(iv);
     match (moved, rc) {
         (Some(m), Some(r)) => {
-            Some(if r.benefit / r.cost_us > m.benefit / m.cost_us { r } else { m })
+            Some(if r.benefit / (r.cost_us * st.recompute_weight) > m.benefit / m.cost_us {
+                r
+            } else {
+                m
+            })
         }
         (m, r) => m.or(r),
     }
@@ -347,6 +351,7 @@ fn fresh<'a>(trace: &'a Trace, hw: &'a Hardware, mode: Mode) -> (State<'a>, Cand
     }
     st.recompute = mode.recompute != RecomputeIn::Never;
     st.eager_chains = mode.recompute == RecomputeIn::Eager;
+    st.recompute_weight = f64::from(mode.recompute_weight.max(1));
     st.keep_ssd = mode.keep_ssd;
     (st, c, count)
 }

@@ -131,6 +131,7 @@ class PlannedRun:
         self._timed = 0
         self._remade: list[tuple[Any, Any, int]] = []  # events around each recomputation, this step
         self._remade_n = 0
+        self._stream: Any = None
         self._k = 0  # the operator about to run
         self._flat: list[torch.Tensor] = []  # its tensor arguments
         # recomputations: tensor -> how many times the plan remakes it per iteration, and the
@@ -222,7 +223,7 @@ class PlannedRun:
                 src = storage_of(list(iter_tensors(out))[which])
                 byte_view(s).copy_(byte_view(src))
         if timed is not None:
-            timed[1].record()
+            timed[1].record(self._stream)
         self.recomputed += 1
         self._left[tid] -= 1
         if self._left[tid] <= 0:  # the last recomputation: let its arguments go
@@ -242,6 +243,9 @@ class PlannedRun:
         self.recomputed_in_place = 0
         self._timed = 0
         self._remade_n = 0
+        # the trainer's stream, looked up once a step (events record on it; a lookup per
+        # operator cost more host time than the events themselves)
+        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         modified = getattr(self.ex, "modified", None)
         if modified is not None:
             for tid, (t, v) in self._versions.items():
@@ -266,7 +270,7 @@ class PlannedRun:
             t0 = time.perf_counter()
             ev.synchronize()
             self.ahead_wait_s += time.perf_counter() - t0
-        ev.record()
+        ev.record(self._stream)
 
     def before(self, k: int, func: Any, args: tuple, kwargs: dict) -> None:
         if self.diverged is not None:
@@ -296,7 +300,7 @@ class PlannedRun:
     def _mark(self, events: list[Any], k: int) -> None:
         while len(events) <= k:
             events.append(torch.cuda.Event(enable_timing=True))
-        events[k].record()
+        events[k].record(self._stream)
         self._timed = max(self._timed, k + 1)
 
     def _remade_mark(self) -> tuple[Any, Any]:
@@ -307,7 +311,7 @@ class PlannedRun:
         a, b, _ = self._remade[self._remade_n]
         self._remade[self._remade_n] = (a, b, self._k)
         self._remade_n += 1
-        a.record()
+        a.record(self._stream)
         return a, b
 
     def gpu_gaps(self) -> dict[str, Any] | None:
