@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# teraio bench on the SPDK backend (an SPDK uring bdev over a file) vs the io_uring backend vs
-# fio (io_uring, O_DIRECT, huge-page buffers) on the same file: 1 MiB sequential read and write
+# teraio bench on the SPDK backend (an SPDK uring bdev over a file, busy-polling; and an SPDK aio
+# bdev in SPDK's interrupt mode, `spdk-intr`) vs the io_uring backend vs fio (io_uring,
+# O_DIRECT, huge-page buffers) on the same file: 1 MiB sequential read and write
 # and 4 KiB random reads, queue depth 32, rounds alternated, medians of bandwidth, IOPS and CPU
 # time per I/O (the process's user + system time over the run: SPDK's reactor busy-polls a
 # core). Needs a build with the `spdk` feature (docs/SPDK.md):
 #   PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig cargo build --release -p teraio-cli --features spdk
 #
 # Environment (defaults): FILE=target/bench-spdk/f0 SIZE=1G ROUNDS=3 RUNTIME=4 QD=32
-# TERAIO=target/release/teraio WORKLOADS="read write randread". Run as root (huge pages).
+# TERAIO=target/release/teraio WORKLOADS="read write randread" TOOLS="uring spdk spdk-intr fio"
+# (also: spdk-aio, the aio bdev busy-polling). Rounds alternate the order of TOOLS (odd rounds
+# as listed, even rounds reversed). Run as root (huge pages).
 set -euo pipefail
 FILE=${FILE:-target/bench-spdk/f0}
 SIZE=${SIZE:-1G}
@@ -16,6 +19,7 @@ RUNTIME=${RUNTIME:-4}
 QD=${QD:-32}
 TERAIO=${TERAIO:-target/release/teraio}
 WORKLOADS=${WORKLOADS:-"read write randread"}
+read -r -a tools <<< "${TOOLS:-uring spdk spdk-intr fio}"
 OUT=$(mktemp -d /tmp/teraio-spdk-vs-uring.XXXXXX)
 command -v fio >/dev/null || { apt-get update -qq && apt-get install -y -qq fio >/dev/null; }
 old_pages=$(cat /proc/sys/vm/nr_hugepages)
@@ -27,9 +31,14 @@ mkdir -p "$(dirname "$FILE")"
 
 run() { # tool rw bs -> "bw iops cpu_us_per_io"
     local dirn=read; [ "$2" = write ] && dirn=write
+    local args=(--backend "$1" --device "$FILE")
     case "$1" in
-        uring|spdk)
-            "$TERAIO" bench --backend "$1" --device "$FILE" --file-size "$SIZE" --rw "$2" --bs "$3" \
+        spdk-aio) args=(--backend spdk --device "aio:$FILE") ;;
+        spdk-intr) args=(--backend spdk --device "aio:$FILE" --spdk-interrupt) ;;
+    esac
+    case "$1" in
+        uring|spdk|spdk-aio|spdk-intr)
+            "$TERAIO" bench "${args[@]}" --file-size "$SIZE" --rw "$2" --bs "$3" \
                 --iodepth "$QD" --size "$SIZE" --runtime "$RUNTIME" --json 2>/dev/null \
             | jq -r ".jobs[0] | \"\(.$dirn.bw_bytes) \(.$dirn.iops) \(.cpu_us_per_io)\"" ;;
         fio)
@@ -39,18 +48,19 @@ run() { # tool rw bs -> "bw iops cpu_us_per_io"
             | jq -r ".jobs[0] | \"\(.$dirn.bw_bytes) \(.$dirn.iops) \(((.usr_cpu + .sys_cpu) / 100 * .job_runtime * 1000) / ([.$dirn.total_ios, 1] | max))\"" ;;
     esac
 }
-tools=(uring spdk fio)
+reversed=(); for ((i = ${#tools[@]} - 1; i >= 0; i--)); do reversed+=("${tools[i]}"); done
+echo "start: $(date -u '+%Y-%m-%d %H:%M UTC') load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for wl in $WORKLOADS; do
     bs=1M; [ "$wl" = randread ] && bs=4k
     for r in $(seq 1 "$ROUNDS"); do
-        order=("${tools[@]}"); [ $((r % 2)) = 0 ] && order=(fio spdk uring)
+        order=("${tools[@]}"); [ $((r % 2)) = 0 ] && order=("${reversed[@]}")
         for t in "${order[@]}"; do
             out=$(run "$t" "$wl" "$bs") || { echo "$wl $t $r failed" >&2; continue; }
             echo "$wl $t $r $out" | tee -a "$OUT/results.txt" >&2
         done
     done
 done
-echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')  file=$FILE size=$SIZE qd=$QD runtime=${RUNTIME}s rounds=$ROUNDS load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "end: $(date -u '+%Y-%m-%d %H:%M UTC')  file=$FILE size=$SIZE qd=$QD runtime=${RUNTIME}s rounds=$ROUNDS load: $(cut -d' ' -f1-3 /proc/loadavg)"
 python3 - "$OUT/results.txt" <<'PY'
 import statistics, sys
 by = {}
@@ -64,6 +74,8 @@ for wl, tools in by.items():
         m = [statistics.median(x[i] for x in v) for i in range(3)]
         med[tool] = m[0]
         print(f"{wl:9} {tool:6} {m[0] / 1e6:8.0f} {m[1]:9.0f} {m[2]:10.1f}  " + " ".join(f"{x[0] / 1e6:.0f}" for x in v))
-    if "spdk" in med and "uring" in med:
-        print(f"{wl:9} spdk / uring = {med['spdk'] / med['uring']:.2f}x, spdk / fio = {med['spdk'] / med.get('fio', float('nan')):.2f}x, uring / fio = {med['uring'] / med.get('fio', float('nan')):.2f}x")
+    nan = float("nan")
+    print(f"{wl:9} " + ", ".join(f"{t} / fio = {med[t] / med.get('fio', nan):.2f}x" for t in med if t != "fio")
+          + (f", spdk / uring = {med['spdk'] / med['uring']:.2f}x" if "spdk" in med and "uring" in med else "")
+          + (f", spdk-intr / spdk = {med['spdk-intr'] / med['spdk']:.2f}x" if "spdk-intr" in med and "spdk" in med else ""))
 PY

@@ -4,7 +4,7 @@
 
 mod io_common;
 
-use io_common::{ALL, Kind, map, open, pattern, pool};
+use io_common::{Kind, all, map, open, pattern, pool};
 use teraio_engine::Error;
 use teraio_engine::array::{DeviceArray, IoTicket};
 use teraio_engine::pool::IoBuf;
@@ -21,9 +21,35 @@ fn _assert_thread_safety() {
     sync::<teraio_engine::pool::BufferPool>();
 }
 
+/// The whole suite again on SPDK aio bdevs in SPDK's interrupt mode, in a child process of this
+/// test binary: SPDK's mode is set once per process, and this one runs SPDK polling.
+#[cfg(feature = "spdk")]
+#[test]
+fn the_suite_in_spdk_interrupt_mode() {
+    if std::env::var_os(io_common::SPDK_INTERRUPT_ENV).is_some() {
+        return; // the child itself
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--skip", "the_suite_in_spdk_interrupt_mode", "--test-threads", "2"])
+        .env(io_common::SPDK_INTERRUPT_ENV, "1")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "the suite failed in SPDK interrupt mode:\n{text}");
+    let passed: usize = text
+        .lines()
+        .find_map(|l| l.strip_prefix("test result: ok. ")?.split(' ').next()?.parse().ok())
+        .unwrap_or(0);
+    assert!(passed >= 10, "the interrupt-mode run passed only {passed} tests:\n{text}");
+}
+
 #[test]
 fn raw_round_trip_on_every_device() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 3, 16 * MIB, 8);
         let p = pool(64 * MIB);
         for dev in 0..3u32 {
@@ -48,7 +74,7 @@ fn raw_round_trip_on_every_device() {
 
 #[test]
 fn validation_errors_come_before_any_io() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 2, 8 * MIB, 4);
         let p = pool(16 * MIB);
         let e = fx.array.write_at(0, 100, p.alloc(4096).unwrap()).unwrap_err();
@@ -111,7 +137,7 @@ fn striped_round_trip(kind: Kind, size: u64, unit: u64, devices: u32) {
 #[test]
 fn striped_round_trips_of_odd_sizes() {
     let unit = 64 * 1024;
-    for kind in ALL {
+    for kind in all() {
         for size in [1, 4095, 4097, unit - 1, unit, unit + 1, 5 * unit + 12345, 3 * MIB + 1] {
             striped_round_trip(kind, size, unit, 4);
         }
@@ -121,7 +147,7 @@ fn striped_round_trips_of_odd_sizes() {
 
 #[test]
 fn partial_ranges_of_a_tensor() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 4, 32 * MIB, 16);
         let p = pool(64 * MIB);
         let size = 10 * MIB + 100;
@@ -148,7 +174,7 @@ fn partial_ranges_of_a_tensor() {
 
 #[test]
 fn many_requests_in_flight() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 2, 32 * MIB, 8);
         let p = pool(64 * MIB);
         let n = 200u64;
@@ -179,7 +205,7 @@ fn many_requests_in_flight() {
 
 #[test]
 fn dropped_tickets_keep_their_buffers_alive() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 2, 32 * MIB, 8);
         if let Some(d) = fx.sims.first() {
             d.inject(teraio_engine::backend::sim::SimFault::Latency { min_us: 2000, max_us: 5000 });
@@ -212,7 +238,7 @@ fn dropped_tickets_keep_their_buffers_alive() {
 
 #[test]
 fn ticket_reports_completion() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 1, 8 * MIB, 4);
         let p = pool(8 * MIB);
         let t = fx.array.write_at(0, 0, p.alloc(MIB as usize).unwrap()).unwrap();
@@ -230,7 +256,7 @@ fn ticket_reports_completion() {
 
 #[test]
 fn dropping_the_array_with_io_in_flight_completes_it() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 2, 16 * MIB, 8);
         let p = pool(32 * MIB);
         let tickets: Vec<_> = (0..16)
@@ -252,7 +278,7 @@ fn dropping_the_array_with_io_in_flight_completes_it() {
 
 #[test]
 fn completion_signal_counts_every_ticket() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 2, 8 * MIB, 8);
         let p = pool(16 * MIB);
         let signal = teraio_engine::array::CompletionSignal::new();
@@ -281,7 +307,7 @@ fn completion_signal_counts_every_ticket() {
 
 #[test]
 fn ordinary_page_buffers_use_the_scattered_request_limit() {
-    for kind in ALL {
+    for kind in all() {
         let fx = open(kind, 2, 16 * MIB, 8);
         let a = &fx.array;
         assert!(

@@ -64,6 +64,12 @@ pub struct ArrayArgs {
     /// file's [spdk] section.
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
+    /// With --backend spdk: run SPDK in interrupt mode (reactors sleep on file descriptors
+    /// instead of busy-polling a core while I/O is in flight). Only SPDK aio bdevs support it
+    /// (`aio:PATH` targets, or `bdev = "aio"` in the [spdk] section); the same as
+    /// `interrupt = true` there.
+    #[arg(long)]
+    pub spdk_interrupt: bool,
     /// Use targets that hold a filesystem, partition table or teraio array (overwriting them).
     #[arg(long)]
     pub force: bool,
@@ -97,6 +103,14 @@ impl ArrayArgs {
         if self.force {
             cfg.overwrite = Overwrite::Anything;
         }
+        if self.spdk_interrupt {
+            if cfg.backend != BackendName::Spdk {
+                return Err(crate::CliError::Usage(
+                    "--spdk-interrupt is an option of the spdk backend: add --backend spdk".into(),
+                ));
+            }
+            cfg.spdk.interrupt = true;
+        }
         if !self.devices.is_empty() && (self.dir.is_some() || self.files.is_some()) {
             return Err(crate::CliError::Usage(
                 "--device and --dir/--files both name the array: give one or the other".into(),
@@ -127,5 +141,14 @@ mod tests {
         let devices =
             ArrayArgs { devices: vec!["/a".into()], files: Some(2), ..Default::default() };
         assert!(devices.engine_config().is_err());
+        let intr = ArrayArgs {
+            spdk_interrupt: true,
+            backend: Some(BackendArg::Spdk),
+            ..Default::default()
+        };
+        assert!(intr.engine_config().unwrap().spdk.interrupt);
+        let no_spdk = ArrayArgs { spdk_interrupt: true, ..Default::default() };
+        assert!(no_spdk.engine_config().is_err(), "--spdk-interrupt needs --backend spdk");
+        assert!(!plain.spdk.interrupt);
     }
 }

@@ -230,6 +230,13 @@ pub struct SpdkOptions {
     /// memory to SPDK. Always on for PCIe targets (the engine's memory is not registered for
     /// DMA); elsewhere for tests and comparisons.
     pub bounce: bool,
+    /// SPDK's interrupt mode (`spdk_interrupt_mode_enable`): reactors sleep on file descriptors
+    /// while requests are in flight instead of busy-polling a core. Process-wide, like SPDK's
+    /// environment: the first SPDK array of the process sets it, and a later array asking for
+    /// the other mode is refused. Only bdev modules with interrupt support can run in it: in
+    /// this SPDK, `aio` (an eventfd per I/O channel); `uring` bdevs and SPDK's NVMe driver are
+    /// polled and are refused ([`check_interrupt_support`]).
+    pub interrupt: bool,
 }
 
 impl Default for SpdkOptions {
@@ -241,7 +248,29 @@ impl Default for SpdkOptions {
             huge_dir: None,
             bdev: FileBdev::Uring,
             bounce: false,
+            interrupt: false,
         }
+    }
+}
+
+/// Whether `target` can run in SPDK's interrupt mode ([`SpdkOptions::interrupt`]): an error
+/// that says why not and what to use instead.
+pub fn check_interrupt_support(target: &SpdkTarget) -> Result<()> {
+    match target {
+        SpdkTarget::Bdev { module: FileBdev::Aio, .. } => Ok(()),
+        SpdkTarget::Bdev { module: FileBdev::Uring, path } => Err(Error::Unsupported(format!(
+            "SPDK target uring:{}: SPDK's uring bdev has no interrupt mode (its completion poller \
+             would keep the reactor awake); with spdk interrupt = true use the aio bdev \
+             (aio:{} or bdev = \"aio\"), or turn interrupt off",
+            path.display(),
+            path.display()
+        ))),
+        SpdkTarget::Nvme { .. } => Err(Error::Unsupported(format!(
+            "SPDK target {}: the spdk backend polls NVMe queue pairs (NVMe/TCP has no interrupt \
+             support in this SPDK, and PCIe interrupts through vfio are not wired up); turn spdk \
+             interrupt off for NVMe targets",
+            target.describe()
+        ))),
     }
 }
 
@@ -288,6 +317,18 @@ mod tests {
         assert!(p("uring:").is_err());
         assert!(is_spdk_syntax(Path::new("nvme:0000:5e:00.0")));
         assert!(!is_spdk_syntax(Path::new("/dev/nvme0n1")));
+    }
+
+    #[test]
+    fn interrupt_mode_is_for_aio_bdevs_only() {
+        check_interrupt_support(&p("aio:/data/f").unwrap()).unwrap();
+        let e = check_interrupt_support(&p("/data/f").unwrap()).unwrap_err().to_string();
+        assert!(e.contains("uring bdev has no interrupt mode") && e.contains("aio:/data/f"), "{e}");
+        let e = check_interrupt_support(&p("nvme:0000:5e:00.0").unwrap()).unwrap_err().to_string();
+        assert!(e.contains("polls NVMe queue pairs"), "{e}");
+        let o: SpdkOptions = toml::from_str("interrupt = true\nbdev = \"aio\"").unwrap();
+        assert!(o.interrupt && o.bdev == FileBdev::Aio);
+        assert!(!SpdkOptions::default().interrupt);
     }
 
     #[test]

@@ -30,6 +30,25 @@ pub enum Kind {
     /// SPDK's NVMe driver over NVMe/TCP (loopback `nvmf_tgt`, aio bdevs over files behind it).
     #[cfg(feature = "spdk")]
     SpdkNvmeTcp,
+    /// SPDK aio bdevs over files in SPDK's interrupt mode (`spdk.interrupt`). Not in [`ALL`]:
+    /// SPDK's mode is set once per process, so [`all`] runs it alone in a child process started
+    /// with [`SPDK_INTERRUPT_ENV`].
+    #[cfg(feature = "spdk")]
+    SpdkAioInterrupt,
+}
+
+/// Set in a child test process that runs the suite on SPDK in interrupt mode.
+#[cfg(feature = "spdk")]
+pub const SPDK_INTERRUPT_ENV: &str = "TERAIO_TEST_SPDK_INTERRUPT";
+
+/// The kinds a test runs on: [`ALL`], or only [`Kind::SpdkAioInterrupt`] in a process started
+/// with [`SPDK_INTERRUPT_ENV`].
+pub fn all() -> Vec<Kind> {
+    #[cfg(feature = "spdk")]
+    if std::env::var_os(SPDK_INTERRUPT_ENV).is_some() {
+        return vec![Kind::SpdkAioInterrupt];
+    }
+    ALL.to_vec()
 }
 
 #[cfg(not(feature = "spdk"))]
@@ -86,7 +105,9 @@ pub fn open(kind: Kind, devices: usize, capacity: u64, queue_depth: u32) -> Fixt
     config.backend = match kind {
         Kind::Psync => BackendKind::Psync,
         #[cfg(feature = "spdk")]
-        Kind::Spdk | Kind::SpdkAioBounce | Kind::SpdkNvmeTcp => BackendKind::Spdk,
+        Kind::Spdk | Kind::SpdkAioBounce | Kind::SpdkNvmeTcp | Kind::SpdkAioInterrupt => {
+            BackendKind::Spdk
+        }
         _ => BackendKind::Uring,
     };
     #[cfg(feature = "spdk")]
@@ -94,13 +115,18 @@ pub fn open(kind: Kind, devices: usize, capacity: u64, queue_depth: u32) -> Fixt
         config.spdk.bdev = teraio_engine::backend::spdk_config::FileBdev::Aio;
         config.spdk.bounce = true;
     }
+    #[cfg(feature = "spdk")]
+    if kind == Kind::SpdkAioInterrupt {
+        config.spdk.bdev = teraio_engine::backend::spdk_config::FileBdev::Aio;
+        config.spdk.interrupt = true;
+    }
     let array = DeviceArray::open(config).unwrap();
     let expect = match kind {
         Kind::Uring => "uring",
         Kind::Psync => "psync",
         Kind::Sim => "sim",
         #[cfg(feature = "spdk")]
-        Kind::Spdk | Kind::SpdkAioBounce | Kind::SpdkNvmeTcp => "spdk",
+        Kind::Spdk | Kind::SpdkAioBounce | Kind::SpdkNvmeTcp | Kind::SpdkAioInterrupt => "spdk",
     };
     assert_eq!(array.backend_name(), expect);
     Fixture {

@@ -7,7 +7,9 @@
 //!   SPDK thread and one I/O channel (bdev) or I/O queue pair (NVMe). Requests reach it over a
 //!   lock-free crossbeam channel; it submits up to `queue_depth` of them and busy-polls while
 //!   any is in flight, then parks on the channel (1 ms) so an idle array costs no core.
-//!   Completions run on the reactor and end the engine's tickets.
+//!   Completions run on the reactor and end the engine's tickets. In SPDK's interrupt mode
+//!   (`interrupt`, aio bdevs only) a reactor with requests in flight sleeps in `poll` on its
+//!   SPDK thread's fd group and an eventfd that submitters write when it said it sleeps.
 //! - Memory: bdevs over files and NVMe/TCP move the engine's own buffers (the kernel or the TCP
 //!   stack copies them; nothing is DMAed into them). PCIe targets, and every target when
 //!   `bounce` is set, copy through a DMA buffer from SPDK's heap (`spdk_malloc`), freed when
@@ -29,13 +31,15 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 
-use super::spdk_config::{FileBdev, SpdkOptions, SpdkTarget, check_pci_binding, parse_target};
+use super::spdk_config::{
+    FileBdev, SpdkOptions, SpdkTarget, check_interrupt_support, check_pci_binding, parse_target,
+};
 use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, bad_device};
 use crate::device::{self, DEFAULT_MAX_IO_BYTES};
 use crate::{Error, Result};
@@ -98,7 +102,76 @@ enum Cmd {
 
 struct Reactor {
     tx: Option<Sender<Cmd>>,
+    /// Interrupt mode: wakes the reactor when it sleeps with requests in flight.
+    wake: Option<Arc<Wake>>,
     join: Option<JoinHandle<()>>,
+}
+
+impl Reactor {
+    /// Hand `cmd` to the reactor (waking it in interrupt mode); gives it back if the reactor
+    /// is gone.
+    fn send(&self, cmd: Cmd) -> std::result::Result<(), Cmd> {
+        let Some(tx) = &self.tx else { return Err(cmd) };
+        tx.send(cmd).map_err(|e| e.0)?;
+        if let Some(w) = &self.wake {
+            w.notify();
+        }
+        Ok(())
+    }
+}
+
+/// How a reactor in interrupt mode is woken for new requests while it sleeps on its SPDK
+/// thread's fd group: an eventfd written only when the reactor said it sleeps.
+struct Wake {
+    fd: OwnedFd,
+    sleeping: AtomicBool,
+}
+
+impl Wake {
+    fn new() -> Result<Self> {
+        // SAFETY: plain syscall; the result is checked and owned below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::Os {
+                context: "creating an eventfd for an SPDK reactor".into(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: `fd` is a new descriptor owned by nobody else.
+        Ok(Self { fd: unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }, sleeping: false.into() })
+    }
+
+    /// After a command was queued: wake the reactor if it sleeps. Pairs with the fence in
+    /// [`Wake::sleep`]: either the reactor sees the command before sleeping, or this sees it
+    /// sleeping.
+    fn notify(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::Relaxed) {
+            let one = 1u64;
+            // SAFETY: writes 8 bytes from a valid u64 to our eventfd.
+            unsafe { libc::write(self.fd.as_raw_fd(), (&raw const one).cast(), 8) };
+        }
+    }
+
+    /// Sleep until the SPDK thread's fd group (`thread_fd`) has an event, a command is
+    /// queued, or 10 ms passed (a safety net only). `queued` is re-checked after announcing
+    /// the sleep.
+    fn sleep(&self, thread_fd: c_int, queued: impl Fn() -> bool) {
+        self.sleeping.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if !queued() {
+            let mut fds = [
+                libc::pollfd { fd: thread_fd, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            ];
+            // SAFETY: two valid pollfd entries.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, 10) };
+        }
+        self.sleeping.store(false, Ordering::Relaxed);
+        let mut n = 0u64;
+        // SAFETY: reads at most 8 bytes into a valid u64 (non-blocking; clears the eventfd).
+        unsafe { libc::read(self.fd.as_raw_fd(), (&raw mut n).cast(), 8) };
+    }
 }
 
 impl Drop for Reactor {
@@ -207,6 +280,9 @@ impl SpdkBackend {
     ) -> Result<(Vec<SpdkDeviceInfo>, SpdkBackend)> {
         let parsed: Vec<SpdkTarget> =
             targets.iter().map(|t| parse_target(t, opts.bdev)).collect::<Result<_>>()?;
+        if opts.interrupt {
+            parsed.iter().try_for_each(check_interrupt_support)?;
+        }
         for (i, t) in parsed.iter().enumerate() {
             if parsed[..i].contains(t) {
                 return Err(Error::InvalidArgument(format!(
@@ -293,6 +369,7 @@ impl SpdkBackend {
                     qd,
                     bounce,
                     flush_fd.clone(),
+                    rt.interrupt,
                 )?;
                 backend.devices[d].reactors.push(reactor);
             }
@@ -429,19 +506,22 @@ fn start_reactor(
     qd: usize,
     bounce: bool,
     flush_fd: Option<Arc<OwnedFd>>,
+    interrupt: bool,
 ) -> Result<Reactor> {
     let (tx, rx) = crossbeam_channel::unbounded::<Cmd>();
+    let wake = if interrupt { Some(Arc::new(Wake::new()?)) } else { None };
+    let wake2 = wake.clone();
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<std::result::Result<(), String>>(1);
     let thread_name = name.clone();
     let join = std::thread::Builder::new()
         .name(name)
         .spawn(move || {
             runtime::POLLERS.fetch_add(1, Ordering::AcqRel);
-            reactor_main(thread_name, handle, rx, qd, bounce, flush_fd, ready_tx);
+            reactor_main(thread_name, handle, rx, qd, bounce, flush_fd, wake2, ready_tx);
             runtime::POLLERS.fetch_sub(1, Ordering::AcqRel);
         })
         .map_err(|e| Error::Os { context: "starting an SPDK reactor".into(), source: e })?;
-    let mut reactor = Reactor { tx: Some(tx), join: Some(join) };
+    let mut reactor = Reactor { tx: Some(tx), wake, join: Some(join) };
     match ready_rx.recv() {
         Ok(Ok(())) => Ok(reactor),
         Ok(Err(m)) => Err(Error::Unsupported(m)),
@@ -720,6 +800,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
     None
 }
 
+#[allow(clippy::too_many_arguments)] // one reactor's whole setup, from start_reactor only
 fn reactor_main(
     name: String,
     handle: Arc<Handle>,
@@ -727,6 +808,7 @@ fn reactor_main(
     qd: usize,
     bounce: bool,
     flush_fd: Option<Arc<OwnedFd>>,
+    wake: Option<Arc<Wake>>,
     ready: std::sync::mpsc::SyncSender<std::result::Result<(), String>>,
 ) {
     let cname = CString::new(name.replace('-', "_")).expect("no NUL in a thread name");
@@ -759,6 +841,13 @@ fn reactor_main(
             }
             Io::Nvme { ns: *ns, qpair, sector: u64::from(*sector) }
         }
+    };
+    // Interrupt mode: the SPDK thread's fd group (an epoll fd) says when it has work.
+    let thread_fd = if wake.is_some() {
+        // SAFETY: `thread` is this OS thread's SPDK thread.
+        unsafe { ffi::spdk_thread_get_interrupt_fd(thread) }
+    } else {
+        -1
     };
     let _ = ready.send(Ok(()));
     let state = ReactorState { in_flight: Cell::new(0) };
@@ -877,8 +966,9 @@ fn reactor_main(
             // SAFETY: this reactor is the only user of its qpair.
             unsafe { ffi::spdk_nvme_qpair_process_completions(*qpair, 0) };
         }
-        // SAFETY: polled from the OS thread that owns it.
-        unsafe { ffi::spdk_thread_poll(thread, 0, 0) };
+        // SAFETY: polled from the OS thread that owns it. In interrupt mode this waits on the
+        // thread's fd group without blocking and runs what is ready.
+        let progress = unsafe { ffi::spdk_thread_poll(thread, 0, 0) };
         let idle = state.in_flight.get() == 0 && retry.is_empty();
         if idle && disconnected {
             break;
@@ -889,6 +979,13 @@ fn reactor_main(
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => disconnected = true,
             }
+        } else if let Some(w) = &wake
+            && progress == 0
+        {
+            // Requests in flight and nothing ready: sleep until a completion or a new
+            // request instead of busy-polling.
+            let room = !disconnected && state.in_flight.get() + retry.len() < qd;
+            w.sleep(thread_fd, || room && !rx.is_empty());
         }
     }
     match io {
@@ -928,11 +1025,11 @@ impl Backend for SpdkBackend {
         let n = dev.reactors.len();
         let i = if n <= 1 { 0 } else { dev.next.fetch_add(1, Ordering::Relaxed) % n };
         let closed = || IoFailure::Os(io::Error::other("spdk backend shut down"));
-        let Some(tx) = dev.reactors.get(i).and_then(|r| r.tx.as_ref()) else {
+        let Some(reactor) = dev.reactors.get(i) else {
             return request.complete(Err(closed()));
         };
-        if let Err(e) = tx.send(Cmd::Io(request)) {
-            match e.0 {
+        if let Err(cmd) = reactor.send(Cmd::Io(request)) {
+            match cmd {
                 Cmd::Io(r) => r.complete(Err(closed())),
                 Cmd::Flush(_) => unreachable!("an I/O was sent"),
             }
@@ -946,13 +1043,12 @@ impl Backend for SpdkBackend {
         {
             return super::psync::fdatasync(fd.as_raw_fd());
         }
-        let tx = dev
-            .reactors
-            .first()
-            .and_then(|r| r.tx.as_ref())
-            .ok_or_else(|| io::Error::other("spdk backend shut down"))?;
+        let reactor =
+            dev.reactors.first().ok_or_else(|| io::Error::other("spdk backend shut down"))?;
         let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
-        tx.send(Cmd::Flush(done_tx)).map_err(|_| io::Error::other("spdk backend shut down"))?;
+        reactor
+            .send(Cmd::Flush(done_tx))
+            .map_err(|_| io::Error::other("spdk backend shut down"))?;
         done_rx.recv().map_err(|_| io::Error::other("spdk reactor exited during a flush"))?
     }
 }

@@ -33,6 +33,8 @@ pub(crate) struct Runtime {
     pub(crate) runtime_dir: PathBuf,
     /// PCIe functions DPDK may touch (empty: `no_pci`).
     pub(crate) pci_allowed: Vec<String>,
+    /// SPDK runs in interrupt mode (`spdk_interrupt_mode_enable`), for the whole process.
+    pub(crate) interrupt: bool,
 }
 
 static RUNTIME: Mutex<Option<std::result::Result<Arc<Runtime>, String>>> = Mutex::new(None);
@@ -89,6 +91,17 @@ pub(crate) fn get(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<Runtime>> {
                     } else {
                         format!("for PCIe devices {}", rt.pci_allowed.join(", "))
                     }
+                )));
+            }
+            if opts.interrupt != rt.interrupt {
+                let mode = |i: bool| if i { "interrupt mode" } else { "polling mode" };
+                return Err(Error::Unsupported(format!(
+                    "SPDK was started in this process in {} and its mode is set once per \
+                     process: an SPDK array asking for {} (spdk interrupt = {}) must run in a \
+                     process of its own",
+                    mode(rt.interrupt),
+                    mode(opts.interrupt),
+                    opts.interrupt
                 )));
             }
             return Ok(Arc::clone(rt));
@@ -182,7 +195,26 @@ fn start(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<Runtime>> {
             return Err(Error::Unsupported("SPDK's environment did not start within 60 s".into()));
         }
     }
-    Ok(Arc::new(Runtime { jobs: jobs_tx, runtime_dir: dir, pci_allowed: pci.to_vec() }))
+    Ok(Arc::new(Runtime {
+        jobs: jobs_tx,
+        runtime_dir: dir,
+        pci_allowed: pci.to_vec(),
+        interrupt: opts.interrupt,
+    }))
+}
+
+/// SPDK's default message pool size (`SPDK_DEFAULT_MSG_MEMPOOL_SIZE`).
+const MSG_POOL: usize = 262_144 - 1;
+
+/// Thread operations in interrupt mode: nothing to do, every SPDK thread has an OS thread of
+/// the engine that polls it.
+extern "C" fn thread_op(_thread: *mut ffi::spdk_thread, _op: ffi::spdk_thread_op) -> c_int {
+    0
+}
+
+/// No operation is "supported" (SPDK then does not hand new threads to a scheduler).
+extern "C" fn thread_op_supported(_op: ffi::spdk_thread_op) -> bool {
+    false
 }
 
 extern "C" fn init_done(rc: c_int, arg: *mut c_void) {
@@ -276,8 +308,24 @@ fn app_main(
     }
     // SAFETY: plain calls after a successful spdk_env_init.
     unsafe { ffi::spdk_log_set_print_level(ffi::SPDK_LOG_WARN) };
-    // SAFETY: no scheduler callback: the engine polls its SPDK threads itself.
-    if unsafe { ffi::spdk_thread_lib_init(None, 0) } != 0 {
+    // Interrupt mode must be chosen before the thread library starts; every SPDK thread made
+    // afterwards waits on its fd group instead of being busy-polled.
+    // SAFETY: a plain call, before spdk_thread_lib_init.
+    if opts.interrupt && unsafe { ffi::spdk_interrupt_mode_enable() } != 0 {
+        let _ = ready.send(Err("SPDK could not enable its interrupt mode".into()));
+        return;
+    }
+    // SAFETY: no scheduler callback: the engine polls its SPDK threads itself. In interrupt
+    // mode SPDK calls the thread operation callback when a thread exits (to reschedule it):
+    // a no-op one, for the same reason.
+    let rc = unsafe {
+        if opts.interrupt {
+            ffi::spdk_thread_lib_init_ext(Some(thread_op), Some(thread_op_supported), 0, MSG_POOL)
+        } else {
+            ffi::spdk_thread_lib_init(None, 0)
+        }
+    };
+    if rc != 0 {
         let _ = ready.send(Err("spdk_thread_lib_init failed".into()));
         return;
     }
