@@ -71,9 +71,11 @@ for r in $(seq "$ROUNDS"); do
       log "round $r: $bs tensors, $d in flight: $what"
       drop
       if [ "$what" = disk ]; then
-        # the disk's own O_DIRECT bandwidth at this size and depth (host memory, no GPU)
-        { "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$bs" --iodepth "$d" --rw write --json > "$OUT/w.json" &&
-          drop && "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$bs" --iodepth "$d" --rw read --no-prefill --json > "$OUT/r.json" &&
+        # the disk's own O_DIRECT bandwidth at this size and depth (host memory, no GPU); a
+        # block larger than a file (1G tensors over 512M files) is taken at the file's size
+        dbs=$(numfmt --from=iec "$bs"); pf=$(numfmt --from=iec "$PER_FILE"); [ "$dbs" -gt "$pf" ] && dbs=$pf
+        { "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$dbs" --iodepth "$d" --rw write --json > "$OUT/w.json" &&
+          drop && "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$dbs" --iodepth "$d" --rw read --no-prefill --json > "$OUT/r.json" &&
           python3 -c 'import json,sys; w,r=(json.load(open(f)) for f in sys.argv[1:3]); w["jobs"]+=r["jobs"]; print(json.dumps(w))' "$OUT/w.json" "$OUT/r.json"; } > "$OUT/one.json" 2> "$OUT/one.err"
       elif [ "$what" = kvikio ]; then
         python3 "$(dirname "$0")/kvikio-bench.py" --files "$B"/dev0 "$B"/dev1 "$B"/dev2 "$B"/dev3 --bs "$bs" --iodepth "$d" --size "$PER_FILE" > "$OUT/one.json" 2> "$OUT/one.err"
