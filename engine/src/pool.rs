@@ -411,7 +411,7 @@ impl BufferPool {
             let p = unsafe {
                 libc::mmap(std::ptr::null_mut(), capacity, prot, flags | libc::MAP_HUGETLB, -1, 0)
             };
-            if p != libc::MAP_FAILED {
+            if p != libc::MAP_FAILED && populate_huge(p, capacity) {
                 let ptr = NonNull::new(p.cast::<u8>()).expect("mmap returned a non-null pointer");
                 let reg = registry_acquire(ptr.as_ptr(), capacity);
                 return Ok(self.pin(Region {
@@ -628,6 +628,27 @@ impl Drop for IoBuf {
             self.pool.release(region);
         }
     }
+}
+
+/// Fault in every huge page of a fresh `MAP_HUGETLB` mapping now (`MADV_POPULATE_WRITE`), so a
+/// page the kernel cannot supply is an error here instead of a SIGBUS at its first touch: under
+/// pressure from other processes on the huge-page reserve (and io_uring pinning pool pages), a
+/// private hugetlb mapping's reservation did not always hold (Linux 6.18: the first write to the
+/// second page of a fresh 4 MiB mapping raised SIGBUS, `engine/tests/io_fixed_buffers.rs` with a
+/// second copy running). Returns whether the mapping is usable; if not it is unmapped (the
+/// caller falls back to ordinary pages). A kernel without `MADV_POPULATE_WRITE` (before 5.14)
+/// keeps the mapping as it is.
+fn populate_huge(p: *mut libc::c_void, len: usize) -> bool {
+    // SAFETY: `[p, p + len)` is the fresh mapping just made; populating only faults its pages.
+    if unsafe { libc::madvise(p, len, libc::MADV_POPULATE_WRITE) } == 0 {
+        return true;
+    }
+    if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        return true;
+    }
+    // SAFETY: unmapping the mapping just made; nothing else refers to it yet.
+    unsafe { libc::munmap(p, len) };
+    false
 }
 
 #[cfg(test)]
