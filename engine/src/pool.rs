@@ -8,7 +8,8 @@
 //!
 //! 1. [`PageBacking::HugeTlb`]: `MAP_HUGETLB` when the system has huge pages reserved
 //!    (`/proc/sys/vm/nr_hugepages` > 0). A region that cannot get huge pages (the reserve is
-//!    used up) falls back to the next mode.
+//!    used up, or the kernel cannot fault them in: every page is populated when the region is
+//!    mapped, see `populate_huge`) falls back to the next mode.
 //! 2. [`PageBacking::TransparentHuge`]: 2 MiB-aligned anonymous regions with
 //!    `madvise(MADV_HUGEPAGE)` when transparent huge pages are in `always` or `madvise` mode.
 //! 3. [`PageBacking::Normal`]: ordinary pages (a one-line notice says so).
