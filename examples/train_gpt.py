@@ -95,6 +95,10 @@ def parse_args(argv=None):
                     help="teraio: plans only move tensors (no activation is dropped and recomputed)")
     ap.add_argument("--teraio-save-trace", metavar="PREFIX",
                     help="teraio: write each planned iteration's trace and plan to PREFIX.N.trace.json.gz / .plan.json")
+    ap.add_argument("--teraio-host-waits", action="store_true",
+                    help="teraio: offloads to the host tier are copied by the engine's workers and the host "
+                         "waits for them before their memory is reused (the engine before 2026-12-02; "
+                         "default: queued on the GPU, the trainer's stream waits where the memory is needed)")
     ap.add_argument("--teraio-time-gpu", action="store_true",
                     help="teraio: CUDA events around every operator of planned steps (where the GPU waited)")
     ap.add_argument("--teraio-workers", type=int, default=0,
@@ -473,7 +477,7 @@ def make_session(args, torch, mode, model, opt, dev):
                       page_min_bytes=args.page_min_kib * 1024,
                       gather_between_steps=not args.teraio_no_gather, page_fraction=args.page_fraction,
                       max_ahead=args.teraio_ahead, plan_margin=args.teraio_plan_margin, recompute=not args.teraio_no_recompute,
-                      time_gpu=args.teraio_time_gpu,
+                      time_gpu=args.teraio_time_gpu, host_waits=args.teraio_host_waits,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
 
 

@@ -9,7 +9,8 @@
 #
 # GATHER_AB=1: teraio-host with and without the gather between steps, alternated twice.
 # VARIANTS="name:train_gpt options;name:options;...": teraio-host once per variant, in this
-#   order, ROUNDS times (default 1), e.g. VARIANTS="base:;w16:--teraio-workers 16".
+#   order, ROUNDS times (default 1), e.g. VARIANTS="base:;w16:--teraio-workers 16"; a variant's
+#   own --modes replaces the mode (VARIANTS="ideal:--modes ideal;ckpt:--modes checkpointing;t:").
 set -u
 OUT=${1:?output folder}; shift
 WHEELS=${WHEELS:-.devcarry/torch/tw}
@@ -29,7 +30,7 @@ if [ -n "${VARIANTS:-}" ]; then
     timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
       --steps "${STEPS:-4}" --mode-timeout-s 130 $opts "$@" --out "$OUT/$name$r" > "$OUT/$name$r.log" 2>&1
     echo "== $name round $r ($opts)"; grep -E "teraio step [1-9]|Error|Traceback" "$OUT/$name$r.log" | cut -c1-700
-    grep -h "| teraio" "$OUT/$name$r/table.md"
+    tail -n 1 "$OUT/$name$r/table.md"
   done; done
 elif [ -n "${GATHER_AB:-}" ]; then
   for r in 1 2; do for g in gather nogather; do

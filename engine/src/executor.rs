@@ -103,6 +103,13 @@ pub trait TensorAllocator: Send {
         let _ = t;
         drop(mem);
     }
+    /// Whether memory given back here is reused only by work queued later on the caller's
+    /// stream (a caching allocator such as PyTorch's, which frees on the stream): then memory an
+    /// engine copy still reads is handed back with the caller's stream ordered after the copy,
+    /// without blocking the host. The default: no (the host waits for the copy first).
+    fn stream_ordered(&self) -> bool {
+        false
+    }
     /// Whether this allocator can make tensors again ([`recompute`](Self::recompute)); an
     /// executor refuses a plan with recomputations when it cannot. The default: no.
     fn can_recompute(&self) -> bool {
@@ -184,6 +191,9 @@ pub struct IterationReport {
     /// Of `stall_s`, the time a waiting allocation did not fit the budget (memory that offloads
     /// in flight free once stored); the rest waited for reads to arrive.
     pub stall_memory_s: f64,
+    /// Bytes of offloaded tensors handed back before their copies completed, the caller's
+    /// stream ordered after the copies (a waiting allocation that the host did not wait for).
+    pub released_on_stream_bytes: u64,
     /// Peak GPU bytes accounted.
     pub peak_bytes: u64,
     /// The budget.
@@ -574,7 +584,7 @@ impl Executor {
     pub fn attach(&mut self, t: TensorId, mem: TensorMem) -> Result<()> {
         if self.safe.is_some() {
             // Nothing is planned any more: the caller keeps its memory.
-            self.alloc.release(t, mem);
+            self.give_back(t, mem);
             return Ok(());
         }
         let i = self.tensor_index(t)?;
@@ -586,7 +596,7 @@ impl Executor {
                 mem.len(),
                 tensor.bytes
             );
-            self.alloc.release(t, mem);
+            self.give_back(t, mem);
             return Err(self.diverge(self.next_kernel, detail));
         }
         match (&self.states[i], tensor.global) {
@@ -649,7 +659,7 @@ impl Executor {
             match h.wait() {
                 Ok((outcome, mem)) => {
                     self.current[t] = stored(outcome);
-                    self.alloc.release(TensorId(t as u32), mem);
+                    self.give_back(TensorId(t as u32), mem);
                     self.used -= self.bytes(t);
                     self.states[t] = State::Offloaded;
                 }
@@ -909,7 +919,8 @@ impl Executor {
         self.frees.retain(|h| !h.is_done());
         for t in 0..self.states.len() {
             let done = match &self.states[t] {
-                State::Offloading { handle, .. } => handle.is_done(),
+                // An offload whose copy is queued on the device is done when the copy is.
+                State::Offloading { handle, .. } => handle.is_done() && !handle.peek(copy_pending),
                 State::Prefetching(h) => h.is_done(),
                 _ => false,
             };
@@ -1086,7 +1097,10 @@ impl Executor {
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
         match (self.cfg.stream, mem.device().is_some()) {
             (Some(stream), true) => {
-                self.store.offload_keep_after_stream(t as u64, mem, opts, stream)
+                // A stream-ordered allocator takes memory back with its copies still queued:
+                // then the copies to the host tier are queued on the device, no worker waits.
+                let on_device = self.alloc.stream_ordered();
+                self.store.offload_keep_after_stream(t as u64, mem, opts, stream, on_device)
             }
             _ => self.store.offload_keep(t as u64, mem, opts),
         }
@@ -1129,10 +1143,11 @@ impl Executor {
                     self.stayed_note()
                 )));
             }
-            let for_memory = self
-                .allocs
-                .front()
-                .is_some_and(|a| self.used + self.bytes(a.tensor()) > self.cfg.gpu_budget_bytes);
+            let need = self.allocs.front().map(|a| self.bytes(a.tensor()));
+            let for_memory = need.is_some_and(|n| self.used + n > self.cfg.gpu_budget_bytes);
+            if for_memory && self.release_queued_offloads(need.unwrap_or(0))? {
+                continue;
+            }
             let t = Instant::now();
             std::thread::sleep(Duration::from_micros(50));
             if for_memory {
@@ -1160,10 +1175,82 @@ impl Executor {
         self.states[t] = State::Offloaded;
     }
 
+    /// Memory goes back to the allocator once no engine copy uses it any more: device memory
+    /// whose ready fence is pending (a prefetch still writing it, an offload's copy still
+    /// reading it) first has the caller's stream ordered after that fence (a stream-ordered
+    /// allocator) or the host waits for it.
+    fn give_back(&mut self, t: TensorId, mut mem: TensorMem) {
+        if let TensorMem::Device(d) = &mut mem {
+            if let Some(f) = d.ready()
+                && !f.is_done()
+            {
+                let on_stream = match self.cfg.stream {
+                    Some(s) if self.alloc.stream_ordered() => f.wait_on_stream(s).is_ok(),
+                    _ => false,
+                };
+                if !on_stream && let Err(e) = f.wait() {
+                    eprintln!(
+                        "teraio: waiting for a copy of tensor {t} before its memory goes back failed: {e}"
+                    );
+                }
+            }
+            d.set_ready(None);
+        }
+        self.alloc.release(t, mem);
+    }
+
+    /// Offloads whose copies are queued on the device (their handles done, the copies maybe
+    /// not) hand their memory back now, in tensor order until `need` more bytes fit the budget,
+    /// the caller's stream ordered after each copy: the host goes on instead of waiting for the
+    /// GPU to reach the copies. Only with a caller stream and a stream-ordered allocator.
+    /// Returns whether any did.
+    fn release_queued_offloads(&mut self, need: u64) -> Result<bool> {
+        let Some(stream) = self.cfg.stream else { return Ok(false) };
+        if !self.alloc.stream_ordered() {
+            return Ok(false);
+        }
+        let mut freed = 0;
+        for t in 0..self.states.len() {
+            if self.used - freed + need <= self.cfg.gpu_budget_bytes {
+                break;
+            }
+            if !matches!(&self.states[t], State::Offloading { handle, keep: false } if handle.is_done())
+            {
+                continue;
+            }
+            let State::Offloading { handle, keep } =
+                std::mem::replace(&mut self.states[t], State::Absent)
+            else {
+                unreachable!("matched above")
+            };
+            let mut r = handle.wait();
+            let mut ordered = Ok(());
+            if let Ok((_, TensorMem::Device(d))) = &mut r
+                && let Some(f) = d.ready()
+            {
+                ordered = f.wait_on_stream(stream);
+                if ordered.is_ok() {
+                    d.set_ready(None);
+                }
+            }
+            let stored = r.is_ok();
+            self.states[t] = State::Offloading { handle: Handle::ready(r), keep };
+            ordered?;
+            if stored {
+                freed += self.bytes(t);
+            }
+        }
+        if freed > 0 {
+            self.report.released_on_stream_bytes += freed;
+            self.poll()?;
+        }
+        Ok(freed > 0)
+    }
+
     /// Tensor `t`'s memory goes back to the allocator (`Released`), off the budget.
     fn hand_back(&mut self, t: usize, mem: TensorMem) {
         let id = TensorId(t as u32);
-        self.alloc.release(id, mem);
+        self.give_back(id, mem);
         self.events.push_back(Event::Released(id));
         self.set_used(self.used - self.bytes(t));
     }
@@ -1258,7 +1345,7 @@ impl Executor {
             State::Resident(mem) => self.hand_back(t, mem),
             State::Reserved => self.set_used(self.used - self.bytes(t)),
             State::Remaking(mem) => {
-                self.alloc.release(id, mem);
+                self.give_back(id, mem);
                 self.set_used(self.used - self.bytes(t));
             }
             State::Absent | State::Offloaded => {}
@@ -1271,7 +1358,7 @@ impl Executor {
             State::Offloading { handle, .. } => {
                 self.in_flight -= 1;
                 if let Ok((_, mem)) = handle.wait() {
-                    self.alloc.release(id, mem);
+                    self.give_back(id, mem);
                 }
                 self.events.push_back(Event::Released(id));
                 self.set_used(self.used - self.bytes(t));
@@ -1279,7 +1366,7 @@ impl Executor {
             State::Prefetching(h) => {
                 self.in_flight -= 1;
                 if let Ok(mem) = h.wait() {
-                    self.alloc.release(id, mem);
+                    self.give_back(id, mem);
                 }
                 self.set_used(self.used - self.bytes(t));
             }
@@ -1366,7 +1453,7 @@ impl Executor {
             if let State::Resident(mem) | State::Remaking(mem) =
                 std::mem::replace(&mut self.states[t], State::Absent)
             {
-                self.alloc.release(TensorId(t as u32), mem);
+                self.give_back(TensorId(t as u32), mem);
             }
             if self.store.info(t as u64).is_some()
                 && let Ok(h) = self.store.free(t as u64)
@@ -1375,6 +1462,14 @@ impl Executor {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether an offload's result is memory that an engine copy queued on the device still reads.
+fn copy_pending(r: Option<&Result<(OffloadOutcome, TensorMem)>>) -> bool {
+    match r {
+        Some(Ok((_, TensorMem::Device(d)))) => d.ready().is_some_and(|f| !f.is_done()),
+        _ => false,
     }
 }
 
@@ -1397,5 +1492,6 @@ pub fn diff_stats(before: &StoreStats, after: &StoreStats) -> StoreStats {
     s.chunks_verified -= before.chunks_verified;
     s.offloads_cancelled -= before.offloads_cancelled;
     s.host_fallbacks -= before.host_fallbacks;
+    s.host_writes_queued -= before.host_writes_queued;
     s
 }

@@ -100,6 +100,11 @@ impl<T> Handle<T> {
         v.take().expect("checked above")
     }
 
+    /// Look at the result without taking it (`None` while the operation runs).
+    pub fn peek<R>(&self, f: impl FnOnce(Option<&Result<T>>) -> R) -> R {
+        f(self.slot.value.lock().as_ref())
+    }
+
     /// Wait at most `timeout`; gives the handle back if the operation is still running.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, Self> {
         let deadline = Instant::now() + timeout;
@@ -299,4 +304,7 @@ pub struct StoreStats {
     pub offloads_cancelled: u64,
     /// Host-tier offloads that went to SSD because the host tier was full.
     pub host_fallbacks: u64,
+    /// Of the host-tier offloads, those from device memory queued on the device (their
+    /// `host_write` time is the time to queue the copy, not the copy's).
+    pub host_writes_queued: u64,
 }

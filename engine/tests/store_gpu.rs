@@ -359,3 +359,73 @@ fn device_memory_through_the_host_tier_round_trips_and_releases_it() {
     assert_eq!(host.used_bytes(), 0, "every host-tier copy went back to the tier");
     assert_eq!(tier.used_bytes(), 0, "every device buffer was released");
 }
+
+/// An offload of device memory to the host tier after the caller's stream is queued on the
+/// device: the handle completes before the copy ran, the memory comes back with the copy as its
+/// ready fence, and the stored copy is read only after the copy. On a device whose copies are
+/// deferred: a caller write ordered after the fence leaves the stored copy as it was; one that is
+/// not (what the fence is for) reaches it.
+#[test]
+fn an_offload_to_the_host_tier_is_queued_on_the_device_and_its_memory_comes_back_fenced() {
+    let disks = sim_disks(2, 64 << 20, 12);
+    let mut acfg = ArrayConfig::new(disks.iter().map(|d| Target::Sim(d.clone())).collect());
+    acfg.existing = ExistingData::AllowTeraio;
+    let host = teraio_engine::tier::HostTier::new("host", 16 << 20).unwrap();
+    let mut cfg = StoreConfig::new(DeviceArray::open(acfg).unwrap());
+    cfg.retain_on_prefetch = true;
+    cfg.host_tier = Some(host.clone());
+    let store = TensorStore::open(cfg).unwrap();
+    let tier = HostDeviceTier::deferred(0, 64 << 20, u64::MAX);
+    let to_host = OffloadOptions {
+        destination: teraio_engine::store::Destination::Host,
+        ..OffloadOptions::default()
+    };
+    let size = (1 << 20) + 333;
+    let v0 = content(1, 0, size);
+    let v1 = content(1, 1, size);
+    for ordered in [true, false] {
+        let id = u64::from(ordered);
+        let src = tier.alloc(size as u64).unwrap();
+        tier.kernel_write(&src, 0, &v0).unwrap();
+        let h = store.offload_keep_after_stream(id, src, to_host.clone(), 0, true).unwrap();
+        let (outcome, src) = h.wait().unwrap();
+        assert_eq!(outcome, teraio_engine::store::OffloadOutcome::InHost);
+        assert_eq!(tier.pending_copies(), 1, "the copy is queued, not run");
+        let fence = src.device().unwrap().ready().expect("the copy is the memory's ready fence");
+        assert!(!fence.is_done());
+        if ordered {
+            src.wait_ready_on_stream(0).unwrap();
+            assert_eq!(tier.pending_copies(), 0);
+        }
+        // The caller's next kernel overwrites the tensor.
+        tier.kernel_write(&src, 0, &v1).unwrap();
+        let back = store.prefetch_after_stream(
+            id,
+            tier.alloc(size as u64).unwrap(),
+            Default::default(),
+            0,
+        );
+        let back = back.unwrap().wait().unwrap();
+        back.wait_ready_on_stream(0).unwrap();
+        let mut got = vec![0u8; size];
+        tier.kernel_read(&back, 0, &mut got).unwrap();
+        let want = if ordered { &v0 } else { &v1 };
+        assert!(&got == want, "ordered {ordered}: the stored copy holds the wrong version");
+        assert!(tier.faults().is_empty());
+        assert_eq!(store.stats().host_writes_queued, if ordered { 1 } else { 2 });
+    }
+    // Memory freed before its queued copy ran: the emulation says so (a use after free).
+    let src = tier.alloc(4096).unwrap();
+    let (_, src) =
+        store.offload_keep_after_stream(9, src, to_host.clone(), 0, true).unwrap().wait().unwrap();
+    drop(src);
+    tier.complete_copies();
+    assert_eq!(tier.faults().len(), 1, "{:?}", tier.faults());
+    // Not on the device: the worker waits for the caller's stream and copies; nothing pending.
+    let src = tier.alloc(4096).unwrap();
+    tier.kernel_write(&src, 0, &v0[..4096]).unwrap();
+    let (_, src) =
+        store.offload_keep_after_stream(10, src, to_host, 0, false).unwrap().wait().unwrap();
+    assert!(src.device().unwrap().ready().is_none_or(|f| f.is_done()));
+    assert_eq!((tier.pending_copies(), store.stats().host_writes_queued), (0, 3));
+}

@@ -13,7 +13,7 @@ use teraio_engine::executor::{
     TierAllocator,
 };
 use teraio_engine::store::TensorStore;
-use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
+use teraio_engine::tier::{HostDeviceTier, HostTier, MemoryTier, TensorMem};
 use teraio_engine::{Error, Result};
 use teraio_scheduler::{
     Hardware, Kernel, Op, Outcome, Plan, PlanOptions, Policy, SimOptions, Tensor, TensorId,
@@ -582,4 +582,142 @@ fn a_plan_for_another_trace_is_refused() {
     let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
     let e = Executor::new(rig.store.clone(), alloc, trace, p, cfg).unwrap_err();
     assert!(e.to_string().contains("does not fit the trace"), "{e}");
+}
+
+/// Device memory from an emulated GPU whose copies are deferred (they run when a fence is
+/// waited for, or one at a time as fences are polled); memory given back is freed at once, so
+/// a copy that still reads it when it runs is recorded as a fault. With `ordered` the allocator
+/// says it is stream-ordered (as PyTorch's caching allocator is).
+struct DeviceAllocator {
+    tier: Arc<HostDeviceTier>,
+    ordered: bool,
+}
+
+impl TensorAllocator for DeviceAllocator {
+    fn alloc(&mut self, _t: TensorId, bytes: u64, _why: AllocFor) -> Result<TensorMem> {
+        self.tier.alloc(bytes)
+    }
+    fn stream_ordered(&self) -> bool {
+        self.ordered
+    }
+}
+
+fn pattern(t: usize, version: u32, len: u64) -> Vec<u8> {
+    (0..len as usize).map(|i| byte(t, version, i)).collect()
+}
+
+/// A trainer on a GPU whose kernels run on the stream the executor orders: it reads and writes
+/// device memory as kernels do ([`HostDeviceTier::kernel_read`], `kernel_write`: without
+/// waiting for the engine's copies), `iterations` iterations, gathering the globals after each.
+#[allow(clippy::too_many_arguments)]
+fn drive_device(
+    rig: &Rig,
+    tier: &Arc<HostDeviceTier>,
+    ordered: bool,
+    trace: &Trace,
+    p: &Plan,
+    budget: u64,
+    iterations: usize,
+    seen: &mut Seen,
+) -> Result<()> {
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: Some(0) };
+    let alloc = Box::new(DeviceAllocator { tier: tier.clone(), ordered });
+    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg)?;
+    let mut version = vec![0u32; trace.tensors.len()];
+    let new_mem = |i: usize, v: u32, bytes: u64| -> Result<TensorMem> {
+        let m = tier.alloc(bytes)?;
+        tier.kernel_write(&m, 0, &pattern(i, v, bytes))?;
+        Ok(m)
+    };
+    for (i, t) in trace.tensors.iter().enumerate() {
+        if t.global {
+            ex.attach(t.id, new_mem(i, 0, t.bytes)?)?;
+        }
+    }
+    ex.start()?;
+    let accesses = trace.accesses_per_kernel();
+    let mut got = Vec::new();
+    for _ in 0..iterations {
+        for (k, accessed) in accesses.iter().enumerate() {
+            ex.before_kernel(k)?;
+            seen.max_used = seen.max_used.max(ex.used_bytes());
+            for (i, t) in trace.tensors.iter().enumerate() {
+                if !t.global && t.created_by == Some(k) {
+                    version[i] += 1;
+                    ex.attach(t.id, new_mem(i, version[i], t.bytes)?)?;
+                }
+            }
+            for id in accessed {
+                let i = id.index();
+                let Some(mem) = ex.resident(*id) else {
+                    seen.wrong.push(format!("tensor {i} not resident at kernel {k}"));
+                    continue;
+                };
+                got.resize(mem.len() as usize, 0);
+                tier.kernel_read(mem, 0, &mut got)?;
+                if got != pattern(i, version[i], mem.len()) {
+                    seen.wrong.push(format!(
+                        "kernel {k}: tensor {i} has wrong bytes (version {})",
+                        version[i]
+                    ));
+                }
+                if trace.tensors[i].writes_at(k) && trace.tensors[i].created_by != Some(k) {
+                    version[i] += 1;
+                    tier.kernel_write(mem, 0, &pattern(i, version[i], mem.len()))?;
+                }
+            }
+            ex.after_kernel(k)?;
+        }
+        seen.reports.push(ex.end_iteration()?);
+        seen.gathers.push(ex.gather_globals()?);
+        for (i, t) in trace.tensors.iter().enumerate().filter(|(_, t)| t.global) {
+            if let Some(mem) = ex.resident(t.id) {
+                got.resize(t.bytes as usize, 0);
+                tier.kernel_read(mem, 0, &mut got)?;
+                if got != pattern(i, version[i], t.bytes) {
+                    seen.wrong.push(format!("between iterations: tensor {i} has wrong bytes"));
+                }
+            }
+        }
+    }
+    ex.finish()
+}
+
+/// A small GPT under 3/5 of its peak with a host tier: with a stream-ordered allocator, offloads
+/// from device memory to the host tier are queued on the device, and a waiting allocation takes
+/// their memory back with the caller's stream ordered after the copies instead of waiting for
+/// them; every byte a kernel reads is right and no copy reads freed memory.
+#[test]
+fn offloads_queued_on_the_device_hand_memory_back_ordered_after_their_copies() {
+    let trace = small_gpt(2, None);
+    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = peak * 3 / 5;
+    hw.host_memory_cap_bytes = 4 * peak;
+    let p = plan(&trace, &hw, Policy::TeraioHybrid).unwrap();
+    let to_host = p
+        .instructions
+        .iter()
+        .filter(|i| i.op == Op::Offload { dest: Tier::Host } && !i.clean)
+        .count();
+    assert!(to_host > 2, "the plan offloads to the host tier");
+    for ordered in [true, false] {
+        let rig = rig_with_host(256 << 20, 8 * peak);
+        let tier = HostDeviceTier::deferred(0, 1 << 30, 64);
+        let mut seen = Seen::default();
+        let before = rig.store.stats();
+        drive_device(&rig, &tier, ordered, &trace, &p, hw.gpu_memory_bytes, 3, &mut seen).unwrap();
+        assert!(seen.wrong.is_empty(), "ordered {ordered}: {:?}", seen.wrong);
+        assert!(tier.faults().is_empty(), "a copy read freed memory: {:?}", tier.faults());
+        assert!(seen.max_used <= hw.gpu_memory_bytes);
+        let queued = rig.store.stats().host_writes_queued - before.host_writes_queued;
+        let on_stream: u64 = seen.reports.iter().map(|r| r.released_on_stream_bytes).sum();
+        if ordered {
+            assert!(queued >= 3 * to_host as u64 / 2, "{queued} host-tier writes queued");
+            assert!(on_stream > 0, "no allocation took memory of a queued offload");
+        } else {
+            // An allocator that is not stream-ordered: the workers copy, the host waits.
+            assert_eq!((queued, on_stream), (0, 0));
+        }
+    }
 }

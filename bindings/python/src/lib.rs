@@ -706,11 +706,16 @@ fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyR
 /// The executor's memory from a Python object's `alloc(tensor_id, nbytes, why)` (a writable
 /// buffer of exactly `nbytes`) and, when it has one, `release(tensor_id, obj)`; with a
 /// `recompute(tensor_id, obj)` it runs the plan's recomputations (the object `alloc` returned
-/// for the tensor, to fill by running its producer again).
+/// for the tensor, to fill by running its producer again). A true `stream_ordered` attribute
+/// says memory given back is reused only by work queued later on the executor's stream (PyTorch's
+/// caching allocator): the executor then never waits on the host for a copy still reading it.
 struct PyAllocator {
     obj: Py<PyAny>,
     table: Table,
     engine: Py<NativeEngine>,
+    /// The object's `stream_ordered` attribute (memory it is given back is reused only by work
+    /// queued later on the caller's stream: PyTorch's caching allocator).
+    stream_ordered: bool,
 }
 
 impl TensorAllocator for PyAllocator {
@@ -753,6 +758,10 @@ impl TensorAllocator for PyAllocator {
 
     fn can_recompute(&self) -> bool {
         Python::attach(|py| self.obj.bind(py).hasattr("recompute").unwrap_or(false))
+    }
+
+    fn stream_ordered(&self) -> bool {
+        self.stream_ordered
     }
 
     fn recompute(&mut self, t: TensorId, mem: &mut TensorMem) -> teraio_engine::Result<()> {
@@ -818,6 +827,11 @@ impl NativeExecutor {
         let (t, p) = ((*trace.trace).clone(), (*plan.plan).clone());
         let cfg = ExecutorConfig { gpu_budget_bytes, allocate_created, stream };
         let custom = allocator.map(|obj| PyAllocator {
+            stream_ordered: obj
+                .bind(py)
+                .getattr("stream_ordered")
+                .and_then(|v| v.is_truthy())
+                .unwrap_or(false),
             obj,
             table: table.clone(),
             engine: engine.clone_ref(py),

@@ -139,7 +139,7 @@ impl Executor {
     /// The recomputation of tensor `t` (memory `mem`) failed: its memory goes back, the tensor
     /// is lost (it has no copy: the plan dropped it), the iteration stops as for a failed read.
     pub(super) fn recompute_failed(&mut self, t: usize, mem: TensorMem, e: Error) -> Error {
-        self.alloc.release(TensorId(t as u32), mem);
+        self.give_back(TensorId(t as u32), mem);
         self.set_used(self.used - self.bytes(t));
         self.states[t] = State::Dropped;
         let mut lost = self.lost_tensor(t, &e);

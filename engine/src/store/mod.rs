@@ -189,6 +189,9 @@ enum OpKind {
         name: Option<String>,
         /// Wait on this fence (recorded on the caller's stream) before reading `src`.
         after: Option<Box<dyn DeviceFence>>,
+        /// Device memory to the host tier: queue the copy on the device after `after` and
+        /// finish without waiting for it (`src` comes back with the copy as its ready fence).
+        queued: bool,
     },
     Prefetch {
         dst: Option<TensorMem>,
@@ -226,30 +229,58 @@ enum Active {
 struct HostCopy {
     mem: Option<TensorMem>,
     readers: Vec<Box<dyn DeviceFence>>,
+    /// The copy from device memory that writes it, while queued on the device (an offload from
+    /// device memory does not wait for it): readers wait for it first.
+    written: Option<Box<dyn DeviceFence>>,
     graveyard: Arc<Graveyard>,
 }
 
 impl HostCopy {
     fn new(mem: TensorMem, graveyard: Arc<Graveyard>) -> Self {
-        Self { mem: Some(mem), readers: Vec::new(), graveyard }
+        Self { mem: Some(mem), readers: Vec::new(), written: None, graveyard }
+    }
+
+    /// A copy whose bytes arrive when `written` completes.
+    fn being_written(
+        mem: TensorMem,
+        written: Box<dyn DeviceFence>,
+        graveyard: Arc<Graveyard>,
+    ) -> Self {
+        Self { mem: Some(mem), readers: Vec::new(), written: Some(written), graveyard }
+    }
+
+    /// The fence of the copy still writing it, if any (cleared once it is done).
+    fn pending_write(&mut self) -> Option<&dyn DeviceFence> {
+        if self.written.as_ref().is_some_and(|w| w.is_done()) {
+            self.written = None;
+        }
+        self.written.as_deref()
     }
 
     /// Copy into `dst`: host memory to device memory queued without blocking (the copy waits on
     /// the device for `dst`'s ready fence, `dst`'s ready fence becomes the copy's); anything
     /// else synchronously.
     fn copy_into(&mut self, dst: &mut TensorMem) -> Result<()> {
+        self.pending_write();
         let mem = self.mem.as_ref().expect("a live host copy holds its memory");
         match (mem.host(), dst) {
             (Some(src), TensorMem::Device(d)) => {
-                // SAFETY: `src` is this copy's memory, never written after the offload that made
-                // it; it is released only once `f` completed (kept in `readers`, then the
-                // graveyard).
-                let f = unsafe { crate::tier::device::copy_in_async(d.as_mut(), src)? };
+                // SAFETY: `src` is this copy's memory, written only by the offload that made it
+                // (`written`, which the copy waits for on the device); it is released only once
+                // `f` completed (kept in `readers`, then the graveyard).
+                let f = unsafe {
+                    crate::tier::device::copy_in_async(d.as_mut(), src, self.written.as_deref())?
+                };
                 self.readers.retain(|r| !r.is_done());
                 self.readers.push(f);
                 Ok(())
             }
-            (_, dst) => mem.copy_into(dst),
+            (_, dst) => {
+                if let Some(w) = &self.written {
+                    w.wait()?;
+                }
+                mem.copy_into(dst)
+            }
         }
     }
 }
@@ -257,6 +288,12 @@ impl HostCopy {
 impl Drop for HostCopy {
     fn drop(&mut self) {
         self.readers.retain(|r| !r.is_done());
+        // A copy still writing the memory keeps it from the tier like a reader does.
+        if let Some(w) = self.written.take()
+            && !w.is_done()
+        {
+            self.readers.push(w);
+        }
         if let Some(mem) = self.mem.take()
             && !self.readers.is_empty()
         {
@@ -524,6 +561,18 @@ impl TensorStore {
         after: Option<Box<dyn DeviceFence>>,
         done: Done,
     ) -> Result<()> {
+        self.enqueue_offload_with(id, src, options, after, done, false)
+    }
+
+    fn enqueue_offload_with(
+        &self,
+        id: TensorId,
+        src: TensorMem,
+        options: OffloadOptions,
+        after: Option<Box<dyn DeviceFence>>,
+        done: Done,
+        queued: bool,
+    ) -> Result<()> {
         if src.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "tensor {id}: cannot offload an empty tensor"
@@ -539,6 +588,7 @@ impl TensorStore {
                 destination: options.destination,
                 name: options.name,
                 after,
+                queued,
             },
             priority: options.priority,
             enqueued: Instant::now(),
@@ -578,16 +628,28 @@ impl TensorStore {
 
     /// [`offload_keep`](Self::offload_keep) of device memory, after the work queued on the
     /// caller's CUDA `stream` (as [`offload_after_stream`](Self::offload_after_stream)).
+    ///
+    /// With `on_device`, to the host tier of a volatile store, the copy is queued on the device
+    /// instead (behind an event on `stream`) and the handle completes without waiting for the
+    /// GPU: the memory
+    /// comes back with the copy as its ready fence ([`DeviceMemory::ready`]), and whoever
+    /// reuses it (writes it, frees it to a caching allocator) orders that work after the fence
+    /// ([`TensorMem::wait_ready_on_stream`]), or waits until it is done. The stored copy is
+    /// read only after it completes.
+    ///
+    /// [`DeviceMemory::ready`]: crate::tier::DeviceMemory::ready
     pub fn offload_keep_after_stream(
         &self,
         id: TensorId,
         src: TensorMem,
         options: OffloadOptions,
         stream: u64,
+        on_device: bool,
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
         let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
-        self.enqueue_offload(id, src, options, Some(fence), Done::OffloadKeep(slot.clone()))?;
+        let done = Done::OffloadKeep(slot.clone());
+        self.enqueue_offload_with(id, src, options, Some(fence), done, on_device)?;
         Ok(Handle::new(slot))
     }
 
@@ -852,6 +914,7 @@ impl Inner {
                     destination: *destination,
                     name: None,
                     after: None,
+                    queued: false,
                 },
                 OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None, after: None },
                 OpKind::Free => OpKind::Free,
@@ -869,15 +932,22 @@ impl Inner {
         };
         self.stats.lock().queue_wait[priority as usize].record(enqueued.elapsed());
         let (outcome, update) = match kind {
-            OpKind::Offload { src, destination, name, after } => {
+            OpKind::Offload { src, destination, name, after, queued } => {
                 drop(held); // a newer version replaces the memory of a failed offload
                 let src = src.expect("a dispatched offload owns its source");
                 // The entry's size is that of the newest offload issued; this one has its own.
                 let size = src.len();
-                // The caller's queued work on the tensor finishes before it is read.
-                match after.map_or(Ok(()), |f| f.wait()) {
-                    Ok(()) => self.run_offload(id, size, src, destination, name),
-                    Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
+                let on_device = queued
+                    && destination == Destination::Host
+                    && self.persist.is_none()
+                    && src.device().is_some();
+                match (on_device, after) {
+                    (true, after) => self.run_offload_queued(id, size, src, name, after),
+                    // The caller's queued work on the tensor finishes before it is read.
+                    (false, after) => match after.map_or(Ok(()), |f| f.wait()) {
+                        Ok(()) => self.run_offload(id, size, src, destination, name),
+                        Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
+                    },
                 }
             }
             OpKind::Prefetch { dst, after } => {
@@ -1020,6 +1090,8 @@ enum Update {
         mem: TensorMem,
         name: Option<String>,
         src: TensorMem,
+        /// The queued copy from device memory that fills `mem`, if it is still on the device.
+        written: Option<Box<dyn DeviceFence>>,
     },
     /// Offload failed: the store keeps the source memory.
     Held(TensorMem),
@@ -1064,8 +1136,12 @@ impl Update {
                 }
                 Some(src)
             }
-            Update::Host { mem, name, src } => {
-                entry.host = Some(HostCopy::new(mem, inner.graveyard.clone()));
+            Update::Host { mem, name, src, written } => {
+                let graveyard = inner.graveyard.clone();
+                entry.host = Some(match written {
+                    Some(w) => HostCopy::being_written(mem, w, graveyard),
+                    None => HostCopy::new(mem, graveyard),
+                });
                 if let Some(old) = entry.ssd.take() {
                     inner.release_extents(&old.map);
                 }
@@ -1122,6 +1198,64 @@ impl Inner {
         }
     }
 
+    /// Host-tier memory for a copy of `size` bytes: memory whose last reader finished goes back
+    /// first; when the tier is full, wait for the readers of what is buried.
+    fn host_alloc(&self, tier: &Arc<dyn MemoryTier>, size: u64) -> Result<TensorMem> {
+        self.graveyard.reap();
+        let mut got = tier.alloc(size);
+        if matches!(got, Err(Error::NoSpace(_))) && self.graveyard.bytes() > 0 {
+            got = self.graveyard.drain().and_then(|_| tier.alloc(size));
+        }
+        got
+    }
+
+    /// An offload of device memory to the host tier, queued on the device behind `after` (the
+    /// caller's queued work): finished as soon as the copy is queued. `src` comes back with the
+    /// copy as its ready fence; the host copy is marked as being written until it completes.
+    /// Without room in the host tier (or when queuing fails) it runs as a blocking offload.
+    fn run_offload_queued(
+        &self,
+        id: TensorId,
+        size: u64,
+        mut src: TensorMem,
+        name: Option<String>,
+        after: Option<Box<dyn DeviceFence>>,
+    ) -> (Outcome, Update) {
+        let started = Instant::now();
+        let queued = match (&self.host_tier, &mut src) {
+            (Some(tier), TensorMem::Device(d)) => match self.host_alloc(tier, size) {
+                Ok(mut mem) => {
+                    let dst = mem.host_mut().expect("host-tier memory is host memory");
+                    // SAFETY: `dst` is the new host copy's own memory: nobody reads it before
+                    // `written` completes (HostCopy waits for it) and it is released only
+                    // after (HostCopy's drop buries it with the fence); `src` comes back to the
+                    // caller with the copy as its ready fence.
+                    let r = unsafe {
+                        crate::tier::device::copy_out_async(d.as_mut(), dst, after.as_deref())
+                    };
+                    r.ok().map(|written| (mem, written))
+                }
+                Err(_) => None,
+            },
+            _ => None,
+        };
+        let Some((mem, written)) = queued else {
+            return match after.map_or(Ok(()), |f| f.wait()) {
+                Ok(()) => self.run_offload(id, size, src, Destination::Host, name),
+                Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
+            };
+        };
+        let mut st = self.stats.lock();
+        st.host_write.start(started);
+        st.host_write.finish(Instant::now(), started.elapsed(), size, true);
+        st.host_writes_queued += 1;
+        drop(st);
+        (
+            Outcome::Offload(Ok(OffloadOutcome::InHost)),
+            Update::Host { mem, name, src, written: Some(written) },
+        )
+    }
+
     fn run_offload(
         &self,
         id: TensorId,
@@ -1135,14 +1269,7 @@ impl Inner {
             if let Some(tier) = &self.host_tier {
                 let started = Instant::now();
                 self.stats.lock().host_write.start(started);
-                // Memory whose last reader finished goes back first; when the tier is full,
-                // wait for the readers of what is buried.
-                self.graveyard.reap();
-                let mut got = tier.alloc(size);
-                if matches!(got, Err(Error::NoSpace(_))) && self.graveyard.bytes() > 0 {
-                    got = self.graveyard.drain().and_then(|_| tier.alloc(size));
-                }
-                match got {
+                match self.host_alloc(tier, size) {
                     Ok(mut mem) => {
                         let r = src.copy_into(&mut mem);
                         let ok = r.is_ok();
@@ -1155,7 +1282,7 @@ impl Inner {
                         return match r {
                             Ok(()) => (
                                 Outcome::Offload(Ok(OffloadOutcome::InHost)),
-                                Update::Host { mem, name, src },
+                                Update::Host { mem, name, src, written: None },
                             ),
                             Err(e) => (Outcome::Offload(Err(e)), Update::Held(src)),
                         };
@@ -1469,6 +1596,39 @@ mod graveyard_tests {
         // A copy nobody reads goes straight back.
         drop(HostCopy::new(tier_mem(&tier, 1 << 20), graveyard.clone()));
         assert_eq!((tier.used_bytes(), graveyard.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn a_host_copy_still_being_written_waits_for_its_write() {
+        let tier: Arc<dyn MemoryTier> = crate::tier::HostTier::new("host", 8 << 20).unwrap();
+        let graveyard = Arc::new(Graveyard::default());
+        // Dropped while its write is queued: buried until the write completes.
+        let done = Arc::new(AtomicBool::new(false));
+        let copy = HostCopy::being_written(
+            tier_mem(&tier, 1 << 20),
+            Box::new(Pending(done.clone())),
+            graveyard.clone(),
+        );
+        drop(copy);
+        assert_eq!(graveyard.bytes(), 1 << 20, "a copy still writes it: buried");
+        assert_eq!(graveyard.reap(), 0);
+        done.store(true, Ordering::SeqCst);
+        assert_eq!(graveyard.reap(), 1 << 20);
+        assert_eq!(tier.used_bytes(), 0);
+        // Read into host memory: the reader waits for the write first.
+        let written = Arc::new(AtomicBool::new(false));
+        let mut copy = HostCopy::being_written(
+            tier_mem(&tier, 4096),
+            Box::new(Pending(written.clone())),
+            graveyard.clone(),
+        );
+        assert!(copy.pending_write().is_some());
+        let mut dst = tier_mem(&tier, 4096);
+        copy.copy_into(&mut dst).unwrap();
+        assert!(written.load(Ordering::SeqCst), "the read waited for the write");
+        assert!(copy.pending_write().is_none(), "a completed write is forgotten");
+        drop(copy);
+        assert_eq!(graveyard.bytes(), 0, "nothing pending: straight back to the tier");
     }
 
     #[test]

@@ -233,8 +233,9 @@ pub(crate) fn copy_in(mem: &mut dyn DeviceMemory, offset: u64, src: &[u8]) -> Re
 
 /// Queue a copy of `src` into the whole of device memory `mem` without blocking the host: the
 /// copy waits on the device for `mem`'s ready fence (the caller's queued work on that memory),
-/// and `mem`'s ready fence becomes the copy's. Returns a second fence of the copy: `src` must
-/// stay valid and unchanged until it completes.
+/// and `mem`'s ready fence becomes the copy's; with `src_written`, also for that fence (a copy
+/// into `src` still queued on the device). Returns a second fence of the copy: `src` must stay
+/// valid and unchanged until it completes.
 ///
 /// # Safety
 /// `src` must stay valid for reads, and must not be written, until the returned fence has
@@ -242,6 +243,7 @@ pub(crate) fn copy_in(mem: &mut dyn DeviceMemory, offset: u64, src: &[u8]) -> Re
 pub(crate) unsafe fn copy_in_async(
     mem: &mut dyn DeviceMemory,
     src: &[u8],
+    src_written: Option<&dyn DeviceFence>,
 ) -> Result<Box<dyn DeviceFence>> {
     if src.len() as u64 != mem.len() {
         return Err(Error::InvalidArgument(format!(
@@ -254,6 +256,9 @@ pub(crate) unsafe fn copy_in_async(
     if let Some(f) = mem.ready() {
         q.wait_for(f)?;
     }
+    if let Some(f) = src_written {
+        q.wait_for(f)?;
+    }
     // SAFETY: `src` outlives the copy (this function's contract); the destination is the
     // tensor's own live allocation, of `src.len()` bytes (checked above).
     unsafe { q.host_to_device(src.as_ptr(), mem.device_ptr(), src.len())? };
@@ -261,6 +266,43 @@ pub(crate) unsafe fn copy_in_async(
     let keep = q.fence()?;
     mem.set_ready(Some(ready));
     Ok(keep)
+}
+
+/// Queue a copy of the whole of device memory `mem` into host memory `dst` without blocking the
+/// host: the copy waits on the device for `after` (the caller's queued work on the tensor) and
+/// for `mem`'s ready fence, and `mem`'s ready fence becomes the copy's: whoever reuses `mem`
+/// (writes it, frees it to a caching allocator) orders that work after it. Returns a second
+/// fence of the copy: `dst` holds the bytes once it completes.
+///
+/// # Safety
+/// `dst` must stay valid for writes, and must be neither read nor written by anyone else, until
+/// the returned fence has completed; `mem` must stay allocated until its ready fence completes.
+pub(crate) unsafe fn copy_out_async(
+    mem: &mut dyn DeviceMemory,
+    dst: &mut [u8],
+    after: Option<&dyn DeviceFence>,
+) -> Result<Box<dyn DeviceFence>> {
+    if dst.len() as u64 != mem.len() {
+        return Err(Error::InvalidArgument(format!(
+            "copy of a tensor of {} bytes into {} bytes",
+            mem.len(),
+            dst.len()
+        )));
+    }
+    let mut q = mem.runtime().copy_queue()?;
+    if let Some(f) = after {
+        q.wait_for(f)?;
+    }
+    if let Some(f) = mem.ready() {
+        q.wait_for(f)?;
+    }
+    // SAFETY: `dst` outlives the copy and nobody else touches it meanwhile (this function's
+    // contract); the source is the tensor's own live allocation, of `dst.len()` bytes.
+    unsafe { q.device_to_host(mem.device_ptr(), dst.as_mut_ptr(), dst.len())? };
+    let reused = q.fence()?;
+    let written = q.fence()?;
+    mem.set_ready(Some(reused));
+    Ok(written)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -290,6 +332,15 @@ impl CopyQueue for HostQueue {
     unsafe fn device_to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
         self.device.check_live(src, len)?;
         self.device.copies.fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = &self.device.deferred {
+            d.lock().push(PendingCopy {
+                src: src as usize,
+                dst: dst as usize,
+                len,
+                to_device: false,
+            });
+            return Ok(());
+        }
         // SAFETY: the caller guarantees `dst` valid for `len` bytes; `src` is a live emulated
         // allocation (checked above), i.e. host memory of at least `len` bytes.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst, len) };
@@ -299,22 +350,143 @@ impl CopyQueue for HostQueue {
     unsafe fn host_to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()> {
         self.device.check_live(dst, len)?;
         self.device.copies.fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = &self.device.deferred {
+            d.lock().push(PendingCopy {
+                src: src as usize,
+                dst: dst as usize,
+                len,
+                to_device: true,
+            });
+            return Ok(());
+        }
         // SAFETY: as above, in the other direction.
         unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len) };
         Ok(())
     }
 
     fn fence(&mut self) -> Result<Box<dyn DeviceFence>> {
-        Ok(Box::new(DoneFence))
+        match &self.device.deferred {
+            Some(d) => {
+                let seq = d.lock().queued;
+                Ok(Box::new(DeferredFence { device: self.device.clone(), seq }))
+            }
+            None => Ok(Box::new(DoneFence)),
+        }
     }
 
     fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()> {
+        if self.device.deferred.is_some() {
+            // Every deferred copy of the emulation runs in one FIFO: a copy queued now runs
+            // after whatever any fence covers already.
+            return Ok(());
+        }
         fence.wait()
+    }
+}
+
+/// A copy of a device with deferred copies, not run yet.
+struct PendingCopy {
+    src: usize,
+    dst: usize,
+    len: usize,
+    to_device: bool,
+}
+
+/// The copies a device with deferred copies has queued: one FIFO for all its queues (stricter
+/// than CUDA's per-stream order, never looser).
+#[derive(Default)]
+struct Deferred {
+    copies: std::collections::VecDeque<PendingCopy>,
+    /// Copies queued so far (the sequence number of the last).
+    queued: u64,
+    /// Copies run so far.
+    ran: u64,
+    /// Copies that found their device memory freed when they ran (a use after free on a GPU).
+    faults: Vec<String>,
+    /// Polls of a pending fence so far, and how many polls run one copy.
+    polls: u64,
+    polls_per_copy: u64,
+}
+
+impl Deferred {
+    fn push(&mut self, c: PendingCopy) {
+        self.copies.push_back(c);
+        self.queued += 1;
+    }
+}
+
+impl HostDeviceState {
+    /// Run the deferred copies up to sequence number `seq` (all with `u64::MAX`), or just the
+    /// oldest one with `one`.
+    fn run_deferred(&self, seq: u64, one: bool) {
+        let Some(d) = &self.deferred else { return };
+        let mut d = d.lock();
+        while d.ran < seq {
+            let Some(c) = d.copies.pop_front() else { break };
+            d.ran += 1;
+            let dev = if c.to_device { c.dst } else { c.src } as u64;
+            if let Err(e) = self.check_live(dev, c.len) {
+                let n = d.ran;
+                d.faults.push(format!("copy #{n}: {e}"));
+            } else {
+                // SAFETY: the device side is a live emulated allocation (checked just now); the
+                // host side is valid until the copy's fence completes (CopyQueue's contract),
+                // and it has not completed: this is the copy running.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(c.src as *const u8, c.dst as *mut u8, c.len)
+                };
+            }
+            if one {
+                break;
+            }
+        }
+    }
+}
+
+/// A fence of a device with deferred copies: done once the copies before it ran. Asking whether
+/// it is done runs the oldest pending copy every so many polls (the device makes progress as the
+/// host polls, slower than the host);
+/// waiting on it, on the host or on the caller's stream (in the emulation the caller's "kernels"
+/// are host code that runs at once), runs every copy before it.
+struct DeferredFence {
+    device: Arc<HostDeviceState>,
+    seq: u64,
+}
+
+impl DeferredFence {
+    fn ran(&self) -> bool {
+        self.device.deferred.as_ref().is_none_or(|d| d.lock().ran >= self.seq)
+    }
+}
+
+impl DeviceFence for DeferredFence {
+    fn wait(&self) -> Result<()> {
+        self.device.run_deferred(self.seq, false);
+        Ok(())
+    }
+    fn is_done(&self) -> bool {
+        if self.ran() {
+            return true;
+        }
+        let progress = self.device.deferred.as_ref().is_some_and(|d| {
+            let mut d = d.lock();
+            d.polls += 1;
+            d.polls.is_multiple_of(d.polls_per_copy.max(1))
+        });
+        if progress {
+            self.device.run_deferred(self.seq, true);
+        }
+        self.ran()
+    }
+    fn wait_on_stream(&self, _stream: u64) -> Result<()> {
+        self.wait()
     }
 }
 
 struct HostDeviceState {
     ordinal: u32,
+    /// Copies deferred until a fence is polled or waited for ([`HostDeviceTier::deferred`]).
+    deferred: Option<Mutex<Deferred>>,
     /// Live allocations: (start, len).
     live: Mutex<Vec<(u64, u64)>>,
     pinned: Mutex<Vec<usize>>,
@@ -348,13 +520,14 @@ pub struct HostDevice {
 impl HostDevice {
     /// An emulated device with this ordinal, as a runtime.
     pub fn runtime(ordinal: u32) -> Arc<dyn DeviceRuntime> {
-        Arc::new(Self::new_concrete(ordinal))
+        Arc::new(Self::new_concrete(ordinal, false))
     }
 
-    fn new_concrete(ordinal: u32) -> Self {
+    fn new_concrete(ordinal: u32, deferred: bool) -> Self {
         HostDevice {
             state: Arc::new(HostDeviceState {
                 ordinal,
+                deferred: deferred.then(Mutex::default),
                 live: Mutex::new(Vec::new()),
                 pinned: Mutex::new(Vec::new()),
                 copies: AtomicU64::new(0),
@@ -498,6 +671,7 @@ struct HostDeviceMem {
     /// `None`: memory the caller owns ([`HostDeviceTier::wrap_foreign`]), never freed here.
     layout: Option<std::alloc::Layout>,
     tier: Option<Arc<HostDeviceTierState>>,
+    ready: Option<Box<dyn DeviceFence>>,
 }
 
 // SAFETY: the allocation is exclusively owned; access goes through the traits' methods.
@@ -516,9 +690,11 @@ impl DeviceMemory for HostDeviceMem {
         &self.runtime
     }
     fn ready(&self) -> Option<&dyn DeviceFence> {
-        None
+        self.ready.as_deref()
     }
-    fn set_ready(&mut self, _fence: Option<Box<dyn DeviceFence>>) {}
+    fn set_ready(&mut self, fence: Option<Box<dyn DeviceFence>>) {
+        self.ready = fence;
+    }
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -555,7 +731,75 @@ pub struct HostDeviceTier {
 impl HostDeviceTier {
     /// A tier of at most `capacity_bytes` on a new emulated device.
     pub fn new(ordinal: u32, capacity_bytes: u64) -> Arc<Self> {
-        let dev = HostDevice::new_concrete(ordinal);
+        Self::with_device(HostDevice::new_concrete(ordinal, false), capacity_bytes)
+    }
+
+    /// A tier on an emulated device whose copies are deferred, as a GPU's are: a copy runs when
+    /// a fence after it is waited for (on the host or on the caller's stream) or, one at a time,
+    /// when fences are polled. Tests of stream ordering use it: work that forgets to wait for a
+    /// fence sees bytes not copied yet, and a copy whose device memory was freed before it ran
+    /// is recorded in [`faults`](Self::faults). Every `polls_per_copy`-th poll of a pending
+    /// fence runs one copy: the larger, the further the device lags behind the host.
+    pub fn deferred(ordinal: u32, capacity_bytes: u64, polls_per_copy: u64) -> Arc<Self> {
+        let dev = HostDevice::new_concrete(ordinal, true);
+        if let Some(d) = &dev.state.deferred {
+            d.lock().polls_per_copy = polls_per_copy;
+        }
+        Self::with_device(dev, capacity_bytes)
+    }
+
+    /// Copies queued and not run yet (a deferred device; 0 otherwise).
+    pub fn pending_copies(&self) -> usize {
+        self.device.deferred.as_ref().map_or(0, |d| d.lock().copies.len())
+    }
+
+    /// Run every deferred copy now (the device catches up).
+    pub fn complete_copies(&self) {
+        self.device.run_deferred(u64::MAX, false);
+    }
+
+    /// Deferred copies that ran after their device memory was freed (each a use after free on
+    /// a GPU).
+    pub fn faults(&self) -> Vec<String> {
+        self.device.deferred.as_ref().map_or_else(Vec::new, |d| d.lock().faults.clone())
+    }
+
+    /// What a kernel on the caller's stream does to `mem` (memory of this device): write `src`
+    /// at `offset` now, without waiting for the engine's copies (on a GPU the caller's stream
+    /// waits for them only where the engine ordered it to).
+    pub fn kernel_write(&self, mem: &TensorMem, offset: u64, src: &[u8]) -> Result<()> {
+        let p = self.kernel_range(mem, offset, src.len())?;
+        // SAFETY: a live allocation of this emulated device covering the range (checked by
+        // `kernel_range`), i.e. host memory.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    /// What a kernel on the caller's stream reads from `mem` now (see
+    /// [`kernel_write`](Self::kernel_write)).
+    pub fn kernel_read(&self, mem: &TensorMem, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let p = self.kernel_range(mem, offset, dst.len())?;
+        // SAFETY: as in `kernel_write`.
+        unsafe { std::ptr::copy_nonoverlapping(p as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn kernel_range(&self, mem: &TensorMem, offset: u64, len: usize) -> Result<u64> {
+        let Some(d) = mem.device() else {
+            return Err(Error::InvalidArgument(format!("{mem:?} is not device memory")));
+        };
+        let p = d.device_ptr() + offset;
+        if offset + len as u64 > d.len() || d.runtime().name() != self.name {
+            return Err(Error::InvalidArgument(format!(
+                "{len} bytes at {offset} of {mem:?} on {}",
+                self.name
+            )));
+        }
+        self.device.check_live(p, len)?;
+        Ok(p)
+    }
+
+    fn with_device(dev: HostDevice, capacity_bytes: u64) -> Arc<Self> {
         let device = dev.state.clone();
         let runtime: Arc<dyn DeviceRuntime> = Arc::new(dev);
         Arc::new(HostDeviceTier {
@@ -604,6 +848,7 @@ impl HostDeviceTier {
             len,
             layout: None,
             tier: None,
+            ready: None,
         })))
     }
 }
@@ -641,6 +886,7 @@ impl MemoryTier for HostDeviceTier {
             len: bytes,
             layout: Some(layout),
             tier: Some(self.state.clone()),
+            ready: None,
         })))
     }
 

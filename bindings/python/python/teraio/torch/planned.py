@@ -92,7 +92,7 @@ class PlannedRun:
     def __init__(self, entry: dict[str, Any], model: torch.nn.Module | None, optimizer: Any, budget: int,
                  device: torch.device, executor_factory: Callable[..., Any] | None = None,
                  device_memory: bool | None = None, gather: bool = True, max_ahead: int = 0,
-                 time_gpu: bool = False) -> None:
+                 time_gpu: bool = False, host_waits: bool = False) -> None:
         self.trace = entry["trace"]
         self.signatures = entry["signatures"]
         self.created = entry["created"]  # per op: the trace ids first seen there, in order
@@ -100,6 +100,12 @@ class PlannedRun:
         # storages go to the executor as device memory (teraio.DeviceMemory: the engine's GPU
         # data paths, stream-ordered) or as host buffers; CUDA storages always as device memory
         self.device_memory = device.type == "cuda" if device_memory is None else device_memory
+        # memory given back (a storage shrunk to 0 bytes) goes to PyTorch's caching allocator,
+        # which reuses it only for work queued later on the trainer's stream: the executor
+        # orders that stream after an engine copy still reading the memory instead of waiting,
+        # and offloads to the host tier are queued on the device (``host_waits``: the engine's
+        # workers wait for the GPU and copy, the executor waits for them)
+        self.stream_ordered = device.type == "cuda" and not host_waits
         self.tensors = self.trace["tensors"]
         # per op: the non-global trace tensors it creates, in the order the profiler found them
         self._want = [[t for t in c if not self.tensors[t]["global"]] for c in self.created]

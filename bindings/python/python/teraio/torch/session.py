@@ -91,6 +91,11 @@ class Session:
     waiting for it (the plan moves or recomputes a little more instead).
     ``time_gpu`` (GPU, planned steps): CUDA events around every operator, so each step reports
     the GPU's own busy time and where it waited (``gpu_busy_s``, ``gpu_gap_s``, ``top_gaps``).
+    ``host_waits`` (GPU, planned steps; default False): the engine's workers wait for the GPU
+    and copy an offload to the host tier themselves, and the executor waits on the host until
+    the copy is done before the memory is reused (as before 2026-12-02); by default the copy is
+    queued on the device and the trainer's stream, not the host, waits for it where the memory
+    is needed again.
     ``executor_factory``
     (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
     ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
@@ -121,6 +126,7 @@ class Session:
         max_ahead: int = 0,
         recompute: bool = True,
         time_gpu: bool = False,
+        host_waits: bool = False,
         traffic_margin: float = 0.03,
         plan_margin: float = 0.0,
         planner: Callable[[dict, int, int], Any] | None = None,
@@ -157,6 +163,7 @@ class Session:
             raise ValueError(f"max_ahead must be >= 0, got {max_ahead}")
         self.max_ahead = max_ahead
         self.time_gpu = time_gpu
+        self.host_waits = host_waits
         if not 0 <= traffic_margin < 1:
             raise ValueError(f"traffic_margin must be in [0, 1), got {traffic_margin}")
         self.traffic_margin = traffic_margin
@@ -282,7 +289,7 @@ class Session:
                                           self.executor_factory or self._planned_executor,
                                           device_memory=self._device_memory(),
                                           gather=self.gather_between_steps, max_ahead=self.max_ahead,
-                                          time_gpu=self.time_gpu)
+                                          time_gpu=self.time_gpu, host_waits=self.host_waits)
             except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry["run"] = False
                 entry["no_run"] = str(e)
@@ -408,6 +415,8 @@ class Session:
         ex = rec.get("executor")
         if isinstance(ex, dict) and ex.get("stall_memory_s"):
             s += f" ({ex['stall_memory_s']:.3f} s for memory)"
+        if isinstance(ex, dict) and ex.get("released_on_stream_bytes"):
+            s += f", {ex['released_on_stream_bytes'] / 1e9:.2f} GB freed behind queued copies"
         s += f", moved {rec['bytes_moved'] / 1e9:.2f} GB"
         if "peak_allocated_bytes" in rec:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
