@@ -349,17 +349,11 @@ fn interrupt_child() {
 #[test]
 fn interrupt_mode_serves_aio_bdevs_and_refuses_the_rest() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "interrupt_child", "--nocapture", "--test-threads=1"])
-        .env("TERAIO_SPDK_INTERRUPT_DIR", dir.path())
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (ok, text) = io_common::run_child(
+        &["--ignored", "--exact", "interrupt_child", "--nocapture", "--test-threads=1"],
+        &[("TERAIO_SPDK_INTERRUPT_DIR", dir.path().to_str().unwrap())],
     );
-    assert!(out.status.success(), "the interrupt-mode child failed:\n{text}");
+    assert!(ok, "the interrupt-mode child failed:\n{text}");
     assert!(text.contains("1 passed"), "the child ran its test:\n{text}");
     eprintln!("{}", text.lines().find(|l| l.starts_with("interrupt mode:")).unwrap_or(""));
 }
