@@ -29,17 +29,11 @@ fn the_suite_in_spdk_interrupt_mode() {
     if std::env::var_os(io_common::SPDK_INTERRUPT_ENV).is_some() {
         return; // the child itself
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--skip", "the_suite_in_spdk_interrupt_mode", "--test-threads", "2"])
-        .env(io_common::SPDK_INTERRUPT_ENV, "1")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (ok, text) = io_common::run_child(
+        &["--skip", "the_suite_in_spdk_interrupt_mode", "--test-threads", "2"],
+        &[(io_common::SPDK_INTERRUPT_ENV, "1")],
     );
-    assert!(out.status.success(), "the suite failed in SPDK interrupt mode:\n{text}");
+    assert!(ok, "the suite failed in SPDK interrupt mode:\n{text}");
     let passed: usize = text
         .lines()
         .find_map(|l| l.strip_prefix("test result: ok. ")?.split(' ').next()?.parse().ok())

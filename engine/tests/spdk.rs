@@ -201,6 +201,9 @@ fn a_persistent_store_on_spdk_keeps_every_acknowledged_tensor_when_killed() {
 
     let _serial = serial();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // The children's TMPDIR: a killed child leaves its SPDK runtime folder there (no exit
+    // handler runs), removed with this folder rather than left in the real TMPDIR.
+    let tmp = tempfile::tempdir().unwrap();
     // id -> the last version the store acknowledged
     let mut acked: HashMap<u64, u64> = HashMap::new();
     for (round, kill_after) in [3usize, 10, 6].into_iter().enumerate() {
@@ -209,6 +212,7 @@ fn a_persistent_store_on_spdk_keeps_every_acknowledged_tensor_when_killed() {
             .args(["--ignored", "--exact", "crash_child", "--nocapture", "--test-threads=1"])
             .env("TERAIO_SPDK_CRASH_DIR", dir.path())
             .env("TERAIO_SPDK_CRASH_BASE", base.to_string())
+            .env("TMPDIR", tmp.path())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -349,17 +353,108 @@ fn interrupt_child() {
 #[test]
 fn interrupt_mode_serves_aio_bdevs_and_refuses_the_rest() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "interrupt_child", "--nocapture", "--test-threads=1"])
-        .env("TERAIO_SPDK_INTERRUPT_DIR", dir.path())
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (ok, text) = io_common::run_child(
+        &["--ignored", "--exact", "interrupt_child", "--nocapture", "--test-threads=1"],
+        &[("TERAIO_SPDK_INTERRUPT_DIR", dir.path().to_str().unwrap())],
     );
-    assert!(out.status.success(), "the interrupt-mode child failed:\n{text}");
+    assert!(ok, "the interrupt-mode child failed:\n{text}");
     assert!(text.contains("1 passed"), "the child ran its test:\n{text}");
     eprintln!("{}", text.lines().find(|l| l.starts_with("interrupt mode:")).unwrap_or(""));
+}
+
+/// The child of `a_killed_process_leaves_no_runtime_folder_once_spdk_starts_again`: opens an
+/// SPDK array over a file in `TERAIO_SPDK_RUNTIME_DATA` (SPDK's runtime folder at its default
+/// place, under the `TMPDIR` the test gives it), prints that folder and, with
+/// `TERAIO_SPDK_RUNTIME_HOLD` set, waits to be killed (120 s at most).
+#[test]
+#[ignore = "the child process of a_killed_process_leaves_no_runtime_folder_once_spdk_starts_again"]
+fn runtime_child() {
+    let dir = PathBuf::from(std::env::var_os("TERAIO_SPDK_RUNTIME_DATA").expect("run by the test"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let array = DeviceArray::open(spdk_config(files(&dir, 1))).unwrap();
+    // libtest prints "test runtime_child ... " on the same line, before this.
+    println!("runtime: {}", spdk::runtime_dir().expect("SPDK started").display());
+    if std::env::var_os("TERAIO_SPDK_RUNTIME_HOLD").is_some() {
+        std::thread::sleep(std::time::Duration::from_secs(120));
+        panic!("not killed within 120 s");
+    }
+    drop(array);
+}
+
+/// A process killed with SIGKILL runs no exit handler, so its default runtime folder
+/// (`$TMPDIR/teraio-spdk.PID`) stays: the next process that starts SPDK removes it, and keeps
+/// every folder it cannot prove stale (a live PID, a lock held, content not DPDK's, a name not
+/// of the form).
+#[test]
+fn a_killed_process_leaves_no_runtime_folder_once_spdk_starts_again() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let _serial = serial();
+    let data = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let tmp = tempfile::tempdir().unwrap(); // the children's TMPDIR
+    let child_args = ["--ignored", "--exact", "runtime_child", "--nocapture", "--test-threads=1"];
+    let runtime_of =
+        |text: &str| text.lines().find_map(|l| Some(PathBuf::from(l.split_once("runtime: ")?.1)));
+
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(child_args)
+        .env("TMPDIR", tmp.path())
+        .env("TERAIO_SPDK_RUNTIME_DATA", data.path().join("killed"))
+        .env("TERAIO_SPDK_RUNTIME_HOLD", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let killed = loop {
+        let Some(Ok(line)) = lines.next() else {
+            let out = child.wait_with_output().unwrap();
+            panic!("the child ended before SPDK started: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        if let Some(p) = runtime_of(&line) {
+            break p;
+        }
+    };
+    assert_eq!(killed, tmp.path().join(format!("teraio-spdk.{}", child.id())));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(killed.is_dir(), "SIGKILL runs no exit handler: {} is left", killed.display());
+
+    // Folders the next start must keep.
+    let dead_pid = || {
+        let mut c = Command::new("true").spawn().unwrap();
+        let id = c.id();
+        c.wait().unwrap();
+        id
+    };
+    let live = tmp.path().join(format!("teraio-spdk.{}", std::process::id()));
+    std::fs::create_dir_all(live.join("dpdk")).unwrap();
+    let locked = tmp.path().join(format!("teraio-spdk.{}", dead_pid()));
+    std::fs::create_dir_all(locked.join("dpdk")).unwrap();
+    let lock = std::fs::File::open(&locked).unwrap();
+    lock.lock().unwrap(); // its owner may be alive in another PID namespace
+    let foreign = tmp.path().join(format!("teraio-spdk.{}", dead_pid()));
+    std::fs::create_dir_all(foreign.join("dpdk")).unwrap();
+    std::fs::write(foreign.join("notes.txt"), b"not DPDK's").unwrap();
+    let odd = tmp.path().join("teraio-spdk.x");
+    std::fs::create_dir_all(odd.join("dpdk")).unwrap();
+
+    let (ok, text) = io_common::run_child(
+        &child_args,
+        &[
+            ("TMPDIR", tmp.path().to_str().unwrap()),
+            ("TERAIO_SPDK_RUNTIME_DATA", data.path().join("next").to_str().unwrap()),
+        ],
+    );
+    assert!(ok, "the next child failed:\n{text}");
+    assert!(text.contains("1 passed"), "the child ran its test:\n{text}");
+    let next = runtime_of(&text).expect("the next child printed its runtime folder");
+    assert!(!next.exists(), "{} removed at exit", next.display());
+    assert!(!killed.exists(), "{} removed when SPDK started again", killed.display());
+    assert!(live.join("dpdk").is_dir(), "a live PID's folder is kept");
+    assert!(locked.join("dpdk").is_dir(), "a locked folder is kept");
+    assert!(foreign.join("notes.txt").is_file(), "a folder holding more than DPDK's is kept");
+    assert!(odd.join("dpdk").is_dir(), "a name not teraio-spdk.PID is kept");
+    drop(lock);
 }

@@ -216,7 +216,8 @@ pub fn check_pci_binding(sysfs: &Path, bdf: &str) -> Result<()> {
 #[serde(default, deny_unknown_fields)]
 pub struct SpdkOptions {
     /// Folder the engine owns for DPDK's runtime files (absent: `$TMPDIR/teraio-spdk.PID`,
-    /// removed at exit). SPDK is started once per process, by the first array that uses it.
+    /// removed at exit, or by the next start of SPDK if the process was killed). SPDK is
+    /// started once per process, by the first array that uses it.
     pub runtime_dir: Option<PathBuf>,
     /// DPDK memory, bytes (rounded to MiB; the DMA heap bounce buffers and SPDK's pools come
     /// from it).

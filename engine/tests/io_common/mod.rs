@@ -200,3 +200,20 @@ pub fn open_uring_threads(
         served: None,
     }
 }
+
+/// Run this test binary again as a child process with `args` (test-harness arguments) and
+/// `env` added to its environment, and wait for it: whether it succeeded, and its standard
+/// output and standard error joined (for assertions and failure messages).
+pub fn run_child(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}

@@ -1,8 +1,9 @@
 //! An NVMe/TCP target on loopback for the SPDK backend's NVMe driver: SPDK's `nvmf_tgt`
 //! (PREFIX/bin, the SPDK the engine was built against) serving aio bdevs over files, one
 //! subsystem per device, configured over its JSON-RPC socket. Started once per test process
-//! from a thread that lives as long as the process; `setpriv --pdeathsig KILL` ends the target
-//! with the process, so nothing outlives the tests.
+//! from a thread that lives as long as the process; a shell started with `setpriv --pdeathsig
+//! TERM` ends the target with the process and removes its folder (RPC socket, log, DPDK's
+//! runtime folder: a static's `TempDir` is never dropped), so nothing outlives the tests.
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -22,6 +23,15 @@ struct Tgt {
 }
 
 static TGT: OnceLock<Tgt> = OnceLock::new();
+
+/// `sh -c REAPER sh DIR NVMF_TGT ARGS...`, run with `setpriv --pdeathsig TERM`: starts the
+/// target (killed with the shell should the shell itself be killed) and, on SIGTERM (this
+/// process ended), kills it and removes DIR. A target that dies by itself keeps DIR (its log).
+const REAPER: &str = r#"dir=$1; shift
+trap 'kill -KILL $tgt 2>/dev/null; wait $tgt; rm -rf "$dir"; exit 0' TERM
+setpriv --pdeathsig KILL "$@" &
+tgt=$!
+wait $tgt"#;
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 /// One JSON-RPC call to the target; panics with SPDK's message on an error.
@@ -63,8 +73,8 @@ fn tgt() -> &'static Tgt {
             l.local_addr().unwrap().port()
         };
         let mut cmd = Command::new("setpriv");
-        cmd.arg("--pdeathsig")
-            .arg("KILL")
+        cmd.args(["--pdeathsig", "TERM", "sh", "-c", REAPER, "sh"])
+            .arg(dir.path())
             .arg(&bin)
             .args(["--no-pci", "--no-huge", "-s", "1024", "-m", "0x1"])
             .args(["--disable-cpumask-locks", "--num-trace-entries", "0", "--interrupt-mode"])
@@ -76,10 +86,10 @@ fn tgt() -> &'static Tgt {
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         let (tx, rx) = std::sync::mpsc::channel();
-        // The thread waits on the target for the rest of the process: the target's death
-        // signal is tied to the thread that started it.
+        // The thread waits on the shell for the rest of the process: the shell's death signal
+        // is tied to the thread that started it.
         std::thread::spawn(move || {
-            let mut child = cmd.spawn().expect("starting nvmf_tgt through setpriv");
+            let mut child = cmd.spawn().expect("starting nvmf_tgt through setpriv and sh");
             tx.send(()).unwrap();
             let _ = child.wait();
         });

@@ -6,7 +6,9 @@
 //! exits; everything an array creates (bdevs, controllers, SPDK threads, channels) is released
 //! when the array is dropped. Files: DPDK runs with `--no-shconf` and unlinked huge pages
 //! (`shm_id = -1`), its runtime folder is redirected (`RUNTIME_DIRECTORY`) into a folder the
-//! engine owns, removed at exit; no RPC server is started.
+//! engine owns, removed at exit; no RPC server is started. A process killed before its exit
+//! handler ran leaves its default folder behind: the next start of SPDK in any process of the
+//! same user removes those whose process is gone ([`sweep_stale`]).
 
 use std::ffi::{CString, c_int, c_void};
 use std::path::{Path, PathBuf};
@@ -141,6 +143,97 @@ fn free_huge_pages() -> u64 {
         .unwrap_or(0)
 }
 
+/// The default runtime folder is `$TMPDIR/teraio-spdk.PID`.
+const DEFAULT_PREFIX: &str = "teraio-spdk.";
+
+/// The default runtime folder, open and locked (`flock`) for the life of the process: the lock
+/// tells [`sweep_stale`] of other processes that its owner is alive, whatever its PID looks like
+/// from their PID namespace. The kernel releases it when the process ends, however it ends.
+static OWN_LOCK: OnceLock<std::fs::File> = OnceLock::new();
+
+/// Create `dir` (mode 0700) and lock it. A sweep of another process may remove the folder
+/// between its creation and the lock (only if this process took the PID of the folder's dead
+/// owner, and only while it holds the folder's lock): then the folder is made again.
+fn create_own(dir: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    for _ in 0..8 {
+        std::fs::create_dir_all(dir)?;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        let f = match std::fs::File::open(dir) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        f.lock()?;
+        let (held, now) = (f.metadata()?, std::fs::symlink_metadata(dir));
+        if let Ok(now) = now
+            && (held.dev(), held.ino()) == (now.dev(), now.ino())
+        {
+            return Ok(f);
+        }
+    }
+    Err(std::io::Error::other("the folder kept being removed by another process"))
+}
+
+/// Whether a process `pid` exists (as this process sees it; a zombie counts).
+fn pid_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled; `pid` is
+    // positive, so it names one process, never a group.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Remove the default runtime folders (`teraio-spdk.PID` in `parent`) that processes left
+/// behind when they ended without running their exit handler (killed by a signal: SIGKILL,
+/// or SIGTERM/SIGINT without a handler). A folder is removed only if it is this user's, a
+/// real folder (not a link), no process `PID` exists, no process holds its lock, and it holds
+/// nothing but DPDK's `dpdk` folder (anything else: not the engine's, kept). Returns how many
+/// were removed. Runs only when this process uses the default folder: a `runtime_dir` the user
+/// named is never looked at.
+fn sweep_stale(parent: &Path) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(parent) else { return 0 };
+    // SAFETY: a plain query without arguments.
+    let uid = unsafe { libc::geteuid() };
+    let me = std::process::id();
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(DEFAULT_PREFIX)) else {
+            continue;
+        };
+        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(pid) = pid.parse::<i32>() else { continue };
+        if pid <= 0 || pid as u32 == me || pid_alive(pid) {
+            continue;
+        }
+        let path = e.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        if !meta.is_dir() || meta.uid() != uid {
+            continue;
+        }
+        let Ok(inside) = std::fs::read_dir(&path) else { continue };
+        let only_dpdk = inside.into_iter().all(|i| {
+            i.is_ok_and(|i| i.file_name() == "dpdk" && i.file_type().is_ok_and(|t| t.is_dir()))
+        });
+        if !only_dpdk {
+            continue;
+        }
+        let Ok(f) = std::fs::File::open(&path) else { continue };
+        if f.try_lock().is_err() {
+            continue; // its owner is alive (in another PID namespace), or the lock failed
+        }
+        // The lock is on the folder checked above, not on one made since under its name.
+        let same = f.metadata().is_ok_and(|h| (h.dev(), h.ino()) == (meta.dev(), meta.ino()));
+        if same && std::fs::remove_dir_all(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 fn start(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<Runtime>> {
     if let Some(h) = &opts.huge_dir {
         if !is_hugetlbfs(h) {
@@ -161,15 +254,27 @@ fn start(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<Runtime>> {
         }
     }
     let (dir, created) = match &opts.runtime_dir {
-        Some(d) => (d.clone(), false),
-        None => (std::env::temp_dir().join(format!("teraio-spdk.{}", std::process::id())), true),
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(|e| Error::Os {
+                context: format!("creating the SPDK runtime folder {}", d.display()),
+                source: e,
+            })?;
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700));
+            (d.clone(), false)
+        }
+        None => {
+            let tmp = std::env::temp_dir();
+            sweep_stale(&tmp);
+            let dir = tmp.join(format!("{DEFAULT_PREFIX}{}", std::process::id()));
+            let lock = create_own(&dir).map_err(|e| Error::Os {
+                context: format!("creating the SPDK runtime folder {}", dir.display()),
+                source: e,
+            })?;
+            let _ = OWN_LOCK.set(lock);
+            (dir, true)
+        }
     };
-    std::fs::create_dir_all(&dir).map_err(|e| Error::Os {
-        context: format!("creating the SPDK runtime folder {}", dir.display()),
-        source: e,
-    })?;
-    use std::os::unix::fs::PermissionsExt;
-    let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
     if CLEANUP.set((dir.join("dpdk"), created.then(|| dir.clone()))).is_ok() {
         // SAFETY: registers a plain function without arguments, run once at exit.
         unsafe { libc::atexit(at_exit) };
