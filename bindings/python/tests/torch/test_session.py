@@ -455,3 +455,21 @@ def test_plan_margin_plans_for_less_than_the_executor_runs_with(tmp_path):
     for bad in (-0.1, 0.5):
         with pytest.raises(ValueError, match="plan_margin"):
             tt.Session(model, opt, store=store, gpu_budget_bytes=budget, plan_margin=bad)
+
+
+def test_on_a_gpu_plans_leave_room_for_the_largest_tensor(tmp_path):
+    """On a GPU the plan budget is ``page_fraction`` of the budget and at least twice the
+    profiled trace's largest tensor below it; on the CPU the whole budget (the rule is set from
+    the trace when a step is profiled, here as a GPU session would)."""
+    store = engine_store(tmp_path)
+    model, opt = make(seq=64)
+    budget = 10 * params_bytes(model)
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, log=lambda _: None)
+    assert s.plan_budget == budget
+    s._cuda, s._plan_fraction = True, 0.85
+    s._headroom = 2 * (budget // 20)  # a small largest tensor: the fraction decides
+    assert s.plan_budget == int(budget * 0.85)
+    s._headroom = 2 * (budget // 5)  # a large one: twice it stays free
+    assert s.plan_budget == budget - 2 * (budget // 5)
+    s._headroom = budget  # no room for it at all: the fraction, and the plan says what fails
+    assert s.plan_budget == int(budget * 0.85)

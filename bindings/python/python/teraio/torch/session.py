@@ -69,7 +69,8 @@ class Session:
     the planner may use (0: SSD only). ``policy``/``hardware``: the planner's (``teraio plan``).
     ``store`` (tests): any object with the engine's ``offload``/``prefetch``/``free``.
     ``page_min_bytes``: the pager leaves smaller storages in place; ``page_fraction``: on the
-    GPU it pages down to this share of the budget (and plans keep it). ``planned`` (default
+    GPU it pages down to this share of the budget (and plans keep it, and keep at least twice the
+    trace's largest tensor free: the caching allocator's room to place it). ``planned`` (default
     True): steps with a plan run it on the engine's executor (False: every step pages).
     ``gather_between_steps`` (default True): after a planned step every parameter, gradient and
     optimizer state is resident and complete, and writes to them before the next step are seen
@@ -197,6 +198,12 @@ class Session:
         # the memory a step allocates (cuBLAS workspaces, the allocator's rounding), so plans
         # keep `page_fraction` of the budget, as the pager does
         self._plan_fraction = page_fraction if cuda else 1.0
+        # and below the budget by twice the trace's largest tensor: the caching allocator must
+        # find room for it beside everything else, its blocks rounded and scattered (bf16 GPT on
+        # an H200, 4 GiB cap: plans at 0.85 of it ran out of memory on a 512 MiB allocation at
+        # 3.43 GiB allocated; at 0.75 they run, docs/BENCHMARKS.md)
+        self._headroom = 0
+        self._cuda = cuda
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
         self._profiled: dict[Any, int] = {}
@@ -299,8 +306,14 @@ class Session:
     @property
     def plan_budget(self) -> int | None:
         """The bytes plans and the executor account against (``page_fraction`` of the budget on
-        a GPU, the budget on the CPU)."""
-        return None if self.budget is None else int(self.budget * self._plan_fraction)
+        a GPU, the budget on the CPU), on a GPU also at least twice the profiled trace's largest
+        tensor below the budget (room for the caching allocator to place it)."""
+        if self.budget is None:
+            return None
+        b = int(self.budget * self._plan_fraction)
+        if 0 < self._headroom < self.budget // 2:
+            b = min(b, self.budget - self._headroom)
+        return b
 
     @property
     def planning_budget(self) -> int | None:
@@ -365,6 +378,8 @@ class Session:
         self.plans[key] = entry
         if self.budget is None:
             return
+        if self._cuda:
+            self._headroom = 2 * max((t["bytes"] for t in trace["tensors"]), default=0)
         check_working_sets(trace, self.plan_budget)
         try:
             import teraio
