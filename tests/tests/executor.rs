@@ -472,14 +472,21 @@ fn a_generated_iteration_runs_within_budget_with_every_byte_right() {
     assert!(last.peak_bytes <= budget);
 }
 
-#[test]
-fn gathered_tensors_go_back_to_the_host_tier_without_a_write_unless_modified() {
+/// A small GPT under 3/5 of its peak, planned `teraio-hybrid` with a host tier of 4x its peak:
+/// the trace, the plan, the hardware and the peak.
+fn squeezed_with_host() -> (Trace, Plan, Hardware, u64) {
     let trace = small_gpt(2, None);
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
     let mut hw = Hardware::dev();
     hw.gpu_memory_bytes = peak * 3 / 5;
     hw.host_memory_cap_bytes = 4 * peak;
     let p = plan(&trace, &hw, Policy::TeraioHybrid).unwrap();
+    (trace, p, hw, peak)
+}
+
+#[test]
+fn gathered_tensors_go_back_to_the_host_tier_without_a_write_unless_modified() {
+    let (trace, p, hw, peak) = squeezed_with_host();
     let on_host = p.initially_offloaded.iter().filter(|x| x.tier == Tier::Host).count();
     assert!(on_host > 1, "the plan starts global tensors on the host tier");
     let rig = rig_with_host(256 << 20, 8 * peak);
@@ -689,12 +696,7 @@ fn drive_device(
 /// them; every byte a kernel reads is right and no copy reads freed memory.
 #[test]
 fn offloads_queued_on_the_device_hand_memory_back_ordered_after_their_copies() {
-    let trace = small_gpt(2, None);
-    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
-    let mut hw = Hardware::dev();
-    hw.gpu_memory_bytes = peak * 3 / 5;
-    hw.host_memory_cap_bytes = 4 * peak;
-    let p = plan(&trace, &hw, Policy::TeraioHybrid).unwrap();
+    let (trace, p, hw, peak) = squeezed_with_host();
     let to_host = p
         .instructions
         .iter()

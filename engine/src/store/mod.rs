@@ -506,7 +506,7 @@ impl TensorStore {
         options: OffloadOptions,
     ) -> Result<Handle<OffloadOutcome>> {
         let slot = Slot::new();
-        self.enqueue_offload(id, src, options, None, Done::Offload(slot.clone()))?;
+        self.enqueue_offload(id, src, options, None, Done::Offload(slot.clone()), false)?;
         Ok(Handle::new(slot))
     }
 
@@ -523,7 +523,7 @@ impl TensorStore {
     ) -> Result<Handle<OffloadOutcome>> {
         let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
-        self.enqueue_offload(id, src, options, Some(fence), Done::Offload(slot.clone()))?;
+        self.enqueue_offload(id, src, options, Some(fence), Done::Offload(slot.clone()), false)?;
         Ok(Handle::new(slot))
     }
 
@@ -549,22 +549,12 @@ impl TensorStore {
         options: OffloadOptions,
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
         let slot = Slot::new();
-        self.enqueue_offload(id, src, options, None, Done::OffloadKeep(slot.clone()))?;
+        self.enqueue_offload(id, src, options, None, Done::OffloadKeep(slot.clone()), false)?;
         Ok(Handle::new(slot))
     }
 
+    /// Queue an offload; `queued`: see [`OpKind::Offload`].
     fn enqueue_offload(
-        &self,
-        id: TensorId,
-        src: TensorMem,
-        options: OffloadOptions,
-        after: Option<Box<dyn DeviceFence>>,
-        done: Done,
-    ) -> Result<()> {
-        self.enqueue_offload_with(id, src, options, after, done, false)
-    }
-
-    fn enqueue_offload_with(
         &self,
         id: TensorId,
         src: TensorMem,
@@ -649,7 +639,7 @@ impl TensorStore {
         let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
         let done = Done::OffloadKeep(slot.clone());
-        self.enqueue_offload_with(id, src, options, Some(fence), done, on_device)?;
+        self.enqueue_offload(id, src, options, Some(fence), done, on_device)?;
         Ok(Handle::new(slot))
     }
 
