@@ -194,6 +194,9 @@ pub struct IterationReport {
     /// Bytes of offloaded tensors handed back before their copies completed, the caller's
     /// stream ordered after the copies (a waiting allocation that the host did not wait for).
     pub released_on_stream_bytes: u64,
+    /// Tensors moved out by [`Executor::make_room`] (the caller's allocator ran out of memory
+    /// within the budget); also counted in `evictions`.
+    pub made_room: u64,
     /// Peak GPU bytes accounted.
     pub peak_bytes: u64,
     /// The budget.
@@ -1180,7 +1183,15 @@ impl Executor {
     /// reading it) first has the caller's stream ordered after that fence (a stream-ordered
     /// allocator) or the host waits for it.
     fn give_back(&mut self, t: TensorId, mut mem: TensorMem) {
-        if let TensorMem::Device(d) = &mut mem {
+        self.settle(&mut mem);
+        self.alloc.release(t, mem);
+    }
+
+    /// No engine copy uses `mem` after this, in the order the allocator reuses memory: its
+    /// pending ready fence is waited for on the caller's stream (a stream-ordered allocator) or
+    /// on the host, then cleared.
+    fn settle(&self, mem: &mut TensorMem) {
+        if let TensorMem::Device(d) = mem {
             if let Some(f) = d.ready()
                 && !f.is_done()
             {
@@ -1189,14 +1200,11 @@ impl Executor {
                     _ => false,
                 };
                 if !on_stream && let Err(e) = f.wait() {
-                    eprintln!(
-                        "teraio: waiting for a copy of tensor {t} before its memory goes back failed: {e}"
-                    );
+                    eprintln!("teraio: waiting for a copy before memory goes back failed: {e}");
                 }
             }
             d.set_ready(None);
         }
-        self.alloc.release(t, mem);
     }
 
     /// Offloads whose copies are queued on the device (their handles done, the copies maybe
@@ -1289,22 +1297,7 @@ impl Executor {
     /// resident tensor kernel `k` does not use whose next use is furthest (without writing when
     /// the store's copy is current), and read it back after. Returns whether it did.
     fn evict(&mut self, k: usize) -> Result<bool> {
-        let n = self.trace.kernels.len();
-        let needed = |t: usize| self.accesses[k].contains(&t) || self.creations[k].contains(&t);
-        let next_use = |t: usize| {
-            let acc = &self.trace.tensors[t].accesses;
-            match acc.iter().find(|&&a| a > k) {
-                Some(&a) => a - k,
-                None => acc.first().map_or(n, |&a| a + n - k),
-            }
-        };
-        let victim = (0..self.states.len())
-            .filter(|&t| {
-                // Not one whose write just failed (it would fail again, and again).
-                matches!(self.states[t], State::Resident(_)) && !needed(t) && !self.stayed[t]
-            })
-            .max_by_key(|&t| next_use(t));
-        let Some(t) = victim else { return Ok(false) };
+        let Some(t) = self.victim(k) else { return Ok(false) };
         let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
             unreachable!("filtered above")
         };
@@ -1319,6 +1312,82 @@ impl Executor {
             self.states[t] = State::Offloading { handle, keep: false };
         }
         Ok(true)
+    }
+
+    /// The caller's allocator ran out of memory running kernel `k` although the budget says its
+    /// tensors fit (a caching allocator's rounding and scattered blocks, memory the trace does not
+    /// see): move resident tensors kernel `k` does not use out of GPU memory, the furthest next
+    /// use first, until at least `bytes` went back to the allocator or none is left. They go to
+    /// the host tier when the store has one (else the SSD array) and come back on demand before
+    /// their next use, as the executor's own evictions do. Returns the bytes handed back (0 in
+    /// safe mode or before the first kernel: nothing is planned to move).
+    pub fn make_room(&mut self, k: usize, bytes: u64) -> Result<u64> {
+        if self.safe.is_some() || self.phase != Phase::Running || k >= self.trace.kernels.len() {
+            return Ok(0);
+        }
+        let before = self.used;
+        let mut moving = Vec::new();
+        let mut freed = 0;
+        while freed < bytes {
+            let victim = self.victim(k);
+            let Some(t) = victim else { break };
+            let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
+                unreachable!("a victim is resident")
+            };
+            self.report.evictions += 1;
+            self.report.made_room += 1;
+            self.evicted[t] = true;
+            freed += self.bytes(t);
+            if self.is_clean(t) {
+                self.let_go(t, mem);
+                continue;
+            }
+            let destination =
+                if self.store.has_host_tier() { Destination::Host } else { Destination::Ssd };
+            let opts = OffloadOptions { destination, priority: Priority::Urgent, name: None };
+            let handle = self.offload_keep(t, mem, opts)?;
+            self.in_flight += 1;
+            self.states[t] = State::Offloading { handle, keep: false };
+            moving.push(t);
+        }
+        // The memory goes back now: once each offload is queued (or written), the caller's
+        // stream ordered after its copy, or the host waiting for it.
+        for t in moving {
+            while matches!(&self.states[t], State::Offloading { handle, .. } if !handle.is_done()) {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            let State::Offloading { handle, keep } =
+                std::mem::replace(&mut self.states[t], State::Absent)
+            else {
+                continue; // already completed by a poll
+            };
+            let mut r = handle.wait();
+            if let Ok((_, mem)) = &mut r {
+                self.settle(mem);
+            }
+            self.states[t] = State::Offloading { handle: Handle::ready(r), keep };
+        }
+        self.poll()?;
+        Ok(before.saturating_sub(self.used))
+    }
+
+    /// The resident tensor kernel `k` does not use whose next use is furthest (not one whose
+    /// write just failed: it would fail again, and again).
+    fn victim(&self, k: usize) -> Option<usize> {
+        let n = self.trace.kernels.len();
+        let needed = |t: usize| self.accesses[k].contains(&t) || self.creations[k].contains(&t);
+        let next_use = |t: usize| {
+            let acc = &self.trace.tensors[t].accesses;
+            match acc.iter().find(|&&a| a > k) {
+                Some(&a) => a - k,
+                None => acc.first().map_or(n, |&a| a + n - k),
+            }
+        };
+        (0..self.states.len())
+            .filter(|&t| {
+                matches!(self.states[t], State::Resident(_)) && !needed(t) && !self.stayed[t]
+            })
+            .max_by_key(|&t| next_use(t))
     }
 
     /// Kernel `k` ran: the tensors whose last use it was die (their memory goes back to the

@@ -137,6 +137,10 @@ struct Seen {
     max_used: u64,
     /// Tensors remade by the allocator, in order (with [`drive_remaking`]).
     remade: Vec<usize>,
+    /// Ask the executor to make room (iteration, kernel, bytes) after that kernel's
+    /// `before_kernel`, as a trainer whose allocator ran out of memory does; and what it freed.
+    make_room_at: Option<(usize, usize, u64)>,
+    made_room: Option<u64>,
 }
 
 /// A trainer running `iterations` iterations of `trace` under `plan`: it creates and writes
@@ -201,10 +205,17 @@ fn drive_with(
     }
     ex.start()?;
     let accesses = trace.accesses_per_kernel();
-    for _ in 0..iterations {
+    for it in 0..iterations {
         for (k, accessed) in accesses.iter().enumerate() {
             ex.before_kernel(k)?;
             seen.max_used = seen.max_used.max(ex.used_bytes());
+            if let Some((_, _, bytes)) = seen.make_room_at.filter(|&(i, kk, _)| (i, kk) == (it, k))
+            {
+                let used = ex.used_bytes();
+                let freed = ex.make_room(k, bytes)?;
+                assert_eq!(used - ex.used_bytes(), freed, "what make_room says it freed");
+                seen.made_room = Some(freed);
+            }
             for (i, t) in trace.tensors.iter().enumerate() {
                 if !t.global && t.created_by == Some(k) {
                     let mut m = rig.mem.alloc(t.bytes)?;
@@ -722,4 +733,26 @@ fn offloads_queued_on_the_device_hand_memory_back_ordered_after_their_copies() {
             assert_eq!((queued, on_stream), (0, 0));
         }
     }
+}
+
+/// A trainer whose allocator runs out of memory within the budget asks the executor to make
+/// room: tensors the kernel does not use leave (to the host tier), the bytes asked for or more
+/// go back, and every one of them is read back before its next use with its bytes.
+#[test]
+fn make_room_moves_out_what_the_kernel_does_not_use_and_it_comes_back() {
+    let (trace, p, hw, peak) = squeezed_with_host();
+    let k = trace.kernels.len() / 2;
+    let rig = rig_with_host(256 << 20, 8 * peak);
+    let before = rig.store.stats();
+    let mut seen = Seen { make_room_at: Some((1, k, peak / 40)), ..Seen::default() };
+    drive(&rig, &trace, &p, hw.gpu_memory_bytes, 3, true, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    let freed = seen.made_room.expect("make_room was called");
+    assert!(freed >= peak / 40, "{freed} bytes handed back, {} asked", peak / 40);
+    let r = &seen.reports[1];
+    assert!(r.made_room > 0 && r.evictions >= r.made_room, "{r:?}");
+    assert!(r.demand_fetches > 0, "what left came back on demand: {r:?}");
+    assert_eq!(seen.reports[2].made_room, 0, "only when asked");
+    let host = rig.store.stats().host_write.ops - before.host_write.ops;
+    assert!(host > 0, "moved out to the host tier");
 }

@@ -508,6 +508,19 @@ teraio_status teraio_executor_before_kernel(teraio_executor *executor, size_t k,
 // Kernel `k` ran: tensors whose last use it was die (their memory is released).
 teraio_status teraio_executor_after_kernel(teraio_executor *executor, size_t k);
 
+// The caller's allocator ran out of memory running kernel `k` within the budget (its blocks
+// rounded and scattered, memory the trace does not see): tensors kernel `k` does not use leave
+// GPU memory, the furthest next use first, until `bytes` went back to the allocator (released
+// through its callback), and come back before their next use. The bytes handed back in
+// `*freed` (may be NULL); 0 in safe mode.
+//
+// # Safety
+// `freed` is NULL or valid for a write of a `uint64_t`.
+teraio_status teraio_executor_make_room(teraio_executor *executor,
+                                        size_t k,
+                                        uint64_t bytes,
+                                        uint64_t *freed);
+
 // The caller freed tensor `tensor` before the trace says it dies.
 teraio_status teraio_executor_free_tensor(teraio_executor *executor, uint32_t tensor);
 

@@ -411,6 +411,31 @@ pub extern "C" fn teraio_executor_after_kernel(
     })
 }
 
+/// The caller's allocator ran out of memory running kernel `k` within the budget (its blocks
+/// rounded and scattered, memory the trace does not see): tensors kernel `k` does not use leave
+/// GPU memory, the furthest next use first, until `bytes` went back to the allocator (released
+/// through its callback), and come back before their next use. The bytes handed back in
+/// `*freed` (may be NULL); 0 in safe mode.
+///
+/// # Safety
+/// `freed` is NULL or valid for a write of a `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_make_room(
+    executor: *mut teraio_executor,
+    k: usize,
+    bytes: u64,
+    freed: *mut u64,
+) -> teraio_status {
+    guard("teraio_executor_make_room", || {
+        let n = with_ex(executor, |ex, _| ex.make_room(k, bytes))?;
+        if !freed.is_null() {
+            // SAFETY: non-null; forwarded contract.
+            unsafe { put(freed, "freed", n) }?;
+        }
+        Ok(Status::Ok)
+    })
+}
+
 /// The caller freed tensor `tensor` before the trace says it dies.
 #[unsafe(no_mangle)]
 pub extern "C" fn teraio_executor_free_tensor(

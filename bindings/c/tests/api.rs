@@ -603,7 +603,8 @@ fn executor_iterations(device: bool) {
             }
         }
         assert_eq!(teraio_executor_start(ex), TERAIO_OK, "{}", last_error());
-        for _ in 0..2 {
+        for it in 0..2 {
+            let mut freed = u64::MAX;
             for k in 0..kernels as usize {
                 let mut stall = -1.0;
                 assert_eq!(
@@ -613,11 +614,21 @@ fn executor_iterations(device: bool) {
                     last_error()
                 );
                 assert!(stall >= 0.0);
+                if it == 1 && k == kernels as usize / 2 {
+                    // The caller's allocator ran out: everything the kernel does not use leaves.
+                    let r = teraio_executor_make_room(ex, k, u64::MAX, &mut freed);
+                    assert_eq!(r, TERAIO_OK, "{}", last_error());
+                }
                 assert_eq!(teraio_executor_after_kernel(ex, k), TERAIO_OK);
             }
             let mut rep = null_mut();
             assert_eq!(teraio_executor_end_iteration(ex, &mut rep), TERAIO_OK, "{}", last_error());
             let r: serde_json::Value = serde_json::from_str(&take_string(rep)).unwrap();
+            if it == 1 {
+                let made = r["made_room"].as_u64().unwrap();
+                assert!(freed != u64::MAX && freed > 0 && made > 0, "{freed} bytes, {r}");
+                assert!(r["evictions"].as_u64().unwrap() >= made, "{r}");
+            }
             assert!(r["peak_bytes"].as_u64().unwrap() <= budget, "{r}");
             assert!(r["offloads"].as_u64().unwrap() > 0 && r["prefetches"].as_u64().unwrap() > 0);
             assert!(r["diverged"].is_null());

@@ -886,6 +886,10 @@ impl NativeExecutor {
         self.with(py, |ex| ex.after_kernel(k))
     }
 
+    fn make_room(&self, py: Python<'_>, k: usize, nbytes: u64) -> PyRes<u64> {
+        self.with(py, |ex| ex.make_room(k, nbytes))
+    }
+
     fn free(&self, py: Python<'_>, tensor: u32) -> PyRes<()> {
         self.with(py, |ex| ex.free(TensorId(tensor)))
     }

@@ -31,13 +31,19 @@ def fill(tid, n):
     return ((np.arange(n, dtype=np.uint64) * 7 + tid) % 251).astype(np.uint8)
 
 
-def drive(ex, trace, budget, iterations=2):
-    """A scripted trainer: every kernel in order, `iterations` times; the reports, checked."""
+def drive(ex, trace, budget, iterations=2, make_room_at=None):
+    """A scripted trainer: every kernel in order, `iterations` times; the reports, checked. With
+    `make_room_at=(iteration, kernel)` it asks the executor there for all the room it can make
+    (as a trainer whose allocator ran out of memory) and records what came back."""
     reports = []
     for it in range(iterations):
         for k in range(trace.kernel_count):
             ex.before_kernel(k)
             assert ex.used_bytes <= budget
+            if make_room_at == (it, k):
+                used = ex.used_bytes
+                freed = ex.make_room(k, 1 << 62)
+                assert freed > 0 and ex.used_bytes == used - freed
             ex.after_kernel(k)
         rep = ex.end_iteration()
         assert rep["iteration"] == it and rep["diverged"] is None
@@ -68,7 +74,9 @@ def test_a_planned_iteration_runs_under_the_budget_and_tensors_come_back_intact(
         for i in globals_:
             ex.attach(i, fill(i, tensors[i]["bytes"]))
         ex.start()
-        drive(ex, trace, budget)
+        reports = drive(ex, trace, budget, iterations=3, make_room_at=(1, trace.kernel_count // 2))
+        assert reports[1]["made_room"] > 0 and reports[1]["demand_fetches"] > 0
+        assert reports[0]["made_room"] == reports[2]["made_room"] == 0
         assert ex.events(), "arrivals and releases were reported"
         for i in globals_:
             mem = ex.resident(i)

@@ -656,6 +656,13 @@ class Executor:
         """Kernel ``k`` ran: tensors whose last use it was die."""
         self._native.after_kernel(k)
 
+    def make_room(self, k: int, nbytes: int) -> int:
+        """The caller's allocator ran out of memory running kernel ``k`` within the budget
+        (fragmentation, memory the trace does not see): tensors kernel ``k`` does not use leave
+        GPU memory (furthest next use first) until ``nbytes`` went back, and come back on demand
+        before their next use. The bytes handed back."""
+        return self._native.make_room(k, nbytes)
+
     def free(self, tensor_id: int) -> None:
         """The caller freed tensor ``tensor_id`` before the trace says it dies."""
         self._native.free(tensor_id)

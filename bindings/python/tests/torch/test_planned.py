@@ -9,6 +9,7 @@ brings everything back and the next step is profiled again, and the losses stay 
 plain training.
 """
 
+import pytest
 import torch
 
 import teraio.torch as tt
@@ -59,6 +60,10 @@ class ScriptedExecutor:
             else:
                 self._back(t)
         return 0.0
+
+    def make_room(self, k, nbytes):
+        self.calls.append(("make_room", k, nbytes))
+        return nbytes
 
     def after_kernel(self, k):
         if self.diverged:
@@ -158,3 +163,43 @@ def test_divergence_brings_everything_back_and_profiles_again():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     s.close()
+
+
+def test_an_operator_that_runs_out_of_memory_runs_again_once_the_executor_made_room(monkeypatch):
+    model, opt = make()
+    ref, ref_opt = make()
+    exs = []
+    s = session(model, opt, exs)
+    s.budget = 1 << 30
+    real = tt.planned.PlannedRun._invoke
+    failures = {"left": 0, "seen": 0, "skip": 0}
+
+    def flaky(func, args, kwargs):
+        if failures["left"] > 0 and failures["skip"] > 0:
+            failures["skip"] -= 1  # an operator some way into the step
+        elif failures["left"] > 0:
+            failures["left"] -= 1
+            failures["seen"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+        return real(func, args, kwargs)
+
+    monkeypatch.setattr(tt.planned.PlannedRun, "_invoke", staticmethod(flaky))
+    for i, t in enumerate(batches(5)):
+        # two in a row, of one operator in the second planned step; in the third more than
+        # the runtime tries: the error reaches the caller
+        failures["left"], failures["skip"] = {3: (2, 20), 4: (10, 20)}.get(i, (0, 0))
+        if i == 4:
+            with pytest.raises(torch.OutOfMemoryError):
+                with s.step():
+                    train_step(model, opt, t)
+            assert failures["seen"] == 2 + 4, "three tries, then the fourth error is raised"
+            break
+        with s.step():
+            a = train_step(model, opt, t)
+        assert a == train_step(ref, ref_opt, t)
+    assert [r["mode"] for r in s.steps[:4]] == ["profiled", "profiled", "planned", "planned"]
+    rooms = [c for c in exs[0].calls if isinstance(c, tuple)]
+    assert len(rooms) == 2 + 3
+    assert rooms[0][1] == rooms[1][1] and rooms[1][2] == 2 * rooms[0][2], "the same operator, twice the bytes"
+    assert s.steps[3]["oom_retries"] == 2 and s.steps[3]["made_room_bytes"] == 3 * rooms[0][2]
+    assert "2 operators out of memory ran again" in tt.Session.line(s.steps[3])

@@ -151,6 +151,12 @@ class PlannedRun:
         self._left: dict[int, int] = {}
         self.recomputed = 0
         self.recomputed_in_place = 0  # of them, written by the operator's ``out=`` form
+        # an operator that runs out of memory within the budget (the caching allocator's blocks
+        # rounded and scattered) is run again once the executor made room (``call``)
+        self.budget = budget
+        self._largest = max((t["bytes"] for t in self.tensors), default=0)
+        self.made_room_bytes = 0
+        self.oom_retries = 0
         factory = executor_factory or _default_factory
         self.ex = factory(self.trace, plan, budget, self)
         named = named_tensors(model, optimizer)
@@ -244,6 +250,8 @@ class PlannedRun:
         self.tid_of = {k: v for k, v in self.tid_of.items() if self.tensors[v]["global"]}
         self.stalls = {}
         self.ahead_wait_s = 0.0
+        self.made_room_bytes = 0
+        self.oom_retries = 0
         self._producers = {}
         self.recomputed = 0
         self.recomputed_in_place = 0
@@ -302,6 +310,34 @@ class PlannedRun:
                 self._mark(self._starts, k)
         except Exception as e:  # a divergence: the executor's own or ours
             self._diverge(k, e)
+
+    def call(self, k: int, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run operator ``k``. When the caching allocator runs out of memory although the plan
+        keeps its tensors within the budget (its blocks rounded and scattered, memory the trace
+        does not see), the executor makes room (``make_room``: tensors the operator does not use
+        leave and come back before their next use) and the operator runs again: up to three
+        times, asking for twice as much each time; then the error is raised. (PyTorch's
+        operators allocate their results before they write them; the pager retries the same
+        way.)"""
+        tries = 0
+        while True:
+            try:
+                return self._invoke(func, args, kwargs)
+            except torch.OutOfMemoryError:
+                make_room = getattr(self.ex, "make_room", None)
+                if self.diverged is not None or make_room is None or tries >= 3:
+                    raise
+                want = max(self._largest, (self.budget or 0) // 16, 1) << tries
+                tries += 1
+                freed = make_room(k, want)
+                if not freed:
+                    raise
+                self.made_room_bytes += freed
+                self.oom_retries += 1
+
+    @staticmethod
+    def _invoke(func: Any, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
 
     def _mark(self, events: list[Any], k: int) -> None:
         while len(events) <= k:
@@ -454,6 +490,6 @@ class _PlannedMode(TorchDispatchMode):
         k = self.k
         self.k += 1
         self.run.before(k, func, args, kwargs)
-        out = func(*args, **kwargs)
+        out = self.run.call(k, func, args, kwargs)
         self.run.after(k, args, kwargs, out, func)
         return out

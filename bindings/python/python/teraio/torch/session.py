@@ -248,6 +248,10 @@ class Session:
             rec["top_stalls"] = run.top_stalls()
             if run.recomputed:
                 rec["recomputed"] = run.recomputed
+            if run.oom_retries:
+                # operators that ran out of memory within the budget and ran again
+                rec["oom_retries"] = run.oom_retries
+                rec["made_room_bytes"] = run.made_room_bytes
             gaps = run.gpu_gaps()
             if gaps is not None:
                 rec.update(gaps)
@@ -437,6 +441,9 @@ class Session:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
         if rec.get("recomputed"):
             s += f", recomputed {rec['recomputed']}"
+        if rec.get("oom_retries"):
+            s += (f", {rec['oom_retries']} operators out of memory ran again after "
+                  f"{rec['made_room_bytes'] / 1e9:.2f} GB moved out")
         if "gpu_gap_s" in rec:
             s += (f", GPU busy {rec['gpu_busy_s']:.3f} s, waited {rec['gpu_gap_s']:.3f} s"
                   + (f" (recomputing {rec['gpu_recompute_s']:.3f} s, idle {rec['gpu_idle_s']:.3f} s, longest "
@@ -599,7 +606,7 @@ class _StepMode(TorchDispatchMode):
                     pager.seen(s, -1)
         if self.run is not None:
             self.run.before(k, func, args, kwargs)
-            out = func(*args, **kwargs)
+            out = self.run.call(k, func, args, kwargs)
             self.run.after(k, args, kwargs, out, func)
             return out
         if self.paged_only:
