@@ -466,7 +466,7 @@ def test_on_a_gpu_plans_leave_room_for_the_largest_tensor(tmp_path):
     budget = 10 * params_bytes(model)
     s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, log=lambda _: None)
     assert s.plan_budget == budget
-    s._cuda, s._plan_fraction = True, 0.85
+    s._plan_fraction = 0.85
     s._headroom = 2 * (budget // 20)  # a small largest tensor: the fraction decides
     assert s.plan_budget == int(budget * 0.85)
     s._headroom = 2 * (budget // 5)  # a large one: twice it stays free

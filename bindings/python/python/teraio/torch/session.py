@@ -203,7 +203,6 @@ class Session:
         # an H200, 4 GiB cap: plans at 0.85 of it ran out of memory on a 512 MiB allocation at
         # 3.43 GiB allocated; at 0.75 they run, docs/BENCHMARKS.md)
         self._headroom = 0
-        self._cuda = cuda
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
         self._profiled: dict[Any, int] = {}
@@ -382,7 +381,7 @@ class Session:
         self.plans[key] = entry
         if self.budget is None:
             return
-        if self._cuda:
+        if self.device.type == "cuda":
             self._headroom = 2 * max((t["bytes"] for t in trace["tensors"]), default=0)
         check_working_sets(trace, self.plan_budget)
         try:
