@@ -1213,8 +1213,7 @@ impl Executor {
     /// GPU to reach the copies. Only with a caller stream and a stream-ordered allocator.
     /// Returns whether any did.
     fn release_queued_offloads(&mut self, need: u64) -> Result<bool> {
-        let Some(stream) = self.cfg.stream else { return Ok(false) };
-        if !self.alloc.stream_ordered() {
+        if self.cfg.stream.is_none() || !self.alloc.stream_ordered() {
             return Ok(false);
         }
         let mut freed = 0;
@@ -1226,25 +1225,7 @@ impl Executor {
             {
                 continue;
             }
-            let State::Offloading { handle, keep } =
-                std::mem::replace(&mut self.states[t], State::Absent)
-            else {
-                unreachable!("matched above")
-            };
-            let mut r = handle.wait();
-            let mut ordered = Ok(());
-            if let Ok((_, TensorMem::Device(d))) = &mut r
-                && let Some(f) = d.ready()
-            {
-                ordered = f.wait_on_stream(stream);
-                if ordered.is_ok() {
-                    d.set_ready(None);
-                }
-            }
-            let stored = r.is_ok();
-            self.states[t] = State::Offloading { handle: Handle::ready(r), keep };
-            ordered?;
-            if stored {
+            if self.settle_offload(t) {
                 freed += self.bytes(t);
             }
         }
@@ -1356,19 +1337,28 @@ impl Executor {
             while matches!(&self.states[t], State::Offloading { handle, .. } if !handle.is_done()) {
                 std::thread::sleep(Duration::from_micros(20));
             }
-            let State::Offloading { handle, keep } =
-                std::mem::replace(&mut self.states[t], State::Absent)
-            else {
-                continue; // already completed by a poll
-            };
-            let mut r = handle.wait();
-            if let Ok((_, mem)) = &mut r {
-                self.settle(mem);
-            }
-            self.states[t] = State::Offloading { handle: Handle::ready(r), keep };
+            self.settle_offload(t);
         }
         self.poll()?;
         Ok(before.saturating_sub(self.used))
+    }
+
+    /// Tensor `t`'s offload, its handle done: the memory it hands back no longer waits for its
+    /// copy ([`settle`](Self::settle)), so the next poll lets it go. Returns whether the offload
+    /// stored the tensor (a failed one keeps it, as a poll then says).
+    fn settle_offload(&mut self, t: usize) -> bool {
+        let State::Offloading { handle, keep } =
+            std::mem::replace(&mut self.states[t], State::Absent)
+        else {
+            unreachable!("an offload is settled while it is in flight")
+        };
+        let mut r = handle.wait();
+        if let Ok((_, mem)) = &mut r {
+            self.settle(mem);
+        }
+        let stored = r.is_ok();
+        self.states[t] = State::Offloading { handle: Handle::ready(r), keep };
+        stored
     }
 
     /// The resident tensor kernel `k` does not use whose next use is furthest (not one whose

@@ -252,20 +252,33 @@ pub(crate) unsafe fn copy_in_async(
             mem.len()
         )));
     }
-    let mut q = mem.runtime().copy_queue()?;
-    if let Some(f) = mem.ready() {
-        q.wait_for(f)?;
-    }
-    if let Some(f) = src_written {
-        q.wait_for(f)?;
-    }
+    let mut q = queue_behind(mem, src_written)?;
     // SAFETY: `src` outlives the copy (this function's contract); the destination is the
     // tensor's own live allocation, of `src.len()` bytes (checked above).
     unsafe { q.host_to_device(src.as_ptr(), mem.device_ptr(), src.len())? };
+    fence_both(q.as_mut(), mem)
+}
+
+/// A copy queue of `mem`'s device whose next copy waits on the device for `mem`'s ready fence
+/// and for `other`.
+fn queue_behind(
+    mem: &dyn DeviceMemory,
+    other: Option<&dyn DeviceFence>,
+) -> Result<Box<dyn CopyQueue>> {
+    let mut q = mem.runtime().copy_queue()?;
+    for f in mem.ready().into_iter().chain(other) {
+        q.wait_for(f)?;
+    }
+    Ok(q)
+}
+
+/// After a copy queued on `q`: `mem`'s ready fence becomes the copy's, and a second fence of it
+/// is returned (for whoever holds the host side).
+fn fence_both(q: &mut dyn CopyQueue, mem: &mut dyn DeviceMemory) -> Result<Box<dyn DeviceFence>> {
     let ready = q.fence()?;
-    let keep = q.fence()?;
+    let other = q.fence()?;
     mem.set_ready(Some(ready));
-    Ok(keep)
+    Ok(other)
 }
 
 /// Queue a copy of the whole of device memory `mem` into host memory `dst` without blocking the
@@ -289,20 +302,11 @@ pub(crate) unsafe fn copy_out_async(
             dst.len()
         )));
     }
-    let mut q = mem.runtime().copy_queue()?;
-    if let Some(f) = after {
-        q.wait_for(f)?;
-    }
-    if let Some(f) = mem.ready() {
-        q.wait_for(f)?;
-    }
+    let mut q = queue_behind(mem, after)?;
     // SAFETY: `dst` outlives the copy and nobody else touches it meanwhile (this function's
     // contract); the source is the tensor's own live allocation, of `dst.len()` bytes.
     unsafe { q.device_to_host(mem.device_ptr(), dst.as_mut_ptr(), dst.len())? };
-    let reused = q.fence()?;
-    let written = q.fence()?;
-    mem.set_ready(Some(reused));
-    Ok(written)
+    fence_both(q.as_mut(), mem)
 }
 
 // ---------------------------------------------------------------------------------------------
