@@ -2,6 +2,12 @@
 //! replays, seen through the CLI's output and exit status.
 
 use std::process::Command;
+use std::sync::Mutex;
+
+/// One replay at a time: the slow-device test compares an iteration's bandwidth with the first
+/// one's, and a replay of another test beside the first iteration (2 cores in CI) made that
+/// baseline a third of what the disks give, so the slow iteration no longer looked slow.
+static ONE_REPLAY_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn teraio() -> Command {
     Command::new(env!("CARGO_BIN_EXE_teraio"))
@@ -9,12 +15,14 @@ fn teraio() -> Command {
 
 /// A small iteration (2 layers, 1 s) on 4 simulated disks.
 fn small_run(extra: &[&str]) -> (std::process::Output, serde_json::Value) {
+    let one = ONE_REPLAY_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let out = teraio()
         .args(["run", "--json", "--sim", "--model", "gpt2-replay,layers=2,iteration-s=1"])
         .args(["--file-size", "512M", "--probe-size", "32M"])
         .args(extra)
         .output()
         .unwrap();
+    drop(one);
     let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "no JSON ({e}): {}\n{}",
