@@ -420,6 +420,13 @@ impl CopyQueue for CudaQueue {
     fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()> {
         fence.wait_on_stream(self.stream as u64)
     }
+
+    fn drain(&mut self) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: the queue's own live stream.
+        let r = unsafe { cu::cuStreamSynchronize(self.stream) };
+        check(r, "cuStreamSynchronize")
+    }
 }
 
 impl Drop for CudaQueue {

@@ -56,6 +56,9 @@ pub trait CopyQueue: Send {
     /// Make copies queued later on this queue wait until `fence` completes, without blocking
     /// the host (CUDA: cuStreamWaitEvent on the queue's stream).
     fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()>;
+    /// Wait on the host until everything queued so far has run (CUDA: cuStreamSynchronize):
+    /// the way out when a copy is queued and no fence of it can be made.
+    fn drain(&mut self) -> Result<()>;
 }
 
 /// How direct storage reaches the disk.
@@ -273,12 +276,23 @@ fn queue_behind(
 }
 
 /// After a copy queued on `q`: `mem`'s ready fence becomes the copy's, and a second fence of it
-/// is returned (for whoever holds the host side).
+/// is returned (for whoever holds the host side). When a fence cannot be made the copy is still
+/// queued, and the caller gives both sides back on the error: wait for the copy first.
 fn fence_both(q: &mut dyn CopyQueue, mem: &mut dyn DeviceMemory) -> Result<Box<dyn DeviceFence>> {
-    let ready = q.fence()?;
-    let other = q.fence()?;
-    mem.set_ready(Some(ready));
-    Ok(other)
+    match q.fence().and_then(|ready| Ok((ready, q.fence()?))) {
+        Ok((ready, other)) => {
+            mem.set_ready(Some(ready));
+            Ok(other)
+        }
+        Err(e) => match q.drain() {
+            Ok(()) => Err(e),
+            // A device that can neither record an event nor synchronize a stream has failed
+            // as a whole (CUDA's sticky errors): its queued work does not run any more.
+            Err(d) => Err(Error::Cuda(format!(
+                "{e}; waiting for the copy already queued failed too: {d}"
+            ))),
+        },
+    }
 }
 
 /// Queue a copy of the whole of device memory `mem` into host memory `dst` without blocking the
@@ -371,11 +385,21 @@ impl CopyQueue for HostQueue {
     fn fence(&mut self) -> Result<Box<dyn DeviceFence>> {
         match &self.device.deferred {
             Some(d) => {
-                let seq = d.lock().queued;
+                let mut d = d.lock();
+                if d.failing_fences > 0 {
+                    d.failing_fences -= 1;
+                    return Err(Error::Cuda("emulated: no fence can be made".into()));
+                }
+                let seq = d.queued;
                 Ok(Box::new(DeferredFence { device: self.device.clone(), seq }))
             }
             None => Ok(Box::new(DoneFence)),
         }
+    }
+
+    fn drain(&mut self) -> Result<()> {
+        self.device.run_deferred(u64::MAX, false);
+        Ok(())
     }
 
     fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()> {
@@ -410,6 +434,8 @@ struct Deferred {
     /// Polls of a pending fence so far, and how many polls run one copy.
     polls: u64,
     polls_per_copy: u64,
+    /// The next this many fences fail to be made ([`HostDeviceTier::fail_next_fences`]).
+    failing_fences: u64,
 }
 
 impl Deferred {
@@ -752,6 +778,14 @@ impl HostDeviceTier {
         Self::with_device(dev, capacity_bytes)
     }
 
+    /// The next `n` fences of this deferred device cannot be made (a device out of events):
+    /// what a copy already queued does then.
+    pub fn fail_next_fences(&self, n: u64) {
+        if let Some(d) = &self.device.deferred {
+            d.lock().failing_fences = n;
+        }
+    }
+
     /// Copies queued and not run yet (a deferred device; 0 otherwise).
     pub fn pending_copies(&self) -> usize {
         self.device.deferred.as_ref().map_or(0, |d| d.lock().copies.len())
@@ -923,6 +957,36 @@ mod tests {
         drop(m);
         assert_eq!(tier.used_bytes(), 0);
         assert!(tier.alloc(0).is_err());
+    }
+
+    #[test]
+    fn a_copy_queued_without_a_fence_has_run_when_its_error_comes_back() {
+        // The copies only run when the test says so (a slow device), and fences fail to be
+        // made after the copy is queued: the caller gives both sides back on the error, so the
+        // copy must have run by then.
+        let tier = HostDeviceTier::deferred(0, 1 << 20, u64::MAX);
+        let mut m = tier.alloc(4096).unwrap();
+        let data: Vec<u8> = (0..4096).map(|i| (i * 13 + 5) as u8).collect();
+        tier.kernel_write(&m, 0, &data).unwrap();
+        let TensorMem::Device(d) = &mut m else { unreachable!() };
+        let mut out = vec![0u8; 4096];
+        tier.fail_next_fences(1);
+        // SAFETY: `out` outlives the call and the copy (drained before the error returns).
+        let r = unsafe { copy_out_async(d.as_mut(), &mut out, None) };
+        assert!(matches!(r, Err(Error::Cuda(_))), "{:?}", r.err());
+        assert_eq!(tier.pending_copies(), 0, "the queued copy ran before the error came back");
+        assert_eq!(out, data);
+        // The other direction, the second of the two fences failing.
+        let back: Vec<u8> = data.iter().map(|b| !b).collect();
+        tier.fail_next_fences(2);
+        // SAFETY: as above.
+        let r = unsafe { copy_in_async(d.as_mut(), &back, None) };
+        assert!(r.is_err());
+        assert_eq!(tier.pending_copies(), 0);
+        let mut now = vec![0u8; 4096];
+        tier.kernel_read(&m, 0, &mut now).unwrap();
+        assert_eq!(now, back);
+        assert!(tier.faults().is_empty(), "{:?}", tier.faults());
     }
 
     #[test]
