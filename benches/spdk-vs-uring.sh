@@ -64,9 +64,11 @@ echo "end: $(date -u '+%Y-%m-%d %H:%M UTC')  file=$FILE size=$SIZE qd=$QD runtim
 python3 - "$OUT/results.txt" <<'PY'
 import statistics, sys
 by = {}
+rounds = {}
 for line in open(sys.argv[1]):
-    wl, tool, _r, bw, iops, cpu = line.split()
+    wl, tool, r, bw, iops, cpu = line.split()
     by.setdefault(wl, {}).setdefault(tool, []).append((float(bw), float(iops), float(cpu)))
+    rounds.setdefault((wl, r), {})[tool] = float(bw)
 print(f"{'workload':9} {'tool':6} {'MB/s':>8} {'IOPS':>9} {'CPU us/IO':>10}  runs (MB/s)")
 for wl, tools in by.items():
     med = {}
@@ -78,4 +80,12 @@ for wl, tools in by.items():
     print(f"{wl:9} " + ", ".join(f"{t} / fio = {med[t] / med.get('fio', nan):.2f}x" for t in med if t != "fio")
           + (f", spdk / uring = {med['spdk'] / med['uring']:.2f}x" if "spdk" in med and "uring" in med else "")
           + (f", spdk-intr / spdk = {med['spdk-intr'] / med['spdk']:.2f}x" if "spdk-intr" in med and "spdk" in med else ""))
+    # Paired: each tool against fio of the same round (the disk drifts between rounds).
+    for t in med:
+        if t == "fio":
+            continue
+        q = sorted(v[t] / v["fio"] for (w, _), v in rounds.items() if w == wl and t in v and "fio" in v)
+        if q:
+            print(f"{wl:9} {t} / fio per round: median {statistics.median(q):.2f}x, "
+                  f"range {q[0]:.2f}-{q[-1]:.2f}x, rounds >= 0.95x: {sum(x >= 0.95 for x in q)} of {len(q)}")
 PY

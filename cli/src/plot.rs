@@ -135,7 +135,7 @@ pub fn memory_and_bandwidth(
         .map_err(plot_err)?;
 
     let colors: [RGBColor; Resource::COUNT] =
-        [GREEN, MAGENTA, CYAN, RGBColor(230, 140, 0), RGBColor(90, 90, 90), RED];
+        [GREEN, MAGENTA, CYAN, RGBColor(230, 140, 0), RGBColor(90, 90, 90), RED, BLUE];
     let series: Vec<(Resource, Vec<(f64, f64)>)> = Resource::ALL
         .iter()
         .map(|&res| {
@@ -144,7 +144,13 @@ pub fn memory_and_bandwidth(
             (res, step_avg(&samples, t_end_us))
         })
         .collect();
-    let bw_max = Resource::ALL.iter().map(|&x| hw.bandwidth(x) / 1e9).fold(1.0, f64::max) * 1.05;
+    // A duplex limit left unset never binds (the sum of its two directions): not on the axis.
+    let bw_max = Resource::ALL
+        .iter()
+        .filter(|&&x| x != Resource::PcieDuplex || hw.pcie_duplex_bytes_per_s.is_some())
+        .map(|&x| hw.bandwidth(x) / 1e9)
+        .fold(1.0, f64::max)
+        * 1.05;
     let written =
         r.bytes_moved.iter().find(|b| b.resource == Resource::SsdWrite).map_or(0, |b| b.bytes);
     let caption = format!(

@@ -235,8 +235,9 @@ pub fn lower_bound_windows(trace: &Trace, hw: &Hardware) -> Result<(Bound, Vec<B
         path_bw(hw.has_ssd(), hw.offload_path(Tier::Ssd))
             + path_bw(has_host, hw.offload_path(Tier::Host)),
     );
-    let bw_both = if hw.has_ssd() { hw.bandwidth(Resource::SsdDuplex) } else { 0.0 }
-        + if has_host { hw.bandwidth(Resource::HostMemory) } else { 0.0 };
+    let bw_both = (if hw.has_ssd() { hw.bandwidth(Resource::SsdDuplex) } else { 0.0 }
+        + if has_host { hw.bandwidth(Resource::HostMemory) } else { 0.0 })
+    .min(hw.bandwidth(Resource::PcieDuplex));
     // Recomputation cost classes (cheapest first).
     let (class, rate) = cost_classes(trace);
 

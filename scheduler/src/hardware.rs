@@ -23,11 +23,17 @@ pub enum Resource {
     /// budget between the two directions ([`Hardware::ssd_duplex_bytes_per_s`]). Every SSD
     /// transfer uses it besides [`Resource::SsdRead`] or [`Resource::SsdWrite`].
     SsdDuplex,
+    /// The PCIe link, both directions together: a link moving both ways at once serves less
+    /// than the sum of its one-way rates ([`Hardware::pcie_duplex_bytes_per_s`]; an H200 in
+    /// this repository's measurements: 55 GB/s each way alone, 48.8 GB/s each way when both run,
+    /// 97.6 GB/s in total).
+    /// Every transfer over PCIe uses it besides [`Resource::PcieH2d`] or [`Resource::PcieD2h`].
+    PcieDuplex,
 }
 
 impl Resource {
     /// Number of resources.
-    pub const COUNT: usize = 6;
+    pub const COUNT: usize = 7;
 
     /// All resources, in reporting order (`ALL[r.index()] == r`).
     pub const ALL: [Resource; Resource::COUNT] = [
@@ -37,6 +43,7 @@ impl Resource {
         Resource::PcieD2h,
         Resource::HostMemory,
         Resource::SsdDuplex,
+        Resource::PcieDuplex,
     ];
 
     /// Index into [`Resource::ALL`].
@@ -58,6 +65,7 @@ impl Resource {
             Resource::PcieD2h => "pcie_d2h",
             Resource::HostMemory => "host_memory",
             Resource::SsdDuplex => "ssd_duplex",
+            Resource::PcieDuplex => "pcie_duplex",
         }
     }
 }
@@ -103,6 +111,11 @@ pub struct Hardware {
     /// repository's dev machine: about 1.8 GB/s either way alone, 1.0-1.5 GB/s in total mixed).
     #[serde(default)]
     pub ssd_duplex_bytes_per_s: Option<f64>,
+    /// Bandwidth of the PCIe link moving both ways at once, bytes/s, both directions together
+    /// ([`Resource::PcieDuplex`]). `None` (the JSON default): no limit beyond the two one-way
+    /// bandwidths, i.e. `h2d + d2h`. `benches/gpu/pcie_duplex.py` measures it.
+    #[serde(default)]
+    pub pcie_duplex_bytes_per_s: Option<f64>,
     /// Optimizer throughput of the host CPU share of this GPU, parameters per second of an
     /// AdamW step (DeepSpeed CPU-Adam), used by policies that run the optimizer step on the
     /// CPU (`zero-infinity`). The JSON default is [`DEFAULT_CPU_ADAM_PARAMS_PER_S`].
@@ -157,6 +170,7 @@ impl Hardware {
             host_memory_bytes_per_s: 100e9,
             gpudirect: true,
             ssd_duplex_bytes_per_s: None,
+            pcie_duplex_bytes_per_s: None,
             cpu_adam_params_per_s: DEFAULT_CPU_ADAM_PARAMS_PER_S,
             ssd_capacity_bytes: Some(4_000_000_000_000),
             ssd_endurance_tbw: Some(2400.0),
@@ -180,6 +194,7 @@ impl Hardware {
             host_memory_bytes_per_s: 8e9,
             gpudirect: true,
             ssd_duplex_bytes_per_s: None,
+            pcie_duplex_bytes_per_s: None,
             cpu_adam_params_per_s: DEFAULT_CPU_ADAM_PARAMS_PER_S,
             ssd_capacity_bytes: None,
             ssd_endurance_tbw: None,
@@ -210,38 +225,39 @@ impl Hardware {
                     .unwrap_or(self.ssd_read_bytes_per_s + self.ssd_write_bytes_per_s)
                     * f64::from(self.ssd_count)
             }
+            Resource::PcieDuplex => self
+                .pcie_duplex_bytes_per_s
+                .unwrap_or(self.pcie_h2d_bytes_per_s + self.pcie_d2h_bytes_per_s),
         }
     }
 
     /// Resources an offload to `tier` uses.
     pub fn offload_path(&self, tier: Tier) -> Vec<Resource> {
+        let pcie = [Resource::PcieD2h, Resource::PcieDuplex];
         match tier {
             Tier::Ssd if self.gpudirect => {
-                vec![Resource::PcieD2h, Resource::SsdWrite, Resource::SsdDuplex]
+                [&pcie[..], &[Resource::SsdWrite, Resource::SsdDuplex]].concat()
             }
-            Tier::Ssd => vec![
-                Resource::PcieD2h,
-                Resource::SsdWrite,
-                Resource::SsdDuplex,
-                Resource::HostMemory,
-            ],
-            Tier::Host => vec![Resource::PcieD2h, Resource::HostMemory],
+            Tier::Ssd => {
+                [&pcie[..], &[Resource::SsdWrite, Resource::SsdDuplex, Resource::HostMemory]]
+                    .concat()
+            }
+            Tier::Host => [&pcie[..], &[Resource::HostMemory]].concat(),
         }
     }
 
     /// Resources a prefetch from `tier` uses.
     pub fn prefetch_path(&self, tier: Tier) -> Vec<Resource> {
+        let pcie = [Resource::PcieH2d, Resource::PcieDuplex];
         match tier {
             Tier::Ssd if self.gpudirect => {
-                vec![Resource::SsdRead, Resource::SsdDuplex, Resource::PcieH2d]
+                [&[Resource::SsdRead, Resource::SsdDuplex][..], &pcie].concat()
             }
-            Tier::Ssd => vec![
-                Resource::SsdRead,
-                Resource::SsdDuplex,
-                Resource::PcieH2d,
-                Resource::HostMemory,
-            ],
-            Tier::Host => vec![Resource::HostMemory, Resource::PcieH2d],
+            Tier::Ssd => {
+                [&[Resource::SsdRead, Resource::SsdDuplex, Resource::HostMemory][..], &pcie]
+                    .concat()
+            }
+            Tier::Host => [&[Resource::HostMemory][..], &pcie].concat(),
         }
     }
 
@@ -271,6 +287,7 @@ impl Hardware {
             ("pcie_d2h_bytes_per_s", self.pcie_d2h_bytes_per_s),
             ("host_memory_bytes_per_s", self.host_memory_bytes_per_s),
             ("ssd_duplex_bytes_per_s", self.ssd_duplex_bytes_per_s.unwrap_or(1.0)),
+            ("pcie_duplex_bytes_per_s", self.pcie_duplex_bytes_per_s.unwrap_or(1.0)),
             ("cpu_adam_params_per_s", self.cpu_adam_params_per_s),
         ];
         for (name, v) in checks {

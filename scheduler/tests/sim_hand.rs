@@ -47,6 +47,7 @@ fn one_ssd(duplex: Option<f64>) -> Hardware {
         host_memory_bytes_per_s: 100e9,
         gpudirect: true,
         ssd_duplex_bytes_per_s: duplex,
+        pcie_duplex_bytes_per_s: None,
         cpu_adam_params_per_s: 1e9,
         ssd_capacity_bytes: None,
         ssd_endurance_tbw: None,
@@ -122,6 +123,42 @@ fn combined_ssd_limit_slows_overlapping_reads_and_writes() {
     assert!(tl.bandwidth.iter().any(|(_, v)| close(v[rd], 1.5e9) && close(v[wr], 1.5e9)));
 }
 
+/// The same transfers over a PCIe link of 2 GB/s each way (SSDs far from limiting) that moves
+/// `duplex` bytes/s in total both ways.
+fn one_link(duplex: Option<f64>) -> Hardware {
+    Hardware {
+        ssd_read_bytes_per_s: 100e9,
+        ssd_write_bytes_per_s: 100e9,
+        pcie_h2d_bytes_per_s: 2e9,
+        pcie_d2h_bytes_per_s: 2e9,
+        pcie_duplex_bytes_per_s: duplex,
+        ..one_ssd(None)
+    }
+}
+
+#[test]
+fn a_pcie_link_moving_both_ways_slows_overlapping_offloads_and_prefetches() {
+    let (t, p) = overlap_case(false);
+    let free = one_iteration(&t, &p, &one_link(None));
+    assert!(close(free.iteration_time_us, 502_001.0), "{}", free.iteration_time_us);
+    // 3 GB/s both ways together: 1.5 GB/s each while both run, B arrives after 1e9 / 1.5e9 s.
+    let shared = one_iteration(&t, &p, &one_link(Some(3e9)));
+    let arrive = 1000.0 + 1e6 / 1.5;
+    assert!(close(shared.iteration_time_us, arrive + 1001.0), "{}", shared.iteration_time_us);
+    let tl = shared.timeline.unwrap();
+    let (h2d, d2h, dx) =
+        (Resource::PcieH2d.index(), Resource::PcieD2h.index(), Resource::PcieDuplex.index());
+    for (_, v) in &tl.bandwidth {
+        assert!(v[h2d] + v[d2h] <= 3e9 * (1.0 + 1e-9), "{v:?}");
+        assert!(close(v[dx], v[h2d] + v[d2h]), "{v:?}");
+    }
+    assert!(tl.bandwidth.iter().any(|(_, v)| close(v[h2d], 1.5e9) && close(v[d2h], 1.5e9)));
+    // An urgent prefetch takes the link first: kernel 2 waits no longer than without a limit.
+    let (t, p) = overlap_case(true);
+    let urgent = one_iteration(&t, &p, &one_link(Some(3e9)));
+    assert!(close(urgent.iteration_time_us, 502_001.0), "{}", urgent.iteration_time_us);
+}
+
 #[test]
 fn urgent_prefetch_takes_the_combined_budget_first() {
     // Urgent B reads at its full 2 GB/s; A's write gets the remaining 1 GB/s: kernel 2 waits
@@ -139,12 +176,16 @@ fn json_without_the_new_fields_still_parses() {
     let mut v = serde_json::to_value(Hardware::paper()).unwrap();
     let o = v.as_object_mut().unwrap();
     o.remove("ssd_duplex_bytes_per_s");
+    o.remove("pcie_duplex_bytes_per_s");
     o.remove("cpu_adam_params_per_s");
     let hw: Hardware = serde_json::from_value(v).unwrap();
     assert_eq!(hw, Hardware::paper());
     let mut bad = Hardware::paper();
     bad.ssd_duplex_bytes_per_s = Some(0.0);
     assert!(bad.validate().unwrap_err().to_string().contains("ssd_duplex_bytes_per_s"));
+    let mut bad = Hardware::paper();
+    bad.pcie_duplex_bytes_per_s = Some(f64::NAN);
+    assert!(bad.validate().unwrap_err().to_string().contains("pcie_duplex_bytes_per_s"));
 }
 
 /// Kernel 0 (GPU, 100 us) uses W (1 GB); kernel 1 runs on the host over W and S (a 2 GB
@@ -518,6 +559,7 @@ fn teraio_under_heavy_bandwidth_pressure_completes() {
         host_memory_bytes_per_s: 50e9,
         gpudirect: true,
         ssd_duplex_bytes_per_s: Some(bw / 4.0),
+        pcie_duplex_bytes_per_s: None,
         cpu_adam_params_per_s: Hardware::paper().cpu_adam_params_per_s,
         ssd_capacity_bytes: None,
         ssd_endurance_tbw: None,

@@ -332,6 +332,9 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(d) = hw.ssd_duplex_bytes_per_s {
         outln!("SSD reads and writes share {:.1} GB/s per SSD", d / 1e9);
     }
+    if let Some(d) = hw.pcie_duplex_bytes_per_s {
+        outln!("PCIe moves {:.1} GB/s in total both ways", d / 1e9);
+    }
     match &bound.infeasible {
         None => outln!(
             "lower bound {:.3} s (no plan is faster); least GPU memory {:.2} GB (kernel {}, {})",

@@ -508,7 +508,8 @@ def _teraio_error() -> type:
 
 # the hardware model's transfer rates, and how much slower the second plan assumes them
 _TRANSFER_RATES = ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "pcie_h2d_bytes_per_s",
-                   "pcie_d2h_bytes_per_s", "host_memory_bytes_per_s")
+                   "pcie_d2h_bytes_per_s", "host_memory_bytes_per_s", "ssd_duplex_bytes_per_s",
+                   "pcie_duplex_bytes_per_s")
 _DERATE = 0.7
 
 
