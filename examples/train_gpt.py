@@ -103,6 +103,10 @@ def parse_args(argv=None):
                     help="teraio: CUDA events around every operator of planned steps (where the GPU waited)")
     ap.add_argument("--teraio-workers", type=int, default=0,
                     help="teraio: the engine's transfer worker threads (0: the engine's default)")
+    ap.add_argument("--cuda-alloc-conf", metavar="CONF",
+                    help="PyTorch's caching allocator settings for every mode (PYTORCH_CUDA_ALLOC_CONF, e.g. "
+                         "expandable_segments:True: fewer out-of-memory retries, each a device synchronization, "
+                         "when blocks freed by offloads do not fit the next allocations)")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
     ap.add_argument("--chunk-mib", type=float, default=0.0,
                     help="teraio: optimizer step chunk (0: one parameter at a time)")
@@ -636,6 +640,9 @@ def plot(results, out):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.cuda_alloc_conf:
+        # before the first CUDA allocation of this process and of the mode processes it starts
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.cuda_alloc_conf
     if args.modes:
         drive(args)
         return
