@@ -9,7 +9,8 @@
 #
 # Environment (defaults): FILE=target/bench-spdk/f0 SIZE=1G ROUNDS=3 RUNTIME=4 QD=32
 # TERAIO=target/release/teraio WORKLOADS="read write randread" TOOLS="uring spdk spdk-intr fio"
-# (also: spdk-aio, the aio bdev busy-polling). Rounds alternate the order of TOOLS (odd rounds
+# (also: spdk-aio, the aio bdev busy-polling; fio-fixed, fio with registered buffers and file as
+# teraio's io_uring backend uses them). Rounds alternate the order of TOOLS (odd rounds
 # as listed, even rounds reversed). Run as root (huge pages).
 set -euo pipefail
 FILE=${FILE:-target/bench-spdk/f0}
@@ -41,9 +42,10 @@ run() { # tool rw bs -> "bw iops cpu_us_per_io"
             "$TERAIO" bench "${args[@]}" --file-size "$SIZE" --rw "$2" --bs "$3" \
                 --iodepth "$QD" --size "$SIZE" --runtime "$RUNTIME" --json 2>/dev/null \
             | jq -r ".jobs[0] | \"\(.$dirn.bw_bytes) \(.$dirn.iops) \(.cpu_us_per_io)\"" ;;
-        fio)
+        fio|fio-fixed)
+            local fixed=(); [ "$1" = fio-fixed ] && fixed=(--fixedbufs=1 --registerfiles=1)
             fio --output-format=json --name=f --filename="$FILE" --direct=1 --ioengine=io_uring \
-                --iomem=shmhuge --rw="$2" --bs="$3" --iodepth="$QD" --size="$SIZE" --time_based=1 \
+                "${fixed[@]}" --iomem=shmhuge --rw="$2" --bs="$3" --iodepth="$QD" --size="$SIZE" --time_based=1 \
                 --runtime="$RUNTIME" --randrepeat=0 \
             | jq -r ".jobs[0] | \"\(.$dirn.bw_bytes) \(.$dirn.iops) \(((.usr_cpu + .sys_cpu) / 100 * .job_runtime * 1000) / ([.$dirn.total_ios, 1] | max))\"" ;;
     esac

@@ -103,6 +103,9 @@ def parse_args(argv=None):
                     help="teraio: CUDA events around every operator of planned steps (where the GPU waited)")
     ap.add_argument("--teraio-workers", type=int, default=0,
                     help="teraio: the engine's transfer worker threads (0: the engine's default)")
+    ap.add_argument("--profile-steps", type=int, default=1,
+                    help="teraio: steps profiled before the plan is made; with more than one each operator "
+                         "takes its median time over them (the plans of processes vary less)")
     ap.add_argument("--cuda-alloc-conf", metavar="CONF",
                     help="PyTorch's caching allocator settings for every mode (PYTORCH_CUDA_ALLOC_CONF, e.g. "
                          "expandable_segments:True: fewer out-of-memory retries, each a device synchronization, "
@@ -477,7 +480,7 @@ def make_session(args, torch, mode, model, opt, dev):
     return tt.Session(model, opt, engine=engine, gpu_budget_bytes=budget, host_budget_bytes=host,
                       policy="none" if mode == "teraio-noop" else args.teraio_policy,
                       hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=int(args.chunk_mib * 2**20),
-                      profile_steps=1, warmup_steps=max(0, args.warmup - 1), report_every=1,
+                      profile_steps=args.profile_steps, warmup_steps=max(0, args.warmup - 1), report_every=1,
                       page_min_bytes=args.page_min_kib * 1024,
                       gather_between_steps=not args.teraio_no_gather, page_fraction=args.page_fraction,
                       max_ahead=args.teraio_ahead, plan_margin=args.teraio_plan_margin, recompute=not args.teraio_no_recompute,

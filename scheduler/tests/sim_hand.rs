@@ -112,15 +112,20 @@ fn combined_ssd_limit_slows_overlapping_reads_and_writes() {
     assert!(close(shared.iteration_time_us, arrive + 1001.0), "{}", shared.iteration_time_us);
     assert!(close(shared.stall_us, arrive - 1001.0), "{}", shared.stall_us);
     assert!(shared.iteration_time_us > free.iteration_time_us);
-    // The recorded rates never exceed the limit; while both run they split it evenly.
-    let tl = shared.timeline.unwrap();
-    let (rd, wr, dx) =
-        (Resource::SsdRead.index(), Resource::SsdWrite.index(), Resource::SsdDuplex.index());
+    split_evenly(&shared, [Resource::SsdRead, Resource::SsdWrite, Resource::SsdDuplex], 3e9);
+}
+
+/// The recorded rates of directions `a` and `b` never exceed `limit` together, `both` records
+/// their sum, and while both run they split the limit evenly.
+fn split_evenly(r: &teraio_scheduler::SimReport, [a, b, both]: [Resource; 3], limit: f64) {
+    let tl = r.timeline.as_ref().unwrap();
+    let (a, b, both) = (a.index(), b.index(), both.index());
     for (_, v) in &tl.bandwidth {
-        assert!(v[rd] + v[wr] <= 3e9 * (1.0 + 1e-9), "{v:?}");
-        assert!(close(v[dx], v[rd] + v[wr]), "{v:?}");
+        assert!(v[a] + v[b] <= limit * (1.0 + 1e-9), "{v:?}");
+        assert!(close(v[both], v[a] + v[b]), "{v:?}");
     }
-    assert!(tl.bandwidth.iter().any(|(_, v)| close(v[rd], 1.5e9) && close(v[wr], 1.5e9)));
+    let half = limit / 2.0;
+    assert!(tl.bandwidth.iter().any(|(_, v)| close(v[a], half) && close(v[b], half)));
 }
 
 /// The same transfers over a PCIe link of 2 GB/s each way (SSDs far from limiting) that moves
@@ -145,14 +150,7 @@ fn a_pcie_link_moving_both_ways_slows_overlapping_offloads_and_prefetches() {
     let shared = one_iteration(&t, &p, &one_link(Some(3e9)));
     let arrive = 1000.0 + 1e6 / 1.5;
     assert!(close(shared.iteration_time_us, arrive + 1001.0), "{}", shared.iteration_time_us);
-    let tl = shared.timeline.unwrap();
-    let (h2d, d2h, dx) =
-        (Resource::PcieH2d.index(), Resource::PcieD2h.index(), Resource::PcieDuplex.index());
-    for (_, v) in &tl.bandwidth {
-        assert!(v[h2d] + v[d2h] <= 3e9 * (1.0 + 1e-9), "{v:?}");
-        assert!(close(v[dx], v[h2d] + v[d2h]), "{v:?}");
-    }
-    assert!(tl.bandwidth.iter().any(|(_, v)| close(v[h2d], 1.5e9) && close(v[d2h], 1.5e9)));
+    split_evenly(&shared, [Resource::PcieH2d, Resource::PcieD2h, Resource::PcieDuplex], 3e9);
     // An urgent prefetch takes the link first: kernel 2 waits no longer than without a limit.
     let (t, p) = overlap_case(true);
     let urgent = one_iteration(&t, &p, &one_link(Some(3e9)));

@@ -222,6 +222,36 @@ def test_a_plan_without_an_executor_pages_without_recording():
     assert all(r["bytes_moved"] > 0 for r in s.steps[2:])
 
 
+def test_plans_take_each_operators_median_time_over_the_profiled_steps():
+    model, opt = make()
+    planned = []
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
+                   warmup_steps=1, profile_steps=3, executor_factory=lambda *a: None,
+                   planner=lambda tr, b, h: planned.append(tr) or {"policy": "scripted"}, log=lambda _: None)
+    # the profiled steps' operator times, scripted: step 1 all 1 us, step 2 all 100 us, step 3
+    # kernel i 2 + i us (even i) or 150 + i us (odd i): the medians are min(2 + i, 100) and 100,
+    # where the last step's times alone would be 2 + i and 150 + i
+    real = s.profiler.trace
+    calls = []
+
+    def scripted():
+        tr = real()
+        for i, k in enumerate(tr["kernels"]):
+            k["duration_us"] = [1.0, 100.0, 2.0 + i if i % 2 == 0 else 150.0 + i][len(calls)]
+        calls.append(1)
+        return tr
+
+    s.profiler.trace = scripted
+    for t in batches(5):
+        with s.step():
+            train_step(model, opt, t)
+        if planned:
+            break
+    assert len(calls) == 3 and len(planned) == 1, (len(calls), s.steps)
+    got = [k["duration_us"] for k in planned[0]["kernels"]]
+    assert got == [min(2.0 + i, 100.0) if i % 2 == 0 else 100.0 for i in range(len(got))], got[:6]
+
+
 def test_pager_retries_an_operator_that_ran_out_of_memory():
     store = MemStore()
     pager = tt.Pager(tt.StorageMover(store), budget_bytes=1 << 30, min_bytes=0)

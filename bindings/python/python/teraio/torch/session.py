@@ -17,7 +17,8 @@ What each step does:
    (:class:`teraio.torch.Profiler`) and, when a GPU budget is given, *paged*
    (:class:`teraio.torch.runtime.Pager`: demand paging through the engine, so even the first
    iterations fit the budget).
-3. After ``profile_steps`` profiled steps of the same shapes, the last trace is checked
+3. After ``profile_steps`` profiled steps of the same shapes, the last trace (each operator
+   timed by its median over those steps that ran the same operators) is checked
    (:func:`teraio.torch.check_working_sets`: a kernel that alone exceeds the budget is named)
    and planned by the scheduler (``teraio.plan``, the planner of ``teraio plan``), and the plan
    is cached by the iteration's first operator's shapes (its input), so a small set of shapes
@@ -35,6 +36,7 @@ What each step does:
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Any, Callable, Iterator
 
@@ -206,6 +208,7 @@ class Session:
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
         self._profiled: dict[Any, int] = {}
+        self._profiled_times: dict[Any, list[tuple[Any, list[float]]]] = {}
         self.steps: list[dict[str, Any]] = []
         self.closed = False
 
@@ -372,9 +375,14 @@ class Session:
             rec["plan"] = "not yet (this step created the optimizer's state)"
             return
         self._profiled[key] = self._profiled.get(key, 0) + 1
+        trace = self.profiler.trace()
+        # each profiled step's operator times, for the median the plan is made with
+        times = self._profiled_times.setdefault(key, [])
+        times.append((self.profiler.op_signatures(), [k["duration_us"] for k in trace["kernels"]]))
         if self._profiled[key] < self.profile_steps:
             return
-        trace = self.profiler.trace()
+        _median_durations(trace, times)
+        del self._profiled_times[key]
         rec["trace_peak_bytes"] = peak_bytes(trace)
         entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None,
                  "created": self.profiler.created_ids}
@@ -511,6 +519,19 @@ _TRANSFER_RATES = ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "pcie_h2d_by
                    "pcie_d2h_bytes_per_s", "host_memory_bytes_per_s", "ssd_duplex_bytes_per_s",
                    "pcie_duplex_bytes_per_s")
 _DERATE = 0.7
+
+
+def _median_durations(trace: dict[str, Any], times: list[tuple[Any, list[float]]]) -> None:
+    """Each kernel of ``trace`` (the last profiled step, ``times[-1]``) takes the median of its
+    durations over the profiled steps in ``times`` (operator signatures, durations) that ran the
+    same operators: one step's times vary (the paging of a profiled step, the host's pace), and
+    so does the plan made from them."""
+    last = times[-1][0]
+    same = [d for sig, d in times if sig == last and len(d) == len(trace["kernels"])]
+    if len(same) < 2:
+        return
+    for i, k in enumerate(trace["kernels"]):
+        k["duration_us"] = statistics.median(t[i] for t in same)
 
 
 def _moved(plan: Any) -> int:
