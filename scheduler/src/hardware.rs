@@ -26,8 +26,8 @@ pub enum Resource {
     /// The PCIe link, both directions together: a link moving both ways at once serves less
     /// than the sum of its one-way rates ([`Hardware::pcie_duplex_bytes_per_s`]; an H200 in
     /// this repository's measurements: 55 GB/s each way alone, 48.8 GB/s each way when both run,
-    /// 97.6 GB/s in total).
-    /// Every transfer over PCIe uses it besides [`Resource::PcieH2d`] or [`Resource::PcieD2h`].
+    /// 97.6 GB/s in total). Every transfer over PCIe uses it besides [`Resource::PcieH2d`] or
+    /// [`Resource::PcieD2h`].
     PcieDuplex,
 }
 
