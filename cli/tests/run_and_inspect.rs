@@ -69,7 +69,13 @@ fn a_run_with_gpu_memory_moves_every_tensor_through_the_gpu_path() {
     let prefetches = replay["prefetches"].as_u64().unwrap();
     let kept = replay["kept_copies"].as_u64().unwrap();
     assert!(replay["verified_tensors"].as_u64().unwrap() >= prefetches - kept);
-    assert!(v["gpu"]["pcie_h2d_bytes_per_s"].as_f64().unwrap() > 0.0);
+    let pcie = |k: &str| v["gpu"][k].as_f64().unwrap_or_else(|| panic!("{k}: {}", v["gpu"]));
+    let (h2d, d2h) = (pcie("pcie_h2d_bytes_per_s"), pcie("pcie_d2h_bytes_per_s"));
+    assert!(h2d > 0.0 && d2h > 0.0);
+    // The emulated device copies one at a time: both ways at once move no more than one way
+    // alone, so the model gets a both-ways limit below the sum.
+    let both = pcie("pcie_duplex_bytes_per_s");
+    assert!(both > 0.0 && both < h2d + d2h, "{both} vs {h2d} + {d2h}");
 }
 
 #[test]

@@ -289,40 +289,78 @@ fn make_plan(
     Ok(attempt.expect("at least one attempt"))
 }
 
-/// Pinned host <-> GPU copy bandwidth (bytes/s, host-to-device and device-to-host) of 256 MiB,
-/// for the hardware model of `--gpu`.
-fn measure_pcie(engine: &Engine) -> Result<(f64, f64)> {
+/// Pinned host <-> GPU copy bandwidth of 256 MiB copies (bytes/s: host-to-device alone,
+/// device-to-host alone, and both at once in total), for the hardware model of `--gpu`.
+fn measure_pcie(engine: &Engine) -> Result<Pcie> {
     const BYTES: u64 = 256 << 20;
+    const COPIES: usize = 4;
     let rt = engine.gpu_runtime().expect("called with a GPU");
-    let dev = engine.alloc_gpu(BYTES)?;
-    let mut host = engine.alloc_host(BYTES)?;
-    let h = host.host_mut().expect("engine buffers are host memory");
-    h.fill(1);
-    let ptr = h.as_mut_ptr();
-    // SAFETY: `host` stays alive (and mapped) until after unpin below.
-    unsafe { rt.pin_host(ptr, BYTES as usize)? };
-    let d = dev.device().expect("GPU memory").device_ptr();
-    let time = |h2d: bool| -> Result<f64> {
-        let mut q = rt.copy_queue()?;
+    // Two buffers each side: one pair per direction, so both directions can run at once.
+    let dev = [engine.alloc_gpu(BYTES)?, engine.alloc_gpu(BYTES)?];
+    let mut host = [engine.alloc_host(BYTES)?, engine.alloc_host(BYTES)?];
+    let mut ptrs = Vec::with_capacity(2);
+    for h in &mut host {
+        let h = h.host_mut().expect("engine buffers are host memory");
+        h.fill(1);
+        ptrs.push(h.as_mut_ptr());
+    }
+    let mut pinned = Vec::with_capacity(2);
+    let mut r = Ok(());
+    for &p in &ptrs {
+        // SAFETY: `host` stays alive (and mapped) until after unpin below.
+        r = unsafe { rt.pin_host(p, BYTES as usize) };
+        if r.is_err() {
+            break;
+        }
+        pinned.push(p);
+    }
+    let d = [0, 1].map(|i| dev[i].device().expect("GPU memory").device_ptr());
+    // `COPIES` copies host -> GPU on one queue and/or GPU -> host on another, timed together;
+    // returns the bytes per second of all of them.
+    let time = |h2d: bool, d2h: bool| -> teraio_engine::Result<f64> {
+        let (mut up, mut down) = (rt.copy_queue()?, rt.copy_queue()?);
         let start = Instant::now();
-        for _ in 0..4 {
-            // SAFETY: both ranges are live allocations of BYTES bytes, used by nobody else
-            // until the fence below completed.
-            unsafe {
-                if h2d {
-                    q.host_to_device(ptr, d, BYTES as usize)?;
-                } else {
-                    q.device_to_host(d, ptr, BYTES as usize)?;
+        let mut queue = || -> teraio_engine::Result<()> {
+            for _ in 0..COPIES {
+                // SAFETY: every range is a live allocation of BYTES bytes; pair 0 goes one way
+                // and pair 1 the other, and nobody else uses them until the copies finished
+                // (waited for below, on success and on failure).
+                unsafe {
+                    if h2d {
+                        up.host_to_device(ptrs[0], d[0], BYTES as usize)?;
+                    }
+                    if d2h {
+                        down.device_to_host(d[1], ptrs[1], BYTES as usize)?;
+                    }
                 }
             }
+            up.fence()?.wait()?;
+            down.fence()?.wait()
+        };
+        if let Err(e) = queue() {
+            // What was queued finishes before the buffers are unpinned and freed.
+            let _ = (up.drain(), down.drain());
+            return Err(e);
         }
-        q.fence()?.wait()?;
-        Ok(4.0 * BYTES as f64 / start.elapsed().as_secs_f64())
+        let copies = COPIES * (usize::from(h2d) + usize::from(d2h));
+        Ok(copies as f64 * BYTES as f64 / start.elapsed().as_secs_f64())
     };
-    let r = time(true).and_then(|h2d| time(false).map(|d2h| (h2d, d2h)));
-    // SAFETY: pinned above; no copy uses it any more (the fences completed).
-    unsafe { rt.unpin_host(ptr)? };
-    r
+    let measured = r.and_then(|()| {
+        Ok(Pcie { h2d: time(true, false)?, d2h: time(false, true)?, both: time(true, true)? })
+    });
+    for p in pinned {
+        // SAFETY: pinned above; no copy uses it any more (`time` waits for every copy it
+        // queued, on failure too).
+        unsafe { rt.unpin_host(p)? };
+    }
+    Ok(measured?)
+}
+
+/// PCIe copy rates of pinned memory, bytes/s: each way alone, and in total both ways at once.
+struct Pcie {
+    h2d: f64,
+    d2h: f64,
+    both: f64,
 }
 
 /// Run `teraio run`.
@@ -444,10 +482,18 @@ pub fn run(args: Args) -> Result<()> {
     if gpu_what.is_some() {
         // Real GPU memory: the PCIe hop is measured; the measured array bandwidth above already
         // went GPU <-> SSD through the chosen path (the bounce pipeline overlaps PCIe and SSD).
-        let (h2d, d2h) = measure_pcie(&engine)?;
-        say(format!("PCIe (pinned copies): host -> GPU {}, GPU -> host {}", gbps(h2d), gbps(d2h)));
-        hw.pcie_h2d_bytes_per_s = h2d;
-        hw.pcie_d2h_bytes_per_s = d2h;
+        let pcie = measure_pcie(&engine)?;
+        say(format!(
+            "PCIe (pinned copies): host -> GPU {}, GPU -> host {}, both at once {} in total",
+            gbps(pcie.h2d),
+            gbps(pcie.d2h),
+            gbps(pcie.both)
+        ));
+        hw.pcie_h2d_bytes_per_s = pcie.h2d;
+        hw.pcie_d2h_bytes_per_s = pcie.d2h;
+        // A link that moves more both ways at once than the two alone add up to does not limit
+        // them together.
+        hw.pcie_duplex_bytes_per_s = (pcie.both < pcie.h2d + pcie.d2h).then_some(pcie.both);
     }
 
     // The plan is checked in the simulator before it runs.
@@ -612,6 +658,7 @@ pub fn run(args: Args) -> Result<()> {
                 "cufile_mode": info.direct_mode.map(|m| m.describe()),
                 "pcie_h2d_bytes_per_s": hw.pcie_h2d_bytes_per_s,
                 "pcie_d2h_bytes_per_s": hw.pcie_d2h_bytes_per_s,
+                "pcie_duplex_bytes_per_s": hw.pcie_duplex_bytes_per_s,
                 "stats": engine.store().gpu_stats(),
             })),
             "array": {
