@@ -14,8 +14,8 @@ pub(crate) mod device;
 use std::sync::Arc;
 
 pub use device::{
-    CopyQueue, DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage, HostDevice,
-    HostDeviceTier, RuntimePinner,
+    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage,
+    HostDevice, HostDeviceTier, RuntimePinner,
 };
 
 use crate::pool::{BufferPool, IoBuf, PoolConfig};

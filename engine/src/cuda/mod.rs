@@ -28,7 +28,8 @@ use parking_lot::Mutex;
 pub use gds::GdsIo;
 
 use crate::tier::{
-    CopyQueue, DeviceFence, DeviceMemory, DeviceRuntime, DirectStorage, MemoryTier, TensorMem,
+    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DeviceRuntime, DirectStorage, MemoryTier,
+    TensorMem,
 };
 use crate::{Error, Result};
 
@@ -113,7 +114,8 @@ pub struct CudaDevice {
     name: String,
     compute_capability: (i32, i32),
     crc: OnceLock<std::result::Result<CrcKernel, String>>,
-    streams: Mutex<Vec<usize>>,
+    /// Idle copy streams: any copies, copies to the device, copies to the host.
+    streams: [Mutex<Vec<usize>>; 3],
     /// Device buffers registered with cuFile: base address -> length.
     registered: Mutex<HashMap<u64, usize>>,
     this: Weak<CudaDevice>,
@@ -168,7 +170,7 @@ impl CudaDevice {
             name,
             compute_capability,
             crc: OnceLock::new(),
-            streams: Mutex::new(Vec::new()),
+            streams: Default::default(),
             registered: Mutex::new(HashMap::new()),
             this: this.clone(),
         }))
@@ -206,8 +208,10 @@ impl CudaDevice {
         Ok((free as u64, total as u64))
     }
 
-    fn take_stream(&self) -> Result<cu::CUstream> {
-        if let Some(s) = self.streams.lock().pop() {
+    /// A stream of pool `pool` (0: any copies, 1: to the device, 2: to the host), made when the
+    /// pool is empty.
+    fn take_stream(&self, pool: usize) -> Result<cu::CUstream> {
+        if let Some(s) = self.streams[pool].lock().pop() {
             return Ok(s as cu::CUstream);
         }
         let mut s = std::ptr::null_mut();
@@ -219,8 +223,8 @@ impl CudaDevice {
         Ok(s)
     }
 
-    fn give_stream(&self, s: cu::CUstream) {
-        self.streams.lock().push(s as usize);
+    fn give_stream(&self, pool: usize, s: cu::CUstream) {
+        self.streams[pool].lock().push(s as usize);
     }
 
     fn crc_kernel(&self) -> Result<&CrcKernel> {
@@ -303,9 +307,11 @@ impl CudaDevice {
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         if self.bind().is_ok() {
-            for s in self.streams.lock().drain(..) {
-                // SAFETY: streams created by this device and no longer used.
-                unsafe { cu::cuStreamDestroy_v2(s as cu::CUstream) };
+            for pool in &self.streams {
+                for s in pool.lock().drain(..) {
+                    // SAFETY: streams created by this device and no longer used.
+                    unsafe { cu::cuStreamDestroy_v2(s as cu::CUstream) };
+                }
             }
         }
         // SAFETY: retained in `open`, released once.
@@ -393,6 +399,8 @@ impl Drop for CudaFence {
 struct CudaQueue {
     device: Arc<CudaDevice>,
     stream: cu::CUstream,
+    /// The pool the stream goes back to.
+    pool: usize,
 }
 
 // SAFETY: a stream handle may be used from any thread with the context current.
@@ -432,7 +440,7 @@ impl CopyQueue for CudaQueue {
 impl Drop for CudaQueue {
     fn drop(&mut self) {
         // Streams are pooled: work still queued stays ordered before any later use.
-        self.device.give_stream(self.stream);
+        self.device.give_stream(self.pool, self.stream);
     }
 }
 
@@ -447,7 +455,16 @@ impl DeviceRuntime for CudaDevice {
 
     fn copy_queue(&self) -> Result<Box<dyn CopyQueue>> {
         self.bind()?;
-        Ok(Box::new(CudaQueue { device: self.arc(), stream: self.take_stream()? }))
+        Ok(Box::new(CudaQueue { device: self.arc(), stream: self.take_stream(0)?, pool: 0 }))
+    }
+
+    fn copy_queue_toward(&self, way: CopyWay) -> Result<Box<dyn CopyQueue>> {
+        self.bind()?;
+        let pool = match way {
+            CopyWay::ToDevice => 1,
+            CopyWay::ToHost => 2,
+        };
+        Ok(Box::new(CudaQueue { device: self.arc(), stream: self.take_stream(pool)?, pool }))
     }
 
     unsafe fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
@@ -479,7 +496,7 @@ impl DeviceRuntime for CudaDevice {
         let blocks = u32::try_from(n)
             .map_err(|_| Error::InvalidArgument(format!("{n} crc32c parts in one call")))?;
         let ppu = parts_per_unit as u32;
-        let stream = self.take_stream()?;
+        let stream = self.take_stream(0)?;
         let result = (|| {
             let mut out: cu::CUdeviceptr = 0;
             // SAFETY: context current; valid out pointer; freed below on the same stream.
@@ -528,18 +545,18 @@ impl DeviceRuntime for CudaDevice {
             synced?;
             Ok(crate::gpucrc::combine_parts(&host, len, unit))
         })();
-        self.give_stream(stream);
+        self.give_stream(0, stream);
         result
     }
 
     unsafe fn memset(&self, ptr: u64, len: u64, value: u8) -> Result<()> {
         self.bind()?;
-        let stream = self.take_stream()?;
+        let stream = self.take_stream(0)?;
         // SAFETY: the caller guarantees the device range (trait contract).
         let r = unsafe { cu::cuMemsetD8Async(ptr, value, len as usize, stream) };
         // SAFETY: a stream of this context.
         let synced = unsafe { cu::cuStreamSynchronize(stream) };
-        self.give_stream(stream);
+        self.give_stream(0, stream);
         check(r, "cuMemsetD8Async")?;
         check(synced, "cuStreamSynchronize")
     }

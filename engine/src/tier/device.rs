@@ -61,6 +61,15 @@ pub trait CopyQueue: Send {
     fn drain(&mut self) -> Result<()>;
 }
 
+/// Which way the copies of a queue go ([`DeviceRuntime::copy_queue_toward`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyWay {
+    /// Host memory to device memory (prefetches).
+    ToDevice,
+    /// Device memory to host memory (offloads).
+    ToHost,
+}
+
 /// How direct storage reaches the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -134,6 +143,14 @@ pub trait DeviceRuntime: Send + Sync {
     fn ordinal(&self) -> u32;
     /// A new copy queue (CUDA: a non-blocking stream of its own).
     fn copy_queue(&self) -> Result<Box<dyn CopyQueue>>;
+    /// A copy queue for copies of one direction only, apart from the other direction's (CUDA:
+    /// a stream of a pool of that direction): an offload's copy to the host and a prefetch's
+    /// copy to the device then run at once, neither waits in the other's stream. Nothing orders
+    /// the two directions but fences.
+    fn copy_queue_toward(&self, way: CopyWay) -> Result<Box<dyn CopyQueue>> {
+        let _ = way;
+        self.copy_queue()
+    }
     /// Page-lock host memory so copies from and to it are asynchronous DMA
     /// (cuMemHostRegister).
     ///
@@ -255,20 +272,21 @@ pub(crate) unsafe fn copy_in_async(
             mem.len()
         )));
     }
-    let mut q = queue_behind(mem, src_written)?;
+    let mut q = queue_behind(mem, src_written, CopyWay::ToDevice)?;
     // SAFETY: `src` outlives the copy (this function's contract); the destination is the
     // tensor's own live allocation, of `src.len()` bytes (checked above).
     unsafe { q.host_to_device(src.as_ptr(), mem.device_ptr(), src.len())? };
     fence_both(q.as_mut(), mem)
 }
 
-/// A copy queue of `mem`'s device whose next copy waits on the device for `mem`'s ready fence
-/// and for `other`.
+/// A copy queue of `mem`'s device for copies going `way`, whose next copy waits on the device
+/// for `mem`'s ready fence and for `other`.
 fn queue_behind(
     mem: &dyn DeviceMemory,
     other: Option<&dyn DeviceFence>,
+    way: CopyWay,
 ) -> Result<Box<dyn CopyQueue>> {
-    let mut q = mem.runtime().copy_queue()?;
+    let mut q = mem.runtime().copy_queue_toward(way)?;
     for f in mem.ready().into_iter().chain(other) {
         q.wait_for(f)?;
     }
@@ -316,7 +334,7 @@ pub(crate) unsafe fn copy_out_async(
             dst.len()
         )));
     }
-    let mut q = queue_behind(mem, after)?;
+    let mut q = queue_behind(mem, after, CopyWay::ToHost)?;
     // SAFETY: `dst` outlives the copy and nobody else touches it meanwhile (this function's
     // contract); the source is the tensor's own live allocation, of `dst.len()` bytes.
     unsafe { q.device_to_host(mem.device_ptr(), dst.as_mut_ptr(), dst.len())? };
@@ -344,6 +362,8 @@ impl DeviceFence for DoneFence {
 /// Copies of the emulation: done at once, in the calling thread.
 struct HostQueue {
     device: Arc<HostDeviceState>,
+    /// The FIFO of a deferred device its copies go to ([`Deferred::lanes`]).
+    lane: usize,
 }
 
 impl CopyQueue for HostQueue {
@@ -351,12 +371,10 @@ impl CopyQueue for HostQueue {
         self.device.check_live(src, len)?;
         self.device.copies.fetch_add(1, Ordering::Relaxed);
         if let Some(d) = &self.device.deferred {
-            d.lock().push(PendingCopy {
-                src: src as usize,
-                dst: dst as usize,
-                len,
-                to_device: false,
-            });
+            d.lock().push(
+                self.lane,
+                PendingCopy { src: src as usize, dst: dst as usize, len, to_device: false },
+            );
             return Ok(());
         }
         // SAFETY: the caller guarantees `dst` valid for `len` bytes; `src` is a live emulated
@@ -369,12 +387,10 @@ impl CopyQueue for HostQueue {
         self.device.check_live(dst, len)?;
         self.device.copies.fetch_add(1, Ordering::Relaxed);
         if let Some(d) = &self.device.deferred {
-            d.lock().push(PendingCopy {
-                src: src as usize,
-                dst: dst as usize,
-                len,
-                to_device: true,
-            });
+            d.lock().push(
+                self.lane,
+                PendingCopy { src: src as usize, dst: dst as usize, len, to_device: true },
+            );
             return Ok(());
         }
         // SAFETY: as above, in the other direction.
@@ -390,24 +406,22 @@ impl CopyQueue for HostQueue {
                     d.failing_fences -= 1;
                     return Err(Error::Cuda("emulated: no fence can be made".into()));
                 }
-                let seq = d.queued;
-                Ok(Box::new(DeferredFence { device: self.device.clone(), seq }))
+                let (lane, seq) = (self.lane, d.lanes[self.lane].queued);
+                Ok(Box::new(DeferredFence { device: self.device.clone(), lane, seq }))
             }
             None => Ok(Box::new(DoneFence)),
         }
     }
 
     fn drain(&mut self) -> Result<()> {
-        self.device.run_deferred(u64::MAX, false);
+        self.device.run_deferred(self.lane, u64::MAX, false);
         Ok(())
     }
 
     fn wait_for(&mut self, fence: &dyn DeviceFence) -> Result<()> {
-        if self.device.deferred.is_some() {
-            // Every deferred copy of the emulation runs in one FIFO: a copy queued now runs
-            // after whatever any fence covers already.
-            return Ok(());
-        }
+        // Deferred or not: the device catches up with `fence` now, so a copy queued next on
+        // this queue runs after it (stricter than waiting on the device, never looser; the
+        // emulation's lanes are not ordered otherwise).
         fence.wait()
     }
 }
@@ -420,15 +434,14 @@ struct PendingCopy {
     to_device: bool,
 }
 
-/// The copies a device with deferred copies has queued: one FIFO for all its queues (stricter
-/// than CUDA's per-stream order, never looser).
+/// The copies a device with deferred copies has queued: a FIFO per kind of queue, as CUDA
+/// orders a stream's copies and nothing between streams but events: queues of any copies
+/// ([`DeviceRuntime::copy_queue`]) share lane 0, queues toward the device lane 1, toward the
+/// host lane 2 ([`DeviceRuntime::copy_queue_toward`]); stricter than CUDA's per-stream order
+/// within a lane, as loose between lanes.
 #[derive(Default)]
 struct Deferred {
-    copies: std::collections::VecDeque<PendingCopy>,
-    /// Copies queued so far (the sequence number of the last).
-    queued: u64,
-    /// Copies run so far.
-    ran: u64,
+    lanes: [Lane; 3],
     /// Copies that found their device memory freed when they ran (a use after free on a GPU).
     faults: Vec<String>,
     /// Polls of a pending fence so far, and how many polls run one copy.
@@ -438,26 +451,38 @@ struct Deferred {
     failing_fences: u64,
 }
 
+/// One FIFO of deferred copies.
+#[derive(Default)]
+struct Lane {
+    copies: std::collections::VecDeque<PendingCopy>,
+    /// Copies queued so far (the sequence number of the last).
+    queued: u64,
+    /// Copies run so far.
+    ran: u64,
+}
+
 impl Deferred {
-    fn push(&mut self, c: PendingCopy) {
-        self.copies.push_back(c);
-        self.queued += 1;
+    fn push(&mut self, lane: usize, c: PendingCopy) {
+        let l = &mut self.lanes[lane];
+        l.copies.push_back(c);
+        l.queued += 1;
     }
 }
 
 impl HostDeviceState {
-    /// Run the deferred copies up to sequence number `seq` (all with `u64::MAX`), or just the
-    /// oldest one with `one`.
-    fn run_deferred(&self, seq: u64, one: bool) {
+    /// Run the deferred copies of `lane` up to sequence number `seq` (all with `u64::MAX`), or
+    /// just the oldest one with `one`.
+    fn run_deferred(&self, lane: usize, seq: u64, one: bool) {
         let Some(d) = &self.deferred else { return };
         let mut d = d.lock();
-        while d.ran < seq {
-            let Some(c) = d.copies.pop_front() else { break };
-            d.ran += 1;
+        while d.lanes[lane].ran < seq {
+            let l = &mut d.lanes[lane];
+            let Some(c) = l.copies.pop_front() else { break };
+            l.ran += 1;
+            let n = l.ran;
             let dev = if c.to_device { c.dst } else { c.src } as u64;
             if let Err(e) = self.check_live(dev, c.len) {
-                let n = d.ran;
-                d.faults.push(format!("copy #{n}: {e}"));
+                d.faults.push(format!("copy #{n} of lane {lane}: {e}"));
             } else {
                 // SAFETY: the device side is a live emulated allocation (checked just now); the
                 // host side is valid until the copy's fence completes (CopyQueue's contract),
@@ -480,18 +505,19 @@ impl HostDeviceState {
 /// are host code that runs at once), runs every copy before it.
 struct DeferredFence {
     device: Arc<HostDeviceState>,
+    lane: usize,
     seq: u64,
 }
 
 impl DeferredFence {
     fn ran(&self) -> bool {
-        self.device.deferred.as_ref().is_none_or(|d| d.lock().ran >= self.seq)
+        self.device.deferred.as_ref().is_none_or(|d| d.lock().lanes[self.lane].ran >= self.seq)
     }
 }
 
 impl DeviceFence for DeferredFence {
     fn wait(&self) -> Result<()> {
-        self.device.run_deferred(self.seq, false);
+        self.device.run_deferred(self.lane, self.seq, false);
         Ok(())
     }
     fn is_done(&self) -> bool {
@@ -504,7 +530,7 @@ impl DeviceFence for DeferredFence {
             d.polls.is_multiple_of(d.polls_per_copy.max(1))
         });
         if progress {
-            self.device.run_deferred(self.seq, true);
+            self.device.run_deferred(self.lane, self.seq, true);
         }
         self.ran()
     }
@@ -577,7 +603,15 @@ impl DeviceRuntime for HostDevice {
     }
 
     fn copy_queue(&self) -> Result<Box<dyn CopyQueue>> {
-        Ok(Box::new(HostQueue { device: self.state.clone() }))
+        Ok(Box::new(HostQueue { device: self.state.clone(), lane: 0 }))
+    }
+
+    fn copy_queue_toward(&self, way: CopyWay) -> Result<Box<dyn CopyQueue>> {
+        let lane = match way {
+            CopyWay::ToDevice => 1,
+            CopyWay::ToHost => 2,
+        };
+        Ok(Box::new(HostQueue { device: self.state.clone(), lane }))
     }
 
     unsafe fn pin_host(&self, ptr: *mut u8, _len: usize) -> Result<()> {
@@ -788,12 +822,17 @@ impl HostDeviceTier {
 
     /// Copies queued and not run yet (a deferred device; 0 otherwise).
     pub fn pending_copies(&self) -> usize {
-        self.device.deferred.as_ref().map_or(0, |d| d.lock().copies.len())
+        self.device
+            .deferred
+            .as_ref()
+            .map_or(0, |d| d.lock().lanes.iter().map(|l| l.copies.len()).sum())
     }
 
     /// Run every deferred copy now (the device catches up).
     pub fn complete_copies(&self) {
-        self.device.run_deferred(u64::MAX, false);
+        for lane in 0..3 {
+            self.device.run_deferred(lane, u64::MAX, false);
+        }
     }
 
     /// Deferred copies that ran after their device memory was freed (each a use after free on
@@ -986,6 +1025,41 @@ mod tests {
         let mut now = vec![0u8; 4096];
         tier.kernel_read(&m, 0, &mut now).unwrap();
         assert_eq!(now, back);
+        assert!(tier.faults().is_empty(), "{:?}", tier.faults());
+    }
+
+    #[test]
+    fn a_prefetch_does_not_wait_behind_an_offload_unless_it_reads_its_copy() {
+        // Copies toward the host and toward the device go to queues of their own (CUDA: streams
+        // of two pools): an offload queued first does not hold up a later prefetch of other
+        // bytes; a prefetch of the offload's own host copy waits for it through its fence.
+        let tier = HostDeviceTier::deferred(0, 1 << 20, u64::MAX);
+        let (mut a, mut b) = (tier.alloc(4096).unwrap(), tier.alloc(4096).unwrap());
+        let data: Vec<u8> = (0..4096).map(|i| (i * 7 + 1) as u8).collect();
+        tier.kernel_write(&a, 0, &data).unwrap();
+        let mut copy = vec![0u8; 4096];
+        let other: Vec<u8> = (0..4096).map(|i| (i * 3) as u8).collect();
+        let (TensorMem::Device(da), TensorMem::Device(db)) = (&mut a, &mut b) else {
+            unreachable!()
+        };
+        // SAFETY: `copy` and `other` outlive every copy (all run before the test ends: the
+        // fences below are waited for, and complete_copies runs the rest).
+        let written = unsafe { copy_out_async(da.as_mut(), &mut copy, None) }.unwrap();
+        // SAFETY: as above.
+        let loaded = unsafe { copy_in_async(db.as_mut(), &other, None) }.unwrap();
+        loaded.wait().unwrap();
+        assert_eq!(tier.pending_copies(), 1, "the offload is still queued: the prefetch ran first");
+        let mut now = vec![0u8; 4096];
+        tier.kernel_read(&b, 0, &mut now).unwrap();
+        assert_eq!(now, other);
+        // The prefetch of the offload's host copy waits for it.
+        let TensorMem::Device(db) = &mut b else { unreachable!() };
+        // SAFETY: as above.
+        let back = unsafe { copy_in_async(db.as_mut(), &copy, Some(written.as_ref())) }.unwrap();
+        back.wait().unwrap();
+        tier.kernel_read(&b, 0, &mut now).unwrap();
+        assert_eq!(now, data);
+        tier.complete_copies();
         assert!(tier.faults().is_empty(), "{:?}", tier.faults());
     }
 
