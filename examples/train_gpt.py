@@ -108,8 +108,9 @@ def parse_args(argv=None):
                          "takes its median time over them (the plans of processes vary less)")
     ap.add_argument("--cuda-alloc-conf", metavar="CONF",
                     help="PyTorch's caching allocator settings for every mode (PYTORCH_CUDA_ALLOC_CONF, e.g. "
-                         "expandable_segments:True: fewer out-of-memory retries, each a device synchronization, "
-                         "when blocks freed by offloads do not fit the next allocations)")
+                         "expandable_segments:True,garbage_collection_threshold:0.8; scripts/torch-gpu-eval.sh "
+                         "runs with expandable_segments:True): the allocator's out-of-memory retries, each a "
+                         "device synchronization, depend on them")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
     ap.add_argument("--chunk-mib", type=float, default=0.0,
                     help="teraio: optimizer step chunk (0: one parameter at a time)")

@@ -10,13 +10,23 @@
 # GATHER_AB=1: teraio-host with and without the gather between steps, alternated twice.
 # VARIANTS="name:train_gpt options;name:options;...": teraio-host once per variant, in this
 #   order, ROUNDS times (default 1), e.g. VARIANTS="base:;w16:--teraio-workers 16"; a variant's
-#   own --modes replaces the mode (VARIANTS="ideal:--modes ideal;ckpt:--modes checkpointing;t:").
+#   own --modes replaces the mode (VARIANTS="ideal:--modes ideal;ckpt:--modes checkpointing;t:");
+#   a variant's `@wheels=DIR` runs it on the wheel in DIR instead of WHEELS (two engine builds
+#   alternated in one command: VARIANTS="new:;old:@wheels=.devcarry/torch/tw-prev").
+# PyTorch's caching allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF below)
+#   unless the options say otherwise (train_gpt.py --cuda-alloc-conf).
 set -u
 OUT=${1:?output folder}; shift
 WHEELS=${WHEELS:-.devcarry/torch/tw}
 export LD_LIBRARY_PATH="/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-SITE=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl 2>&1 | tail -1
-cp -r bindings/python/python/teraio/torch "$SITE/teraio/"  # this checkout's teraio.torch over the wheel's
+site_of() { # wheel folder -> a folder with that wheel and this checkout's teraio.torch over it
+  local s; s=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --target "$s" "$1"/*.whl 2>&1 | tail -1 >&2
+  cp -r bindings/python/python/teraio/torch "$s/teraio/"
+  echo "$s"
+}
+SITE=$(site_of "$WHEELS")
+declare -A SITES=(["$WHEELS"]=$SITE)
 export PYTHONPATH=$SITE PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 SSD=${SSD:-/var/tmp/teraio-eval}; mkdir -p "$SSD" "$OUT"
 date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -25,9 +35,13 @@ CONFIG="--layers 12 --hidden 1024 --heads 16 --vocab 8192 --seq 1024 --batch 16 
 if [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra VS <<< "$VARIANTS"
   for r in $(seq 1 "${ROUNDS:-1}"); do for v in "${VS[@]}"; do
-    name=${v%%:*}; opts=${v#*:}
+    name=${v%%:*}; opts=${v#*:}; wheels=$WHEELS
+    if [[ $opts =~ @wheels=([^[:space:]]+) ]]; then
+      wheels=${BASH_REMATCH[1]}; opts=${opts/@wheels=$wheels/}
+      [ -n "${SITES[$wheels]:-}" ] || SITES[$wheels]=$(site_of "$wheels")
+    fi
     # shellcheck disable=SC2086
-    timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
+    PYTHONPATH=${SITES[$wheels]} timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
       --steps "${STEPS:-4}" --mode-timeout-s 130 $opts "$@" --out "$OUT/$name$r" > "$OUT/$name$r.log" 2>&1
     echo "== $name round $r ($opts)"; grep -E "teraio step [1-9]|Error|Traceback" "$OUT/$name$r.log" | cut -c1-700
     tail -n 1 "$OUT/$name$r/table.md"
@@ -46,4 +60,4 @@ else
   echo "train rc=$?"; grep -E "teraio|Error|\] step|Traceback" "$OUT/train.log" | cut -c1-400 | tail -60
   cat "$OUT/fp32/table.md" 2>/dev/null
 fi
-rm -rf "$SSD" "$SITE"; date -u
+rm -rf "$SSD" "${SITES[@]}"; date -u
