@@ -1279,19 +1279,27 @@ impl Executor {
     /// the store's copy is current), and read it back after. Returns whether it did.
     fn evict(&mut self, k: usize) -> Result<bool> {
         let Some(t) = self.victim(k) else { return Ok(false) };
+        self.evict_tensor(t, Destination::default())?;
+        Ok(true)
+    }
+
+    /// Evict resident tensor `t`: let go at once when the store's copy is current, else
+    /// offloaded urgently to `destination` (the tensor comes back on demand before its next
+    /// use). Returns whether an offload started.
+    fn evict_tensor(&mut self, t: usize, destination: Destination) -> Result<bool> {
         let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
-            unreachable!("filtered above")
+            unreachable!("an evicted tensor is resident")
         };
         self.report.evictions += 1;
         self.evicted[t] = true;
         if self.is_clean(t) {
             self.let_go(t, mem);
-        } else {
-            let opts = OffloadOptions { priority: Priority::Urgent, ..Default::default() };
-            let handle = self.offload_keep(t, mem, opts)?;
-            self.in_flight += 1;
-            self.states[t] = State::Offloading { handle, keep: false };
+            return Ok(false);
         }
+        let opts = OffloadOptions { destination, priority: Priority::Urgent, name: None };
+        let handle = self.offload_keep(t, mem, opts)?;
+        self.in_flight += 1;
+        self.states[t] = State::Offloading { handle, keep: false };
         Ok(true)
     }
 
@@ -1309,34 +1317,20 @@ impl Executor {
         let before = self.used;
         let mut moving = Vec::new();
         let mut freed = 0;
+        let destination =
+            if self.store.has_host_tier() { Destination::Host } else { Destination::Ssd };
         while freed < bytes {
-            let victim = self.victim(k);
-            let Some(t) = victim else { break };
-            let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
-                unreachable!("a victim is resident")
-            };
-            self.report.evictions += 1;
+            let Some(t) = self.victim(k) else { break };
             self.report.made_room += 1;
-            self.evicted[t] = true;
             freed += self.bytes(t);
-            if self.is_clean(t) {
-                self.let_go(t, mem);
-                continue;
+            if self.evict_tensor(t, destination)? {
+                moving.push(t);
             }
-            let destination =
-                if self.store.has_host_tier() { Destination::Host } else { Destination::Ssd };
-            let opts = OffloadOptions { destination, priority: Priority::Urgent, name: None };
-            let handle = self.offload_keep(t, mem, opts)?;
-            self.in_flight += 1;
-            self.states[t] = State::Offloading { handle, keep: false };
-            moving.push(t);
         }
-        // The memory goes back now: once each offload is queued (or written), the caller's
-        // stream ordered after its copy, or the host waiting for it.
+        // The memory goes back now: once each offload is queued (or written; `settle_offload`
+        // waits for its handle), the caller's stream ordered after its copy, or the host
+        // waiting for it.
         for t in moving {
-            while matches!(&self.states[t], State::Offloading { handle, .. } if !handle.is_done()) {
-                std::thread::sleep(Duration::from_micros(20));
-            }
             self.settle_offload(t);
         }
         self.poll()?;
