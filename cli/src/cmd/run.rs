@@ -15,6 +15,7 @@ use teraio_engine::runtime::{
     BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay_adaptive,
 };
 use teraio_engine::store::OffloadOptions;
+use teraio_engine::tier::CopyWay;
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::units::ByteSize;
 use teraio_scheduler::{
@@ -315,10 +316,12 @@ fn measure_pcie(engine: &Engine) -> Result<Pcie> {
         pinned.push(p);
     }
     let d = [0, 1].map(|i| dev[i].device().expect("GPU memory").device_ptr());
-    // `COPIES` copies host -> GPU on one queue and/or GPU -> host on another, timed together;
+    // `COPIES` copies host -> GPU and/or GPU -> host, each direction on the engine's queues
+    // for it (as prefetches and offloads go), timed together;
     // returns the bytes per second of all of them.
     let time = |h2d: bool, d2h: bool| -> teraio_engine::Result<f64> {
-        let (mut up, mut down) = (rt.copy_queue()?, rt.copy_queue()?);
+        let (mut up, mut down) =
+            (rt.copy_queue_toward(CopyWay::ToDevice)?, rt.copy_queue_toward(CopyWay::ToHost)?);
         let start = Instant::now();
         let mut queue = || -> teraio_engine::Result<()> {
             for _ in 0..COPIES {
