@@ -71,11 +71,13 @@ for r in $(seq "$ROUNDS"); do
       log "round $r: $bs tensors, $d in flight: $what"
       drop
       if [ "$what" = disk ]; then
-        # the disk's own O_DIRECT bandwidth at this size and depth (host memory, no GPU); a
+        # the disk's own O_DIRECT bandwidth at this size and depth (host memory, no GPU): `bench`
+        # counts its depth per file, the GPU paths in total, so d/4 per file (at least 1); a
         # block larger than a file (1G tensors over 512M files) is taken at the file's size
         dbs=$(numfmt --from=iec "$bs"); pf=$(numfmt --from=iec "$PER_FILE"); [ "$dbs" -gt "$pf" ] && dbs=$pf
-        { "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$dbs" --iodepth "$d" --rw write --json > "$OUT/w.json" &&
-          drop && "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$dbs" --iodepth "$d" --rw read --no-prefill --json > "$OUT/r.json" &&
+        dd=$(( d / 4 > 0 ? d / 4 : 1 ))
+        { "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$dbs" --iodepth "$dd" --rw write --json > "$OUT/w.json" &&
+          drop && "$BIN/teraio" bench --dir "$B" --files 4 --size "$PER_FILE" --bs "$dbs" --iodepth "$dd" --rw read --no-prefill --json > "$OUT/r.json" &&
           python3 -c 'import json,sys; w,r=(json.load(open(f)) for f in sys.argv[1:3]); w["jobs"]+=r["jobs"]; print(json.dumps(w))' "$OUT/w.json" "$OUT/r.json"; } > "$OUT/one.json" 2> "$OUT/one.err"
       elif [ "$what" = kvikio ]; then
         python3 "$(dirname "$0")/kvikio-bench.py" --files "$B"/dev0 "$B"/dev1 "$B"/dev2 "$B"/dev3 --bs "$bs" --iodepth "$d" --size "$PER_FILE" > "$OUT/one.json" 2> "$OUT/one.err"
@@ -131,6 +133,15 @@ for bs in dict.fromkeys(r["bs"] for r in rows if r["what"] in ("gds", "bounce", 
             continue
         w = med([bw(r, "write") for r in sel]); rd = med([bw(r, "read") for r in sel])
         print(f"| {bs} | {what} | {w/1e9:.2f} | {w/kw:.2f}x | {w/disk_w:.2f}x | {w/sw:.2f}x | {rd/1e9:.2f} | {rd/kr:.2f}x | {rd/disk_r:.2f}x | {rd/sr:.2f}x | {len(sel)} |")
+# paired per round (the machine's disk drifts between rounds): bounce / KvikIO in the same round
+for bs in dict.fromkeys(r["bs"] for r in rows if r["what"] == "bounce"):
+    by = {(r["round"], r["what"]): r for r in rows if r["bs"] == bs}
+    pairs = [(by[(k, "bounce")], by[(k, "kvikio")]) for k, w in by if w == "bounce" and (k, "kvikio") in by]
+    if pairs:
+        pw = sorted(bw(b, "write") / bw(k, "write") for b, k in pairs)
+        pr = sorted(bw(b, "read") / bw(k, "read") for b, k in pairs)
+        print(f"{bs} bounce / KvikIO per round: write " + " ".join(f"{x:.2f}" for x in pw)
+              + f" (median {med(pw):.2f}), read " + " ".join(f"{x:.2f}" for x in pr) + f" (median {med(pr):.2f})")
 on = [r for r in rows if r["what"] == "gds" and r["bs"] == "64M"]
 off = [r for r in rows if r["what"] == "gds-nocrc"]
 if on and off:

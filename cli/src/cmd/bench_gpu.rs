@@ -7,6 +7,9 @@
 //! tensor is prefetched into them, verified by the store's crc32c (on the GPU on the gds path,
 //! on the CPU on the bounce path) and spot-checked against the data written. The output names
 //! the path and whether cuFile runs in compatibility mode; `--json` gives fio's field names.
+//! Like fio and gdsio, a buffer goes to the next tensor as soon as any tensor in flight is done,
+//! not the oldest: `--iodepth` stay in flight when tensors finish out of order (they do, over
+//! several devices).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -67,6 +70,24 @@ pub struct GpuBench {
 /// An offload in flight that hands its GPU buffer back.
 type OffloadHandle = Handle<(OffloadOutcome, TensorMem)>;
 
+/// Take the first operation in flight to finish, in whatever order they finish: a finished
+/// one if any, else a short wait on the oldest, then look again.
+fn next_done<K, T>(
+    q: &mut VecDeque<(K, Instant, Handle<T>)>,
+) -> (K, Instant, teraio_engine::Result<T>) {
+    loop {
+        if let Some(i) = q.iter().position(|(_, _, h)| h.is_done()) {
+            let (k, at, h) = q.remove(i).expect("the index was just found");
+            return (k, at, h.wait());
+        }
+        let (k, at, h) = q.pop_front().expect("an operation in flight");
+        match h.wait_timeout(Duration::from_micros(50)) {
+            Ok(r) => return (k, at, r),
+            Err(h) => q.push_front((k, at, h)),
+        }
+    }
+}
+
 fn record(stats: &mut DirStats, bytes: u64, took: Duration) {
     let ns = (took.as_nanos() as u64).max(1);
     stats.ios += 1;
@@ -118,8 +139,8 @@ pub fn execute(args: &Args, gpu: u32) -> Result<GpuBench> {
     let start = Instant::now();
     for t in 0..tensors {
         if free.is_empty() {
-            let (b, issued, h) = in_flight.pop_front().expect("a tensor in flight");
-            let (_, m) = h.wait()?;
+            let (b, issued, r) = next_done(&mut in_flight);
+            let (_, m) = r?;
             record(&mut writes, args.bs, issued.elapsed());
             free.push((b, m));
         }
@@ -152,8 +173,8 @@ pub fn execute(args: &Args, gpu: u32) -> Result<GpuBench> {
     let mut checks = Vec::new();
     for t in 0..tensors {
         if bufs.is_empty() {
-            let (pt, issued, h) = pending.pop_front().expect("a tensor in flight");
-            let m = h.wait()?;
+            let (pt, issued, r) = next_done(&mut pending);
+            let m = r?;
             record(&mut reads, args.bs, issued.elapsed());
             if checks.len() < 64 {
                 checks.push(pt);
