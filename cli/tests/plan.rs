@@ -114,3 +114,30 @@ fn run_checks_the_array_before_it_writes() {
     assert!(err.contains("--file-size") && err.contains("--probe-size"), "{err}");
     assert!(!err.contains("no space for"), "{err}");
 }
+
+#[test]
+fn without_recomputation_the_bound_does_not_recompute_either() {
+    // A real trace whose forward results have producers (teraio.torch on an H200, fp32).
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/torch-eval/traces/gpt-12l-1024h-b16x1024-fp32-paged-h200.trace.json.gz"
+    );
+    let hw =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/torch-eval/traces/h200-one-disk.hw.json");
+    let run = |extra: &[&str]| {
+        let mut args =
+            vec!["simulate", trace, "--hw", hw, "--gpu-mem-gb", "4", "--host-gb", "25.77"];
+        args.extend_from_slice(&["--policy", "auto,teraio-hybrid", "--json"]);
+        args.extend_from_slice(extra);
+        json_of(&teraio(&args))
+    };
+    let bound = |v: &serde_json::Value| v[0]["lower_bound_us"].as_f64().unwrap();
+    let (with, without) = (run(&[]), run(&["--no-recompute"]));
+    // The bound that may remake activations lies below what moving them alone can reach.
+    assert!(bound(&without) > bound(&with) * 1.05, "{} vs {}", bound(&without), bound(&with));
+    for r in without.as_array().unwrap() {
+        let t = r["iteration_time_us"].as_f64().unwrap();
+        assert!(t >= bound(&without), "{}: {t} below {}", r["policy"], bound(&without));
+        assert_eq!(r["lower_bound_us"].as_f64().unwrap(), bound(&without));
+    }
+}

@@ -19,7 +19,8 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1.0, value_name = "PERCENT")]
     pub wear_tolerance: f64,
     /// With `auto`: never recompute a tensor instead of keeping or moving it (the trace says
-    /// which tensors can be recomputed; `teraio run` replays no recomputation yet).
+    /// which tensors can be recomputed; `teraio run` replays no recomputation yet); `simulate`'s
+    /// lower bound then remakes nothing either.
     #[arg(long)]
     pub no_recompute: bool,
 }

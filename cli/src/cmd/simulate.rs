@@ -244,8 +244,22 @@ pub fn run(args: Args) -> Result<()> {
         });
     }
     let ideal_us = trace.iteration_time_us();
-    let bound = lower_bound(&trace, &hw)?;
-    let ckpt_bound = ckpt.as_ref().map(|c| lower_bound(c, &hw)).transpose()?;
+    // With --no-recompute no plan remakes a tensor, so neither does the bound: a bound that may
+    // recompute is still a bound, but a loose one (it remakes activations for their producer's
+    // time and ignores that the producer's inputs must be resident).
+    let bound_of = |t: &teraio_scheduler::Trace| {
+        if plan_opts.recompute {
+            lower_bound(t, &hw)
+        } else {
+            let mut moved_only = t.clone();
+            for x in &mut moved_only.tensors {
+                x.producer = None;
+            }
+            lower_bound(&moved_only, &hw)
+        }
+    };
+    let bound = bound_of(&trace)?;
+    let ckpt_bound = ckpt.as_ref().map(bound_of).transpose()?;
     let bound_for = |on_ckpt: bool| -> &Bound {
         if on_ckpt { ckpt_bound.as_ref().unwrap_or(&bound) } else { &bound }
     };
