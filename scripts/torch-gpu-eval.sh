@@ -15,6 +15,11 @@
 #   alternated in one command: VARIANTS="new:;old:@wheels=.devcarry/torch/tw-prev").
 # PyTorch's caching allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF below)
 #   unless the options say otherwise (train_gpt.py --cuda-alloc-conf).
+# DS=dir (default .devcarry/torch/ds, used when present): DeepSpeed for the zero-infinity mode,
+#   its wheel (`DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8`) and
+#   its dependencies' cp312 wheels (`pip download --only-binary=:all: --python-version 3.12`);
+#   AIO=dir (default .devcarry/torch/aio): Debian's libaio1 and libaio-dev unpacked
+#   (`dpkg-deb -x`), for the async_io op DeepSpeed compiles at its first use (about a minute).
 set -u
 OUT=${1:?output folder}; shift
 WHEELS=${WHEELS:-.devcarry/torch/tw}
@@ -28,6 +33,17 @@ site_of() { # wheel folder -> a folder with that wheel and this checkout's terai
 SITE=$(site_of "$WHEELS")
 declare -A SITES=(["$WHEELS"]=$SITE)
 export PYTHONPATH=$SITE PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+DS=${DS:-.devcarry/torch/ds} AIO=$(realpath -m "${AIO:-.devcarry/torch/aio}")/usr
+DS_SITE=""
+if [ -d "$DS" ]; then
+  DS_SITE=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --target "$DS_SITE" "$DS"/*.whl 2>&1 | tail -1
+  export PATH=$DS_SITE/bin:$PATH DS_SITE CPATH=$AIO/include LIBRARY_PATH=$AIO/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=$AIO/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
+  export TORCH_EXTENSIONS_DIR=/tmp/teraio-eval-ext CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+  # DeepSpeed's JIT builder cannot parse torch's "9.0a" architecture names
+  export TORCH_CUDA_ARCH_LIST=9.0 PYTHONPATH=$SITE:$DS_SITE
+fi
 SSD=${SSD:-/var/tmp/teraio-eval}; mkdir -p "$SSD" "$OUT"
 date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 CONFIG="--layers 12 --hidden 1024 --heads 16 --vocab 8192 --seq 1024 --batch 16 --warmup 2 --dtype fp32
@@ -41,7 +57,7 @@ if [ -n "${VARIANTS:-}" ]; then
       [ -n "${SITES[$wheels]:-}" ] || SITES[$wheels]=$(site_of "$wheels")
     fi
     # shellcheck disable=SC2086
-    PYTHONPATH=${SITES[$wheels]} timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
+    PYTHONPATH=${SITES[$wheels]}${DS_SITE:+:$DS_SITE} timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
       --steps "${STEPS:-4}" --mode-timeout-s 130 $opts "$@" --out "$OUT/$name$r" > "$OUT/$name$r.log" 2>&1
     echo "== $name round $r ($opts)"; grep -E "teraio step [1-9]|Error|Traceback" "$OUT/$name$r.log" | cut -c1-700
     tail -n 1 "$OUT/$name$r/table.md"
@@ -60,4 +76,4 @@ else
   echo "train rc=$?"; grep -E "teraio|Error|\] step|Traceback" "$OUT/train.log" | cut -c1-400 | tail -60
   cat "$OUT/fp32/table.md" 2>/dev/null
 fi
-rm -rf "$SSD" "${SITES[@]}"; date -u
+rm -rf "$SSD" "${SITES[@]}" $DS_SITE; date -u
