@@ -12,7 +12,9 @@
 #   order, ROUNDS times (default 1), e.g. VARIANTS="base:;w16:--teraio-workers 16"; a variant's
 #   own --modes replaces the mode (VARIANTS="ideal:--modes ideal;ckpt:--modes checkpointing;t:");
 #   a variant's `@wheels=DIR` runs it on the wheel in DIR instead of WHEELS (two engine builds
-#   alternated in one command: VARIANTS="new:;old:@wheels=.devcarry/torch/tw-prev").
+#   alternated in one command: VARIANTS="new:;old:@wheels=.devcarry/torch/tw-prev"); `@torchpy=DIR`
+#   takes teraio.torch from DIR (a copy of bindings/python/python/teraio/torch of another commit)
+#   instead of this checkout's.
 # PyTorch's caching allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF below)
 #   unless the options say otherwise (train_gpt.py --cuda-alloc-conf).
 # DS=dir (default .devcarry/torch/ds, used when present): DeepSpeed for the zero-infinity mode,
@@ -24,10 +26,11 @@ set -u
 OUT=${1:?output folder}; shift
 WHEELS=${WHEELS:-.devcarry/torch/tw}
 export LD_LIBRARY_PATH="/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-site_of() { # wheel folder -> a folder with that wheel and this checkout's teraio.torch over it
+site_of() { # wheel folder [teraio.torch folder] -> a folder with that wheel and the checkout's
+  # (or the given) teraio.torch over it
   local s; s=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --target "$s" "$1"/*.whl 2>&1 | tail -1 >&2
-  cp -r bindings/python/python/teraio/torch "$s/teraio/"
+  rm -rf "$s/teraio/torch"; cp -r "${2:-bindings/python/python/teraio/torch}" "$s/teraio/torch"
   echo "$s"
 }
 SITE=$(site_of "$WHEELS")
@@ -54,10 +57,14 @@ if [ -n "${VARIANTS:-}" ]; then
     name=${v%%:*}; opts=${v#*:}; wheels=$WHEELS
     if [[ $opts =~ @wheels=([^[:space:]]+) ]]; then
       wheels=${BASH_REMATCH[1]}; opts=${opts/@wheels=$wheels/}
-      [ -n "${SITES[$wheels]:-}" ] || SITES[$wheels]=$(site_of "$wheels")
     fi
+    key=$wheels py=""
+    if [[ $opts =~ @torchpy=([^[:space:]]+) ]]; then
+      py=${BASH_REMATCH[1]}; opts=${opts/@torchpy=$py/}; key="$wheels|$py"
+    fi
+    [ -n "${SITES[$key]:-}" ] || SITES[$key]=$(site_of "$wheels" "$py")
     # shellcheck disable=SC2086
-    PYTHONPATH=${SITES[$wheels]}${DS_SITE:+:$DS_SITE} timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
+    PYTHONPATH=${SITES[$key]}${DS_SITE:+:$DS_SITE} timeout "${VARIANT_S:-150}" python3 examples/train_gpt.py --modes "${VMODE:-teraio-host}" $CONFIG \
       --steps "${STEPS:-4}" --mode-timeout-s 130 $opts "$@" --out "$OUT/$name$r" > "$OUT/$name$r.log" 2>&1
     echo "== $name round $r ($opts)"; grep -E "teraio step [1-9]|Error|Traceback" "$OUT/$name$r.log" | cut -c1-700
     tail -n 1 "$OUT/$name$r/table.md"

@@ -165,6 +165,46 @@ def test_divergence_brings_everything_back_and_profiles_again():
     s.close()
 
 
+class Narrowing(Switchable):
+    """The same operators every step; with ``cut`` the sequence is one token shorter after the
+    embedding (the first operator, which names the plan, sees the same shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cut = False
+
+    def forward(self, tok):
+        x = self.emb(tok)
+        # the same operators whatever the length (a slice of everything would be an alias)
+        x = x.index_select(1, torch.arange(x.shape[1] - self.cut, device=x.device))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        n = x.shape[1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 97), tok[:, :n].reshape(-1))
+
+
+def test_a_shape_change_after_the_first_operator_is_a_divergence():
+    model, ref = Narrowing(), Narrowing()
+    model.cut = ref.cut = True  # profiled and planned with the short sequence
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    exs = []
+    s = session(model, opt, exs)
+    s.budget = 1 << 30
+    for i, t in enumerate(batches(6)):
+        model.cut = ref.cut = i != 4  # step 4: the full sequence, same first operator
+        with s.step():
+            a = train_step(model, opt, t)
+        assert a == train_step(ref, ref_opt, t)
+    modes = [r["mode"] for r in s.steps]
+    assert modes[2:4] == ["planned", "planned"], modes
+    assert "diverged" in s.steps[4] and "diverged" not in s.steps[3], s.steps[4]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    s.close()
+
+
 def test_an_operator_that_runs_out_of_memory_runs_again_once_the_executor_made_room(monkeypatch):
     model, opt = make()
     ref, ref_opt = make()

@@ -34,6 +34,25 @@ def iter_tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.
     return out
 
 
+def flat_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """``iter_tensors((args, kwargs))`` without the recursion through the outer tuple and the
+    dict: the tensors of an operator's arguments, in the same order (once per operator)."""
+    out: list[torch.Tensor] = []
+    tensor = torch.Tensor
+    for x in args:
+        if isinstance(x, tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple, dict)):
+            iter_tensors(x, out)
+    if kwargs:
+        for x in kwargs.values():
+            if isinstance(x, tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                iter_tensors(x, out)
+    return out
+
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The tensor's storage, or ``None`` for tensors that have none we can track (sparse,
     nested, meta, tensor subclasses without real storage)."""

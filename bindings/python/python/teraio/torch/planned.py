@@ -37,8 +37,10 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ._storages import byte_view, iter_tensors, signature, storage_key, storage_of
+from ._storages import byte_view, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
 from .runtime import host_view
+
+_STRIDED = torch.strided
 
 
 class Diverged(Exception):
@@ -290,14 +292,24 @@ class PlannedRun:
         if self.diverged is not None:
             return
         try:
-            self._hold_back(k)
+            if self.max_ahead > 0:
+                self._hold_back(k)
             if k >= len(self.signatures):
                 raise Diverged(k, f"more operators than the {len(self.signatures)} profiled")
-            self._flat = iter_tensors((args, kwargs))
-            sig = signature(func, args, kwargs, self._flat)
-            if sig != self.signatures[k]:
+            self._flat = flat = flat_args(args, kwargs)
+            # the signature compared in place (no tuple built per operator: this runs for
+            # every operator, and in bf16 the host's time per operator is the step's limit)
+            name, shapes = self.signatures[k]
+            same = op_name(func) == name and len(flat) == len(shapes)
+            if same:
+                for t, (shape, dtype) in zip(flat, shapes):
+                    if t.dtype != dtype or t.shape != shape:
+                        same = False
+                        break
+            if not same:
+                sig = signature(func, args, kwargs, flat)
                 raise Diverged(k, f"{sig[0]} with {len(sig[1])} tensors where the profile has "
-                                  f"{self.signatures[k][0]} with {len(self.signatures[k][1])}")
+                                  f"{name} with {len(shapes)}")
             self._k = k
             self.ex.boundary_named(k, self.trace["kernels"][k]["name"])
             t0 = time.perf_counter()
@@ -388,18 +400,23 @@ class PlannedRun:
             new = []
             outs = iter_tensors(out)
             dev = self.device
-            for t in self._flat + outs:
-                if t.device != dev:
-                    continue
-                s = storage_of(t)
-                if s is None or s.nbytes() == 0:
-                    continue
-                key = storage_key(s)
-                tid = self.tid_of.get(key)
-                # a key of a storage that died since (its address reused) is not this storage
-                known = tid is not None and self.refs[tid]() is s
-                if not known and all(key != storage_key(x) for x in new):
-                    new.append(s)
+            tid_of, refs = self.tid_of, self.refs
+            for ts in (self._flat, outs):
+                for t in ts:
+                    # storage_of inlined: the device is this step's (never meta)
+                    if t.device != dev or t.layout != _STRIDED:
+                        continue
+                    try:
+                        s = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    key = s._cdata
+                    tid = tid_of.get(key)
+                    # a key of a storage that died since (its address reused) is not this storage
+                    if tid is not None and refs[tid]() is s:
+                        continue
+                    if s.nbytes() != 0 and all(key != x._cdata for x in new):
+                        new.append(s)
             want = self._want[k]
             if len(new) != len(want):
                 raise Diverged(k, f"{len(new)} new storages where the profile saw {len(want)}")
