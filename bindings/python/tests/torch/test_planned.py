@@ -143,19 +143,27 @@ def test_planned_steps_move_storages_and_keep_losses():
     s.close()
 
 
-def test_divergence_brings_everything_back_and_profiles_again():
-    model = Switchable()
-    ref = Switchable()
+def beside_reference(cls, steps, setup):
+    """A session trains ``cls()`` beside a plain ``cls()`` for ``steps`` steps, ``setup(i, m)``
+    setting both models up before step ``i``; every loss must be equal."""
+    model, ref = cls(), cls()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     exs = []
     s = session(model, opt, exs)
     s.budget = 1 << 30
-    for i, t in enumerate(batches(7)):
-        model.extra = ref.extra = i == 4  # a new branch in step 4 only
+    for i, t in enumerate(batches(steps)):
+        setup(i, model)
+        setup(i, ref)
         with s.step():
             a = train_step(model, opt, t)
         assert a == train_step(ref, ref_opt, t)
+    return s, exs, model, ref
+
+
+def test_divergence_brings_everything_back_and_profiles_again():
+    # a new branch in step 4 only
+    s, exs, model, ref = beside_reference(Switchable, 7, lambda i, m: setattr(m, "extra", i == 4))
     modes = [r["mode"] for r in s.steps]
     assert modes == ["profiled", "profiled", "planned", "planned", "planned", "profiled", "planned"]
     assert "diverged" in s.steps[4] and "diverged" not in s.steps[3]
@@ -185,18 +193,8 @@ class Narrowing(Switchable):
 
 
 def test_a_shape_change_after_the_first_operator_is_a_divergence():
-    model, ref = Narrowing(), Narrowing()
-    model.cut = ref.cut = True  # profiled and planned with the short sequence
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    exs = []
-    s = session(model, opt, exs)
-    s.budget = 1 << 30
-    for i, t in enumerate(batches(6)):
-        model.cut = ref.cut = i != 4  # step 4: the full sequence, same first operator
-        with s.step():
-            a = train_step(model, opt, t)
-        assert a == train_step(ref, ref_opt, t)
+    # profiled and planned with the short sequence; step 4: the full one, same first operator
+    s, exs, model, ref = beside_reference(Narrowing, 6, lambda i, m: setattr(m, "cut", i != 4))
     modes = [r["mode"] for r in s.steps]
     assert modes[2:4] == ["planned", "planned"], modes
     assert "diverged" in s.steps[4] and "diverged" not in s.steps[3], s.steps[4]
