@@ -351,12 +351,19 @@ fn measure_pcie(engine: &Engine) -> Result<Pcie> {
     let measured = r.and_then(|()| {
         Ok(Pcie { h2d: time(true, false)?, d2h: time(false, true)?, both: time(true, true)? })
     });
+    // Every buffer is unpinned, whatever fails; the first error is the one reported.
+    let mut unpinned = Ok(());
     for p in pinned {
         // SAFETY: pinned above; no copy uses it any more (`time` waits for every copy it
         // queued, on failure too).
-        unsafe { rt.unpin_host(p)? };
+        let r = unsafe { rt.unpin_host(p) };
+        if unpinned.is_ok() {
+            unpinned = r;
+        }
     }
-    Ok(measured?)
+    let pcie = measured?;
+    unpinned?;
+    Ok(pcie)
 }
 
 /// PCIe copy rates of pinned memory, bytes/s: each way alone, and in total both ways at once.
