@@ -241,3 +241,26 @@ def test_an_operator_that_runs_out_of_memory_runs_again_once_the_executor_made_r
     assert rooms[0][1] == rooms[1][1] and rooms[1][2] == 2 * rooms[0][2], "the same operator, twice the bytes"
     assert s.steps[3]["oom_retries"] == 2 and s.steps[3]["made_room_bytes"] == 3 * rooms[0][2]
     assert "2 operators out of memory ran again" in tt.Session.line(s.steps[3])
+
+
+def test_a_storage_resizes_without_the_dispatcher():
+    """The executor's alloc/release resize CPU and CUDA storages with no dispatch mode disabled:
+    that holds only while no mode sees the resize (a mode that saw it would count an operator)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from teraio.torch.planned import _resize
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    s = torch.arange(1000, dtype=torch.float32).untyped_storage()
+    with Watch():
+        _resize(s, 0)
+        assert s.nbytes() == 0
+        _resize(s, 4000)
+        torch.zeros(1)  # the mode is live: it sees this one
+    assert s.nbytes() == 4000 and len(seen) == 1, seen

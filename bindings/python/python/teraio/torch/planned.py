@@ -41,6 +41,20 @@ from ._storages import byte_view, flat_args, iter_tensors, op_name, signature, s
 from .runtime import host_view
 
 _STRIDED = torch.strided
+_DIRECT_RESIZE = ("cpu", "cuda")
+
+
+def _resize(s: torch.UntypedStorage, nbytes: int) -> None:
+    """Resize a storage to ``nbytes``. CPU and CUDA storages resize without the dispatcher
+    (``THPStorage_resize_`` calls ``resize_bytes_cpu``/``resize_bytes_cuda``), so no dispatch
+    mode sees it and none needs disabling (the executor calls this thousands of times a step, and
+    disabling the modes costs microseconds each time); other devices resize through a tensor
+    operator, which the running modes must not see."""
+    if s.device.type in _DIRECT_RESIZE:
+        s.resize_(nbytes)
+    else:
+        with _disable_current_modes():
+            s.resize_(nbytes)
 
 
 class Diverged(Exception):
@@ -193,8 +207,7 @@ class PlannedRun:
         s = self.refs[tid]()
         if s is None:
             raise RuntimeError(f"tensor {tid} ({self.tensors[tid]['name']}) has no storage any more")
-        with _disable_current_modes():
-            s.resize_(nbytes)
+        _resize(s, nbytes)
         return self._mem(s, nbytes)
 
     def release(self, tid: int, mem: Any = None) -> None:
@@ -205,8 +218,7 @@ class PlannedRun:
             return
         s = self.refs[tid]()
         if s is not None:
-            with _disable_current_modes():
-                s.resize_(0)
+            _resize(s, 0)
 
     def recompute(self, tid: int, mem: Any = None) -> None:
         """Make ``tid`` again in its (regrown) storage: its creating operator runs once more on
