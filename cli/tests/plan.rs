@@ -140,4 +140,14 @@ fn without_recomputation_the_bound_does_not_recompute_either() {
         assert!(t >= bound(&without), "{}: {t} below {}", r["policy"], bound(&without));
         assert_eq!(r["lower_bound_us"].as_f64().unwrap(), bound(&without));
     }
+    // `analyze` takes the same bound for the same options.
+    let analyzed = |extra: &[&str]| {
+        let mut args =
+            vec!["analyze", trace, "--hw", hw, "--gpu-mem-gb", "4", "--host-gb", "25.77"];
+        args.push("--json");
+        args.extend_from_slice(extra);
+        json_of(&teraio(&args))["lower_bound"]["iteration_us"].as_f64().unwrap()
+    };
+    assert_eq!(analyzed(&[]), bound(&with));
+    assert_eq!(analyzed(&["--no-recompute"]), bound(&without));
 }

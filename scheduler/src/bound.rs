@@ -37,6 +37,7 @@ use serde::{Deserialize, Serialize};
 use crate::Result;
 use crate::analysis::largest_working_set;
 use crate::hardware::{Hardware, Resource, Tier};
+use crate::planner::PlanOptions;
 use crate::trace::Trace;
 
 /// Largest number of window boundaries the dynamic program cuts at.
@@ -192,6 +193,22 @@ pub struct BoundWindow {
 /// The lower bound of `trace` on `hw` (see the module documentation).
 pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<Bound> {
     Ok(lower_bound_windows(trace, hw)?.0)
+}
+
+/// [`lower_bound`] over the plans `opts` allows: without recomputation (`opts.recompute`
+/// false) no plan remakes a tensor, so neither does the bound (it is taken on the trace without
+/// producers). The recomputing bound holds for those plans too, but loosely: it remakes an
+/// activation for its producer's time and does not ask whether the producer's inputs are
+/// resident.
+pub fn lower_bound_for(trace: &Trace, hw: &Hardware, opts: &PlanOptions) -> Result<Bound> {
+    if opts.recompute {
+        return lower_bound(trace, hw);
+    }
+    let mut moved_only = trace.clone();
+    for t in &mut moved_only.tensors {
+        t.producer = None;
+    }
+    lower_bound(&moved_only, hw)
 }
 
 /// [`lower_bound`] and the windows of the partition that gives it, in order (empty when the

@@ -39,7 +39,7 @@ pub mod planner;
 pub mod sim;
 pub mod trace;
 
-pub use bound::{Bound, BoundWindow, lower_bound, lower_bound_windows};
+pub use bound::{Bound, BoundWindow, lower_bound, lower_bound_for, lower_bound_windows};
 pub use error::{Error, Result};
 pub use hardware::{Hardware, Resource, Tier};
 pub use model::{Dtype, Gpu, ModelConfig, generate};

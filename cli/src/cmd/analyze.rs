@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use teraio_scheduler::analysis::summarize;
-use teraio_scheduler::{Policy, Resource, lower_bound, plan_checked};
+use teraio_scheduler::{Policy, Resource, lower_bound_for, plan_checked};
 
 use crate::Result;
 use crate::cmd::hw_args::HwArgs;
@@ -38,8 +38,9 @@ pub fn run(args: Args) -> Result<()> {
     let hw = args.hw.hardware()?;
     let policy: Policy = args.policy.parse()?;
     let s = summarize(&trace);
-    let bound = lower_bound(&trace, &hw)?;
-    let checked = plan_checked(&trace, &hw, policy, &args.planner.options()?);
+    let opts = args.planner.options()?;
+    let bound = lower_bound_for(&trace, &hw, &opts)?;
+    let checked = plan_checked(&trace, &hw, policy, &opts);
     if args.json {
         let mut v = serde_json::to_value(&s)?;
         if let Some(o) = v.as_object_mut() {

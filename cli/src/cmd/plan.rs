@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use teraio_scheduler::{Op, PlanOptions, Policy, Resource, lower_bound, plan_checked};
+use teraio_scheduler::{Op, PlanOptions, Policy, Resource, lower_bound_for, plan_checked};
 
 use crate::cmd::hw_args::{HwArgs, explain};
 use crate::output::outln;
@@ -19,8 +19,8 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1.0, value_name = "PERCENT")]
     pub wear_tolerance: f64,
     /// With `auto`: never recompute a tensor instead of keeping or moving it (the trace says
-    /// which tensors can be recomputed; `teraio run` replays no recomputation yet); `simulate`'s
-    /// lower bound then remakes nothing either.
+    /// which tensors can be recomputed; `teraio run` replays no recomputation yet); the lower
+    /// bound then remakes nothing either.
     #[arg(long)]
     pub no_recompute: bool,
 }
@@ -80,7 +80,7 @@ pub fn run(args: Args) -> Result<()> {
     let start = Instant::now();
     // The bound beside the planning, on a core of its own where there is one.
     let (checked, bound) = std::thread::scope(|scope| {
-        let bound = scope.spawn(|| lower_bound(&trace, &hw));
+        let bound = scope.spawn(|| lower_bound_for(&trace, &hw, &opts));
         let checked = plan_checked(&trace, &hw, policy, &opts);
         (checked, bound.join())
     });

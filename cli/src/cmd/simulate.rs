@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use teraio_scheduler::model::{optimizer_steps_moved, recomputes_activations};
 use teraio_scheduler::{
-    Bound, Error as PlanError, Outcome, Plan, Policy, Resource, SimOptions, SimReport, lower_bound,
-    plan_checked, simulate,
+    Bound, Error as PlanError, Outcome, Plan, Policy, Resource, SimOptions, SimReport,
+    lower_bound_for, plan_checked, simulate,
 };
 
 use crate::cmd::hw_args::HwArgs;
@@ -244,20 +244,8 @@ pub fn run(args: Args) -> Result<()> {
         });
     }
     let ideal_us = trace.iteration_time_us();
-    // With --no-recompute no plan remakes a tensor, so neither does the bound: a bound that may
-    // recompute is still a bound, but a loose one (it remakes activations for their producer's
-    // time and ignores that the producer's inputs must be resident).
-    let bound_of = |t: &teraio_scheduler::Trace| {
-        if plan_opts.recompute {
-            lower_bound(t, &hw)
-        } else {
-            let mut moved_only = t.clone();
-            for x in &mut moved_only.tensors {
-                x.producer = None;
-            }
-            lower_bound(&moved_only, &hw)
-        }
-    };
+    // With --no-recompute the bound remakes nothing either.
+    let bound_of = |t: &teraio_scheduler::Trace| lower_bound_for(t, &hw, &plan_opts);
     let bound = bound_of(&trace)?;
     let ckpt_bound = ckpt.as_ref().map(bound_of).transpose()?;
     let bound_for = |on_ckpt: bool| -> &Bound {
