@@ -264,3 +264,13 @@ def test_a_storage_resizes_without_the_dispatcher():
         _resize(s, 4000)
         torch.zeros(1)  # the mode is live: it sees this one
     assert s.nbytes() == 4000 and len(seen) == 1, seen
+
+
+def test_an_operators_tensors_are_flattened_in_the_profilers_order():
+    from teraio.torch._storages import flat_args, iter_tensors
+
+    t = [torch.zeros(1) for _ in range(6)]
+    cases = [((t[0], 1, [t[1], (t[2],)], {"a": t[3]}), {"out": t[4], "x": [t[5]], "n": None}),
+             ((), {}), ((t[0],), {}), (([t[1], t[2]],), {"w": {"q": t[3]}})]
+    for args, kwargs in cases:
+        assert [id(x) for x in flat_args(args, kwargs)] == [id(x) for x in iter_tensors((args, kwargs))]

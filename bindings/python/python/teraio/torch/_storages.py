@@ -39,13 +39,8 @@ def flat_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     dict: the tensors of an operator's arguments, in the same order (once per operator)."""
     out: list[torch.Tensor] = []
     tensor = torch.Tensor
-    for x in args:
-        if isinstance(x, tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple, dict)):
-            iter_tensors(x, out)
-    if kwargs:
-        for x in kwargs.values():
+    for xs in (args, kwargs.values()) if kwargs else (args,):
+        for x in xs:
             if isinstance(x, tensor):
                 out.append(x)
             elif isinstance(x, (list, tuple, dict)):
