@@ -980,7 +980,12 @@ impl Inner {
         self.queued.release(1);
         let mut release = release;
         match (done, outcome) {
-            (Done::Offload(s), Outcome::Offload(r)) => s.complete(r),
+            (Done::Offload(s), Outcome::Offload(r)) => {
+                // The source memory goes back before the handle completes: a waiter that sees
+                // the offload done sees its memory released too (the tier's budget included).
+                drop(release.take());
+                s.complete(r)
+            }
             (Done::OffloadKeep(s), Outcome::Offload(r)) => {
                 let src = release.take();
                 s.complete(r.map(|o| (o, src.expect("a stored offload hands back its source"))))
@@ -989,8 +994,8 @@ impl Inner {
             (Done::Free(s), Outcome::Free(r)) => s.complete(r),
             _ => unreachable!("an op's outcome matches its kind"),
         }
-        // Otherwise the source memory of an offload is released only now: after the write and
-        // its journal record are durable and the table names the new copy.
+        // The rest (a prefetch's volatile copy, a freed tensor's memory) is released only now:
+        // after the write and its journal record are durable and the table names the new copy.
         drop(release);
     }
 
