@@ -308,7 +308,9 @@ pub struct Executor {
     allocs: VecDeque<Alloc>,
     events: VecDeque<Event>,
     used: u64,
-    in_flight: usize,
+    /// The tensors whose offload or prefetch is in flight (`Offloading` or `Prefetching`):
+    /// what a poll looks at, instead of every tensor of the trace before every kernel.
+    flying: Vec<usize>,
     phase: Phase,
     /// Next kernel expected in this iteration.
     next_kernel: usize,
@@ -448,7 +450,7 @@ impl Executor {
             allocs: VecDeque::new(),
             events: VecDeque::new(),
             used: 0,
-            in_flight: 0,
+            flying: Vec::new(),
             phase: Phase::Setup,
             next_kernel: 0,
             issued: 0,
@@ -488,7 +490,7 @@ impl Executor {
 
     /// Migrations in flight.
     pub fn in_flight(&self) -> usize {
-        self.in_flight
+        self.flying.len()
     }
 
     /// Where the iteration left the plan, once it has (safe mode since).
@@ -920,18 +922,20 @@ impl Executor {
     pub fn poll(&mut self) -> Result<bool> {
         let mut changed = false;
         self.frees.retain(|h| !h.is_done());
-        for t in 0..self.states.len() {
-            let done = match &self.states[t] {
+        // In tensor order (the order `Arrived` events come in); a migration started while
+        // collecting (an offload's retry) joins the ones still in flight.
+        let mut flying = std::mem::take(&mut self.flying);
+        flying.sort_unstable();
+        let (landed, still): (Vec<usize>, Vec<usize>) =
+            flying.into_iter().partition(|&t| match &self.states[t] {
                 // An offload whose copy is queued on the device is done when the copy is.
                 State::Offloading { handle, .. } => handle.is_done() && !handle.peek(copy_pending),
                 State::Prefetching(h) => h.is_done(),
                 _ => false,
-            };
-            if !done {
-                continue;
-            }
+            });
+        self.flying = still;
+        for t in landed {
             changed = true;
-            self.in_flight -= 1;
             let id = TensorId(t as u32);
             match std::mem::replace(&mut self.states[t], State::Absent) {
                 State::Offloading { handle, keep } => match handle.wait() {
@@ -1004,7 +1008,7 @@ impl Executor {
                         }
                         _ => self.store.prefetch(t as u64, mem, priority)?,
                     };
-                    self.in_flight += 1;
+                    self.flying.push(t);
                     self.states[t] = State::Prefetching(h);
                 }
             }
@@ -1117,7 +1121,7 @@ impl Executor {
             if self.kernel_ready(k)? {
                 break;
             }
-            if self.in_flight == 0 && self.allocs.is_empty() {
+            if self.flying.is_empty() && self.allocs.is_empty() {
                 // Nothing can change: only an earlier prefetch error or a plan the budget does
                 // not allow would get here.
                 let waiting: Vec<usize> = self.accesses[k]
@@ -1133,10 +1137,10 @@ impl Executor {
                     ),
                 });
             }
-            if self.in_flight == 0 && self.evict(k)? {
+            if self.flying.is_empty() && self.evict(k)? {
                 continue;
             }
-            if self.in_flight == 0 {
+            if self.flying.is_empty() {
                 let need = self.allocs.front().map_or(0, |a| self.bytes(a.tensor()));
                 return Err(Error::NoSpace(format!(
                     "GPU budget: kernel {k} ({}) cannot start: {need} bytes wanted, {} of {} in use and nothing in flight to free any{}",
@@ -1217,7 +1221,10 @@ impl Executor {
             return Ok(false);
         }
         let mut freed = 0;
-        for t in 0..self.states.len() {
+        // Offloads are in flight: only those tensors, in tensor order.
+        let mut flying = self.flying.clone();
+        flying.sort_unstable();
+        for t in flying {
             if self.used - freed + need <= self.cfg.gpu_budget_bytes {
                 break;
             }
@@ -1261,7 +1268,7 @@ impl Executor {
         }
         let opts = OffloadOptions { destination: destination(tier), priority, name: None };
         let handle = self.offload_keep(t, mem, opts)?;
-        self.in_flight += 1;
+        self.flying.push(t);
         self.report.offloads += 1;
         self.states[t] = State::Offloading { handle, keep: false };
         Ok(())
@@ -1298,7 +1305,7 @@ impl Executor {
         }
         let opts = OffloadOptions { destination, priority: Priority::Urgent, name: None };
         let handle = self.offload_keep(t, mem, opts)?;
-        self.in_flight += 1;
+        self.flying.push(t);
         self.states[t] = State::Offloading { handle, keep: false };
         Ok(true)
     }
@@ -1409,7 +1416,7 @@ impl Executor {
                 self.allocs.retain(|a| a.tensor() != t);
             }
             State::Offloading { handle, .. } => {
-                self.in_flight -= 1;
+                self.flying.retain(|&x| x != t);
                 if let Ok((_, mem)) = handle.wait() {
                     self.give_back(id, mem);
                 }
@@ -1417,7 +1424,7 @@ impl Executor {
                 self.set_used(self.used - self.bytes(t));
             }
             State::Prefetching(h) => {
-                self.in_flight -= 1;
+                self.flying.retain(|&x| x != t);
                 if let Ok(mem) = h.wait() {
                     self.give_back(id, mem);
                 }
@@ -1485,8 +1492,8 @@ impl Executor {
     /// Wait for the migrations in flight, then free every copy the store holds of the trace's
     /// tensors. Resident tensors' memory goes back to the allocator.
     pub fn finish(mut self) -> Result<()> {
-        while self.in_flight > 0 || !self.allocs.is_empty() {
-            let before = (self.in_flight, self.allocs.len());
+        while !self.flying.is_empty() || !self.allocs.is_empty() {
+            let before = (self.flying.len(), self.allocs.len());
             match self.poll() {
                 // A copy that cannot be read is freed below like every other.
                 Err(Error::TensorLost { .. }) => {}
@@ -1494,7 +1501,7 @@ impl Executor {
                     r?;
                 }
             }
-            if self.in_flight == 0 && (self.in_flight, self.allocs.len()) == before {
+            if self.flying.is_empty() && (self.flying.len(), self.allocs.len()) == before {
                 break;
             }
             std::thread::sleep(Duration::from_micros(100));

@@ -108,7 +108,7 @@ impl Executor {
             if !waiting {
                 return Ok(());
             }
-            if !changed && self.in_flight == 0 {
+            if !changed && self.flying.is_empty() {
                 return Err(Error::InvalidState {
                     tensor: "global tensors".into(),
                     detail: "they wait to be read back and nothing is in flight".into(),

@@ -99,7 +99,7 @@ impl Executor {
                 name: None,
             };
             let handle = self.offload_keep(t, mem, opts)?;
-            self.in_flight += 1;
+            self.flying.push(t);
             self.states[t] = State::Offloading { handle, keep: false };
             return Ok(());
         }
@@ -229,7 +229,7 @@ impl Executor {
                     self.states[t] = State::Offloaded;
                 }
             }
-            if self.in_flight == 0 {
+            if self.flying.is_empty() {
                 return Ok(());
             }
             match self.poll() {
