@@ -801,39 +801,37 @@ impl CudaMem {
             });
         }
         device.bind()?;
-        let attr = |a: cu::CUpointer_attribute, out: *mut c_void| {
-            // SAFETY: `out` points to storage of the attribute's type (u32 / u64 below).
-            unsafe { cu::cuPointerGetAttribute(out, a, ptr) }
-        };
-        let mut mem_type: u32 = 0;
-        let r = attr(
+        // One driver call for the four attributes (a trainer wraps thousands of tensors a step).
+        let (mut mem_type, mut ordinal, mut start, mut size): (u32, i32, u64, u64) = (0, -1, 0, 0);
+        let mut attrs = [
             cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        let mut data: [*mut c_void; 4] = [
             (&raw mut mem_type).cast(),
-        );
+            (&raw mut ordinal).cast(),
+            (&raw mut start).cast(),
+            (&raw mut size).cast(),
+        ];
+        // SAFETY: `attrs` and `data` have 4 entries each; each data pointer points to storage of
+        // its attribute's type (u32, i32, u64, u64), alive for the call.
+        let r =
+            unsafe { cu::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
         if r != cu::CUresult::CUDA_SUCCESS
             || mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
         {
             return Err(Error::InvalidArgument(format!(
-                "{ptr:#x} is not CUDA device memory (cuPointerGetAttribute: {r:?}, memory type {mem_type})"
+                "{ptr:#x} is not CUDA device memory (cuPointerGetAttributes: {r:?}, memory type {mem_type})"
             )));
         }
-        let mut ordinal: i32 = -1;
-        attr(
-            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            (&raw mut ordinal).cast(),
-        );
         if ordinal != device.ordinal as i32 {
             return Err(Error::InvalidArgument(format!(
                 "{ptr:#x} is memory of GPU {ordinal}, not of GPU {}",
                 device.ordinal
             )));
         }
-        let (mut start, mut size): (u64, u64) = (0, 0);
-        attr(
-            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-            (&raw mut start).cast(),
-        );
-        attr(cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE, (&raw mut size).cast());
         if ptr.checked_add(len).is_none_or(|end| end > start + size) {
             return Err(Error::InvalidArgument(format!(
                 "{len} bytes at {ptr:#x} run past their allocation ({size} bytes at {start:#x})"
