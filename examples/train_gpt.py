@@ -11,6 +11,7 @@ tokens, so their losses can be compared exactly:
   teraio-ssd       teraio.torch under the cap, offloading to the SSD array only
   teraio-host      teraio.torch under the cap, SSD array plus a host-memory tier (--host-gib)
   teraio-noop      teraio.torch with no cap and a plan that moves nothing (the runtime's overhead)
+  dispatch-noop    a bare Python dispatch mode around the step (the floor of any such runtime)
   save_on_cpu      torch.autograd.graph.save_on_cpu(pin_memory=True) under the cap
   checkpointing    torch.utils.checkpoint around every block under the cap
   zero-infinity    DeepSpeed ZeRO-3, parameters and optimizer states on NVMe, every block
@@ -42,8 +43,8 @@ import threading
 import time
 import traceback
 
-MODES = ["ideal", "ideal-repeat", "plain", "teraio-ssd", "teraio-host", "teraio-noop", "save_on_cpu",
-         "checkpointing", "zero-infinity"]
+MODES = ["ideal", "ideal-repeat", "plain", "teraio-ssd", "teraio-host", "teraio-noop", "dispatch-noop",
+         "save_on_cpu", "checkpointing", "zero-infinity"]
 
 
 def parse_args(argv=None):
@@ -68,7 +69,7 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cap-gib", type=float, default=0.0,
-                    help="GPU memory cap for every mode but ideal and teraio-noop "
+                    help="GPU memory cap for every mode but ideal, teraio-noop and dispatch-noop "
                          "(set_per_process_memory_fraction); 0: none")
     ap.add_argument("--ssd-dir", default="/var/tmp/teraio-train", help="teraio's and DeepSpeed's files")
     ap.add_argument("--ssd-files", type=int, default=1)
@@ -112,8 +113,9 @@ def parse_args(argv=None):
                          "runs with expandable_segments:True): the allocator's out-of-memory retries, each a "
                          "device synchronization, depend on them")
     ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
-    ap.add_argument("--chunk-mib", type=float, default=0.0,
-                    help="teraio: optimizer step chunk (0: one parameter at a time)")
+    ap.add_argument("--chunk-mib", type=float, default=None,
+                    help="teraio: optimizer step chunk in MiB of parameters (0: one parameter at a "
+                         "time; default: teraio.torch's, a 32nd of the GPU budget)")
     ap.add_argument("--mode-timeout-s", type=float, default=600.0)
     ap.add_argument("--out", default="train_gpt_results", help="driver: output folder")
     ap.add_argument("--result", help="one mode: write the JSON result here (else stdout)")
@@ -244,7 +246,7 @@ def run_mode(args):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         total = torch.cuda.get_device_properties(dev).total_memory
-        capped = mode not in ("ideal", "ideal-repeat", "teraio-noop") and args.cap_gib > 0
+        capped = mode not in ("ideal", "ideal-repeat", "teraio-noop", "dispatch-noop") and args.cap_gib > 0
         if capped:
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), dev)
         res["gpu"] = torch.cuda.get_device_name(dev)
@@ -298,7 +300,7 @@ def run_mode(args):
                 import io
                 import pstats
                 buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+                pstats.Stats(prof, stream=buf).sort_stats(os.environ.get("TERAIO_PROFILE_SORT", "tottime")).print_stats(30)
                 with open(os.path.join(os.path.dirname(os.path.abspath(args.result)) if args.result else args.out,
                                        f"host-profile-{mode}.txt"), "w") as f:
                     f.write(buf.getvalue())
@@ -422,10 +424,21 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
     session = None
     if mode.startswith("teraio"):
         session = make_session(args, torch, mode, model, opt, dev)
+    step_ctx = contextlib.nullcontext
+    if mode == "dispatch-noop":
+        # the floor of any runtime that is a Python dispatch mode: one that only runs each
+        # operator (what teraio-noop costs beyond it is teraio's own bookkeeping)
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Bare(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        step_ctx = Bare
 
     def step(tokens):
         moved["steps"] += 1
-        ctx = session.step() if session is not None else contextlib.nullcontext()
+        ctx = session.step() if session is not None else step_ctx()
         with ctx:
             with pack_ctx():
                 with autocast:
@@ -480,7 +493,7 @@ def make_session(args, torch, mode, model, opt, dev):
     host = int(args.host_gib * 2**30) if mode == "teraio-host" else 0
     return tt.Session(model, opt, engine=engine, gpu_budget_bytes=budget, host_budget_bytes=host,
                       policy="none" if mode == "teraio-noop" else args.teraio_policy,
-                      hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=int(args.chunk_mib * 2**20),
+                      hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=None if args.chunk_mib is None else int(args.chunk_mib * 2**20),
                       profile_steps=args.profile_steps, warmup_steps=max(0, args.warmup - 1), report_every=1,
                       page_min_bytes=args.page_min_kib * 1024,
                       gather_between_steps=not args.teraio_no_gather, page_fraction=args.page_fraction,

@@ -886,6 +886,63 @@ impl NativeExecutor {
         self.with(py, |ex| ex.after_kernel(k))
     }
 
+    /// Kernel `k` ran: attach the tensors it created, `[(tensor, address, nbytes, owner)]`,
+    /// then `after_kernel(k)`, in one call (a trainer's dispatch mode calls this once per
+    /// operator, so it does no Python-level export). `device`: the addresses are device memory
+    /// (checked on a CUDA GPU as `attach` checks it), else host memory. The caller vouches that
+    /// `owner` keeps `[address, address + nbytes)` valid, writable and unused by others while
+    /// the executor holds it, as for a `DeviceMemory`.
+    fn leave(
+        &self,
+        py: Python<'_>,
+        k: usize,
+        created: Vec<(u32, u64, u64, Py<PyAny>)>,
+        device: bool,
+    ) -> PyRes<()> {
+        let mut mems = Vec::with_capacity(created.len());
+        let mut wrap = Vec::new();
+        {
+            let mut table = self.table.lock();
+            for (tensor, addr, len, owner) in created {
+                if addr == 0 || len == 0 {
+                    return Err(to_py(
+                        py,
+                        &Error::InvalidArgument(format!(
+                            "tensor {tensor}: {len} bytes at address {addr:#x}"
+                        )),
+                    ));
+                }
+                if device {
+                    wrap.push((tensor, addr, len));
+                } else {
+                    let mem = TensorMem::Staged(Box::new(PyMem {
+                        addr: addr as usize,
+                        len: len as usize,
+                        _keep: owner.clone_ref(py),
+                    }));
+                    mems.push((tensor, mem));
+                }
+                table.insert(tensor, owner);
+            }
+        }
+        if !wrap.is_empty() {
+            let wrapped = self.engine.get().with(py, move |e| {
+                wrap.into_iter()
+                    // SAFETY: the executor's table holds each owner for as long as the
+                    // executor holds the memory; the caller vouches for the range (above).
+                    .map(|(t, ptr, len)| Ok((t, unsafe { e.wrap_caller_gpu(ptr, len) }?)))
+                    .collect::<core::Result<Vec<_>>>()
+            })?;
+            mems.extend(wrapped);
+        }
+        self.with(py, move |ex| {
+            for (t, mem) in mems {
+                ex.attach(TensorId(t), mem)?;
+            }
+            ex.after_kernel(k)
+        })
+    }
+
     fn make_room(&self, py: Python<'_>, k: usize, nbytes: u64) -> PyRes<u64> {
         self.with(py, |ex| ex.make_room(k, nbytes))
     }

@@ -586,7 +586,8 @@ class Executor:
 
     Driving it, per iteration: ``before_kernel(k)`` (issue boundary ``k``, wait until kernel
     ``k`` can run; returns the stall in seconds) or ``boundary(k)`` + ``kernel_ready(k)``;
-    ``after_kernel(k)``; then :meth:`end_iteration` (a dict report). :meth:`finish` at the end.
+    ``after_kernel(k)`` (or :meth:`leave`: the created tensors' memory and ``after_kernel`` in
+    one call); then :meth:`end_iteration` (a dict report). :meth:`finish` at the end.
     A divergence raises :class:`DivergedError` once; the executor then runs in safe mode.
     Trace tensor ids are the indices of the trace's tensors.
     """
@@ -655,6 +656,15 @@ class Executor:
     def after_kernel(self, k: int) -> None:
         """Kernel ``k`` ran: tensors whose last use it was die."""
         self._native.after_kernel(k)
+
+    def leave(self, k: int, created: List[Tuple[int, int, int, Any]], device: bool) -> None:
+        """Kernel ``k`` ran: attach the tensors it created, ``[(tensor_id, address, nbytes,
+        owner)]``, then :meth:`after_kernel`, in one call (what a dispatch mode calls once per
+        operator: no buffer export per tensor). ``device``: the addresses are device memory
+        (checked on a CUDA GPU, as :meth:`attach` checks it), else host memory. As for a
+        :class:`DeviceMemory`, the caller vouches that ``owner`` (e.g. the PyTorch storage)
+        keeps the bytes valid and unused by others while the executor holds them."""
+        self._native.leave(k, created, bool(device))
 
     def make_room(self, k: int, nbytes: int) -> int:
         """The caller's allocator ran out of memory running kernel ``k`` within the budget

@@ -5,9 +5,13 @@ import contextlib
 import pytest
 import torch
 
-from teraio.torch import Profiler, WorkingSetTooLarge, check_working_sets, make_plannable, step_in_backward
+import teraio.torch as tt
+from teraio.torch import (Profiler, WorkingSetTooLarge, auto_chunk_bytes, check_working_sets, make_plannable,
+                          step_in_backward)
+from teraio.torch.optimizer import NO_SPLIT
 
 from models import batches, make, train_step
+from test_session import MemStore
 
 
 def run(model, opt, data):
@@ -83,3 +87,35 @@ def test_bad_arguments():
         make_plannable(opt, -1)
     with pytest.raises(ValueError, match="LBFGS"):
         make_plannable(torch.optim.LBFGS(m.parameters()))
+
+
+
+def test_a_session_chunks_the_step_by_its_budget():
+    assert auto_chunk_bytes(None) == NO_SPLIT
+    assert auto_chunk_bytes(64 << 20) == 2 << 20
+    assert auto_chunk_bytes(31) == 1  # at least a byte: one parameter at a time
+    m, opt = make()
+    sizes = [p.numel() * p.element_size() for p in m.parameters()]
+    budget = 32 * 3 * max(sizes)  # chunks of three of the largest parameter
+    s = tt.Session(m, opt, store=MemStore(), gpu_budget_bytes=budget, log=lambda _: None)
+    try:
+        assert opt._teraio_chunked == 3 * max(sizes)
+        chunks, size = 1, 0
+        for b in sizes:  # what make_plannable does: parameters in order, a chunk full at the limit
+            if size and size + b > 3 * max(sizes):
+                chunks, size = chunks + 1, 0
+            size += b
+        assert 1 < chunks < len(sizes)
+        prof = Profiler(m, opt)
+        data = batches(2)
+        train_step(m, opt, data[0])
+        with prof.record():
+            train_step(m, opt, data[1])
+        lerps = [k for k in prof.trace()["kernels"] if k["name"].startswith("opt._foreach_lerp_")]
+        assert len(lerps) == chunks  # one exp_avg update per chunk
+    finally:
+        s.close()
+    m2, opt2 = make()
+    s2 = tt.Session(m2, opt2, store=None, gpu_budget_bytes=None, log=lambda _: None)
+    assert opt2._teraio_chunked == NO_SPLIT  # no budget: one step, unsplit
+    s2.close()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import teraio.torch as tt
+from teraio.torch.runtime import host_view
 
 from models import Block, batches, make, train_step
 
@@ -64,6 +65,13 @@ class ScriptedExecutor:
     def make_room(self, k, nbytes):
         self.calls.append(("make_room", k, nbytes))
         return nbytes
+
+    def leave(self, k, created, device):
+        assert not device, "CPU storages go as host memory"
+        for t, addr, n, owner in created:
+            assert addr == owner.data_ptr() and n == owner.nbytes() == self.trace["tensors"][t]["bytes"]
+            self.attach(t, host_view(owner, n))
+        self.after_kernel(k)
 
     def after_kernel(self, k):
         if self.diverged:

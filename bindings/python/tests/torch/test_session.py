@@ -503,3 +503,48 @@ def test_on_a_gpu_plans_leave_room_for_the_largest_tensor(tmp_path):
     assert s.plan_budget == budget - 2 * (budget // 5)
     s._headroom = budget  # no room for it at all: the fraction, and the plan says what fails
     assert s.plan_budget == int(budget * 0.85)
+
+
+class _Selecting(torch.nn.Module):
+    """TinyGPT whose loss is over the positions a data-dependent ``nonzero`` picks: the same
+    operators and argument shapes every step, a result whose size changes with the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make()[0]
+
+    def forward(self, tokens):
+        x = self.gpt.emb(tokens) + self.gpt.pos[: tokens.shape[1]]
+        for layer in self.gpt.layers:
+            x = layer(x)
+        logits = self.gpt.head(self.gpt.ln(x)).reshape(-1, 97)
+        picked = (tokens.reshape(-1) < 40).nonzero().squeeze(1)
+        return torch.nn.functional.cross_entropy(logits[picked], tokens.reshape(-1)[picked])
+
+
+def test_a_result_of_another_size_than_profiled_diverges_and_keeps_its_bytes(tmp_path):
+    # the executor refuses the created storage (its size is not the trace's) and gives it back:
+    # the storage must stay as it is (it used to be shrunk like an offloaded one: the next
+    # operator read an empty tensor)
+    store = engine_store(tmp_path)
+    data = batches(6)
+    counts = [int((t < 40).sum()) for t in data]
+    assert len(set(counts[2:])) > 1 and counts[1] != counts[2], counts
+    torch.manual_seed(0)
+    ref = _Selecting()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    ref_losses = [train_step(ref, ref_opt, t) for t in data]
+    torch.manual_seed(0)
+    model = _Selecting()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
+                   log=lambda _: None)
+    losses = []
+    for t in data:
+        with s.step():
+            losses.append(train_step(model, opt, t))
+    assert losses == ref_losses
+    diverged = [r for r in s.steps if r["mode"] == "planned" and "diverged" in r]
+    assert diverged, s.steps
+    assert any("nonzero" in r["diverged"] or "bytes" in r["diverged"] for r in diverged), diverged
+    s.close()

@@ -11,7 +11,7 @@
 """
 
 from .distributed import rank_config, rank_engine
-from .optimizer import WorkingSetTooLarge, check_working_sets, make_plannable, step_in_backward
+from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, check_working_sets, make_plannable, step_in_backward
 from .planned import Diverged, PlannedRun
 from .profiler import Profiler, memory_curve, peak_bytes
 from .runtime import Pager, StorageMover
@@ -25,6 +25,7 @@ __all__ = [
     "memory_curve",
     "peak_bytes",
     "make_plannable",
+    "auto_chunk_bytes",
     "step_in_backward",
     "check_working_sets",
     "WorkingSetTooLarge",

@@ -25,7 +25,23 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["make_plannable", "step_in_backward", "check_working_sets", "WorkingSetTooLarge"]
+__all__ = ["make_plannable", "auto_chunk_bytes", "step_in_backward", "check_working_sets", "WorkingSetTooLarge"]
+
+#: the share of the GPU budget :func:`auto_chunk_bytes` gives one chunk's parameters
+AUTO_CHUNK_SHARE = 32
+#: a chunk limit no model reaches: the step is not split
+NO_SPLIT = 1 << 62
+
+
+def auto_chunk_bytes(gpu_budget_bytes: int | None) -> int:
+    """The chunk :class:`teraio.torch.Session` steps the optimizer in by default: a 32nd of the
+    GPU budget of parameters (with AdamW's gradient and two states, an eighth of the budget at
+    once); without a budget the step is not split. Fewer chunks cost less host
+    time (each is a call of the optimizer's step); smaller ones give the plan finer pieces to
+    move."""
+    if gpu_budget_bytes is None:
+        return NO_SPLIT
+    return max(1, gpu_budget_bytes // AUTO_CHUNK_SHARE)
 
 
 def _chunks(params: list[torch.Tensor], max_chunk_bytes: int) -> Iterator[list[torch.Tensor]]:

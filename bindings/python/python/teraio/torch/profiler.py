@@ -82,6 +82,9 @@ class OpRecord:
     created: list[int]  # trace-order indices of the storages first seen at this op
     # the storages it read, when running it again makes its results again (``remakeable``)
     remake_inputs: list[Any] | None = None  # their ``_Storage`` records
+    # how many of ``created`` were first seen among its arguments (made outside the recorded
+    # operators: the input batch), the rest among its results
+    created_in_args: int = 0
 
 
 class _Mode(TorchDispatchMode):
@@ -288,6 +291,7 @@ class Profiler:
             stor = [s for s in (storage_of(t) for t in in_tensors if t.device == self.device) if s is not None]
             pager.before(stor, op)
         ins = [self._storage(t, op, created, False) for t in in_tensors]
+        created_in_args = len(created)
         written = {id(t) for t in written_tensors(func, args, kwargs)}
         cuda = self.device.type == "cuda"
         if cuda:
@@ -333,6 +337,7 @@ class Profiler:
                 layer=self._layer[-1] if phase == "fwd" else None,
                 created=created,
                 remake_inputs=remake,
+                created_in_args=created_in_args,
             )
         )
         return out
@@ -484,6 +489,11 @@ class Profiler:
     def op_signatures(self) -> list[tuple]:
         """What each recorded operator was (for divergence checks)."""
         return [r.signature for r in self.ops]
+
+    def args_create(self) -> list[bool]:
+        """Per recorded operator: whether a storage was first seen among its arguments (a
+        planned step then looks for new storages there too, else only among the results)."""
+        return [r.created_in_args > 0 for r in self.ops]
 
 
 def _layer_indices(model: torch.nn.Module) -> dict[int, int]:

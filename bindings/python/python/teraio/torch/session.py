@@ -44,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._storages import signature
-from .optimizer import check_working_sets, make_plannable
+from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun
 from .profiler import Profiler, peak_bytes
 from .runtime import Pager, StorageMover, Store
@@ -88,6 +88,12 @@ class Session:
     hardware model as given) within this fraction of the first one: on a GPU the copies slow the
     kernels beside them and the host's waits add up, so of two plans the model finds about as
     fast, the one that moves less runs faster (measured on an H200: docs/BENCHMARKS.md).
+    ``optimizer_chunk_bytes``: the optimizer steps chunks of at most this many bytes of
+    parameters (:func:`make_plannable`; 0: one parameter at a time); default (None): a 32nd of
+    the GPU budget (:func:`auto_chunk_bytes`: an AdamW chunk's parameters, gradients and two
+    states then take an eighth), no split without a budget. Each chunk is one more call of the
+    optimizer's step, tens of microseconds of host time: one parameter at a time costs a bf16
+    step on a fast GPU several percent.
     ``plan_margin`` (default 0): plans are made for this fraction less than the executor's
     budget. On a GPU the host runs ahead of the device, so the executor sees an offload's memory
     freed later than the plan's timing does; the margin is the slack that keeps the host from
@@ -115,7 +121,7 @@ class Session:
         host_budget_bytes: int = 0,
         policy: str = "auto",
         hardware: Any = None,
-        optimizer_chunk_bytes: int = 0,
+        optimizer_chunk_bytes: int | None = None,
         profile_steps: int = 1,
         warmup_steps: int = 0,
         report_every: int = 0,
@@ -146,6 +152,8 @@ class Session:
         self.plan_margin = plan_margin
 
         self.model = model
+        if optimizer_chunk_bytes is None:
+            optimizer_chunk_bytes = auto_chunk_bytes(gpu_budget_bytes)
         self.optimizer = make_plannable(optimizer, optimizer_chunk_bytes)
         self.budget = gpu_budget_bytes
         self.host_budget = host_budget_bytes
@@ -385,7 +393,7 @@ class Session:
         del self._profiled_times[key]
         rec["trace_peak_bytes"] = peak_bytes(trace)
         entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None,
-                 "created": self.profiler.created_ids}
+                 "created": self.profiler.created_ids, "args_create": self.profiler.args_create()}
         self.plans[key] = entry
         if self.budget is None:
             return
