@@ -26,6 +26,8 @@
 //!         attach(t, mem) for tensors k creates  // unless the executor allocates them
 //!         ... the kernel runs; resident(t) gives a tensor's memory ...
 //!         after_kernel(k)                       // tensors whose last use was k die
+//!         (optional: quiet_until(k) = u: kernels k+1..=u need no call; the next call accounts
+//!         them; only the tensors movable() names need attaching: the `quiet` module)
 //!     end_iteration()                           // wrap-around instructions, the report
 //!     gather_globals()                          // optional: every global resident until
 //!                                               // kernel 0 (the caller's code between steps)
@@ -65,6 +67,7 @@
 //! the `recover` module). A tensor's SSD copy is freed when the tensor dies.
 
 mod between;
+mod quiet;
 mod recover;
 
 pub use between::GatherReport;
@@ -233,6 +236,9 @@ pub struct IterationReport {
     pub lost: Option<LostTensor>,
     /// The plan changed before this iteration ([`Executor::set_plan`]).
     pub replanned: bool,
+    /// Kernels the caller ran without calling the executor (quiet ones, accounted at the next
+    /// call; see [`Executor::quiet_until`]).
+    pub quiet_kernels: u64,
     /// (seconds from the iteration's start, GPU bytes accounted) at every change.
     pub memory_timeline: Vec<(f64, u64)>,
     /// Store statistics over the iteration.
@@ -349,6 +355,8 @@ pub struct Executor {
     regather: Vec<bool>,
     /// `gather_globals` is reading global tensors back: the budget does not hold them back.
     gathering: bool,
+    /// Which tensors the plan moves, which kernels need no call (the `quiet` module).
+    quiet: quiet::Quiet,
 }
 
 impl std::fmt::Debug for Executor {
@@ -433,7 +441,7 @@ impl Executor {
         let current = vec![false; trace.tensors.len()];
         let stats_before = store.stats();
         let trace_len = trace.tensors.len();
-        Ok(Executor {
+        let mut ex = Executor {
             trace,
             plan,
             store,
@@ -470,7 +478,10 @@ impl Executor {
             last_write_error: None,
             regather: vec![false; trace_len],
             gathering: false,
-        })
+            quiet: quiet::Quiet::none(),
+        };
+        ex.quiet = quiet::Quiet::new(&ex, &ex.plan);
+        Ok(ex)
     }
 
     /// The trace it executes.
@@ -751,6 +762,8 @@ impl Executor {
                     self.trace.kernels.len()
                 ),
             )),
+            // The caller ran quiet kernels without calling: account them.
+            Phase::Running if self.may_skip_to(k) => self.catch_up(k),
             Phase::Running if k + 1 < self.next_kernel || k > self.next_kernel => Err(self
                 .diverge(
                     k,
@@ -917,6 +930,52 @@ impl Executor {
         Ok(())
     }
 
+    /// A migration of tensor `t` finished: take its result (a landed offload lets the memory go
+    /// or keeps it, a landed prefetch makes the tensor resident; failures go to the recovery
+    /// paths).
+    fn collect(&mut self, t: usize) -> Result<()> {
+        let id = TensorId(t as u32);
+        match std::mem::replace(&mut self.states[t], State::Absent) {
+            State::Offloading { handle, keep } => match handle.wait() {
+                Ok((outcome, mem)) if keep => {
+                    self.host_retried[t] = false;
+                    self.current[t] = stored(outcome);
+                    self.states[t] = State::Resident(mem);
+                }
+                Ok((outcome, mem)) => {
+                    self.host_retried[t] = false;
+                    self.current[t] = stored(outcome);
+                    self.let_go(t, mem);
+                }
+                Err(e) => {
+                    // The write failed: the store holds the memory; the tensor stays.
+                    let Some(mem) = self.store.take_held(t as u64) else {
+                        return Err(Error::InvalidState {
+                            tensor: id.to_string(),
+                            detail: format!(
+                                "its offload failed ({e}) and the store did not hand its memory back"
+                            ),
+                        });
+                    };
+                    self.offload_failed(t, keep, mem, &e)?;
+                }
+            },
+            State::Prefetching(h) => match h.wait() {
+                Ok(mem) => {
+                    self.attempts[t] = 0;
+                    self.states[t] = State::Resident(mem);
+                    self.events.push_back(Event::Arrived(id));
+                    // Read from the SSD array: that copy is current (a host-tier copy is
+                    // not kept).
+                    self.current[t] = self.has_copy(t);
+                }
+                Err(e) => self.prefetch_failed(t, e)?,
+            },
+            _ => unreachable!("checked above"),
+        }
+        Ok(())
+    }
+
     /// Collect finished migrations and grant waiting allocations, without blocking. Returns
     /// whether anything changed.
     pub fn poll(&mut self) -> Result<bool> {
@@ -934,46 +993,12 @@ impl Executor {
                 _ => false,
             });
         self.flying = still;
-        for t in landed {
+        for (i, &t) in landed.iter().enumerate() {
             changed = true;
-            let id = TensorId(t as u32);
-            match std::mem::replace(&mut self.states[t], State::Absent) {
-                State::Offloading { handle, keep } => match handle.wait() {
-                    Ok((outcome, mem)) if keep => {
-                        self.host_retried[t] = false;
-                        self.current[t] = stored(outcome);
-                        self.states[t] = State::Resident(mem);
-                    }
-                    Ok((outcome, mem)) => {
-                        self.host_retried[t] = false;
-                        self.current[t] = stored(outcome);
-                        self.let_go(t, mem);
-                    }
-                    Err(e) => {
-                        // The write failed: the store holds the memory; the tensor stays.
-                        let Some(mem) = self.store.take_held(t as u64) else {
-                            return Err(Error::InvalidState {
-                                tensor: id.to_string(),
-                                detail: format!(
-                                    "its offload failed ({e}) and the store did not hand its memory back"
-                                ),
-                            });
-                        };
-                        self.offload_failed(t, keep, mem, &e)?;
-                    }
-                },
-                State::Prefetching(h) => match h.wait() {
-                    Ok(mem) => {
-                        self.attempts[t] = 0;
-                        self.states[t] = State::Resident(mem);
-                        self.events.push_back(Event::Arrived(id));
-                        // Read from the SSD array: that copy is current (a host-tier copy is
-                        // not kept).
-                        self.current[t] = self.has_copy(t);
-                    }
-                    Err(e) => self.prefetch_failed(t, e)?,
-                },
-                _ => unreachable!("checked above"),
+            if let Err(e) = self.collect(t) {
+                // The ones not collected yet stay in flight for the next poll.
+                self.flying.extend_from_slice(&landed[i + 1..]);
+                return Err(e);
             }
         }
         while let Some(a) = self.allocs.front() {
@@ -1457,6 +1482,9 @@ impl Executor {
         }
         if let Some(l) = &self.failed {
             return Err(l.error());
+        }
+        if self.safe.is_none() && self.may_skip_to(n) {
+            self.catch_up(n)?;
         }
         if self.safe.is_none() && self.next_kernel != n {
             let detail = format!(

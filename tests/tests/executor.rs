@@ -141,6 +141,11 @@ struct Seen {
     /// `before_kernel`, as a trainer whose allocator ran out of memory does; and what it freed.
     make_room_at: Option<(usize, usize, u64)>,
     made_room: Option<u64>,
+    /// The trainer skips the kernels `quiet_until` allows (no call for them) and attaches only
+    /// the tensors the plan moves, keeping the others in its own memory.
+    skip_quiet: bool,
+    /// Kernels it skipped, per iteration.
+    skipped: Vec<u64>,
 }
 
 /// A trainer running `iterations` iterations of `trace` under `plan`: it creates and writes
@@ -205,9 +210,22 @@ fn drive_with(
     }
     ex.start()?;
     let accesses = trace.accesses_per_kernel();
+    // The memory of the tensors the trainer keeps itself (`skip_quiet`: those the plan never
+    // moves).
+    let mut own: Vec<Option<TensorMem>> = trace.tensors.iter().map(|_| None).collect();
     for it in 0..iterations {
+        let mut until: Option<usize> = None;
+        let mut skipped = 0;
         for (k, accessed) in accesses.iter().enumerate() {
-            ex.before_kernel(k)?;
+            let skip = until.is_some_and(|u| k <= u);
+            if skip {
+                skipped += 1;
+                if !ex.quiet_kernels()[k] {
+                    seen.wrong.push(format!("kernel {k} skipped but not quiet"));
+                }
+            } else {
+                ex.before_kernel(k)?;
+            }
             seen.max_used = seen.max_used.max(ex.used_bytes());
             if let Some((_, _, bytes)) = seen.make_room_at.filter(|&(i, kk, _)| (i, kk) == (it, k))
             {
@@ -221,7 +239,11 @@ fn drive_with(
                     let mut m = rig.mem.alloc(t.bytes)?;
                     version[i] += 1;
                     fill(&mut m, i, version[i]);
-                    ex.attach(t.id, m)?;
+                    if seen.skip_quiet && !ex.movable()[i] {
+                        own[i] = Some(m);
+                    } else {
+                        ex.attach(t.id, m)?;
+                    }
                 }
             }
             if let Some(v) = &shared {
@@ -229,7 +251,11 @@ fn drive_with(
             }
             for id in accessed {
                 let i = id.index();
-                let Some(mem) = ex.resident_mut(*id) else {
+                let mine = own[i].as_mut();
+                if mine.is_some() && ex.resident(*id).is_some() {
+                    seen.wrong.push(format!("tensor {i} both the trainer's and attached"));
+                }
+                let Some(mem) = mine.or(ex.resident_mut(*id)) else {
                     seen.wrong.push(format!("tensor {i} not resident at kernel {k}"));
                     continue;
                 };
@@ -241,8 +267,19 @@ fn drive_with(
                     fill(mem, i, version[i]);
                 }
             }
-            ex.after_kernel(k)?;
+            if !skip {
+                ex.after_kernel(k)?;
+                if seen.skip_quiet {
+                    until = Some(ex.quiet_until(k));
+                }
+            }
+            for (i, t) in trace.tensors.iter().enumerate() {
+                if t.dies_after == Some(k) {
+                    own[i] = None;
+                }
+            }
         }
+        seen.skipped.push(skipped);
         seen.reports.push(ex.end_iteration()?);
         if gather {
             let g = ex.gather_globals()?;
@@ -291,6 +328,7 @@ proptest! {
         trace in random_trace(),
         frac in 0.35f64..1.1,
         gather in any::<bool>(),
+        skip_quiet in any::<bool>(),
     ) {
         trace.validate().unwrap();
         let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
@@ -299,9 +337,12 @@ proptest! {
         let Ok(p) = plan(&trace, &hw, Policy::Teraio) else { return Ok(()) };
         let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
         let rig = rig(64 << 20);
-        let mut seen = Seen::default();
+        let mut seen = Seen { skip_quiet, ..Seen::default() };
         let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, gather, &mut seen);
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+        for (r, &skipped) in seen.reports.iter().zip(&seen.skipped) {
+            prop_assert_eq!(r.quiet_kernels, skipped, "the report counts the skipped kernels");
+        }
         if matches!(sim.outcome, Outcome::Completed) {
             run.unwrap();
             let (offloads, prefetches) = plan_counts(&p);
@@ -385,7 +426,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
 
     #[test]
-    fn the_executor_recomputes_what_the_plan_says(layers in 1u32..3, frac in 0.5f64..0.95) {
+    fn the_executor_recomputes_what_the_plan_says(
+        layers in 1u32..3,
+        frac in 0.5f64..0.95,
+        skip_quiet in any::<bool>(),
+    ) {
         // Generated GPT traces say how their activations are recomputed.
         let trace = small_gpt(layers, None);
         let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
@@ -395,7 +440,7 @@ proptest! {
         let Ok(p) = plan_with(&trace, &hw, Policy::Auto, &opts) else { return Ok(()) };
         let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
         let rig = rig(64 << 20);
-        let mut seen = Seen::default();
+        let mut seen = Seen { skip_quiet, ..Seen::default() };
         let run = drive_remaking(&rig, &trace, &p, hw.gpu_memory_bytes, 2, &mut seen);
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         if matches!(sim.outcome, Outcome::Completed) {
@@ -511,6 +556,63 @@ fn gathered_tensors_go_back_to_the_host_tier_without_a_write_unless_modified() {
         // the one the trainer rewrote, and those whose write was still in flight.
         let again = r.clean_drops - planned_drops;
         assert!(again + 1 >= g.read_back, "{again} clean re-offloads after {g:?}");
+    }
+}
+
+#[test]
+fn a_plan_that_moves_nothing_needs_one_call_per_iteration() {
+    let trace = small_gpt(2, None);
+    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = peak * 2;
+    let p = plan(&trace, &hw, Policy::Teraio).unwrap();
+    assert!(p.instructions.is_empty(), "nothing to move under twice the peak");
+    let n = trace.kernels.len() as u64;
+    let mut reports = Vec::new();
+    for skip_quiet in [false, true] {
+        let rig = rig(256 << 20);
+        let mut seen = Seen { skip_quiet, ..Seen::default() };
+        drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, true, &mut seen).unwrap();
+        assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+        let want = if skip_quiet { n - 1 } else { 0 };
+        assert_eq!(seen.skipped, vec![want; 2], "every kernel but the first skipped");
+        reports.push(seen.reports);
+    }
+    for (a, b) in reports[0].iter().zip(&reports[1]) {
+        assert_eq!(a.peak_bytes, b.peak_bytes, "skipped kernels are accounted as run");
+        assert_eq!(b.quiet_kernels, n - 1);
+        let last = |r: &IterationReport| r.memory_timeline.last().map(|x| x.1);
+        assert_eq!(last(a), last(b));
+    }
+}
+
+#[test]
+fn skipping_a_kernel_that_is_not_quiet_diverges() {
+    let (trace, p, budget) = squeezed();
+    let rig = rig(256 << 20);
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
+    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
+    for t in trace.tensors.iter().filter(|t| t.global) {
+        ex.attach(t.id, rig.mem.alloc(t.bytes).unwrap()).unwrap();
+    }
+    ex.start().unwrap();
+    let loud = (1..trace.kernels.len()).find(|&k| !ex.quiet_kernels()[k]).unwrap();
+    assert!(ex.quiet_kernels().iter().any(|&q| q), "a squeezed plan leaves kernels quiet");
+    for k in 0..loud {
+        ex.before_kernel(k).unwrap();
+        for t in trace.tensors.iter().filter(|t| !t.global && t.created_by == Some(k)) {
+            ex.attach(t.id, rig.mem.alloc(t.bytes).unwrap()).unwrap();
+        }
+        ex.after_kernel(k).unwrap();
+    }
+    let e = ex.before_kernel(loud + 1).unwrap_err();
+    match &e {
+        Error::Diverged { kernel, detail } => {
+            assert_eq!(*kernel, loud + 1);
+            assert!(detail.contains(&format!("kernel {loud} was expected")), "{detail}");
+        }
+        e => panic!("expected Diverged, got {e}"),
     }
 }
 

@@ -888,7 +888,7 @@ impl NativeExecutor {
 
     /// Kernel `k` ran: attach the tensors it created, `[(tensor, address, nbytes, owner)]`,
     /// then `after_kernel(k)`, in one call (a trainer's dispatch mode calls this once per
-    /// operator, so it does no Python-level export). `device`: the addresses are device memory
+    /// operator, so it does no Python-level export); returns `quiet_until(k)`. `device`: the addresses are device memory
     /// (checked on a CUDA GPU as `attach` checks it), else host memory. The caller vouches that
     /// `owner` keeps `[address, address + nbytes)` valid, writable and unused by others while
     /// the executor holds it, as for a `DeviceMemory`.
@@ -898,7 +898,7 @@ impl NativeExecutor {
         k: usize,
         created: Vec<(u32, u64, u64, Py<PyAny>)>,
         device: bool,
-    ) -> PyRes<()> {
+    ) -> PyRes<usize> {
         let mut mems = Vec::with_capacity(created.len());
         let mut wrap = Vec::new();
         {
@@ -939,8 +939,19 @@ impl NativeExecutor {
             for (t, mem) in mems {
                 ex.attach(TensorId(t), mem)?;
             }
-            ex.after_kernel(k)
+            ex.after_kernel(k)?;
+            Ok(ex.quiet_until(k))
         })
+    }
+
+    /// After kernel `k`: the last kernel the caller may run before calling again.
+    fn quiet_until(&self, py: Python<'_>, k: usize) -> PyRes<usize> {
+        self.with(py, |ex| Ok(ex.quiet_until(k)))
+    }
+
+    /// Per tensor: whether the plan moves it (only these need attaching).
+    fn movable(&self, py: Python<'_>) -> PyRes<Vec<bool>> {
+        self.with(py, |ex| Ok(ex.movable().to_vec()))
     }
 
     fn make_room(&self, py: Python<'_>, k: usize, nbytes: u64) -> PyRes<u64> {

@@ -657,14 +657,28 @@ class Executor:
         """Kernel ``k`` ran: tensors whose last use it was die."""
         self._native.after_kernel(k)
 
-    def leave(self, k: int, created: List[Tuple[int, int, int, Any]], device: bool) -> None:
+    def leave(self, k: int, created: List[Tuple[int, int, int, Any]], device: bool) -> int:
         """Kernel ``k`` ran: attach the tensors it created, ``[(tensor_id, address, nbytes,
         owner)]``, then :meth:`after_kernel`, in one call (what a dispatch mode calls once per
-        operator: no buffer export per tensor). ``device``: the addresses are device memory
-        (checked on a CUDA GPU, as :meth:`attach` checks it), else host memory. As for a
-        :class:`DeviceMemory`, the caller vouches that ``owner`` (e.g. the PyTorch storage)
-        keeps the bytes valid and unused by others while the executor holds them."""
-        self._native.leave(k, created, bool(device))
+        operator: no buffer export per tensor); returns :meth:`quiet_until` ``(k)``.
+        ``device``: the addresses are device memory (checked on a CUDA GPU, as :meth:`attach`
+        checks it), else host memory. As for a :class:`DeviceMemory`, the caller vouches that
+        ``owner`` (e.g. the PyTorch storage) keeps the bytes valid and unused by others while
+        the executor holds them."""
+        return self._native.leave(k, created, bool(device))
+
+    def quiet_until(self, k: int) -> int:
+        """After kernel ``k``: the last kernel the caller may run without calling the executor
+        (``k``: the next one needs :meth:`before_kernel`). Those kernels are quiet: no migration
+        before them and only tensors the plan never moves, which fit the budget left now; the
+        next :meth:`before_kernel` accounts them. A caller that pays per call skips them."""
+        return self._native.quiet_until(k)
+
+    def movable(self) -> List[bool]:
+        """Per tensor of the trace: whether the plan moves it (offloads, prefetches or drops
+        it). Only these need :meth:`attach` / :meth:`leave`; the others stay in the caller's
+        memory (the executor accounts their bytes, and never evicts them)."""
+        return self._native.movable()
 
     def make_room(self, k: int, nbytes: int) -> int:
         """The caller's allocator ran out of memory running kernel ``k`` within the budget

@@ -43,7 +43,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ._storages import byte_view, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
 from .runtime import host_view
 
-_STRIDED = torch.strided
 _DIRECT_RESIZE = ("cpu", "cuda")
 
 
@@ -126,11 +125,9 @@ class PlannedRun:
         # workers wait for the GPU and copy, the executor waits for them)
         self.stream_ordered = device.type == "cuda" and not host_waits
         self.tensors = self.trace["tensors"]
-        # per op: the non-global trace tensors it creates, in the order the profiler found them
-        self._want = [[t for t in c if not self.tensors[t]["global"]] for c in self.created]
-        # per op: whether the profile first saw a storage among its arguments (made outside the
-        # recorded operators); elsewhere only the results can be new
-        self._args_create = entry.get("args_create") or [True] * len(self.created)
+        # per op: where the profile found each storage it created (an index among the tensor
+        # arguments, or past them among the results)
+        self._created_at = entry["created_at"]
         self._device_mem = self.device_memory or device.type == "cuda"
         self.refs: dict[int, Any] = {}  # trace id -> weakref to its storage
         self.tid_of: dict[int, int] = {}  # storage key -> trace id, this iteration
@@ -187,6 +184,18 @@ class PlannedRun:
         calls = getattr(self.ex, "_native", self.ex)
         self._before_kernel = calls.before_kernel
         self._leave = calls.leave
+        # only the tensors the plan moves go to the executor (the others stay the trainer's,
+        # accounted from the trace): per op, those it creates with where the profile found them
+        movable = getattr(calls, "movable", None)
+        self._movable = list(movable()) if movable is not None else [True] * len(self.tensors)
+        self._want = [[(t, at) for t, at in zip(c, where)
+                       if not self.tensors[t]["global"] and self._movable[t]]
+                      for c, where in zip(self.created, self._created_at)]
+        # the executor says after each operator how many next ones need no call (quiet ones:
+        # nothing moves around them); with ``max_ahead`` or ``time_gpu`` every one is called
+        self._skips = self.max_ahead <= 0 and not self.time_gpu
+        self._quiet_until = -1
+        self._funcs: list[Any] = [None] * len(self.signatures)  # the operators matched so far
         named = named_tensors(model, optimizer)
         self._globals: list[tuple[int, torch.Tensor]] = []
         for tid, t in enumerate(self.tensors):
@@ -278,6 +287,7 @@ class PlannedRun:
         self.ahead_wait_s = 0.0
         self.made_room_bytes = 0
         self.oom_retries = 0
+        self._quiet_until = -1
         self._producers = {}
         self.recomputed = 0
         self.recomputed_in_place = 0
@@ -312,28 +322,58 @@ class PlannedRun:
             self.ahead_wait_s += time.perf_counter() - t0
         ev.record(self._stream)
 
+    def op(self, k: int, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run operator ``k`` under the plan: checked against the profile; the executor called
+        before and after it unless it is quiet (the executor said so after an earlier one)."""
+        if k <= self._quiet_until:
+            try:
+                self._check(k, func, args, kwargs)
+            except Exception as e:
+                self._diverge(k, e)
+                return self._invoke(func, args, kwargs)
+            try:
+                return func(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                pass  # the executor makes room: the operator runs again the planned way
+        self.before(k, func, args, kwargs)
+        out = self.call(k, func, args, kwargs)
+        self.after(k, args, kwargs, out, func)
+        return out
+
+    def _check(self, k: int, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """Operator ``k``'s tensor arguments, once it is checked to be the profile's (the same
+        operator, shapes and dtypes); else :class:`Diverged`."""
+        if k >= len(self.signatures):
+            raise Diverged(k, f"more operators than the {len(self.signatures)} profiled")
+        flat = flat_args(args, kwargs)
+        # the signature compared in place (no tuple built per operator: this runs for every
+        # operator, and in bf16 the host's time per operator is the step's limit); the operator
+        # by identity once its name matched
+        name, shapes = self.signatures[k]
+        same = len(flat) == len(shapes) and (self._funcs[k] is func or op_name(func) == name)
+        if same:
+            for t, (shape, dtype) in zip(flat, shapes):
+                if t.dtype != dtype or t.shape != shape:
+                    same = False
+                    break
+        if not same:
+            sig = signature(func, args, kwargs, flat)
+            if sig[0] != name or len(sig[1]) != len(shapes):
+                raise Diverged(k, f"{sig[0]} with {len(sig[1])} tensors where the profile has "
+                                  f"{name} with {len(shapes)}")
+            i, (got, want) = next((i, x) for i, x in enumerate(zip(sig[1], shapes)) if x[0] != x[1])
+            raise Diverged(k, f"{name}: tensor argument {i} has shape {list(got[0])} {got[1]} where "
+                              f"the profile has {list(want[0])} {want[1]}")
+        self._funcs[k] = func
+        return flat
+
     def before(self, k: int, func: Any, args: tuple, kwargs: dict) -> None:
         if self.diverged is not None:
             return
         try:
             if self.max_ahead > 0:
                 self._hold_back(k)
-            if k >= len(self.signatures):
-                raise Diverged(k, f"more operators than the {len(self.signatures)} profiled")
-            self._flat = flat = flat_args(args, kwargs)
-            # the signature compared in place (no tuple built per operator: this runs for
-            # every operator, and in bf16 the host's time per operator is the step's limit)
-            name, shapes = self.signatures[k]
-            same = op_name(func) == name and len(flat) == len(shapes)
-            if same:
-                for t, (shape, dtype) in zip(flat, shapes):
-                    if t.dtype != dtype or t.shape != shape:
-                        same = False
-                        break
-            if not same:
-                sig = signature(func, args, kwargs, flat)
-                raise Diverged(k, f"{sig[0]} with {len(sig[1])} tensors where the profile has "
-                                  f"{name} with {len(shapes)}")
+            self._flat = self._check(k, func, args, kwargs)
             self._k = k
             # the operator checked above: issue boundary k and wait until it can run
             dt = self._before_kernel(k)
@@ -420,57 +460,54 @@ class PlannedRun:
         if self.time_gpu:
             self._mark(self._ends, k)
         try:
-            new = []
-            outs = iter_tensors(out)
-            dev = self.device
-            tid_of, refs = self.tid_of, self.refs
-            for ts in (self._flat, outs) if self._args_create[k] else (outs,):
-                for t in ts:
-                    # storage_of inlined: the device is this step's (never meta)
-                    if t.device != dev or t.layout != _STRIDED:
-                        continue
-                    try:
-                        s = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        continue
-                    key = s._cdata
-                    tid = tid_of.get(key)
-                    # a key of a storage that died since (its address reused) is not this storage
-                    if tid is not None and refs[tid]() is s:
-                        continue
-                    if s.nbytes() != 0 and all(key != x._cdata for x in new):
-                        new.append(s)
-            want = self._want[k]
-            if len(new) != len(want):
-                raise Diverged(k, f"{len(new)} new storages where the profile saw {len(want)}")
             created = []
-            for s, tid in zip(new, want):
-                t = self.tensors[tid]
-                self._bind(tid, s)
-                if tid in self._remakes and func is not None:
-                    key = storage_key(s)
-                    which = next(i for i, x in enumerate(outs)
-                                 if (st := storage_of(x)) is not None and storage_key(st) == key)
-                    x = outs[which]
-                    meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, len(outs))
-                    self._producers[tid] = (func, args, kwargs, which, meta)
-                    self._left[tid] = self._remakes[tid]
-                if not t["global"]:
+            want = self._want[k]
+            if want:
+                flat = self._flat
+                n_in = len(flat)
+                outs = iter_tensors(out)
+                tid_of, refs = self.tid_of, self.refs
+                for tid, at in want:
+                    # the storage where the profile found this one new
+                    if at >= n_in + len(outs):
+                        raise Diverged(k, f"{len(outs)} results where the profile made tensor {tid} "
+                                          f"from result {at - n_in}")
+                    x = flat[at] if at < n_in else outs[at - n_in]
+                    s = storage_of(x) if x.device == self.device else None
+                    if s is None or s.nbytes() == 0:
+                        raise Diverged(k, f"no storage on {self.device} where the profile made tensor {tid}")
+                    old = tid_of.get(s._cdata)
+                    # (a key of a storage that died since, its address reused, is not this one)
+                    if old is not None and refs[old]() is s:
+                        raise Diverged(k, f"tensor {old}'s storage where the profile made a new one "
+                                          f"(tensor {tid})")
+                    self._bind(tid, s)
+                    if tid in self._remakes and func is not None:
+                        key = storage_key(s)
+                        which = next(i for i, x in enumerate(outs)
+                                     if (st := storage_of(x)) is not None and storage_key(st) == key)
+                        x = outs[which]
+                        meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, len(outs))
+                        self._producers[tid] = (func, args, kwargs, which, meta)
+                        self._left[tid] = self._remakes[tid]
                     created.append((tid, s.data_ptr(), s.nbytes(), s))
             # attached, and the deaths after k, in one call; memory the executor gives back
             # meanwhile (a death, or a created tensor refused in a divergence) is kept: the
             # storage stays as it is
             self._releasing_deaths = True
             try:
-                self._leave(k, created, self._device_mem)
+                until = self._leave(k, created, self._device_mem)
             finally:
                 self._releasing_deaths = False
+            if self._skips and until is not None:
+                self._quiet_until = until
         except Exception as e:
             self._diverge(k, e)
 
     def _diverge(self, k: int, e: Exception) -> None:
         d = e if isinstance(e, Diverged) else Diverged(k, str(e))
         self.diverged = d
+        self._quiet_until = -1
         # tell the executor (a name no kernel has), which then reads everything back
         try:
             self.ex.boundary_named(k, f"<diverged: {d.detail}>")
@@ -530,10 +567,6 @@ class _PlannedMode(TorchDispatchMode):
         self.k = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         k = self.k
         self.k += 1
-        self.run.before(k, func, args, kwargs)
-        out = self.run.call(k, func, args, kwargs)
-        self.run.after(k, args, kwargs, out, func)
-        return out
+        return self.run.op(k, func, args, kwargs or {})

@@ -82,9 +82,10 @@ class OpRecord:
     created: list[int]  # trace-order indices of the storages first seen at this op
     # the storages it read, when running it again makes its results again (``remakeable``)
     remake_inputs: list[Any] | None = None  # their ``_Storage`` records
-    # how many of ``created`` were first seen among its arguments (made outside the recorded
-    # operators: the input batch), the rest among its results
-    created_in_args: int = 0
+    # where each of ``created`` was found: its index among the operator's tensor arguments
+    # (``flat_args`` order: first seen there, made outside the recorded operators, such as the
+    # input batch), or the number of those plus its index among the results
+    created_at: list[int] = field(default_factory=list)
 
 
 class _Mode(TorchDispatchMode):
@@ -143,6 +144,8 @@ class Profiler:
         self._hooks: list[Any] = []
         self._t0 = 0.0
         self.created_ids: list[list[int]] = []
+        # per op: where each of ``created_ids`` was found (see ``OpRecord.created_at``)
+        self.created_positions: list[list[int]] = []
         self.wall_s = 0.0
         self.gpu_span_s = 0.0
 
@@ -158,14 +161,22 @@ class Profiler:
         finally:
             self.end()
 
-    def begin(self) -> None:
+    def begin(self, seed_pager: bool = True) -> None:
         """Start recording an iteration; operators then go through :meth:`dispatch` (what
-        :meth:`record`'s dispatch mode does; a caller with its own mode calls it)."""
+        :meth:`record`'s dispatch mode does; a caller with its own mode calls it). With
+        ``seed_pager=False`` the caller calls :meth:`seed_pager` before the first operator if
+        the iteration is recorded after all (a caller that may :meth:`abort` at its first
+        operator does not pay for it)."""
         self._reset()
         self._hooks = self._install_hooks()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._t0 = time.perf_counter()
+        if seed_pager:
+            self.seed_pager()
+
+    def seed_pager(self) -> None:
+        """The pager learns the global tensors' storages (before the first operator)."""
         if self.pager is not None:
             for s in self._global_storages():
                 self.pager.seen(s, -1)
@@ -290,8 +301,12 @@ class Profiler:
             # resident first: a storage paged out (0 bytes) when first seen would go unrecorded
             stor = [s for s in (storage_of(t) for t in in_tensors if t.device == self.device) if s is not None]
             pager.before(stor, op)
-        ins = [self._storage(t, op, created, False) for t in in_tensors]
-        created_in_args = len(created)
+        created_at: list[int] = []
+        ins = []
+        for i, t in enumerate(in_tensors):
+            ins.append(self._storage(t, op, created, False))
+            if len(created) > len(created_at):
+                created_at.append(i)
         written = {id(t) for t in written_tensors(func, args, kwargs)}
         cuda = self.device.type == "cuda"
         if cuda:
@@ -316,8 +331,10 @@ class Profiler:
         for t, st in zip(in_tensors, ins):
             if st is not None:
                 st.touch(op, id(t) in written)
-        for t in iter_tensors(out):
+        for j, t in enumerate(iter_tensors(out)):
             st = self._storage(t, op, created, True)
+            if len(created) > len(created_at):
+                created_at.append(len(in_tensors) + j)
             if st is not None:
                 st.touch(op, st.created_by == op or id(t) in written)
         for idx in created:
@@ -337,7 +354,7 @@ class Profiler:
                 layer=self._layer[-1] if phase == "fwd" else None,
                 created=created,
                 remake_inputs=remake,
-                created_in_args=created_in_args,
+                created_at=created_at,
             )
         )
         return out
@@ -440,6 +457,9 @@ class Profiler:
         self.created_ids = [
             [self.tensor_of_storage[i] for i in r.created if i in self.tensor_of_storage] for r in self.ops
         ]
+        self.created_positions = [
+            [p for i, p in zip(r.created, r.created_at) if i in self.tensor_of_storage] for r in self.ops
+        ]
         if self.producers:
             self._add_producers(tensors)
         self._trace = {
@@ -489,11 +509,6 @@ class Profiler:
     def op_signatures(self) -> list[tuple]:
         """What each recorded operator was (for divergence checks)."""
         return [r.signature for r in self.ops]
-
-    def args_create(self) -> list[bool]:
-        """Per recorded operator: whether a storage was first seen among its arguments (a
-        planned step then looks for new storages there too, else only among the results)."""
-        return [r.created_in_args > 0 for r in self.ops]
 
 
 def _layer_indices(model: torch.nn.Module) -> dict[int, int]:

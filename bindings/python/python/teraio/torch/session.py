@@ -237,7 +237,8 @@ class Session:
         wait0 = self.pager.wait_s if self.pager else 0.0
         t0 = time.perf_counter()
         mode = _StepMode(self, n)
-        self.profiler.begin()
+        # the pager learns the global storages at the first operator, if the step is profiled
+        self.profiler.begin(seed_pager=False)
         try:
             with mode:
                 yield self
@@ -393,7 +394,7 @@ class Session:
         del self._profiled_times[key]
         rec["trace_peak_bytes"] = peak_bytes(trace)
         entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None,
-                 "created": self.profiler.created_ids, "args_create": self.profiler.args_create()}
+                 "created": self.profiler.created_ids, "created_at": self.profiler.created_positions}
         self.plans[key] = entry
         if self.budget is None:
             return
@@ -630,14 +631,11 @@ class _StepMode(TorchDispatchMode):
                 # a plan exists but cannot run here: page without recording
                 self.session.profiler.abort()
                 self.paged_only = True
-                pager = self.session.pager
-                for s in self.session.profiler._global_storages():
-                    pager.seen(s, -1)
+                self.session.profiler.seed_pager()
+            else:
+                self.session.profiler.seed_pager()
         if self.run is not None:
-            self.run.before(k, func, args, kwargs)
-            out = self.run.call(k, func, args, kwargs)
-            self.run.after(k, args, kwargs, out, func)
-            return out
+            return self.run.op(k, func, args, kwargs)
         if self.paged_only:
             return self.session.pager.dispatch(func, args, kwargs, k, self.session.device)
         return self.session.profiler.dispatch(func, args, kwargs)
