@@ -142,6 +142,7 @@ class Profiler:
         self._lock = threading.Lock()
         self._trace: dict | None = None
         self._hooks: list[Any] = []
+        self._layer_of: dict[int, int] | None = None
         self._t0 = 0.0
         self.created_ids: list[list[int]] = []
         # per op: where each of ``created_ids`` was found (see ``OpRecord.created_at``)
@@ -242,7 +243,11 @@ class Profiler:
             hooks.append(self.optimizer.register_step_pre_hook(pre))
             hooks.append(self.optimizer.register_step_post_hook(post))
         if self.model is not None:
-            layer_of = _layer_indices(self.model)
+            # the model's ModuleLists, read once (a session installs these hooks every step and
+            # removes them at the first operator of a planned one)
+            if self._layer_of is None:
+                self._layer_of = _layer_indices(self.model)
+            layer_of = self._layer_of
             stack = self._layer
 
             def fpre(mod: torch.nn.Module, _inp: Any) -> None:
@@ -253,9 +258,10 @@ class Profiler:
                 if len(stack) > 1:
                     stack.pop()
 
-            for m in self.model.modules():
-                hooks.append(m.register_forward_pre_hook(fpre))
-                hooks.append(m.register_forward_hook(fpost))
+            # global module hooks: two registrations, not two per module (a module outside the
+            # model pushes the current layer again and pops it)
+            hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(fpre))
+            hooks.append(torch.nn.modules.module.register_module_forward_hook(fpost))
         return hooks
 
     def _storage(self, t: torch.Tensor, op: int, created: list[int], new_ok: bool) -> _Storage | None:
