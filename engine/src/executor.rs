@@ -480,7 +480,7 @@ impl Executor {
             gathering: false,
             quiet: quiet::Quiet::none(),
         };
-        ex.quiet = quiet::Quiet::new(&ex, &ex.plan);
+        ex.quiet = quiet::Quiet::new(&ex);
         Ok(ex)
     }
 
@@ -971,7 +971,7 @@ impl Executor {
                 }
                 Err(e) => self.prefetch_failed(t, e)?,
             },
-            _ => unreachable!("checked above"),
+            _ => unreachable!("poll collects only landed migrations"),
         }
         Ok(())
     }

@@ -606,11 +606,15 @@ fn skipping_a_kernel_that_is_not_quiet_diverges() {
         }
         ex.after_kernel(k).unwrap();
     }
-    let e = ex.before_kernel(loud + 1).unwrap_err();
-    match &e {
+    assert_skip_diverges(&ex.before_kernel(loud + 1).unwrap_err(), loud + 1, loud);
+}
+
+/// `e` is the divergence of a caller at kernel `at` where kernel `expected` was next.
+fn assert_skip_diverges(e: &Error, at: usize, expected: usize) {
+    match e {
         Error::Diverged { kernel, detail } => {
-            assert_eq!(*kernel, loud + 1);
-            assert!(detail.contains(&format!("kernel {loud} was expected")), "{detail}");
+            assert_eq!(*kernel, at);
+            assert!(detail.contains(&format!("kernel {expected} was expected")), "{detail}");
         }
         e => panic!("expected Diverged, got {e}"),
     }
@@ -646,14 +650,7 @@ fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
     }
     assert!(ex.in_flight() > 0 || ex.used_bytes() < budget);
     // The trainer skips a kernel: a clear divergence, naming where.
-    let err = ex.before_kernel(half + 1).unwrap_err();
-    match &err {
-        Error::Diverged { kernel, detail } => {
-            assert_eq!(*kernel, half + 1);
-            assert!(detail.contains(&format!("kernel {half} was expected")), "{detail}");
-        }
-        e => panic!("expected Diverged, got {e}"),
-    }
+    assert_skip_diverges(&ex.before_kernel(half + 1).unwrap_err(), half + 1, half);
     assert!(ex.diverged().is_some());
     // Safe mode: the next call waits until everything offloaded is back, nothing is lost.
     ex.before_kernel(half + 1).unwrap();

@@ -22,7 +22,7 @@
 //! [`ExecutorConfig::allocate_created`](super::ExecutorConfig::allocate_created) no kernel is
 //! quiet (the executor allocates every created tensor).
 
-use teraio_scheduler::{Op, Plan};
+use teraio_scheduler::Op;
 
 use super::{Executor, Phase, State};
 use crate::Result;
@@ -51,7 +51,8 @@ impl Quiet {
         }
     }
 
-    pub(super) fn new(ex: &Executor, plan: &Plan) -> Quiet {
+    pub(super) fn new(ex: &Executor) -> Quiet {
+        let plan = &ex.plan;
         let n = ex.creations.len();
         let mut movable = vec![false; ex.states.len()];
         let mut issues = vec![false; n + 1];

@@ -299,13 +299,13 @@ impl Executor {
         check_plan(&self.trace, &plan)?;
         if self.phase == Phase::Setup {
             self.plan = plan;
-            self.quiet = super::quiet::Quiet::new(self, &self.plan);
+            self.quiet = super::quiet::Quiet::new(self);
             return Ok(());
         }
         self.drain()?;
         self.failed = None;
         self.plan = plan;
-        self.quiet = super::quiet::Quiet::new(self, &self.plan);
+        self.quiet = super::quiet::Quiet::new(self);
         for t in 0..self.states.len() {
             self.stayed[t] = false;
             self.evicted[t] = false;

@@ -483,10 +483,9 @@ class PlannedRun:
                                           f"(tensor {tid})")
                     self._bind(tid, s)
                     if tid in self._remakes and func is not None:
-                        key = storage_key(s)
-                        which = next(i for i, x in enumerate(outs)
-                                     if (st := storage_of(x)) is not None and storage_key(st) == key)
-                        x = outs[which]
+                        # a remade tensor is one of its operator's results (the profiler gives
+                        # producers to those only): the result where the profile found it
+                        which = at - n_in
                         meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, len(outs))
                         self._producers[tid] = (func, args, kwargs, which, meta)
                         self._left[tid] = self._remakes[tid]

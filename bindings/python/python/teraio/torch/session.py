@@ -627,12 +627,11 @@ class _StepMode(TorchDispatchMode):
                 self.run = run
                 self.stall0 = run.stall_s
                 run.begin_iteration()
-            elif self.fallback and self.session.pager is not None:
-                # a plan exists but cannot run here: page without recording
-                self.session.profiler.abort()
-                self.paged_only = True
-                self.session.profiler.seed_pager()
             else:
+                if self.fallback and self.session.pager is not None:
+                    # a plan exists but cannot run here: page without recording
+                    self.session.profiler.abort()
+                    self.paged_only = True
                 self.session.profiler.seed_pager()
         if self.run is not None:
             return self.run.op(k, func, args, kwargs)
