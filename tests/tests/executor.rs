@@ -146,6 +146,9 @@ struct Seen {
     skip_quiet: bool,
     /// Kernels it skipped, per iteration.
     skipped: Vec<u64>,
+    /// After each kernel it called about: how often `nothing_away` said yes and no (checked
+    /// against what is resident each time).
+    nothing_away: [u64; 2],
 }
 
 /// A trainer running `iterations` iterations of `trace` under `plan`: it creates and writes
@@ -272,6 +275,7 @@ fn drive_with(
                 if seen.skip_quiet {
                     until = Some(ex.quiet_until(k));
                 }
+                check_nothing_away(&ex, trace, k, seen);
             }
             for (i, t) in trace.tensors.iter().enumerate() {
                 if t.dies_after == Some(k) {
@@ -312,6 +316,24 @@ fn drive_with(
         }
     }
     ex.finish()
+}
+
+/// After kernel `k`: `nothing_away` says yes exactly when nothing is in flight and every tensor
+/// the plan moves that is alive (created, not yet ended) is resident.
+fn check_nothing_away(ex: &Executor, trace: &Trace, k: usize, seen: &mut Seen) {
+    let alive = |t: &teraio_scheduler::Tensor| {
+        t.created_by.is_none_or(|c| c <= k) && t.dies_after.is_none_or(|d| d > k)
+    };
+    let away = ex.in_flight() > 0
+        || trace
+            .tensors
+            .iter()
+            .any(|t| ex.movable()[t.id.index()] && alive(t) && ex.resident(t.id).is_none());
+    let says = ex.nothing_away();
+    if says == away {
+        seen.wrong.push(format!("kernel {k}: nothing_away() {says}, but away: {away}"));
+    }
+    seen.nothing_away[usize::from(!says)] += 1;
 }
 
 fn plan_counts(p: &Plan) -> (u64, u64) {
@@ -526,6 +548,8 @@ fn a_generated_iteration_runs_within_budget_with_every_byte_right() {
     let planned_drops = p.instructions.iter().filter(|i| i.is_clean_drop()).count() as u64;
     assert_eq!(last.clean_drops, planned_drops, "steady state: every planned drop writes nothing");
     assert!(last.peak_bytes <= budget);
+    // (It starts with weights offloaded: something is away after every kernel.)
+    assert_eq!(seen.nothing_away[0], 0, "{:?}", seen.nothing_away);
 }
 
 /// A small GPT under 3/5 of its peak, planned `teraio-hybrid` with a host tier of 4x its peak:
@@ -576,6 +600,7 @@ fn a_plan_that_moves_nothing_needs_one_call_per_iteration() {
         assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         let want = if skip_quiet { n - 1 } else { 0 };
         assert_eq!(seen.skipped, vec![want; 2], "every kernel but the first skipped");
+        assert_eq!(seen.nothing_away[1], 0, "nothing is ever away");
         reports.push(seen.reports);
     }
     for (a, b) in reports[0].iter().zip(&reports[1]) {

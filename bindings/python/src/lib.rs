@@ -954,6 +954,12 @@ impl NativeExecutor {
         self.with(py, |ex| Ok(ex.movable().to_vec()))
     }
 
+    /// Whether nothing the plan moves is away from the GPU (nothing in flight, every moved
+    /// tensor resident or not alive): the executor's `nothing_away`.
+    fn nothing_away(&self, py: Python<'_>) -> PyRes<bool> {
+        self.with(py, |ex| Ok(ex.nothing_away()))
+    }
+
     fn make_room(&self, py: Python<'_>, k: usize, nbytes: u64) -> PyRes<u64> {
         self.with(py, |ex| ex.make_room(k, nbytes))
     }

@@ -34,6 +34,8 @@ pub const POLL_EVERY: usize = 8;
 /// plan, again when it changes.)
 pub(super) struct Quiet {
     pub(super) movable: Vec<bool>,
+    /// The tensors `movable` names, in order.
+    moved: Vec<usize>,
     pub(super) quiet: Vec<bool>,
     /// Per kernel: bytes of the tensors it creates, and of those ending after it.
     create_bytes: Vec<u64>,
@@ -45,6 +47,7 @@ impl Quiet {
     pub(super) fn none() -> Quiet {
         Quiet {
             movable: Vec::new(),
+            moved: Vec::new(),
             quiet: Vec::new(),
             create_bytes: Vec::new(),
             death_bytes: Vec::new(),
@@ -83,6 +86,7 @@ impl Quiet {
             .collect();
         let sum = |v: &Vec<usize>| v.iter().map(|&t| ex.trace.tensors[t].bytes).sum::<u64>();
         Quiet {
+            moved: (0..movable.len()).filter(|&t| movable[t]).collect(),
             movable,
             quiet,
             create_bytes: ex.creations.iter().map(sum).collect(),
@@ -134,6 +138,21 @@ impl Executor {
             j += 1;
         }
         j - 1
+    }
+
+    /// Whether nothing the plan moves is away from the GPU now: no migration in flight or
+    /// waiting for memory, and every tensor the plan moves either resident or not alive (not
+    /// created yet, or ended). While this holds, every tensor the caller can reach has its
+    /// memory, so an operator the caller runs without asking (one that is not the profiled
+    /// one) reads and writes real memory, at worst bytes the executor does not account; a
+    /// caller that stops watching its operators for a while (teraio.torch's unwatched stretches)
+    /// does so only then. Costs one look at each moved tensor.
+    pub fn nothing_away(&self) -> bool {
+        self.flying.is_empty()
+            && self.allocs.is_empty()
+            && self.quiet.moved.iter().all(|&t| {
+                matches!(self.states[t], State::Absent | State::Reserved | State::Resident(_))
+            })
     }
 
     /// Whether the caller may be at kernel `k` having skipped the kernels since the last one it

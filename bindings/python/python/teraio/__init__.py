@@ -680,6 +680,13 @@ class Executor:
         memory (the executor accounts their bytes, and never evicts them)."""
         return self._native.movable()
 
+    def nothing_away(self) -> bool:
+        """Whether nothing the plan moves is away from the GPU now: no migration in flight or
+        waiting for memory, every tensor the plan moves resident or not alive. While it holds,
+        every tensor the caller can reach has its memory (teraio.torch stops watching operators
+        only then)."""
+        return self._native.nothing_away()
+
     def make_room(self, k: int, nbytes: int) -> int:
         """The caller's allocator ran out of memory running kernel ``k`` within the budget
         (fragmentation, memory the trace does not see): tensors kernel ``k`` does not use leave

@@ -282,3 +282,134 @@ def test_an_operators_tensors_are_flattened_in_the_profilers_order():
              ((), {}), ((t[0],), {}), (([t[1], t[2]],), {"w": {"q": t[3]}})]
     for args, kwargs in cases:
         assert [id(x) for x in flat_args(args, kwargs)] == [id(x) for x in iter_tensors((args, kwargs))]
+
+
+class QuietScripted(ScriptedExecutor):
+    """The scripted executor, saying what the engine's says about quiet operators: after kernel
+    ``k``, the next ones up to the first with a scripted migration, or creating a tensor the
+    script moves, need no call (``leave`` returns the last of them); and whether anything
+    scripted is off the storage now (``nothing_away``). Calls are counted per kernel."""
+
+    def __init__(self, trace, plan, budget, allocator):
+        super().__init__(trace, plan, budget, allocator)
+        moved = {t for _, t, _ in plan}
+        n = len(trace["kernels"])
+        loud = {at for at, _, _ in plan} | {x["created_by"] for t, x in enumerate(trace["tensors"])
+                                            if t in moved and x["created_by"] is not None}
+        # per kernel k: the last kernel after it that needs no call
+        self.until = [min([j for j in loud if j > k] + [n]) - 1 for k in range(n)]
+        self.called = []
+        self.away_asked = 0
+
+    def movable(self):
+        moved = {t for _, t, _ in self.plan}
+        return [t in moved for t in range(len(self.trace["tensors"]))]
+
+    def before_kernel(self, k):
+        self.called.append(k)
+        return super().before_kernel(k)
+
+    def leave(self, k, created, device):
+        super().leave(k, created, device)
+        return self.until[k]
+
+    def nothing_away(self):
+        self.away_asked += 1
+        return not self.off
+
+
+def late_script(trace, budget, host):
+    """Offload one activation made in the last block's forward, bring it back before its next
+    use: the operators before its creation have nothing to do."""
+    fwd = [k for k, x in enumerate(trace["kernels"]) if x["name"].startswith("fwd.")]
+    cands = [(t, x) for t, x in enumerate(trace["tensors"])
+             if not x["global"] and x["kind"] == "activation" and x["bytes"] >= 4096
+             and x["created_by"] is not None and x["created_by"] > len(fwd) // 2
+             and x["accesses"][1] - x["accesses"][0] >= 3]
+    t, x = cands[0]
+    a, b = x["accesses"][0], x["accesses"][1]
+    return [(a + 1, t, "offload"), (b, t, "prefetch")]
+
+
+def test_quiet_forward_operators_run_unwatched_and_the_mode_comes_back_before_the_first_loud_one():
+    model, opt = make()
+    ref, ref_opt = make()
+    exs = []
+
+    def factory(trace, plan, budget, allocator):
+        ex = QuietScripted(trace, plan, budget, allocator)
+        exs.append(ex)
+        return ex
+
+    s = tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
+                   planner=late_script, warmup_steps=1, log=lambda _: None)
+    s.budget = 1 << 30
+    for t in batches(5):
+        with s.step():
+            a = train_step(model, opt, t)
+        assert a == train_step(ref, ref_opt, t)
+    planned = [r for r in s.steps if r["mode"] == "planned"]
+    assert len(planned) == 3 and not any("diverged" in r for r in planned), s.steps
+    (ex,) = exs
+    n = len(ex.trace["kernels"])
+    first_loud = min(at for at, _, _ in ex.plan)
+    created = min(ex.trace["tensors"][t]["created_by"] for _, t, _ in ex.plan)
+    for r in planned:
+        # every operator counted (those run unwatched by the profile's hooks), the stretch
+        # before the moved tensor's creation run unwatched
+        assert r["ops"] == n
+        assert 8 <= r["unwatched_ops"] < created, (r["unwatched_ops"], created)
+    # the executor was called before the creation and at the scripted migrations, each step
+    per_step = len(ex.called) // 3
+    for i in range(3):
+        calls = ex.called[i * per_step:(i + 1) * per_step]
+        assert first_loud in calls and created in calls
+    assert ex.shrunk == 3
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    s.close()
+
+
+class Branching(Switchable):
+    """Switchable whose branch is a module call (a module hook the profile does not have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, tok):
+        x = self.emb(tok)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.extra and i == 0:
+                x = x + 0.0 * self.norm(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 97), tok.reshape(-1))
+
+
+def test_a_module_hook_the_profile_does_not_have_ends_the_unwatched_stretch_as_a_divergence():
+    model, ref = Branching(), Branching()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    exs = []
+
+    def factory(trace, plan, budget, allocator):
+        ex = QuietScripted(trace, plan, budget, allocator)
+        exs.append(ex)
+        return ex
+
+    s = tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
+                   planner=late_script, warmup_steps=1, log=lambda _: None)
+    s.budget = 1 << 30
+    for i, t in enumerate(batches(6)):
+        model.extra = ref.extra = i == 3
+        with s.step():
+            a = train_step(model, opt, t)
+        assert a == train_step(ref, ref_opt, t)
+    modes = [r["mode"] for r in s.steps]
+    assert modes[2:5] == ["planned", "planned", "profiled"], modes
+    assert s.steps[2]["unwatched_ops"] > 0
+    assert "module hook" in s.steps[3]["diverged"] and "LayerNorm" in s.steps[3]["diverged"], s.steps[3]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    s.close()

@@ -33,17 +33,22 @@ paths, ordered after the trainer's stream) or as host buffers (CPU storages).
 
 from __future__ import annotations
 
+import bisect
 import time
 import weakref
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
 from ._storages import byte_view, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
 from .runtime import host_view
 
 _DIRECT_RESIZE = ("cpu", "cuda")
+
+# the fewest operators a planned step stops watching for (leaving and re-entering the dispatch
+# mode costs about what watching a few operators does)
+UNWATCHED_MIN_OPS = 8
 
 
 def _resize(s: torch.UntypedStorage, nbytes: int) -> None:
@@ -196,8 +201,23 @@ class PlannedRun:
         self._skips = self.max_ahead <= 0 and not self.time_gpu
         self._quiet_until = -1
         self._funcs: list[Any] = [None] * len(self.signatures)  # the operators matched so far
+        # unwatched stretches: where nothing the plan moves is away and the next operators are
+        # quiet up to a module hook, the step leaves its dispatch mode and re-enters it at that
+        # hook (its place known from the profile's module hooks, ``Profiler.marks``); see
+        # :meth:`watch`
+        marks = entry.get("marks") or ()
+        self._mark_at = [m[0] for m in marks]
+        self._mark_key = [(m[1], m[2]) for m in marks]
+        self._mark_bwd = [m[3] for m in marks]
+        self._nothing_away = getattr(calls, "nothing_away", None)
+        self._t = 0  # the next module hook expected
+        self._away: Any = None  # the mode left (unwatched), until re-entered
+        self._wake_at: int | None = None  # the hook that re-enters it (None: the step's end)
+        self._away_from = 0  # the operator it was left before
+        self.unwatched_ops = 0  # operators run unwatched this step
         named = named_tensors(model, optimizer)
         self._globals: list[tuple[int, torch.Tensor]] = []
+        self._moved_globals: list[tuple[int, torch.Tensor]] = []
         for tid, t in enumerate(self.tensors):
             if not t["global"]:
                 continue
@@ -206,6 +226,9 @@ class PlannedRun:
             if s is None or s.nbytes() != t["bytes"]:
                 raise Diverged(0, f"global tensor {t['name']} ({t['bytes']} bytes) not found as such")
             self._globals.append((tid, x))
+            if self._movable[tid]:
+                # (only a global the plan moves has a stored copy a write can make stale)
+                self._moved_globals.append((tid, x))
             self._bind(tid, s)
             self.ex.attach(tid, self._mem(s, t["bytes"]))
         self.ex.start()
@@ -293,6 +316,10 @@ class PlannedRun:
         self.recomputed_in_place = 0
         self._timed = 0
         self._remade_n = 0
+        self._t = 0
+        self._away = None
+        self._wake_at = None
+        self.unwatched_ops = 0
         # the trainer's stream, looked up once a step (events record on it; a lookup per
         # operator cost more host time than the events themselves)
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -302,6 +329,108 @@ class PlannedRun:
                 if v is None or _version(t) != v:
                     modified(tid)
         self._versions = {}
+
+    # ---- unwatched stretches ---------------------------------------------------------
+
+    def watch(self, mode: TorchDispatchMode) -> list[Any]:
+        """Called by the step's dispatch mode at the iteration's first operator: module hooks
+        (two global ones) that check each hook against the profile's and let the step run
+        stretches of operators without ``mode``. Returns the hooks' handles (the caller removes
+        them at the step's end, after :meth:`unwatch_end`).
+
+        A stretch starts at a module hook when the plan has nothing to do for a while: the
+        executor said the next operators are quiet (:meth:`op`), nothing the plan moves is away
+        from the GPU (``nothing_away``: every tensor the trainer can reach has its memory, so
+        even an operator that is not the profiled one reads real bytes), the hook runs outside
+        backward (the autograd engine restores the modes at every node) and ``mode`` is the
+        innermost one. It ends at the last forward module hook at or before the first operator
+        that is not quiet, where ``mode`` is entered again with the operator count the profile
+        had there; the executor accounts the skipped operators at its next call. When every
+        operator left is quiet (a plan that moves nothing), the rest of the step, backward and
+        optimizer included, runs unwatched. A hook other than the profiled one is a divergence
+        (the mode re-entered, the executor told); the operators of a stretch are not checked
+        one by one."""
+        if self._nothing_away is None or not self._skips or not self._mark_at:
+            return []
+        # the hooks before the first operator fired before these were installed
+        self._t = bisect.bisect_right(self._mark_at, 0)
+        landmark = self.landmark
+        return [torch.nn.modules.module.register_module_forward_pre_hook(lambda m, _i: landmark(0, m, mode)),
+                torch.nn.modules.module.register_module_forward_hook(lambda m, _i, _o: landmark(1, m, mode))]
+
+    def landmark(self, kind: int, module: torch.nn.Module, mode: TorchDispatchMode) -> None:
+        """A module hook fired (``kind`` 0: before its forward, 1: after it)."""
+        t = self._t
+        self._t = t + 1
+        if self.diverged is not None:
+            return
+        keys = self._mark_key
+        main = torch._C._current_graph_task_id() == -1  # (not inside backward)
+        if t >= len(keys) or keys[t] != (kind, id(module)) or (t == self._wake_at and not main):
+            want = f"{'before' if keys[t][0] == 0 else 'after'} module {keys[t][1]:#x}" if t < len(keys) \
+                else "none"
+            # (the mode is entered again on the thread that left it, never inside backward:
+            # then the step's end finds it left)
+            k = self._rewatch(mode, None) if main else mode.k
+            self._diverge(k, Diverged(k, f"module hook {t} is {'before' if kind == 0 else 'after'} "
+                                         f"{type(module).__name__} {id(module):#x} where the profile has {want}"))
+            return
+        at = self._mark_at[t]
+        if self._away is not None:
+            if t == self._wake_at:
+                self._rewatch(mode, at)
+            return
+        if mode.k != at:
+            self._diverge(mode.k, Diverged(mode.k, f"module hook {t} ({type(module).__name__}) after {mode.k} "
+                                                   f"operators where the profile had {at}"))
+            return
+        q = self._quiet_until
+        if q < at:
+            return
+        n = len(self.signatures)
+        if q + 1 >= n:
+            wake, span = None, n - at
+        else:
+            j = bisect.bisect_right(self._mark_at, q + 1) - 1
+            while j > t and self._mark_bwd[j]:
+                j -= 1
+            if j <= t:
+                return
+            wake, span = j, self._mark_at[j] - at
+        if span < UNWATCHED_MIN_OPS or not main or _get_current_dispatch_mode() is not mode \
+                or not self._nothing_away():
+            return
+        mode.__exit__(None, None, None)
+        self._away, self._wake_at, self._away_from = mode, wake, at
+
+    def _rewatch(self, mode: TorchDispatchMode, at: int | None) -> int:
+        """End an unwatched stretch (if one runs) at operator ``at`` (None: where it started);
+        the operator count now."""
+        if self._away is None:
+            return mode.k
+        self._away = None
+        mode.__enter__()
+        if at is not None:
+            self.unwatched_ops += at - self._away_from
+            mode.k = at
+        return mode.k
+
+    def unwatch_end(self, mode: TorchDispatchMode) -> bool:
+        """The step's end: whether ``mode`` is still entered (the caller leaves it then). An
+        unwatched stretch that was to end at a hook that never fired is a divergence; one that
+        ran to the step's end counts the profile's operators."""
+        if self._away is None:
+            return True
+        self._away = None
+        if self._wake_at is None:
+            n = len(self.signatures)
+            self.unwatched_ops += n - self._away_from
+            mode.k = n
+        elif self.diverged is None:
+            self._diverge(mode.k, Diverged(mode.k, f"the step ended before module hook {self._wake_at} of the "
+                                                   "profile (unwatched since operator "
+                                                   f"{self._away_from})"))
+        return False
 
     def mode(self) -> "_PlannedMode":
         """A dispatch mode that runs one iteration under the plan."""
@@ -543,7 +672,7 @@ class PlannedRun:
             return None
         g = gather()
         self.gathers.append(g)
-        self._versions = {tid: (t, _version(t)) for tid, t in self._globals}
+        self._versions = {tid: (t, _version(t)) for tid, t in self._moved_globals}
         return g
 
     def finish(self) -> None:

@@ -127,6 +127,8 @@ class Profiler:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
         self.pager = pager
+        # module id -> transformer layer, read from the model once
+        self._layer_of: dict[int, int] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -142,8 +144,11 @@ class Profiler:
         self._lock = threading.Lock()
         self._trace: dict | None = None
         self._hooks: list[Any] = []
-        self._layer_of: dict[int, int] | None = None
         self._t0 = 0.0
+        # every module hook that fired, in order: (operators recorded before it, 0 before the
+        # module's forward / 1 after it, the module's id, whether it fired inside backward);
+        # a planned step finds its place by them when it stops watching operators for a while
+        self.marks: list[tuple[int, int, int, bool]] = []
         self.created_ids: list[list[int]] = []
         # per op: where each of ``created_ids`` was found (see ``OpRecord.created_at``)
         self.created_positions: list[list[int]] = []
@@ -249,14 +254,18 @@ class Profiler:
                 self._layer_of = _layer_indices(self.model)
             layer_of = self._layer_of
             stack = self._layer
+            marks, ops = self.marks, self.ops
+            in_backward = torch._C._current_graph_task_id
 
             def fpre(mod: torch.nn.Module, _inp: Any) -> None:
                 li = layer_of.get(id(mod))
                 stack.append(li if li is not None else stack[-1])
+                marks.append((len(ops), 0, id(mod), in_backward() != -1))
 
-            def fpost(_mod: torch.nn.Module, _inp: Any, _out: Any) -> None:
+            def fpost(mod: torch.nn.Module, _inp: Any, _out: Any) -> None:
                 if len(stack) > 1:
                     stack.pop()
+                marks.append((len(ops), 1, id(mod), in_backward() != -1))
 
             # global module hooks: two registrations, not two per module (a module outside the
             # model pushes the current layer again and pops it)

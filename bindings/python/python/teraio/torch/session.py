@@ -239,10 +239,12 @@ class Session:
         mode = _StepMode(self, n)
         # the pager learns the global storages at the first operator, if the step is profiled
         self.profiler.begin(seed_pager=False)
+        mode.__enter__()
         try:
-            with mode:
-                yield self
+            yield self
         finally:
+            # (a planned step may have left the mode for its last operators: unwatched)
+            mode.close()
             if mode.run is None:
                 if not mode.paged_only:
                     self.profiler.end()
@@ -289,6 +291,9 @@ class Session:
         rec["bytes_moved"] = ((self.mover.bytes_out + self.mover.bytes_in) - moved0) if self.mover else 0
         rec["bytes_moved"] += rec.pop("planned_bytes_moved", 0)
         rec["ops"] = mode.k
+        if mode.run is not None and mode.run.unwatched_ops:
+            # operators run without the dispatch mode (the plan had nothing to do there)
+            rec["unwatched_ops"] = mode.run.unwatched_ops
         if cuda:
             rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             # the caching allocator's work this step: cudaMalloc/cudaFree calls, and retries
@@ -394,7 +399,8 @@ class Session:
         del self._profiled_times[key]
         rec["trace_peak_bytes"] = peak_bytes(trace)
         entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None,
-                 "created": self.profiler.created_ids, "created_at": self.profiler.created_positions}
+                 "created": self.profiler.created_ids, "created_at": self.profiler.created_positions,
+                 "marks": list(self.profiler.marks)}
         self.plans[key] = entry
         if self.budget is None:
             return
@@ -455,6 +461,8 @@ class Session:
         s += f", moved {rec['bytes_moved'] / 1e9:.2f} GB"
         if "peak_allocated_bytes" in rec:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
+        if rec.get("unwatched_ops"):
+            s += f", {rec['unwatched_ops']} of {rec['ops']} operators unwatched"
         if rec.get("recomputed"):
             s += f", recomputed {rec['recomputed']}"
         if rec.get("oom_retries"):
@@ -611,6 +619,16 @@ class _StepMode(TorchDispatchMode):
         self.stall0 = 0.0
         self.fallback = ""
         self.paged_only = False
+        self.hooks: list[Any] = []
+
+    def close(self) -> None:
+        """The step's end: the planned run's module hooks removed, the mode left (unless the
+        run left it already for an unwatched stretch)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        if self.run is None or self.run.unwatch_end(self):
+            self.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -627,6 +645,7 @@ class _StepMode(TorchDispatchMode):
                 self.run = run
                 self.stall0 = run.stall_s
                 run.begin_iteration()
+                self.hooks = run.watch(self)
             else:
                 if self.fallback and self.session.pager is not None:
                     # a plan exists but cannot run here: page without recording
