@@ -986,9 +986,15 @@ impl NativeExecutor {
         })
     }
 
-    fn end_iteration_json(&self, py: Python<'_>) -> PyRes<String> {
+    /// The iteration's report as JSON; without `timeline` its `memory_timeline` is empty (a
+    /// trainer that ends an iteration every step need not parse thousands of points each time).
+    #[pyo3(signature = (timeline = true))]
+    fn end_iteration_json(&self, py: Python<'_>, timeline: bool) -> PyRes<String> {
         self.with(py, |ex| {
-            let r = ex.end_iteration()?;
+            let mut r = ex.end_iteration()?;
+            if !timeline {
+                r.memory_timeline = Vec::new();
+            }
             Ok(serde_json::to_string(&r).expect("a report serializes"))
         })
     }

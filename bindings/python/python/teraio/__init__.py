@@ -706,10 +706,12 @@ class Executor:
         """``("arrived" | "released", tensor_id)`` since the last call, oldest first."""
         return self._native.events()
 
-    def end_iteration(self) -> Dict[str, Any]:
+    def end_iteration(self, timeline: bool = True) -> Dict[str, Any]:
         """End the iteration; its report (time, stalls, peak bytes, migrations, divergence,
-        memory timeline, store statistics)."""
-        return json.loads(self._native.end_iteration_json())
+        memory timeline, store statistics). ``timeline=False``: ``memory_timeline`` is empty (a
+        caller that ends an iteration every training step and does not plot it saves parsing
+        thousands of points, and the Python objects they would become, each step)."""
+        return json.loads(self._native.end_iteration_json(timeline))
 
     def gather_globals(self) -> Dict[str, Any]:
         """Between iterations (after :meth:`end_iteration`): every global tensor resident with

@@ -629,3 +629,17 @@ def test_operators_an_unwatched_stretch_does_not_check_still_train_right(tmp_pat
     assert [r["mode"] for r in s.steps][2:] == ["planned"] * 4, s.steps
     assert all(r["unwatched_ops"] == r["ops"] - 1 for r in s.steps[2:]), s.steps
     s.close()
+
+
+def test_a_long_training_keeps_the_latest_step_records():
+    model, opt = make()
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
+                   keep_steps=2, log=lambda _: None)
+    for t in batches(7):
+        with s.step():
+            train_step(model, opt, t)
+    assert s.step_count == 7 and 2 <= len(s.steps) <= 4
+    assert [r["step"] for r in s.steps] == list(range(7 - len(s.steps), 7))
+    with pytest.raises(ValueError, match="keep_steps"):
+        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=None, keep_steps=0)
+    s.close()

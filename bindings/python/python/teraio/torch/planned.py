@@ -46,6 +46,17 @@ from .runtime import host_view
 
 _DIRECT_RESIZE = ("cpu", "cuda")
 
+# how many of the latest steps' executor reports and gathers a run keeps (a run lives as long as
+# the training: everything kept per step must be bounded)
+KEEP_REPORTS = 16
+
+
+def _keep_last(items: list[Any], item: Any) -> None:
+    items.append(item)
+    if len(items) > 2 * KEEP_REPORTS:
+        del items[:-KEEP_REPORTS]
+
+
 # the fewest operators a planned step stops watching for (leaving and re-entering the dispatch
 # mode costs about what watching a few operators does)
 UNWATCHED_MIN_OPS = 8
@@ -140,7 +151,7 @@ class PlannedRun:
         self.diverged: Diverged | None = None
         self.stall_s = 0.0
         self.stalls: dict[int, float] = {}  # kernel -> seconds waited before it, this step
-        self.reports: list[Any] = []
+        self.reports: list[Any] = []  # the last KEEP_REPORTS steps' executor reports
         # between steps every global tensor resident (the executor's gather_globals), and what
         # the caller's code wrote meanwhile told to the executor (the tensors' version counters)
         self.gather = gather
@@ -187,6 +198,7 @@ class PlannedRun:
         # the two calls made for every operator, bound once (the engine's executor's native
         # methods, without its Python wrapper's frame)
         calls = getattr(self.ex, "_native", self.ex)
+        self._native_ex = calls is not self.ex  # the engine's executor (not a test's stand-in)
         self._before_kernel = calls.before_kernel
         self._leave = calls.leave
         # only the tensors the plan moves go to the executor (the others stay the trainer's,
@@ -648,12 +660,14 @@ class PlannedRun:
 
     def end_iteration(self) -> Any:
         try:
-            rep = self.ex.end_iteration()
+            # (no memory timeline: thousands of points a step, each a Python list kept as long
+            # as the report is, for the garbage collector to walk)
+            rep = self.ex.end_iteration(timeline=False) if self._native_ex else self.ex.end_iteration()
         except Exception as e:
             if self.diverged is None:
                 self.diverged = Diverged(-1, str(e))
             rep = None
-        self.reports.append(rep)
+        _keep_last(self.reports, rep)
         if self.gather:
             self.gather_globals()
         return rep
@@ -671,7 +685,7 @@ class PlannedRun:
         if gather is None:
             return None
         g = gather()
-        self.gathers.append(g)
+        _keep_last(self.gathers, g)
         self._versions = {tid: (t, _version(t)) for tid, t in self._moved_globals}
         return g
 

@@ -105,6 +105,8 @@ class Session:
     the copy is done before the memory is reused (as before 2026-12-02); by default the copy is
     queued on the device and the trainer's stream, not the host, waits for it where the memory
     is needed again.
+    ``keep_steps`` (default 1000): :attr:`steps` keeps the records of at least this many latest
+    steps (at most twice as many: older ones are dropped, the training may run for millions).
     ``executor_factory``
     (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
     ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
@@ -139,6 +141,7 @@ class Session:
         traffic_margin: float = 0.03,
         plan_margin: float = 0.0,
         planner: Callable[[dict, int, int], Any] | None = None,
+        keep_steps: int = 1000,
         log: Callable[[str], None] = print,
     ) -> None:
         if gpu_budget_bytes is not None and gpu_budget_bytes <= 0:
@@ -147,6 +150,9 @@ class Session:
             raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
         if profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+        if keep_steps < 1:
+            raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
+        self.keep_steps = keep_steps
         if not 0.0 <= plan_margin < 0.5:
             raise ValueError(f"plan_margin must be in [0, 0.5), got {plan_margin}")
         self.plan_margin = plan_margin
@@ -218,6 +224,7 @@ class Session:
         self._profiled: dict[Any, int] = {}
         self._profiled_times: dict[Any, list[tuple[Any, list[float]]]] = {}
         self.steps: list[dict[str, Any]] = []
+        self.step_count = 0  # steps begun (``steps`` keeps the latest ``keep_steps``)
         self.closed = False
 
     # ---- the step ----------------------------------------------------------------------
@@ -227,7 +234,8 @@ class Session:
         """One training iteration (forward, backward, optimizer step)."""
         if self.closed:
             raise RuntimeError("the session is closed")
-        n = len(self.steps)
+        n = self.step_count
+        self.step_count += 1
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -302,6 +310,10 @@ class Session:
         if mode.run is None and not mode.paged_only:
             self._after_profile(n, rec, state0)
         self.steps.append(rec)
+        if len(self.steps) > 2 * self.keep_steps:
+            # a session lives as long as the training: its records are bounded (every object
+            # kept is one more for Python's garbage collector to walk in a full collection)
+            del self.steps[:-self.keep_steps]
         if self.report_every and (n + 1) % self.report_every == 0:
             self.log(self.line(rec))
 
