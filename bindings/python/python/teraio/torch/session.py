@@ -224,6 +224,7 @@ class Session:
         self._profiled: dict[Any, int] = {}
         self._profiled_times: dict[Any, list[tuple[Any, list[float]]]] = {}
         self.steps: list[dict[str, Any]] = []
+        self._alloc_counts: dict[str, int] | None = None
         self.step_count = 0  # steps begun (``steps`` keeps the latest ``keep_steps``)
         self.closed = False
 
@@ -239,8 +240,8 @@ class Session:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-            alloc0 = _allocator_counts(self.device)
-        state0 = _state_count(self.optimizer)
+            # (the counters at the last step's end, unless something ran in between)
+            alloc0 = self._alloc_counts if self._alloc_counts is not None else _allocator_counts(self.device)
         moved0 = (self.mover.bytes_out + self.mover.bytes_in) if self.mover else 0
         wait0 = self.pager.wait_s if self.pager else 0.0
         t0 = time.perf_counter()
@@ -304,12 +305,16 @@ class Session:
             rec["unwatched_ops"] = mode.run.unwatched_ops
         if cuda:
             rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            # the caching allocator's work this step: cudaMalloc/cudaFree calls, and retries
-            # after freeing its cache (each one synchronizes the device)
-            rec["allocator"] = {k: v - alloc0[k] for k, v in _allocator_counts(self.device).items()}
+            # the caching allocator's work since the last step ended (this step, and whatever
+            # the loop ran between them): cudaMalloc/cudaFree calls, and retries after freeing
+            # its cache (each one synchronizes the device); one read of its counters a step
+            counts = _allocator_counts(self.device)
+            rec["allocator"] = {k: v - alloc0[k] for k, v in counts.items()}
         if mode.run is None and not mode.paged_only:
-            self._after_profile(n, rec, state0)
+            self._after_profile(n, rec, mode.state0)
         self.steps.append(rec)
+        if cuda:
+            self._alloc_counts = counts
         if len(self.steps) > 2 * self.keep_steps:
             # a session lives as long as the training: its records are bounded (every object
             # kept is one more for Python's garbage collector to walk in a full collection)
@@ -387,7 +392,7 @@ class Session:
         if entry and entry.get("run"):
             _finish_run(entry["run"])
 
-    def _after_profile(self, n: int, rec: dict[str, Any], state_before: int) -> None:
+    def _after_profile(self, n: int, rec: dict[str, Any], state_before: int | None) -> None:
         if n < self.warmup_steps or not self.profiler.ops:
             return
         key = self.profiler.ops[0].signature
@@ -632,6 +637,9 @@ class _StepMode(TorchDispatchMode):
         self.fallback = ""
         self.paged_only = False
         self.hooks: list[Any] = []
+        # the optimizer's state count before a profiled step (counted at its first operator:
+        # a planned step does not need it)
+        self.state0: int | None = None
 
     def close(self) -> None:
         """The step's end: the planned run's module hooks removed, the mode left (unless the
@@ -659,6 +667,7 @@ class _StepMode(TorchDispatchMode):
                 run.begin_iteration()
                 self.hooks = run.watch(self)
             else:
+                self.state0 = _state_count(self.session.optimizer)
                 if self.fallback and self.session.pager is not None:
                     # a plan exists but cannot run here: page without recording
                     self.session.profiler.abort()
