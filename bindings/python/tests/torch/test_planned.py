@@ -331,19 +331,24 @@ def late_script(trace, budget, host):
     return [(a + 1, t, "offload"), (b, t, "prefetch")]
 
 
-def test_quiet_forward_operators_run_unwatched_and_the_mode_comes_back_before_the_first_loud_one():
-    model, opt = make()
-    ref, ref_opt = make()
-    exs = []
-
+def quiet_session(model, opt, executors):
+    """A session whose plans are ``late_script``'s, run by :class:`QuietScripted` executors."""
     def factory(trace, plan, budget, allocator):
         ex = QuietScripted(trace, plan, budget, allocator)
-        exs.append(ex)
+        executors.append(ex)
         return ex
 
     s = tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
                    planner=late_script, warmup_steps=1, log=lambda _: None)
     s.budget = 1 << 30
+    return s
+
+
+def test_quiet_forward_operators_run_unwatched_and_the_mode_comes_back_before_the_first_loud_one():
+    model, opt = make()
+    ref, ref_opt = make()
+    exs = []
+    s = quiet_session(model, opt, exs)
     for t in batches(5):
         with s.step():
             a = train_step(model, opt, t)
@@ -392,15 +397,7 @@ def test_a_module_hook_the_profile_does_not_have_ends_the_unwatched_stretch_as_a
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     exs = []
-
-    def factory(trace, plan, budget, allocator):
-        ex = QuietScripted(trace, plan, budget, allocator)
-        exs.append(ex)
-        return ex
-
-    s = tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
-                   planner=late_script, warmup_steps=1, log=lambda _: None)
-    s.budget = 1 << 30
+    s = quiet_session(model, opt, exs)
     for i, t in enumerate(batches(6)):
         model.extra = ref.extra = i == 3
         with s.step():
