@@ -9,7 +9,8 @@
 #
 # Environment (defaults): FILE=target/bench-spdk/f0 SIZE=1G ROUNDS=3 RUNTIME=4 QD=32
 # TERAIO=target/release/teraio WORKLOADS="read write randread" TOOLS="uring spdk spdk-intr fio"
-# (also: spdk-aio, the aio bdev busy-polling; fio-fixed, fio with registered buffers and file as
+# (also: spdk-aio, the aio bdev busy-polling; spdk-nap, the uring bdev polling with naps of
+# NAP_US=50 microseconds, `poll_sleep_us` in [spdk]; fio-fixed, fio with registered buffers and file as
 # teraio's io_uring backend uses them). Rounds alternate the order of TOOLS (odd rounds
 # as listed, even rounds reversed). Run as root (huge pages).
 set -euo pipefail
@@ -22,10 +23,11 @@ TERAIO=${TERAIO:-target/release/teraio}
 WORKLOADS=${WORKLOADS:-"read write randread"}
 read -r -a tools <<< "${TOOLS:-uring spdk spdk-intr fio}"
 OUT=$(mktemp -d /tmp/teraio-spdk-vs-uring.XXXXXX)
+printf '[spdk]\npoll_sleep_us = %s\n' "${NAP_US:-50}" > "$OUT/nap.toml"
 command -v fio >/dev/null || { apt-get update -qq && apt-get install -y -qq fio >/dev/null; }
 old_pages=$(cat /proc/sys/vm/nr_hugepages)
 trap 'echo "$old_pages" > /proc/sys/vm/nr_hugepages' EXIT
-[ "$old_pages" -ge 64 ] || echo 64 > /proc/sys/vm/nr_hugepages  # fio's shmhuge buffers
+[ "$old_pages" -ge 128 ] || echo 128 > /proc/sys/vm/nr_hugepages  # fio's shmhuge buffers
 mkdir -p "$(dirname "$FILE")"
 "$TERAIO" bench --backend uring --device "$FILE" --file-size "$SIZE" --force --rw write --bs 1M \
     --iodepth "$QD" --size "$SIZE" --json > /dev/null  # lay the file out (written, not sparse)
@@ -36,9 +38,10 @@ run() { # tool rw bs -> "bw iops cpu_us_per_io"
     case "$1" in
         spdk-aio) args=(--backend spdk --device "aio:$FILE") ;;
         spdk-intr) args=(--backend spdk --device "aio:$FILE" --spdk-interrupt) ;;
+        spdk-nap) args=(--backend spdk --device "$FILE" --config "$OUT/nap.toml") ;;
     esac
     case "$1" in
-        uring|spdk|spdk-aio|spdk-intr)
+        uring|spdk|spdk-aio|spdk-intr|spdk-nap)
             "$TERAIO" bench "${args[@]}" --file-size "$SIZE" --rw "$2" --bs "$3" \
                 --iodepth "$QD" --size "$SIZE" --runtime "$RUNTIME" --json 2>/dev/null \
             | jq -r ".jobs[0] | \"\(.$dirn.bw_bytes) \(.$dirn.iops) \(.cpu_us_per_io)\"" ;;
@@ -90,4 +93,12 @@ for wl, tools in by.items():
         if q:
             print(f"{wl:9} {t} / fio per round: median {statistics.median(q):.2f}x, "
                   f"range {q[0]:.2f}-{q[-1]:.2f}x, rounds >= 0.95x: {sum(x >= 0.95 for x in q)} of {len(q)}")
+    # Each SPDK variant against the io_uring backend: ratio of medians and of the same round.
+    for t in med:
+        if not t.startswith("spdk") or "uring" not in med:
+            continue
+        q = sorted(v[t] / v["uring"] for (w, _), v in rounds.items() if w == wl and t in v and "uring" in v)
+        print(f"{wl:9} {t} / uring = {med[t] / med['uring']:.2f}x; per round: median "
+              f"{statistics.median(q):.2f}x, range {q[0]:.2f}-{q[-1]:.2f}x, "
+              f"rounds >= 0.95x: {sum(x >= 0.95 for x in q)} of {len(q)}")
 PY

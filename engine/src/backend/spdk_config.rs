@@ -238,6 +238,13 @@ pub struct SpdkOptions {
     /// this SPDK, `aio` (an eventfd per I/O channel); `uring` bdevs and SPDK's NVMe driver are
     /// polled and are refused ([`check_interrupt_support`]).
     pub interrupt: bool,
+    /// Polling mode: when a reactor with requests in flight polls and finds nothing done, it
+    /// sleeps instead of spinning: on the uring bdev's io_uring (until a completion, a new
+    /// request or 1 ms) where it can tell which one SPDK made for it, else for at most this
+    /// many microseconds; a new request wakes it either way. 0 (default): busy-poll. Saves
+    /// most of the core a reactor spins (docs/SPDK.md, "Polling naps"). Ignored in interrupt
+    /// mode.
+    pub poll_sleep_us: u32,
 }
 
 impl Default for SpdkOptions {
@@ -250,6 +257,7 @@ impl Default for SpdkOptions {
             bdev: FileBdev::Uring,
             bounce: false,
             interrupt: false,
+            poll_sleep_us: 0,
         }
     }
 }
