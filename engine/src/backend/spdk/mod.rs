@@ -995,13 +995,14 @@ fn reactor_main(
                 Err(TryRecvError::Disconnected) => disconnected = true,
             }
         }
+        let mut reaped = 0;
         if let Io::Nvme { qpair, .. } = &io {
             // SAFETY: this reactor is the only user of its qpair.
-            unsafe { ffi::spdk_nvme_qpair_process_completions(*qpair, 0) };
+            reaped = unsafe { ffi::spdk_nvme_qpair_process_completions(*qpair, 0) }.max(0);
         }
         // SAFETY: polled from the OS thread that owns it. In interrupt mode this waits on the
         // thread's fd group without blocking and runs what is ready.
-        let progress = unsafe { ffi::spdk_thread_poll(thread, 0, 0) };
+        let progress = unsafe { ffi::spdk_thread_poll(thread, 0, 0) } + reaped;
         let idle = state.in_flight.get() == 0 && retry.is_empty();
         if idle && disconnected {
             break;
