@@ -478,6 +478,8 @@ class Session:
         s += f", moved {rec['bytes_moved'] / 1e9:.2f} GB"
         if "peak_allocated_bytes" in rec:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
+        if rec.get("diverged"):
+            s += f", diverged ({rec['diverged']}): the plan is dropped, the next step profiles"
         if rec.get("unwatched_ops"):
             s += f", {rec['unwatched_ops']} of {rec['ops']} operators unwatched"
         if rec.get("recomputed"):
