@@ -21,6 +21,13 @@ One mode per process (`--mode`), or a driver (`--modes a,b,c`) that runs each in
 process, collects their JSON results and writes a table, the loss curves and memory over time as
 CSV, and PNG plots when matplotlib is there. Out of memory is a result (`"outcome": "oom"`).
 
+Several ranks: `--nproc-per-node N` makes the driver start each mode under `torchrun` (N ranks
+on this host), or run one mode under torchrun yourself. Each rank trains its own data (seeded by
+its rank) on its own GPU (`LOCAL_RANK`, NCCL; gloo on `--device cpu`) with the model wrapped in
+DistributedDataParallel (DeepSpeed distributes zero-infinity itself), under the same cap per
+rank; teraio modes open one engine per rank (`teraio.torch.rank_engine`: `--ssd-dir`/rankN).
+Rank 0 writes the result: its own figures, every rank's (`ranks`) and the total tokens/s.
+
   python3 examples/train_gpt.py --modes ideal,plain,teraio-ssd,save_on_cpu,checkpointing \
       --layers 12 --hidden 1024 --heads 16 --seq 1024 --batch 8 --steps 6 --cap-gib 8 \
       --ssd-dir /var/tmp/teraio --out results/
@@ -116,6 +123,8 @@ def parse_args(argv=None):
     ap.add_argument("--chunk-mib", type=float, default=None,
                     help="teraio: optimizer step chunk in MiB of parameters (0: one parameter at a "
                          "time; default: teraio.torch's, a 32nd of the GPU budget)")
+    ap.add_argument("--nproc-per-node", type=int, default=1,
+                    help="driver: run each mode under torchrun with this many ranks (DDP, one GPU each)")
     ap.add_argument("--mode-timeout-s", type=float, default=600.0)
     ap.add_argument("--out", default="train_gpt_results", help="driver: output folder")
     ap.add_argument("--result", help="one mode: write the JSON result here (else stdout)")
@@ -176,8 +185,8 @@ def build(args, torch):
     return GPT()
 
 
-def batches(args, torch, n):
-    g = torch.Generator().manual_seed(args.seed + 1)
+def batches(args, torch, n, rank=0):
+    g = torch.Generator().manual_seed(args.seed + 1 + 1000 * rank)
     return [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(n)]
 
 
@@ -230,15 +239,38 @@ def disk_bytes(path):
     return 0, 0
 
 
+def dist_setup(args, torch):
+    """Under torchrun (WORLD_SIZE > 1): the process group (NCCL on a GPU, gloo on the CPU, a
+    mode's timeout for collectives, so a rank that failed does not hang the others forever) and
+    this rank's device; (rank, world size, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device(args.device)
+    if world <= 1:
+        return 0, 1, dev
+    import datetime
+
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.mode_timeout_s))
+    return dist.get_rank(), world, dev
+
+
 def run_mode(args):
     import torch
 
     mode = args.mode
-    dev = torch.device(args.device)
+    rank, world, dev = dist_setup(args, torch)
     cuda = dev.type == "cuda"
     if cuda and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     res = {"mode": mode, "config": {k: v for k, v in vars(args).items() if k not in ("modes",)}}
+    if world > 1:
+        res.update(rank=rank, world_size=world)
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -256,7 +288,7 @@ def run_mode(args):
     res["params"] = sum(p.numel() for p in model.parameters())
     # on a GPU one more step after the timed ones samples the memory curve (a sampling thread
     # would take the GIL from a timed step)
-    data = batches(args, torch, args.warmup + args.steps + (1 if cuda else 0))
+    data = batches(args, torch, args.warmup + args.steps + (1 if cuda else 0), rank)
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
     losses, step_s = [], []
@@ -274,6 +306,8 @@ def run_mode(args):
             step, finish = setup_zero(args, torch, model, autocast)
         else:
             model.to(dev)
+            if world > 1:
+                model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if cuda else None)
             fused = {"fused": True} if cuda else {"foreach": True}
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, **fused)
             step, finish = setup_torch(args, torch, mode, model, opt, autocast, dev, extra)
@@ -340,7 +374,32 @@ def run_mode(args):
         res["disk_write_bytes_per_step"] = (d1[1] - disk0[1]) / n
     if sampler is not None:
         res["memory_samples"] = sampler.samples[::max(1, len(sampler.samples) // 2000)]
+    if world > 1:
+        gather_ranks(torch, res)
     return res
+
+
+def gather_ranks(torch, res):
+    """Every rank's figures into ``res["ranks"]`` (on every rank), the total tokens/s when all
+    ranks ran; then the process group ends."""
+    import torch.distributed as dist
+
+    keys = ("rank", "outcome", "error", "median_step_s", "tokens_per_s", "peak_allocated_bytes",
+            "peak_reserved_bytes", "losses", "teraio_dir")
+    mine = {k: res.get(k) for k in keys}
+    tio = res.get("teraio") or {}
+    mine["bytes_moved_per_step"] = tio.get("bytes_moved_per_step")
+    mine["stall_s_per_step"] = tio.get("stall_s_per_step")
+    ranks = [None] * res["world_size"]
+    try:
+        dist.all_gather_object(ranks, mine)
+        res["ranks"] = ranks
+        if all(r and r.get("tokens_per_s") for r in ranks):
+            res["tokens_per_s_total"] = sum(r["tokens_per_s"] for r in ranks)
+    except Exception as e:  # a rank gone: its figures are missing, this rank's stand
+        res["ranks_error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        dist.destroy_process_group()
 
 
 def profile_check(args, torch, model, opt, autocast, dev, tokens):
@@ -420,7 +479,7 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
 
         pack_ctx = Counting
     if mode == "checkpointing":
-        model.checkpointing = True
+        getattr(model, "module", model).checkpointing = True  # (the model inside DDP)
     session = None
     if mode.startswith("teraio"):
         session = make_session(args, torch, mode, model, opt, dev)
@@ -491,6 +550,8 @@ def make_session(args, torch, mode, model, opt, dev):
     whole = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 1 << 50
     budget = whole if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None
     host = int(args.host_gib * 2**30) if mode == "teraio-host" else 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        engine = tt.rank_engine(engine)  # this rank's own folder (--ssd-dir/rankN) and GPU
     return tt.Session(model, opt, engine=engine, gpu_budget_bytes=budget, host_budget_bytes=host,
                       policy="none" if mode == "teraio-noop" else args.teraio_policy,
                       hardware=json.load(open(args.hw)) if args.hw else None, optimizer_chunk_bytes=None if args.chunk_mib is None else int(args.chunk_mib * 2**20),
@@ -546,15 +607,18 @@ def drive(args):
         if skip:
             skip = False
             continue
-        if a in ("--modes", "--out"):
+        if a in ("--modes", "--out", "--nproc-per-node"):
             skip = True
             continue
-        if a.startswith("--modes=") or a.startswith("--out="):
+        if a.startswith(("--modes=", "--out=", "--nproc-per-node=")):
             continue
         child_args.append(a)
     for mode in args.modes.split(","):
         path = os.path.join(args.out, f"{mode}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), *child_args, "--mode", mode, "--result", path]
+        launch = [sys.executable]
+        if args.nproc_per_node > 1:
+            launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc_per_node)]
+        cmd = [*launch, os.path.abspath(__file__), *child_args, "--mode", mode, "--result", path]
         print(f"== {mode}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
@@ -591,16 +655,27 @@ def summarize(results, out):
             moved = r["disk_read_bytes_per_step"] + r["disk_write_bytes_per_step"]
         same = "-"
         if ideal and ok and r["mode"] != "ideal":
+            # every rank's losses against ideal's same rank (rank 0's alone without ranks)
+            pairs = [(x.get("losses") or [], y.get("losses") or []) for x, y in
+                     zip(r.get("ranks") or [r], ideal.get("ranks") or [ideal])]
+            diffs = [abs(a - b) for mine, base in pairs for a, b in zip(mine, base)]
             n = min(len(r["losses"]), len(ideal["losses"]))
-            same = "yes" if n and r["losses"][:n] == ideal["losses"][:n] else (
-                f"no (max diff {max(abs(a - b) for a, b in zip(r['losses'], ideal['losses'])):.2e})" if n else "-")
+            same = "-" if not n else "yes" if all(
+                mine[:len(base)] == base[:len(mine)] for mine, base in pairs) else f"no (max diff {max(diffs):.2e})"
+            if len(pairs) > 1 and same == "yes":
+                same = f"yes ({len(pairs)} ranks)"
         def gib(k):
             return f"{r[k] / 2**30:.2f}" if r.get(k) is not None else "-"
 
         if ok and step:
             stall = tio.get("stall_s_per_step")
+            tps = f"{r['tokens_per_s']:.0f}"
+            if r.get("world_size", 1) > 1:
+                # several ranks: the total over them (step s and memory are rank 0's)
+                tps = (f"{r['tokens_per_s_total']:.0f} ({r['world_size']} ranks)" if r.get("tokens_per_s_total")
+                       else f"{tps} (rank 0 of {r['world_size']})")
             lines.append(
-                f"| {r['mode']} | ok | {step:.3f} | {r['tokens_per_s']:.0f} | {pct} | "
+                f"| {r['mode']} | ok | {step:.3f} | {tps} | {pct} | "
                 f"{gib('peak_allocated_bytes')} | {gib('peak_reserved_bytes')} | "
                 f"{'-' if moved is None else f'{moved / 1e9:.2f}'} | "
                 f"{'-' if stall is None else f'{stall:.3f}'} | {same} |")
@@ -666,6 +741,8 @@ def main(argv=None):
     if not args.mode:
         raise SystemExit("give --mode MODE or --modes A,B,C (see --help)")
     res = run_mode(args)
+    if res.get("rank", 0) != 0:
+        return  # rank 0 writes the result, with every rank's figures
     text = json.dumps(res)
     if args.result:
         with open(args.result, "w") as f:

@@ -53,3 +53,27 @@ def test_teraio_mode_pages_through_the_engine_and_matches_ideal(tmp_path):
     assert n["outcome"] == "ok", n.get("error")
     assert n["losses"] == res["ideal"]["losses"]
     assert n["teraio"]["steps"][-1]["mode"] == "planned", n["teraio"]["steps"]
+
+
+def test_two_ranks_under_torchrun_ddp_each_its_own_engine(tmp_path):
+    # the driver starts each mode under torchrun (gloo on the CPU): DDP, each rank its own data
+    # and its own engine folder; rank 0's result carries every rank's figures and the total
+    teraio = pytest.importorskip("teraio")
+    if not hasattr(teraio, "Engine"):
+        pytest.fail("the teraio package has no Engine: the bindings are not installed")
+    ssd = tmp_path / "ssd"
+    res, out = drive(tmp_path, "ideal,teraio-ssd", "--nproc-per-node", "2", "--cap-gib", str(150 / 2**20),
+                     "--ssd-dir", str(ssd), "--ssd-file-gib", "0.0625", "--ssd-alloc-kib", "4",
+                     "--page-min-kib", "0")
+    ideal, t = res["ideal"], res["teraio-ssd"]
+    assert ideal["world_size"] == 2 and t["outcome"] == "ok", t.get("error")
+    for r in (ideal, t):
+        assert [x["rank"] for x in r["ranks"]] == [0, 1]
+        assert r["tokens_per_s_total"] == pytest.approx(sum(x["tokens_per_s"] for x in r["ranks"]))
+    # each rank's losses equal ideal's same rank; the ranks' data differ
+    for mine, base in zip(t["ranks"], ideal["ranks"]):
+        assert mine["losses"] == base["losses"]
+        assert mine["bytes_moved_per_step"] > 0
+    assert ideal["ranks"][0]["losses"] != ideal["ranks"][1]["losses"]
+    assert sorted(os.listdir(ssd)) == ["rank0", "rank1"]
+    assert "(2 ranks)" in (out / "table.md").read_text()
