@@ -23,7 +23,8 @@ CSV, and PNG plots when matplotlib is there. Out of memory is a result (`"outcom
 
 Several ranks: `--nproc-per-node N` makes the driver start each mode under `torchrun` (N ranks
 on this host), or run one mode under torchrun yourself. Each rank trains its own data (seeded by
-its rank) on its own GPU (`LOCAL_RANK`, NCCL; gloo on `--device cpu`) with the model wrapped in
+its rank) on its own GPU (`LOCAL_RANK`, NCCL; gloo on `--device cpu`, and where ranks outnumber
+GPUs and share them, a check of the path, not a timing) with the model wrapped in
 DistributedDataParallel (DeepSpeed distributes zero-infinity itself), under the same cap per
 rank; teraio modes open one engine per rank (`teraio.torch.rank_engine`: `--ssd-dir`/rankN).
 Rank 0 writes the result: its own figures, every rank's (`ranks`) and the total tokens/s.
@@ -252,11 +253,15 @@ def dist_setup(args, torch):
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "gloo"
     if dev.type == "cuda":
-        dev = torch.device("cuda", local)
+        # one GPU per rank with NCCL; with fewer GPUs than ranks they share them and gloo
+        # carries the all-reduce (through the host: a check of the code path, not a timing)
+        n = torch.cuda.device_count()
+        backend = "nccl" if n >= int(os.environ.get("LOCAL_WORLD_SIZE", world)) else "gloo"
+        dev = torch.device("cuda", local % n)
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.mode_timeout_s))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.mode_timeout_s))
     return dist.get_rank(), world, dev
 
 
@@ -270,7 +275,9 @@ def run_mode(args):
         dev = torch.device("cuda", torch.cuda.current_device())
     res = {"mode": mode, "config": {k: v for k, v in vars(args).items() if k not in ("modes",)}}
     if world > 1:
-        res.update(rank=rank, world_size=world)
+        import torch.distributed as dist
+
+        res.update(rank=rank, world_size=world, dist_backend=dist.get_backend(), device=str(dev))
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
