@@ -611,13 +611,24 @@ fn a_plan_that_moves_nothing_needs_one_call_per_iteration() {
     }
 }
 
+/// An executor of `p` over the rig's store, its memory from the rig's tier.
+fn tier_executor(
+    rig: &Rig,
+    trace: &Trace,
+    p: &Plan,
+    budget: u64,
+    allocate_created: bool,
+) -> Executor {
+    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created, stream: None };
+    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
+    Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap()
+}
+
 #[test]
 fn skipping_a_kernel_that_is_not_quiet_diverges() {
     let (trace, p, budget) = squeezed();
     let rig = rig(256 << 20);
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
-    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
-    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
+    let mut ex = tier_executor(&rig, &trace, &p, budget, false);
     for t in trace.tensors.iter().filter(|t| t.global) {
         ex.attach(t.id, rig.mem.alloc(t.bytes).unwrap()).unwrap();
     }
@@ -649,9 +660,7 @@ fn assert_skip_diverges(e: &Error, at: usize, expected: usize) {
 fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
     let (trace, p, budget) = squeezed();
     let rig = rig(256 << 20);
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: true, stream: None };
-    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
-    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
+    let mut ex = tier_executor(&rig, &trace, &p, budget, true);
     let mut version = vec![0u32; trace.tensors.len()];
     for (i, t) in trace.tensors.iter().enumerate() {
         if t.global {
@@ -695,9 +704,7 @@ fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
 fn a_tensor_of_another_size_diverges_and_bad_calls_are_errors() {
     let (trace, p, budget) = squeezed();
     let rig = rig(256 << 20);
-    let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
-    let alloc = Box::new(TierAllocator(rig.mem.clone() as Arc<dyn MemoryTier>));
-    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
+    let mut ex = tier_executor(&rig, &trace, &p, budget, false);
     // Kernels before start(): an error, not a panic.
     assert!(ex.before_kernel(0).is_err());
     let g = trace.tensors.iter().find(|t| t.global).unwrap();
