@@ -51,10 +51,12 @@ _DIRECT_RESIZE = ("cpu", "cuda")
 KEEP_REPORTS = 16
 
 
-def _keep_last(items: list[Any], item: Any) -> None:
+def keep_last(items: list[Any], item: Any, keep: int = KEEP_REPORTS) -> None:
+    """Append ``item``, keeping at least the ``keep`` latest (at most twice as many: the
+    oldest are dropped in batches, not one per append)."""
     items.append(item)
-    if len(items) > 2 * KEEP_REPORTS:
-        del items[:-KEEP_REPORTS]
+    if len(items) > 2 * keep:
+        del items[:-keep]
 
 
 # the fewest operators a planned step stops watching for (leaving and re-entering the dispatch
@@ -667,7 +669,7 @@ class PlannedRun:
             if self.diverged is None:
                 self.diverged = Diverged(-1, str(e))
             rep = None
-        _keep_last(self.reports, rep)
+        keep_last(self.reports, rep)
         if self.gather:
             self.gather_globals()
         return rep
@@ -685,7 +687,7 @@ class PlannedRun:
         if gather is None:
             return None
         g = gather()
-        _keep_last(self.gathers, g)
+        keep_last(self.gathers, g)
         self._versions = {tid: (t, _version(t)) for tid, t in self._moved_globals}
         return g
 

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._storages import signature
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
-from .planned import Diverged, PlannedRun
+from .planned import Diverged, PlannedRun, keep_last
 from .profiler import Profiler, peak_bytes
 from .runtime import Pager, StorageMover, Store
 
@@ -312,13 +312,11 @@ class Session:
             rec["allocator"] = {k: v - alloc0[k] for k, v in counts.items()}
         if mode.run is None and not mode.paged_only:
             self._after_profile(n, rec, mode.state0)
-        self.steps.append(rec)
+        # a session lives as long as the training: its records are bounded (every object kept
+        # is one more for Python's garbage collector to walk in a full collection)
+        keep_last(self.steps, rec, self.keep_steps)
         if cuda:
             self._alloc_counts = counts
-        if len(self.steps) > 2 * self.keep_steps:
-            # a session lives as long as the training: its records are bounded (every object
-            # kept is one more for Python's garbage collector to walk in a full collection)
-            del self.steps[:-self.keep_steps]
         if self.report_every and (n + 1) % self.report_every == 0:
             self.log(self.line(rec))
 
