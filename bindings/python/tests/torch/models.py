@@ -59,3 +59,82 @@ def train_step(model, opt, tokens) -> float:
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item()
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+class LlamaBlock(torch.nn.Module):
+    """A Llama-style decoder layer in plain PyTorch: grouped-query attention with rotary
+    embeddings, RMSNorm, a SwiGLU MLP, SDPA."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.norm1 = RMSNorm(d)
+        self.q = torch.nn.Linear(d, d, bias=False)
+        self.k = torch.nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v = torch.nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.o = torch.nn.Linear(d, d, bias=False)
+        self.norm2 = RMSNorm(d)
+        self.gate = torch.nn.Linear(d, ffn, bias=False)
+        self.up = torch.nn.Linear(d, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k = self.k(h).view(b, s, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v(h).view(b, s, self.kv_heads, self.hd).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(torch.nn.Module):
+    """A Llama-style decoder (untied embeddings, any sequence length); ``forward`` returns the
+    next-token loss."""
+
+    def __init__(self, vocab: int = 97, d: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                 ffn: int = 64, **_: object) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(LlamaBlock(d, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.hd = d // heads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
+        ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def make_llama(seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    model = TinyLlama(**kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    return model, opt

@@ -171,6 +171,8 @@ def test_shapes_change_each_shape_profiled_once():
     exs = []
 
     def factory(*a):
+        # one executor holds the global tensors at a time: the last one finished first
+        assert all(ex.finished for ex in exs), "an executor started while another holds the globals"
         exs.append(ScriptedExecutor(*a))
         return exs[-1]
 
@@ -184,7 +186,10 @@ def test_shapes_change_each_shape_profiled_once():
     assert len(s.plans) == 2  # one per sequence length
     assert [r.get("plan") for r in s.steps[:3]] == [None, "made", "made"]
     assert [r["mode"] for r in s.steps] == ["paged"] * 3 + ["planned"] * 3
-    assert len(exs) == 2 and all(ex.shrunk > 0 for ex in exs)  # one executor per shape
+    # a new executor at each change of shape (16, 8, 16), each of its plan's shape
+    assert len(exs) == 3 and all(ex.shrunk > 0 for ex in exs)
+    assert exs[0].trace is exs[2].trace and exs[1].trace is not exs[0].trace
+    assert all(ex.finished for ex in exs[:2])
 
 
 def test_report_line_and_bad_arguments():

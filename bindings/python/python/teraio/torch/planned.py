@@ -34,6 +34,7 @@ paths, ordered after the trainer's stream) or as host buffers (CPU storages).
 from __future__ import annotations
 
 import bisect
+import ctypes
 import time
 import weakref
 from typing import Any, Callable
@@ -75,6 +76,39 @@ def _resize(s: torch.UntypedStorage, nbytes: int) -> None:
     else:
         with _disable_current_modes():
             s.resize_(nbytes)
+
+
+class ResultView:
+    """What the executor's bookkeeping reads of an operator's result tensor, without the tensor:
+    its storage, device, layout, dtype, shape, stride and offset. (A step that holds on to a
+    factory operator's result, ``arange(n)``, inside the dispatch mode makes PyTorch add a
+    ``detach`` to the operator sequence; this holds the storage instead.)"""
+
+    __slots__ = ("_storage", "device", "layout", "dtype", "shape", "_stride", "_offset")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._storage = storage_of(t)
+        self.device, self.layout, self.dtype, self.shape = t.device, t.layout, t.dtype, t.shape
+        self._stride, self._offset = t.stride(), t.storage_offset()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        if self._storage is None:
+            raise RuntimeError("no storage")
+        return self._storage
+
+    def stride(self) -> tuple[int, ...]:
+        return self._stride
+
+    def storage_offset(self) -> int:
+        return self._offset
+
+
+class Results(list):
+    """An operator's results as :class:`ResultView` s, in :func:`iter_tensors` order."""
+
+    @classmethod
+    def of(cls, out: Any) -> "Results":
+        return cls(ResultView(t) for t in iter_tensors(out))
 
 
 class Diverged(Exception):
@@ -150,6 +184,7 @@ class PlannedRun:
         self.refs: dict[int, Any] = {}  # trace id -> weakref to its storage
         self.tid_of: dict[int, int] = {}  # storage key -> trace id, this iteration
         self._releasing_deaths = False
+        self.poisoned = False  # a global's storage moved outside the plan (_check_globals)
         self.diverged: Diverged | None = None
         self.stall_s = 0.0
         self.stalls: dict[int, float] = {}  # kernel -> seconds waited before it, this step
@@ -337,12 +372,51 @@ class PlannedRun:
         # the trainer's stream, looked up once a step (events record on it; a lookup per
         # operator cost more host time than the events themselves)
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self._check_globals()
         modified = getattr(self.ex, "modified", None)
         if modified is not None:
             for tid, (t, v) in self._versions.items():
                 if v is None or _version(t) != v:
                     modified(tid)
         self._versions = {}
+
+    def replay(self, prefix: list[tuple[Any, tuple, dict, Any]]) -> None:
+        """The step's first operators ran before this run was chosen (``prefix``: each one's
+        operator, arguments and :class:`Results`, in order, every tensor holding its bytes): the executor
+        is told them now, as if each had run under the plan (its boundary issued, the storages
+        it created attached, the deaths after it), so the rest of the step runs planned."""
+        for i, (func, args, kwargs, out) in enumerate(prefix):
+            self.before(i, func, args, kwargs)
+            self.after(i, args, kwargs, out, func)
+            if self.diverged is not None:
+                return
+
+    def _check_globals(self) -> None:
+        """Before the executor touches a global tensor again: the memory it holds for each one is
+        still its storage's (the same address and size). Code outside the plan that resized or
+        replaced a global's storage since (``resize_``, ``set_``, another executor or pager moving
+        it) would otherwise have the engine read and write memory that is no longer the tensor's.
+        A mismatch poisons the run (its executor is never used again, not even to read back) and
+        raises, naming the tensor."""
+        resident = getattr(self.ex, "resident", None)
+        if resident is None or not self._native_ex:
+            return
+        for tid, x in self._globals:
+            mem = resident(tid)
+            if mem is None:
+                continue
+            s = storage_of(x)
+            addr = mem.ptr if hasattr(mem, "ptr") else ctypes.addressof(mem)
+            size = mem.nbytes if hasattr(mem, "ptr") else ctypes.sizeof(mem)
+            if s is None or s.data_ptr() != addr or s.nbytes() != size:
+                self.poisoned = True
+                got = "no storage" if s is None else f"{s.nbytes()} bytes at {s.data_ptr():#x}"
+                raise RuntimeError(
+                    f"teraio: global tensor {self.tensors[tid]['name']} (trace tensor {tid}) was moved "
+                    f"outside the plan: the executor holds {size} bytes at {addr:#x}, its storage now has "
+                    f"{got}. Code between steps must not resize or replace parameters, gradients or "
+                    "optimizer states under a Session (write into them in place); this plan's executor is "
+                    "dropped without touching that memory")
 
     # ---- unwatched stretches ---------------------------------------------------------
 
@@ -608,7 +682,7 @@ class PlannedRun:
             if want:
                 flat = self._flat
                 n_in = len(flat)
-                outs = iter_tensors(out)
+                outs = out if isinstance(out, Results) else iter_tensors(out)
                 tid_of, refs = self.tid_of, self.refs
                 for tid, at in want:
                     # the storage where the profile found this one new
@@ -695,6 +769,8 @@ class PlannedRun:
         """Every global tensor back (gathered), then the executor lets go of them. When a global
         tensor cannot be read back the error is raised and the executor is left as it is: its
         copies are not freed."""
+        if self.poisoned:
+            return  # the memory it holds is not the tensors' any more: leave it untouched
         if not self._versions:
             self.gather_globals()
         self._releasing_deaths = True  # memory handed back at the end is resident, keep it

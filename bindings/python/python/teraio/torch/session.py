@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import signature
+from ._storages import flat_args, signature, storage_of
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
-from .planned import Diverged, PlannedRun, keep_last
+from .planned import Diverged, PlannedRun, Results, keep_last
 from .profiler import Profiler, peak_bytes
 from .runtime import Pager, StorageMover, Store
 
@@ -221,6 +221,11 @@ class Session:
         self._headroom = 0
         # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
         self.plans: dict[Any, dict[str, Any]] = {}
+        # the plan whose run holds the global tensors now (at most one: see _planned_run)
+        self._live_key: Any = None
+        # the iteration's first operator's signature -> the plans that start with it, and the
+        # operator from which on one step can be told from another (_Group)
+        self._groups: dict[Any, _Group] = {}
         self._profiled: dict[Any, int] = {}
         self._profiled_times: dict[Any, list[tuple[Any, list[float]]]] = {}
         self.steps: list[dict[str, Any]] = []
@@ -288,7 +293,11 @@ class Session:
                     st.get(d, {}).get("bytes", 0) for d in ("ssd_write", "ssd_read", "host_write", "host_read"))
             if run.diverged is not None:
                 rec["diverged"] = str(run.diverged)
-                self._drop_plan(mode.key)
+                self._diverged(mode.key, run.diverged)
+            elif mode.key in self.plans:
+                self.plans[mode.key]["diverged_n"] = 0
+            if mode.decided_at is not None:
+                rec["decided_at"] = mode.decided_at
         else:
             rec["mode"] = "paged" if self.pager is not None else "profiled"
             rec["stall_s"] = (self.pager.wait_s - wait0) if self.pager else 0.0
@@ -321,10 +330,19 @@ class Session:
             self.log(self.line(rec))
 
     def _planned_run(self, key: Any, n: int) -> Any:
-        """The executor run for this key's plan, or None (no plan, or no executor here)."""
+        """The executor run for this key's plan, or None (no plan, or no executor here).
+
+        At most one run is live at a time: a run's executor holds the global tensors (their
+        memory, their stored copies, what it knows of their versions), so before a step runs
+        anything else (another shape's plan, a profiled or paged step) the live run finishes:
+        every global tensor gathered back and let go, its store copies freed. The next step of
+        its shape starts a new executor over the globals as they are then."""
         entry = self.plans.get(key)
         if n < self.warmup_steps or entry is None or entry.get("plan") is None or entry.get("run") is False:
+            self._retire_live_run()
             return None
+        if self._live_key is not None and self._live_key != key:
+            self._retire_live_run()
         if entry.get("run") is None:
             try:
                 entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
@@ -336,7 +354,17 @@ class Session:
                 entry["run"] = False
                 entry["no_run"] = str(e)
                 return None
+            entry["runs_started"] = entry.get("runs_started", 0) + 1
+        self._live_key = key
         return entry["run"]
+
+    def _retire_live_run(self) -> None:
+        """Finish the live run, if any (see :meth:`_planned_run`)."""
+        key, self._live_key = self._live_key, None
+        entry = self.plans.get(key) if key is not None else None
+        if entry is not None and entry.get("run"):
+            run, entry["run"] = entry["run"], None
+            _finish_run(run)
 
     @property
     def plan_budget(self) -> int | None:
@@ -385,17 +413,51 @@ class Session:
         return executor(trace, plan, gpu_budget_bytes=budget, allocate_created=False, allocator=allocator,
                         stream=stream)
 
+    def _diverged(self, key: Any, d: Diverged) -> None:
+        """A planned step left its plan at kernel ``d.kernel``. It may have been another shape
+        that starts like this one (the plan is chosen by the first operator): steps starting so
+        are then told apart at least one operator past that kernel before a plan runs. A plan
+        that diverges twice in a row is dropped (the next step profiles again)."""
+        entry = self.plans.get(key)
+        if entry is None:
+            return
+        group = self._groups.get(entry["signatures"][0])
+        if group is not None and d.kernel >= 0:
+            group.decide_at = max(group.decide_at, d.kernel + 1)
+        # (the run is in its safe mode: a new executor for the plan's next step)
+        if self._live_key == key:
+            self._retire_live_run()
+        entry["diverged_n"] = entry.get("diverged_n", 0) + 1
+        if entry["diverged_n"] >= 2:
+            self._drop_plan(key)
+
+    def _candidates(self, first: Any, n: int) -> tuple[list[Any], int]:
+        """The plans a step whose first operator has signature ``first`` may run, and the
+        operator from which on one of them can be chosen (0: at once)."""
+        group = self._groups.get(first)
+        if group is None or n < self.warmup_steps:
+            return [], 0
+        keys = [k for k in group.keys if k in self.plans and self.plans[k].get("plan") is not None]
+        return keys, group.decide_at
+
     def _drop_plan(self, key: Any) -> None:
+        if self._live_key == key:
+            self._live_key = None
         entry = self.plans.pop(key, None)
+        if entry is not None:
+            group = self._groups.get(entry["signatures"][0])
+            if group is not None and key in group.keys:
+                group.keys.remove(key)
         if entry and entry.get("run"):
             _finish_run(entry["run"])
 
     def _after_profile(self, n: int, rec: dict[str, Any], state_before: int | None) -> None:
         if n < self.warmup_steps or not self.profiler.ops:
             return
-        key = self.profiler.ops[0].signature
+        sigs = self.profiler.op_signatures()
+        key = _plan_key(sigs)
         entry = self.plans.get(key)
-        if entry is not None and entry["signatures"] == self.profiler.op_signatures():
+        if entry is not None and entry["signatures"] == sigs:
             rec["plan"] = "cached"
             return
         if state_before != _state_count(self.optimizer):
@@ -413,10 +475,11 @@ class Session:
         _median_durations(trace, times)
         del self._profiled_times[key]
         rec["trace_peak_bytes"] = peak_bytes(trace)
-        entry = {"trace": trace, "signatures": self.profiler.op_signatures(), "plan": None,
+        entry = {"trace": trace, "signatures": sigs, "plan": None,
                  "created": self.profiler.created_ids, "created_at": self.profiler.created_positions,
                  "marks": list(self.profiler.marks)}
         self.plans[key] = entry
+        self._groups.setdefault(sigs[0], _Group()).add(key, sigs, self.plans)
         if self.budget is None:
             return
         if self.device.type == "cuda":
@@ -476,8 +539,10 @@ class Session:
         s += f", moved {rec['bytes_moved'] / 1e9:.2f} GB"
         if "peak_allocated_bytes" in rec:
             s += f", peak {rec['peak_allocated_bytes'] / 2**30:.2f} GiB"
+        if rec.get("decided_at"):
+            s += f", plan chosen at operator {rec['decided_at']}"
         if rec.get("diverged"):
-            s += f", diverged ({rec['diverged']}): the plan is dropped, the next step profiles"
+            s += f", diverged ({rec['diverged']}): this step finished without its plan"
         if rec.get("unwatched_ops"):
             s += f", {rec['unwatched_ops']} of {rec['ops']} operators unwatched"
         if rec.get("recomputed"):
@@ -522,6 +587,7 @@ class Session:
         """Bring every paged-out tensor back and close the engine the session opened."""
         if self.closed:
             return
+        self._retire_live_run()
         for entry in self.plans.values():
             if entry.get("run"):
                 _finish_run(entry["run"])
@@ -618,13 +684,50 @@ def _state_count(optimizer: Any) -> int:
     return sum(sum(isinstance(v, torch.Tensor) for v in st.values()) for st in optimizer.state.values())
 
 
+def _plan_key(sigs: list[tuple]) -> tuple:
+    """A plan's key: its iteration's first operator's signature, operator count and a hash of
+    every operator's signature (two shapes whose first operators look alike get two plans)."""
+    return (sigs[0], len(sigs), hash(tuple(sigs)))
+
+
+class _Group:
+    """The plans whose iterations start with the same operator signature, and ``decide_at``:
+    the operator from which on a step can be told from the others (their first difference, or
+    one past a kernel where a step of this group left the plan it ran)."""
+
+    def __init__(self) -> None:
+        self.keys: list[Any] = []
+        self.decide_at = 0
+
+    def add(self, key: Any, sigs: list[tuple], plans: dict[Any, dict[str, Any]]) -> None:
+        for other in self.keys:
+            o = plans[other]["signatures"] if other in plans else None
+            if o is None:
+                continue
+            first = next((i for i, (a, b) in enumerate(zip(sigs, o)) if a != b), min(len(sigs), len(o)))
+            self.decide_at = max(self.decide_at, first)
+        if key not in self.keys:
+            self.keys.append(key)
+
+
 def _finish_run(run: PlannedRun) -> None:
     run.finish()  # every global tensor gathered back first
 
 
 class _StepMode(TorchDispatchMode):
-    """Decides at the step's first operator whether a cached plan runs (by that operator's
-    signature: the iteration's input shapes) or the step is profiled (and paged)."""
+    """Decides which plan a step runs, or that it is profiled (and paged).
+
+    The plans whose iterations start with the step's first operator are its candidates. When
+    one of them can be told at once (the usual case: the first operator takes the input, whose
+    shape differs from one plan to another), its run starts at the first operator. Otherwise
+    (several shapes start alike, e.g. a model that makes its rotary tables before it reads its
+    input) the step is *deciding*: its operators are profiled while the candidates whose
+    operators (signatures, and the sizes of what they create) differ drop out; once one is left
+    and the operator where they can be told apart is passed, that plan's run starts there, the
+    executor is told the operators that already ran (:meth:`PlannedRun.replay`), and the rest of
+    the step is planned. If none is left, the step is profiled as any new shape is. The live run
+    stays live through a deciding prefix only when nothing it moves is away (its tensors hold
+    their bytes); the prefix then runs without paging."""
 
     def __init__(self, session: Session, n: int) -> None:
         super().__init__()
@@ -640,41 +743,166 @@ class _StepMode(TorchDispatchMode):
         # the optimizer's state count before a profiled step (counted at its first operator:
         # a planned step does not need it)
         self.state0: int | None = None
+        # deciding: the candidate plans left, the operator to pass before one is taken, the
+        # operators run so far (for the executor's replay), whether the live run stays live
+        self.cands: list[Any] | None = None
+        self.decide_at = 0
+        self.prefix: list[tuple[Any, tuple, dict, Any]] | None = None
+        self.keep_live = False
+        self._pager: Any = None
+        self.decided_at: int | None = None
 
     def close(self) -> None:
         """The step's end: the planned run's module hooks removed, the mode left (unless the
-        run left it already for an unwatched stretch)."""
+        run left it already for an unwatched stretch); a step still deciding is a profiled one."""
         for h in self.hooks:
             h.remove()
         self.hooks = []
         if self.run is None or self.run.unwatch_end(self):
             self.__exit__(None, None, None)
+        if self.cands is not None:
+            self._profiled_after_all()
+
+    def _start(self, key: Any) -> None:
+        """At the first operator: ``key``'s plan runs, or the step is profiled."""
+        session = self.session
+        self.key = key
+        run = session._planned_run(key, self.n)
+        entry = session.plans.get(key)
+        if entry is not None and entry.get("no_run"):
+            self.fallback = entry["no_run"]
+        if run is not None:
+            session.profiler.abort()
+            self.run = run
+            self.stall0 = run.stall_s
+            run.begin_iteration()
+            self.hooks = run.watch(self)
+        else:
+            self._profile()
+
+    def _profile(self) -> None:
+        session = self.session
+        self.state0 = _state_count(session.optimizer)
+        if self.fallback and session.pager is not None:
+            # a plan exists but cannot run here: page without recording
+            session.profiler.abort()
+            self.paged_only = True
+        session.profiler.seed_pager()
+
+    def _begin_deciding(self, cands: list[Any], decide_at: int) -> None:
+        session = self.session
+        live = session._live_key
+        run = session.plans[live].get("run") if live in cands else None
+        away = getattr(run, "_nothing_away", None) if run else None
+        self.keep_live = away is not None and bool(away())
+        if not self.keep_live:
+            session._retire_live_run()
+        self.cands, self.decide_at, self.prefix = cands, decide_at, []
+        self.state0 = _state_count(session.optimizer)
+        prof = session.profiler
+        if self.keep_live:
+            # (the pager would move the live run's tensors behind its back)
+            self._pager, prof.pager = prof.pager, None
+        else:
+            prof.seed_pager()
+
+    def _profiled_after_all(self) -> None:
+        """No candidate is this step: it is profiled (from its first operator, as recorded)."""
+        session = self.session
+        self.cands, self.prefix = None, None
+        if self.keep_live:
+            # the step ran operators its executor did not see (they may write its tensors)
+            session._retire_live_run()
+            session.profiler.pager = self._pager
+            session.profiler.seed_pager()
+            self.keep_live = False
+
+    def _decide(self, k: int, func: Any, args: tuple, kwargs: dict) -> Any:
+        session = self.session
+        plans = session.plans
+        sig = signature(func, args, kwargs)
+        self.cands = [c for c in self.cands
+                      if c in plans and len(plans[c]["signatures"]) > k and plans[c]["signatures"][k] == sig]
+        if len(self.cands) == 1 and k >= self.decide_at:
+            if self._commit(self.cands[0], k):
+                return self.run.op(k, func, args, kwargs)
+            if self.paged_only:
+                return session.pager.dispatch(func, args, kwargs, k, session.device)
+            return func(*args, **kwargs)
+        if not self.cands:
+            self._profiled_after_all()
+            return session.profiler.dispatch(func, args, kwargs)
+        out = session.profiler.dispatch(func, args, kwargs)
+        res = Results.of(out)
+        self.prefix.append((func, args, kwargs, res))
+        self.cands = [c for c in self.cands if _created_fit(plans[c], k, args, kwargs, res, session.device)]
+        if not self.cands:
+            self._profiled_after_all()
+        return out
+
+    def _commit(self, key: Any, k: int) -> bool:
+        """Operator ``k`` is about to run and ``key``'s plan is the step's: its run starts, told
+        the operators before ``k``. False: it has no run (the rest of the step runs unrecorded,
+        paged if there is a pager)."""
+        session = self.session
+        prof = session.profiler
+        prof.abort()
+        if self.keep_live:
+            prof.pager = self._pager
+        elif session.pager is not None:
+            session.pager.restore_all()  # (the prefix may have paged something out)
+        prefix, self.prefix, self.cands = self.prefix, None, None
+        self.key, self.decided_at = key, k
+        run = session._planned_run(key, self.n)
+        if run is None:
+            entry = session.plans.get(key)
+            self.fallback = (entry or {}).get("no_run", "") or "no run for the plan"
+            self.paged_only = session.pager is not None
+            return False
+        self.run = run
+        self.stall0 = run.stall_s
+        run.begin_iteration()
+        run.replay(prefix)
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         k = self.k
         self.k += 1
         if k == 0:
-            self.key = signature(func, args, kwargs)
-            run = self.session._planned_run(self.key, self.n)
-            entry = self.session.plans.get(self.key)
-            if entry is not None and entry.get("no_run"):
-                self.fallback = entry["no_run"]
-            if run is not None:
-                self.session.profiler.abort()
-                self.run = run
-                self.stall0 = run.stall_s
-                run.begin_iteration()
-                self.hooks = run.watch(self)
+            session = self.session
+            cands, decide_at = session._candidates(signature(func, args, kwargs), self.n)
+            if len(cands) == 1 and decide_at == 0:
+                self._start(cands[0])
+            elif cands:
+                self._begin_deciding(cands, decide_at)
             else:
-                self.state0 = _state_count(self.session.optimizer)
-                if self.fallback and self.session.pager is not None:
-                    # a plan exists but cannot run here: page without recording
-                    self.session.profiler.abort()
-                    self.paged_only = True
-                self.session.profiler.seed_pager()
+                session._retire_live_run()
+                self._profile()
+        if self.cands is not None:
+            return self._decide(k, func, args, kwargs)
         if self.run is not None:
             return self.run.op(k, func, args, kwargs)
         if self.paged_only:
             return self.session.pager.dispatch(func, args, kwargs, k, self.session.device)
         return self.session.profiler.dispatch(func, args, kwargs)
+
+
+def _created_fit(entry: dict[str, Any], k: int, args: tuple, kwargs: dict, outs: Results,
+                 device: torch.device) -> bool:
+    """Whether operator ``k`` made its new storages where and as large as the plan's profile
+    did (an operator without tensor arguments, ``arange(n)``, tells shapes apart only so)."""
+    want = entry["created"][k] if k < len(entry["created"]) else ()
+    if not want:
+        return True
+    flat = flat_args(args, kwargs)
+    n_in = len(flat)
+    tensors = entry["trace"]["tensors"]
+    for tid, at in zip(want, entry["created_at"][k]):
+        if at >= n_in + len(outs):
+            return False
+        x = flat[at] if at < n_in else outs[at - n_in]
+        st = storage_of(x) if x.device == device else None
+        if st is None or st.nbytes() != tensors[tid]["bytes"]:
+            return False
+    return True
