@@ -19,7 +19,7 @@ python3 -m venv "$VENV"
 # the CPU wheels when that index is reachable (smaller), else PyPI's default build
 "$VENV/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
   || "$VENV/bin/pip" install -q torch
-"$VENV/bin/pip" install -q numpy pytest maturin
+"$VENV/bin/pip" install -q numpy pytest maturin hypothesis transformers
 
 step "the teraio wheel"
 # The wheel .ci/bindings.sh built (TERAIO_WHEEL_DIR), else build it (maturin, dev profile:
