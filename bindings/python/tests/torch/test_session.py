@@ -1,6 +1,8 @@
 """Session: training under a budget gives the same losses and parameters as without teraio."""
 
 
+import contextlib
+
 import pytest
 import torch
 
@@ -648,3 +650,65 @@ def test_a_long_training_keeps_the_latest_step_records():
     with pytest.raises(ValueError, match="keep_steps"):
         tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=None, keep_steps=0)
     s.close()
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_an_error_inside_a_step_surfaces_as_itself_and_the_next_steps_train_right(tmp_path, fail_at):
+    # (step 0 is profiled and paged, step 3 planned: either way the loop's own error comes out,
+    # and the session goes on as if the failed step had run without teraio)
+    def loop(s, model, opt):
+        losses = []
+        for i, t in enumerate(batches(6)):
+            try:
+                with s.step() if s is not None else contextlib.nullcontext():
+                    loss = model(t)
+                    if i == fail_at:
+                        raise KeyError("the loop's own error")
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+            except KeyError as e:
+                assert "the loop's own error" in str(e)
+                losses.append("raised")
+        return losses
+
+    ref_model, ref_opt = make()
+    ref = loop(None, ref_model, ref_opt)
+    model, opt = make()
+    s = tt.Session(model, opt, store=engine_store(tmp_path), gpu_budget_bytes=3 * params_bytes(model),
+                   page_min_bytes=0, log=lambda _: None)
+    assert loop(s, model, opt) == ref
+    assert ref.count("raised") == 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    assert "planned" in [r["mode"] for r in s.steps]
+    s.close()
+
+
+def test_session_arguments_are_checked_when_it_is_made(tmp_path):
+    model, opt = make()
+    with pytest.raises(ValueError, match="hardware"):
+        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware="no-such-preset")
+    with pytest.raises(ValueError, match=r"hardware='.*hw\.json'.*cannot read"):
+        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware=str(tmp_path / "hw.json"))
+    with pytest.raises(ValueError, match="policy"):
+        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, policy="fastest")
+    with pytest.raises(ValueError, match="engine"):
+        tt.Session(model, opt, gpu_budget_bytes=1 << 20)
+    teraio = pytest.importorskip("teraio")
+    # a JSON hardware model by path, as `teraio simulate --hw` reads it
+    hw = tmp_path / "dev.json"
+    hw.write_text(__import__("json").dumps(teraio.hardware("dev")))
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware=str(hw))
+    assert s.hardware == teraio.hardware("dev")
+
+
+def test_a_step_line_is_logged_by_default():
+    model, opt = make()
+    lines = []
+    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 30, log=lines.append)
+    for t in batches(2):
+        with s.step():
+            train_step(model, opt, t)
+    assert [ln.split(":")[0] for ln in lines] == ["teraio step 0", "teraio step 1"]

@@ -30,7 +30,7 @@ What each step does:
    "paged"``, the reason in ``planned_failed``).
 
 :meth:`Session.report` gives per-step figures (time, stall, bytes moved, peak memory); with
-``report_every=N`` a one-line report is printed every N steps.
+``report_every=N`` (default 1) a one-line report is printed every N steps (``log``, default print).
 """
 
 from __future__ import annotations
@@ -50,16 +50,69 @@ from .profiler import Profiler, peak_bytes
 from .runtime import Pager, StorageMover, Store
 
 
-def _open_engine(engine: Any) -> Any:
+def _open_engine(engine: Any, device: torch.device) -> Any:
+    """The Session's engine: a ``teraio.Engine`` as given, or opened from a dict of keyword
+    options or a configuration file. For CUDA tensors an engine the Session opens gets the
+    model's GPU (``gpu={"device": N}``) unless its configuration names one; an engine given
+    without a GPU is refused, saying what to add."""
     import teraio
 
+    gpu = {"device": device.index if device.index is not None else torch.cuda.current_device()} \
+        if device.type == "cuda" else None
+    if engine is None:
+        raise ValueError(
+            "Session(engine=...) is required with gpu_budget_bytes: where the engine keeps what leaves the "
+            "GPU, e.g. engine={\"dir\": \"/mnt/nvme/teraio\", \"files\": 4, \"file_size\": \"64G\"} "
+            "(docs/TORCH.md)")
     if isinstance(engine, dict):
         # a retaining store keeps a copy after a prefetch: a tensor the step did not change
         # (a weight, a tensor gathered between steps) leaves the GPU again without a write
-        return teraio.Engine(**{"retain_on_prefetch": True, **engine})
+        opts = {"retain_on_prefetch": True, **engine}
+        if gpu is not None and not opts.get("gpu"):
+            opts["gpu"] = gpu
+        return teraio.Engine(**opts)
     if isinstance(engine, str):
-        return teraio.Engine(engine)
+        eng = teraio.Engine(engine)
+        if gpu is not None and not (eng.config or {}).get("gpu"):
+            eng.close()
+            eng = teraio.Engine(engine, gpu=gpu)
+        return eng
+    if gpu is not None and isinstance(engine, teraio.Engine) and not (engine.config or {}).get("gpu"):
+        raise ValueError(
+            f"Session(engine=...): the model's tensors are on {device} and the engine given has no GPU: "
+            f"open it with gpu={gpu!r} (or [gpu] device = {gpu['device']} in its configuration file), or "
+            "pass the engine's options as a dict and the Session adds it")
     return engine
+
+
+def _hardware(hardware: Any) -> Any:
+    """``hardware=`` as the planner takes it: a preset name, a dict, or the path of a JSON
+    hardware model (what ``teraio simulate --hw`` reads), checked now rather than at the first
+    plan minutes later."""
+    import os
+
+    try:
+        import teraio
+    except ImportError:
+        return hardware
+    if isinstance(hardware, (str, os.PathLike)) and (os.sep in str(hardware) or str(hardware).endswith(".json")
+                                                     or os.path.isfile(hardware)):
+        import json
+
+        path = os.fspath(hardware)
+        try:
+            with open(path) as f:
+                hardware = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"Session(hardware={path!r}): cannot read a JSON hardware model there ({e}); "
+                             "pass a preset name (\"paper\", \"dev\"), a dict, or a JSON file as "
+                             "`teraio simulate --hw` reads") from None
+    if hardware is not None and hasattr(teraio, "hardware"):
+        try:
+            teraio.hardware(hardware)
+        except Exception as e:
+            raise ValueError(f"Session(hardware=...): {e}") from None
+    return hardware
 
 
 class Session:
@@ -126,7 +179,7 @@ class Session:
         optimizer_chunk_bytes: int | None = None,
         profile_steps: int = 1,
         warmup_steps: int = 0,
-        report_every: int = 0,
+        report_every: int = 1,
         device: torch.device | str | None = None,
         store: Store | None = None,
         page_min_bytes: int = 1 << 16,
@@ -185,12 +238,20 @@ class Session:
             raise ValueError(f"traffic_margin must be in [0, 1), got {traffic_margin}")
         self.traffic_margin = traffic_margin
         self.planner = planner
-        self._engine = None
-        if store is None and gpu_budget_bytes is not None:
-            store = self._engine = _open_engine(engine)
-        self.store = store
         self.profiler = Profiler(model, optimizer, device=device, producers=recompute)
         self.device = self.profiler.device
+        if planner is None:
+            self.hardware = _hardware(hardware)
+            _check_policy(policy)
+        if _compiled(model):
+            # (the dispatch mode sees the compiled graph's operators only eagerly: TorchDynamo
+            # runs the model's Python under teraio's mode, which falls back to eager)
+            log("teraio: the model is compiled (torch.compile); under a Session its steps run eagerly, "
+                "with the same results")
+        self._engine = None
+        if store is None and gpu_budget_bytes is not None:
+            store = self._engine = _open_engine(engine, self.device)
+        self.store = store
         cuda = self.device.type == "cuda"
         if cuda and gpu_budget_bytes is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -254,12 +315,20 @@ class Session:
         # the pager learns the global storages at the first operator, if the step is profiled
         self.profiler.begin(seed_pager=False)
         mode.__enter__()
+        failed = False
         try:
             yield self
+        except BaseException:
+            failed = True
+            raise
         finally:
             # (a planned step may have left the mode for its last operators: unwatched)
             mode.close()
-            if mode.run is None:
+            if failed:
+                # the loop's own error surfaces as itself: the step is abandoned, nothing of it
+                # recorded, every tensor brought back, and the next step starts afresh
+                self._abandon(mode)
+            elif mode.run is None:
                 if not mode.paged_only:
                     self.profiler.end()
                 if self.pager is not None:
@@ -328,6 +397,25 @@ class Session:
             self._alloc_counts = counts
         if self.report_every and (n + 1) % self.report_every == 0:
             self.log(self.line(rec))
+
+    def _abandon(self, mode: "_StepMode") -> None:
+        """A step whose body raised: a planned one ends in the executor's safe mode (everything
+        it moved read back) and its run is retired; a profiled one is not recorded. Errors of
+        this cleanup are secondary: the body's error is the one raised."""
+        run = mode.run
+        try:
+            if run is not None:
+                if run.diverged is None:
+                    run._diverge(mode.k, Diverged(mode.k, "the step raised an exception"))
+                run.end_iteration()
+                if self._live_key == mode.key:
+                    self._retire_live_run()
+            else:
+                self.profiler.abort()
+                if self.pager is not None:
+                    self.pager.restore_all()
+        except Exception:
+            pass
 
     def _planned_run(self, key: Any, n: int) -> Any:
         """The executor run for this key's plan, or None (no plan, or no executor here).
@@ -602,6 +690,24 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_policy(policy: str) -> None:
+    try:
+        import teraio
+    except ImportError:
+        return
+    known = getattr(teraio, "POLICIES", None)
+    if known is not None and policy not in known:
+        raise ValueError(f"Session(policy={policy!r}): unknown planning policy; one of {', '.join(known)}")
+
+
+def _compiled(model: Any) -> bool:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return False
+    return isinstance(model, OptimizedModule)
 
 
 def _teraio_error() -> type:
