@@ -123,8 +123,9 @@ class TinyLlama(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
-        ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+        dev = tokens.device
+        inv = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float32, device=dev) / self.hd))
+        ang = torch.outer(torch.arange(s, dtype=torch.float32, device=dev), inv)
         cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
         x = self.emb(tokens)
         for layer in self.layers:
