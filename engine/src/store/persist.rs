@@ -569,6 +569,11 @@ impl Persistence {
         self.journal.lock().pending_free.push(map);
     }
 
+    /// Whether extents wait for the next checkpoint to become free.
+    pub(crate) fn has_deferred_frees(&self) -> bool {
+        !self.journal.lock().pending_free.is_empty()
+    }
+
     /// Held while a checkpoint captures the table: no commit is half applied.
     pub(crate) fn exclusive_gate(&self) -> parking_lot::RwLockWriteGuard<'_, ()> {
         self.gate.write()
