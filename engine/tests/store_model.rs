@@ -1,7 +1,8 @@
 //! Model-based test of the tensor store (issue 36): seeded random operations on a few tensors
-//! (offload and overwrite of the same or another size, to SSD or the host tier; prefetch; free;
-//! a prefetch right behind an offload, which may cancel it; wait; take_held; silent corruption
-//! of an SSD copy; overwrites too large for the array; reopen) against a model of what every
+//! (offload and offload_keep, overwrite of the same or another size, to SSD or the host tier;
+//! prefetch; free; a prefetch right behind an offload, which may cancel it; wait; take_held;
+//! silent corruption of an SSD copy; overwrites too large for the array; reopen, clean or after
+//! a crash that loses every unflushed write) against a model of what every
 //! tensor must read back, in three modes (volatile, `retain_on_prefetch`, persistent), with
 //! phases of the simulated disks' faults (EIO, ENOSPC, short transfers, latency).
 //!
@@ -98,6 +99,7 @@ enum Avail {
 
 enum Pending {
     Offload { h: Handle<OffloadOutcome>, ver: Version, faulty: bool },
+    OffloadKeep { h: Handle<(OffloadOutcome, TensorMem)>, ver: Version, faulty: bool },
     Prefetch { h: Handle<TensorMem>, faulty: bool },
     Free { h: Handle<()>, faulty: bool },
 }
@@ -152,6 +154,7 @@ struct Counts {
     corruptions: u64,
     fault_phases: u64,
     reopens: u64,
+    crashes: u64,
 }
 
 impl Counts {
@@ -170,6 +173,7 @@ impl Counts {
         self.corruptions += o.corruptions;
         self.fault_phases += o.fault_phases;
         self.reopens += o.reopens;
+        self.crashes += o.crashes;
     }
 }
 
@@ -275,7 +279,9 @@ impl Case {
         }
     }
 
-    fn issue_offload(&mut self, id: u64, len: usize) {
+    /// Offload a new version of `id` of `len` bytes; `keep`: with `offload_keep` (the source
+    /// comes back; never cancelled).
+    fn issue_offload(&mut self, id: u64, len: usize, keep: bool) {
         self.next_version += 1;
         let ver = Version { v: self.next_version, len };
         let destination = if self.tier.is_some() && self.rng.gen_bool(0.3) {
@@ -283,19 +289,29 @@ impl Case {
         } else {
             Destination::Ssd
         };
-        self.note(format!("offload {id} v{} ({len} bytes) to {destination:?}", ver.v));
+        let how = if keep { "offload_keep" } else { "offload" };
+        self.note(format!("{how} {id} v{} ({len} bytes) to {destination:?}", ver.v));
         let bytes = data(id, ver.v, len);
         let mut src = self.pool.alloc(len).expect("pool");
         src.copy_from_slice(&bytes);
         let opts = OffloadOptions { destination, ..Default::default() };
-        let h = match self.store().offload(id, TensorMem::Host(src), opts) {
-            Ok(h) => h,
-            Err(e) => self.fail(&format!("offload {id} refused at the call: {e}")),
+        let faulty = self.faulty;
+        let src = TensorMem::Host(src);
+        let pending = if keep {
+            self.store().offload_keep(id, src, opts).map(|h| Pending::OffloadKeep {
+                h,
+                ver,
+                faulty,
+            })
+        } else {
+            self.store().offload(id, src, opts).map(|h| Pending::Offload { h, ver, faulty })
         };
+        let pending =
+            pending.unwrap_or_else(|e| self.fail(&format!("{how} {id} refused at the call: {e}")));
         let t = &mut self.tensors[id as usize];
         t.issued_len = Some(len);
         t.history.push(ver);
-        t.pending.push_back(Pending::Offload { h, ver, faulty: self.faulty });
+        t.pending.push_back(pending);
         self.counts.offloads += 1;
     }
 
@@ -358,6 +374,18 @@ impl Case {
             match p {
                 Pending::Offload { h, ver, faulty } => {
                     let r = self.wait(h, id, "offload");
+                    self.offloaded(id, ver, faulty, r);
+                }
+                Pending::OffloadKeep { h, ver, faulty } => {
+                    let r = self.wait(h, id, "offload_keep").map(|(outcome, src)| {
+                        if outcome == OffloadOutcome::Cancelled {
+                            self.fail(&format!("offload_keep {id} v{} was cancelled", ver.v));
+                        }
+                        if bytes_of(&src) != data(id, ver.v, ver.len) {
+                            self.fail(&format!("offload_keep {id} v{}: source changed", ver.v));
+                        }
+                        outcome
+                    });
                     self.offloaded(id, ver, faulty, r);
                 }
                 Pending::Prefetch { h, faulty } => {
@@ -599,13 +627,27 @@ impl Case {
         self.faulty = false;
     }
 
-    fn reopen(&mut self) {
+    /// Close and reopen the persistent store; `crash`: the disks refuse every write from the
+    /// close on (its checkpoint fails) and then lose what was not flushed.
+    fn reopen(&mut self, crash: bool) {
         self.faults_off();
-        self.note("reopen".into());
+        self.note(if crash { "crash and reopen" } else { "reopen" }.into());
+        if crash {
+            for d in &self.disks {
+                d.inject(SimFault::Eio { op: SimOp::Write, after_ops: 0 });
+            }
+        }
         drop(self.store.take());
+        if crash {
+            for d in &self.disks {
+                d.crash();
+                d.clear_faults();
+            }
+        }
         self.store = Some(self.open());
         self.tainted = false;
         self.counts.reopens += 1;
+        self.counts.crashes += u64::from(crash);
         for id in 0..TENSORS {
             let candidates = self.tensors[id as usize].durable.clone();
             let found = match self.store().info(id) {
@@ -692,17 +734,18 @@ impl Case {
         match self.rng.gen_range(0..100) {
             0..=21 => {
                 let len = self.random_len(id);
-                self.issue_offload(id, len);
+                let keep = self.rng.gen_bool(0.15);
+                self.issue_offload(id, len, keep);
             }
             22..=29 => {
                 let len = self.random_len(id);
-                self.issue_offload(id, len);
+                self.issue_offload(id, len, false);
                 self.resolve(id);
             }
             30..=31 => {
                 // Larger than the array's free space, most of the time.
                 let len = self.rng.gen_range(2 * MIB as usize..=6 * MIB as usize);
-                self.issue_offload(id, len);
+                self.issue_offload(id, len, false);
             }
             32..=46 => self.issue_prefetch(id),
             47..=56 => {
@@ -712,7 +755,7 @@ impl Case {
             57..=66 => {
                 // A prefetch right behind an offload: cancels it while it is still queued.
                 let len = self.random_len(id);
-                self.issue_offload(id, len);
+                self.issue_offload(id, len, false);
                 self.issue_prefetch(id);
             }
             67..=71 => self.issue_free(id),
@@ -735,7 +778,8 @@ impl Case {
             }
             _ => {
                 if self.mode == Mode::Persistent {
-                    self.reopen();
+                    let crash = self.rng.gen_bool(0.5);
+                    self.reopen(crash);
                 } else {
                     self.check_quiescent();
                 }
@@ -750,7 +794,7 @@ impl Case {
         self.faults_off();
         self.check_quiescent();
         if self.mode == Mode::Persistent {
-            self.reopen();
+            self.reopen(false);
             self.check_quiescent();
         }
         drop(self.store.take());
@@ -790,7 +834,7 @@ fn model(mode: Mode, base_seed: u64) {
     }
     // One line a mode: the soak script collects these for docs/BENCHMARKS.md.
     eprintln!(
-        "store model {mode:?}: {} operations in {} cases, {:.1} s, 0 stale or wrong reads: {total:?}",
+        "store model {mode:?}: {} operations in {} cases, {:.1} s, every check passed: {total:?}",
         total.ops,
         total.cases,
         started.elapsed().as_secs_f64()

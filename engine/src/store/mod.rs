@@ -17,7 +17,14 @@
 //!   `retain_on_prefetch`, keeps the SSD copy until the tensor is offloaded again or freed (so a
 //!   caller can drop an unmodified tensor without writing it).
 //! - In a volatile, non-retaining store, a prefetch issued while the tensor's offload is still
-//!   queued (not yet started) cancels that offload and completes at once from its source memory.
+//!   queued (not yet started) cancels that offload and completes at once from its source memory;
+//!   every older copy of the tensor is then forgotten (after the operations still ahead of it).
+//! - A prefetch returns the newest version offloaded before it, or an error naming the tensor,
+//!   never an older version: a failed offload's held source supersedes every older copy (a
+//!   persistent store keeps its older SSD copy as the durable version, what a reopen finds, but
+//!   does not read it in this session).
+//! - Persistent mode: extents of freed or overwritten tensors become reusable at the next
+//!   checkpoint; an allocation that finds no space while such extents wait writes one and retries.
 //! - The source memory of an offload is released only after the write completed (and, in
 //!   persistent mode, after the journal record naming the tensor is durable). A failed offload
 //!   leaves the tensor held by the store ([`Location::Held`]); a later prefetch returns it.
