@@ -811,3 +811,35 @@ fn a_persistent_store_full_of_live_tensors_still_reports_no_space() {
     let got = prefetch_now(&store, 1, free).unwrap();
     assert_same(&bytes_of(&got), &content(1, 0, free), "the live tensor");
 }
+
+#[test]
+fn a_free_after_a_failed_journal_write_is_an_error_not_a_promise() {
+    // The journal write of tensor 8's offload fails: that record may still reach the disk (a
+    // write that failed at its sync), so a reopen may find the tensor; the metadata is
+    // read-only until then. A free of it cannot be made durable and must say so (it returned
+    // Ok, and the "freed" tensor came back after a crash: found by the store's model test).
+    let disks = sim_disks(1, 64 * MIB, 47);
+    let store = store(&disks, true);
+    let pool = pool();
+    // How many writes an offload makes: its data, then its journal record last.
+    let before = disks[0].stats().writes;
+    store
+        .offload_sync(9, host_mem(&pool, &content(9, 1, MIB as usize)), Default::default())
+        .unwrap();
+    let writes = disks[0].stats().writes - before;
+    disks[0].inject(SimFault::Eio { op: SimOp::Write, after_ops: writes - 1 }); // data, no journal
+    let err = store
+        .offload_sync(8, host_mem(&pool, &content(8, 1, MIB as usize)), Default::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("device 0"), "{err}");
+    disks[0].clear_faults();
+    let err = store.free(8).unwrap().wait().unwrap_err();
+    assert!(err.to_string().contains("reopen"), "the error says what to do: {err}");
+    // After a reopen the store knows again what is durable, and the free works.
+    drop(store);
+    let store = self::store(&disks, true);
+    if store.info(8).is_some() {
+        store.free(8).unwrap().wait().unwrap();
+    }
+    assert!(store.info(8).is_none());
+}

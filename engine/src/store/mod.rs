@@ -1106,6 +1106,16 @@ impl Inner {
                 Persistence::put_record(id, name.as_deref(), copy)
             }
             Update::Freed(Some(_)) => RecordBody::DeleteTensor { id },
+            // No copy of the tensor is known to be durable, so there is nothing to delete;
+            // but after a failed metadata write the record of its failed offload may have
+            // reached the disk all the same (a journal write that failed at its sync), and a
+            // reopen would bring the tensor back: the free cannot be promised then.
+            Update::Freed(None) => {
+                return match p.writable() {
+                    Ok(()) => (outcome, update, None),
+                    Err(e) => (Outcome::Free(Err(e)), Update::None, None),
+                };
+            }
             _ => return (outcome, update, None),
         };
         loop {

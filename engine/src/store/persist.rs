@@ -569,6 +569,11 @@ impl Persistence {
         self.journal.lock().pending_free.push(map);
     }
 
+    /// `Ok` unless an earlier metadata write failed (then nothing more is written).
+    pub(crate) fn writable(&self) -> Result<()> {
+        check_failed(&self.journal.lock())
+    }
+
     /// Whether extents wait for the next checkpoint to become free.
     pub(crate) fn has_deferred_frees(&self) -> bool {
         !self.journal.lock().pending_free.is_empty()
