@@ -260,7 +260,7 @@ impl Case {
     }
 
     fn note(&mut self, s: String) {
-        if self.log.len() == 40 {
+        if self.log.len() == 80 {
             self.log.pop_front();
         }
         self.log.push_back(s);
@@ -374,6 +374,11 @@ impl Case {
             match p {
                 Pending::Offload { h, ver, faulty } => {
                     let r = self.wait(h, id, "offload");
+                    self.note(format!(
+                        "  = offload {id} v{}: {:?}",
+                        ver.v,
+                        r.as_ref().map_err(|e| e.to_string())
+                    ));
                     self.offloaded(id, ver, faulty, r);
                 }
                 Pending::OffloadKeep { h, ver, faulty } => {
@@ -386,14 +391,27 @@ impl Case {
                         }
                         outcome
                     });
+                    self.note(format!(
+                        "  = offload_keep {id} v{}: {:?}",
+                        ver.v,
+                        r.as_ref().map_err(|e| e.to_string())
+                    ));
                     self.offloaded(id, ver, faulty, r);
                 }
                 Pending::Prefetch { h, faulty } => {
                     let r = self.wait(h, id, "prefetch");
+                    self.note(format!(
+                        "  = prefetch {id}: {:?}",
+                        r.as_ref().map(|m| m.len()).map_err(|e| e.to_string())
+                    ));
                     self.prefetched(id, faulty, r);
                 }
                 Pending::Free { h, faulty } => {
                     let r = self.wait(h, id, "free");
+                    self.note(format!(
+                        "  = free {id}: {:?}",
+                        r.as_ref().map_err(|e| e.to_string())
+                    ));
                     self.freed(id, faulty, r);
                 }
             }
@@ -700,6 +718,8 @@ impl Case {
     /// With nothing queued, the store's view agrees with the model.
     fn check_quiescent(&mut self) {
         self.resolve_all();
+        // (A prefetch that cancelled an offload may have queued the discarding of older copies,
+        // which has no handle: the store says they are gone already.)
         let store = self.store();
         for id in 0..TENSORS {
             let avail = self.tensors[id as usize].avail;
@@ -711,7 +731,10 @@ impl Case {
                 Avail::Cancelled => false,
             };
             if !ok {
-                self.fail(&format!("tensor {id} is {loc:?} in the store, {avail:?} in the model"));
+                let info = store.info(id);
+                self.fail(&format!(
+                    "tensor {id} is {loc:?} in the store, {avail:?} in the model: {info:?}"
+                ));
             }
         }
         let live: u64 = store

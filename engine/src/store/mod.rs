@@ -405,6 +405,8 @@ impl Entry {
         match self.queue.front().map(|o| &o.kind) {
             Some(OpKind::Offload { .. }) => Location::Offloading,
             Some(OpKind::Prefetch { .. }) => Location::Prefetching,
+            // The copies left are older than the version a prefetch took: about to go.
+            Some(OpKind::Discard) => Location::Caller,
             _ if self.held.is_some() => Location::Held,
             _ if self.host.is_some() => Location::InHost,
             _ if self.readable_ssd().is_some() => Location::OnSsd,
