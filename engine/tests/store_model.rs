@@ -1,8 +1,8 @@
 //! Model-based test of the tensor store (issue 36): seeded random operations on a few tensors
 //! (offload and offload_keep, overwrite of the same or another size, to SSD or the host tier;
 //! prefetch; free; a prefetch right behind an offload, which may cancel it; wait; take_held;
-//! silent corruption of an SSD copy; overwrites too large for the array; reopen, clean or after
-//! a crash that loses every unflushed write) against a model of what every
+//! silent corruption of an SSD copy; overwrites too large for the array; checkpoint; reopen,
+//! clean or after a crash that loses every unflushed write) against a model of what every
 //! tensor must read back, in three modes (volatile, `retain_on_prefetch`, persistent), with
 //! phases of the simulated disks' faults (EIO, ENOSPC, short transfers, latency).
 //!
@@ -156,6 +156,7 @@ struct Counts {
     fault_phases: u64,
     reopens: u64,
     crashes: u64,
+    checkpoints: u64,
 }
 
 impl Counts {
@@ -175,6 +176,7 @@ impl Counts {
         self.fault_phases += o.fault_phases;
         self.reopens += o.reopens;
         self.crashes += o.crashes;
+        self.checkpoints += o.checkpoints;
     }
 }
 
@@ -646,6 +648,17 @@ impl Case {
         self.faulty = false;
     }
 
+    /// An explicit checkpoint (with operations in flight): it fails only after a fault.
+    fn checkpoint(&mut self) {
+        self.note("checkpoint".into());
+        if let Err(e) = self.store().checkpoint()
+            && !(self.faulty || self.tainted)
+        {
+            self.fail(&format!("checkpoint failed without faults: {e}"));
+        }
+        self.counts.checkpoints += 1;
+    }
+
     /// Close and reopen the persistent store; `crash`: the disks refuse every write from the
     /// close on (its checkpoint fails) and then lose what was not flushed.
     fn reopen(&mut self, crash: bool) {
@@ -805,8 +818,10 @@ impl Case {
             }
             _ => {
                 if self.mode == Mode::Persistent {
-                    let crash = self.rng.gen_bool(0.5);
-                    self.reopen(crash);
+                    match self.rng.gen_range(0..3) {
+                        0 => self.checkpoint(),
+                        n => self.reopen(n == 2),
+                    }
                 } else {
                     self.check_quiescent();
                 }
