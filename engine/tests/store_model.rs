@@ -242,6 +242,9 @@ impl Case {
         cfg.alloc_unit_bytes = UNIT_BYTES;
         cfg.workers = 2;
         cfg.inflight_bytes_max = 8 * MIB;
+        // Backpressure: a call blocks while this many operations are queued (an operation that
+        // never gave its place back would stop the test).
+        cfg.queued_ops_max = 24;
         cfg.host_tier = self.tier.clone();
         TensorStore::open(cfg).unwrap_or_else(|e| self.fail(&format!("open the store: {e}")))
     }
