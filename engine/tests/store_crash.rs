@@ -11,6 +11,7 @@ use std::sync::Arc;
 use store_common::*;
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::store::{OffloadOptions, TensorStore};
+use teraio_layout::format::{DeviceLayout, RecordBody, encode_journal_batch};
 
 #[derive(Clone, Copy, Debug)]
 enum Step {
@@ -216,4 +217,42 @@ fn crash_at_every_write(steps: &[Step], disk_count: usize, capacity: u64) {
     }
     let total: u64 = (0..disk_count).map(|d| counts[steps.len()][d] - counts[0][d]).sum();
     assert_eq!(crash_points, total, "one crash point per write of the sequence");
+}
+
+#[test]
+fn a_reopen_makes_the_journal_it_applied_durable() {
+    // A journal record that reached the device but not stable storage (its sync failed, then
+    // the process restarted): a reopen that applies it must make it durable first, or a power
+    // loss later brings back the tensor the reopened store showed as deleted (found by the
+    // store's model test, engine/tests/store_model.rs).
+    const CAP: u64 = 64 * MIB;
+    let disks = sim_disks(1, CAP, 101);
+    let pool = pool();
+    let (a, b) = (content(1, 1, MIB as usize), content(2, 1, 3 * MIB as usize));
+    {
+        let s = store(&disks, true);
+        s.offload_sync(1, host_mem(&pool, &a), OffloadOptions::default()).unwrap();
+        s.offload_sync(2, host_mem(&pool, &b), OffloadOptions::default()).unwrap();
+    } // closed: a checkpoint covers records 1 and 2, the journal starts over
+    let array = sim_array(&disks);
+    let layout = DeviceLayout::with_defaults(CAP, 4096, MIB).unwrap();
+    let batch = encode_journal_batch(3, &[RecordBody::DeleteTensor { id: 1 }], 4096).unwrap();
+    let mut buf = pool.alloc(batch.len()).unwrap();
+    buf.copy_from_slice(&batch);
+    let (_, r) = array.write_at(0, layout.journal.offset, buf).unwrap().wait();
+    r.unwrap(); // written, never flushed
+    drop(array);
+    {
+        let s = store(&disks, true);
+        assert!(s.info(1).is_none(), "the reopen applied the delete");
+        // Power is lost before anything else is written (the close's checkpoint fails).
+        disks[0].inject(SimFault::Eio { op: SimOp::Write, after_ops: 0 });
+        drop(s);
+    }
+    disks[0].crash();
+    disks[0].clear_faults();
+    let s = store(&disks, true);
+    assert!(s.info(1).is_none(), "tensor 1, deleted as the reopened store said, came back");
+    let got = s.prefetch_sync(2, host_zeroed(&pool, b.len())).unwrap();
+    assert_same(&bytes_of(&got), &b, "tensor 2");
 }
