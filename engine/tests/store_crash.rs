@@ -11,6 +11,7 @@ use std::sync::Arc;
 use store_common::*;
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::store::{OffloadOptions, TensorStore};
+use teraio_layout::format::{DeviceLayout, RecordBody, encode_journal_batch};
 
 #[derive(Clone, Copy, Debug)]
 enum Step {
@@ -46,10 +47,27 @@ fn apply(state: &mut State, i: usize, step: Step) {
     }
 }
 
-/// Run the steps until one fails. Returns the index of the first failed step (or STEPS.len()).
-fn run(store: &TensorStore) -> usize {
+/// Overwrites that outgrow the array: the extents of the versions they replace are reused only
+/// through the checkpoints written when an allocation finds no space (issue 36), so a crash
+/// lands in those checkpoints too.
+const OVERWRITES: &[Step] = &[
+    Step::Offload(1, 4 * MIB as usize),
+    Step::Offload(2, 2 * MIB as usize + 9),
+    Step::Offload(1, 4 * MIB as usize),
+    Step::Offload(1, 4 * MIB as usize - 100),
+    Step::Offload(2, 3 * MIB as usize),
+    Step::Offload(1, 4 * MIB as usize),
+    Step::Free(2),
+    Step::Offload(3, 3 * MIB as usize - 5),
+    Step::Offload(1, 4 * MIB as usize),
+    Step::Offload(3, 3 * MIB as usize - 5),
+    Step::Offload(1, 3 * MIB as usize),
+];
+
+/// Run the steps until one fails. Returns the index of the first failed step (or steps.len()).
+fn run(store: &TensorStore, steps: &[Step]) -> usize {
     let pool = pool();
-    for (i, &step) in STEPS.iter().enumerate() {
+    for (i, &step) in steps.iter().enumerate() {
         let ok = match step {
             Step::Offload(id, len) => store
                 .offload_sync(
@@ -65,7 +83,7 @@ fn run(store: &TensorStore) -> usize {
             return i;
         }
     }
-    STEPS.len()
+    steps.len()
 }
 
 fn writes(disks: &[Arc<SimDisk>]) -> Vec<u64> {
@@ -118,15 +136,29 @@ fn verify(disks: &[Arc<SimDisk>], before: &State, after: &State, what: &str) {
 
 #[test]
 fn every_acknowledged_tensor_survives_a_crash_at_every_write() {
-    const DISKS: usize = 2;
-    const CAP: u64 = 64 * MIB;
+    crash_at_every_write(STEPS, 2, 64 * MIB);
+}
+
+#[test]
+fn overwrites_that_reuse_space_through_checkpoints_survive_a_crash_at_every_write() {
+    const CAP: u64 = 8 * MIB;
+    let written: usize =
+        OVERWRITES.iter().map(|s| if let Step::Offload(_, len) = s { *len } else { 0 }).sum();
+    let data = store(&sim_disks(2, CAP, 100), true).space().total.free_bytes;
+    assert!(written as u64 > 2 * data, "the sequence writes {written} bytes on {data}");
+    crash_at_every_write(OVERWRITES, 2, CAP);
+}
+
+/// Run `steps` once cleanly, then once per write of that run with the disks failing from that
+/// write on, crashed and reopened: [`verify`] after each.
+fn crash_at_every_write(steps: &[Step], disk_count: usize, capacity: u64) {
     // A clean run: per-step write counts of each disk.
-    let disks = sim_disks(DISKS, CAP, 100);
+    let disks = sim_disks(disk_count, capacity, 100);
     let clean = store(&disks, true);
     let pool = pool();
     let mut counts = vec![writes(&disks)];
     let mut states = vec![State::new()];
-    for (i, &step) in STEPS.iter().enumerate() {
+    for (i, &step) in steps.iter().enumerate() {
         match step {
             Step::Offload(id, len) => {
                 clean
@@ -135,7 +167,7 @@ fn every_acknowledged_tensor_survives_a_crash_at_every_write() {
                         host_mem(&pool, &content(id, i as u64, len)),
                         OffloadOptions::default(),
                     )
-                    .unwrap();
+                    .unwrap_or_else(|e| panic!("clean run, step {i}: {e}"));
             }
             Step::Free(id) => clean.free(id).unwrap().wait().unwrap(),
             Step::Checkpoint => clean.checkpoint().unwrap(),
@@ -146,13 +178,13 @@ fn every_acknowledged_tensor_survives_a_crash_at_every_write() {
         states.push(s);
     }
     drop(clean);
-    verify(&disks, &states[STEPS.len()], &states[STEPS.len()], "clean run");
+    verify(&disks, &states[steps.len()], &states[steps.len()], "clean run");
 
     let mut crash_points = 0;
-    for step in 0..STEPS.len() {
-        for dev in 0..DISKS {
+    for step in 0..steps.len() {
+        for dev in 0..disk_count {
             for stop_at in counts[step][dev]..counts[step + 1][dev] {
-                let disks = sim_disks(DISKS, CAP, 100);
+                let disks = sim_disks(disk_count, capacity, 100);
                 // Format the array and let the first `step` steps through on every disk, then
                 // stop device `dev` at its `stop_at`-th write.
                 let store = store(&disks, true);
@@ -164,7 +196,7 @@ fn every_acknowledged_tensor_survives_a_crash_at_every_write() {
                         after_ops: allow + base[d] - counts[0][d],
                     });
                 }
-                let failed_at = run(&store);
+                let failed_at = run(&store, steps);
                 assert!(failed_at >= step, "step {failed_at} failed before the crash point");
                 // The store closes with the faults still active, then power is lost.
                 drop(store);
@@ -176,13 +208,51 @@ fn every_acknowledged_tensor_survives_a_crash_at_every_write() {
                 verify(
                     &disks,
                     &states[step],
-                    &states[(failed_at + 1).min(STEPS.len())].clone(),
+                    &states[(failed_at + 1).min(steps.len())].clone(),
                     &what,
                 );
                 crash_points += 1;
             }
         }
     }
-    let total: u64 = (0..DISKS).map(|d| counts[STEPS.len()][d] - counts[0][d]).sum();
+    let total: u64 = (0..disk_count).map(|d| counts[steps.len()][d] - counts[0][d]).sum();
     assert_eq!(crash_points, total, "one crash point per write of the sequence");
+}
+
+#[test]
+fn a_reopen_makes_the_journal_it_applied_durable() {
+    // A journal record that reached the device but not stable storage (its sync failed, then
+    // the process restarted): a reopen that applies it must make it durable first, or a power
+    // loss later brings back the tensor the reopened store showed as deleted (found by the
+    // store's model test, engine/tests/store_model.rs).
+    const CAP: u64 = 64 * MIB;
+    let disks = sim_disks(1, CAP, 101);
+    let pool = pool();
+    let (a, b) = (content(1, 1, MIB as usize), content(2, 1, 3 * MIB as usize));
+    {
+        let s = store(&disks, true);
+        s.offload_sync(1, host_mem(&pool, &a), OffloadOptions::default()).unwrap();
+        s.offload_sync(2, host_mem(&pool, &b), OffloadOptions::default()).unwrap();
+    } // closed: a checkpoint covers records 1 and 2, the journal starts over
+    let array = sim_array(&disks);
+    let layout = DeviceLayout::with_defaults(CAP, 4096, MIB).unwrap();
+    let batch = encode_journal_batch(3, &[RecordBody::DeleteTensor { id: 1 }], 4096).unwrap();
+    let mut buf = pool.alloc(batch.len()).unwrap();
+    buf.copy_from_slice(&batch);
+    let (_, r) = array.write_at(0, layout.journal.offset, buf).unwrap().wait();
+    r.unwrap(); // written, never flushed
+    drop(array);
+    {
+        let s = store(&disks, true);
+        assert!(s.info(1).is_none(), "the reopen applied the delete");
+        // Power is lost before anything else is written (the close's checkpoint fails).
+        disks[0].inject(SimFault::Eio { op: SimOp::Write, after_ops: 0 });
+        drop(s);
+    }
+    disks[0].crash();
+    disks[0].clear_faults();
+    let s = store(&disks, true);
+    assert!(s.info(1).is_none(), "tensor 1, deleted as the reopened store said, came back");
+    let got = s.prefetch_sync(2, host_zeroed(&pool, b.len())).unwrap();
+    assert_same(&bytes_of(&got), &b, "tensor 2");
 }

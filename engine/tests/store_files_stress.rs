@@ -104,3 +104,43 @@ fn psync_retaining() {
 fn spdk_bdev_retaining() {
     run(BackendKind::Spdk, true);
 }
+
+/// Issue 36: 55 overwrites of one 1 MiB tensor in a persistent store on a 64 MiB file failed
+/// with "no space for 1048576 bytes: 0 bytes free" (replaced extents waited for a checkpoint
+/// that nothing wrote). 120 overwrites, then a reopen that finds the last one.
+#[test]
+fn a_persistent_store_on_a_64_mib_file_takes_any_number_of_overwrites() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = || {
+        let mut cfg = ArrayConfig::new(vec![Target::Path(dir.path().join("dev0"))]);
+        cfg.file_size_bytes = 64 * MIB;
+        cfg.backend = BackendKind::Psync;
+        cfg.existing = teraio_engine::array::ExistingData::AllowTeraio;
+        let mut scfg = StoreConfig::new(DeviceArray::open(cfg).unwrap());
+        scfg.persistent = true;
+        TensorStore::open(scfg).unwrap()
+    };
+    let pool: Arc<BufferPool> =
+        BufferPool::new(PoolConfig { capacity_bytes: 64 * MIB, ..PoolConfig::default() }).unwrap();
+    let len = MIB as usize;
+    let mem = |v: u8| {
+        let mut b = pool.alloc(len).unwrap();
+        b.fill(v);
+        TensorMem::Host(b)
+    };
+    let rounds = 120u32;
+    {
+        let store = open();
+        assert!(u64::from(rounds) * MIB > 64 * MIB, "the overwrites outgrow the file");
+        for v in 0..rounds {
+            store
+                .offload_sync(1, mem(v as u8), OffloadOptions::default())
+                .unwrap_or_else(|e| panic!("overwrite {v}: {e}"));
+        }
+    }
+    let store = open();
+    let got = store.prefetch_sync(1, mem(0xEE)).unwrap();
+    let mut bytes = vec![0u8; len];
+    got.copy_out(0, &mut bytes).unwrap();
+    assert!(bytes.iter().all(|&b| b == (rounds - 1) as u8), "the last overwrite after reopen");
+}

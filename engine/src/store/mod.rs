@@ -17,7 +17,14 @@
 //!   `retain_on_prefetch`, keeps the SSD copy until the tensor is offloaded again or freed (so a
 //!   caller can drop an unmodified tensor without writing it).
 //! - In a volatile, non-retaining store, a prefetch issued while the tensor's offload is still
-//!   queued (not yet started) cancels that offload and completes at once from its source memory.
+//!   queued (not yet started) cancels that offload and completes at once from its source memory;
+//!   every older copy of the tensor is then forgotten (after the operations still ahead of it).
+//! - A prefetch returns the newest version offloaded before it, or an error naming the tensor,
+//!   never an older version: a failed offload's held source supersedes every older copy (a
+//!   persistent store keeps its older SSD copy as the durable version, what a reopen finds, but
+//!   does not read it in this session).
+//! - Persistent mode: extents of freed or overwritten tensors become reusable at the next
+//!   checkpoint; an allocation that finds no space while such extents wait writes one and retries.
 //! - The source memory of an offload is released only after the write completed (and, in
 //!   persistent mode, after the journal record naming the tensor is durable). A failed offload
 //!   leaves the tensor held by the store ([`Location::Held`]); a later prefetch returns it.
@@ -200,6 +207,10 @@ enum OpKind {
         after: Option<Box<dyn DeviceFence>>,
     },
     Free,
+    /// Forget every copy the tensor has once the operations before it finished: queued by a
+    /// prefetch that cancelled the newest offload and took its data (the copies older
+    /// operations leave are older versions, never to be read again).
+    Discard,
 }
 
 enum Done {
@@ -207,6 +218,8 @@ enum Done {
     OffloadKeep(Arc<Slot<(OffloadOutcome, TensorMem)>>),
     Prefetch(Arc<Slot<TensorMem>>),
     Free(Arc<Slot<()>>),
+    /// Nobody waits for it (a [`OpKind::Discard`]).
+    Discard,
 }
 
 struct Op {
@@ -364,6 +377,10 @@ struct Entry {
     size: u64,
     name: Option<String>,
     ssd: Option<SsdCopy>,
+    /// Persistent mode: `ssd` is an older version than the newest one offloaded (whose write
+    /// failed). It stays in the table, and on the array, as the tensor's durable version (what
+    /// a reopen finds) but is never read in this session.
+    ssd_superseded: bool,
     host: Option<HostCopy>,
     held: Option<TensorMem>,
     queue: VecDeque<Op>,
@@ -376,6 +393,7 @@ impl Entry {
             size,
             name: None,
             ssd: None,
+            ssd_superseded: false,
             host: None,
             held: None,
             queue: VecDeque::new(),
@@ -387,15 +405,38 @@ impl Entry {
         match self.queue.front().map(|o| &o.kind) {
             Some(OpKind::Offload { .. }) => Location::Offloading,
             Some(OpKind::Prefetch { .. }) => Location::Prefetching,
+            // The copies left are older than the version a prefetch took: about to go.
+            Some(OpKind::Discard) => Location::Caller,
             _ if self.held.is_some() => Location::Held,
             _ if self.host.is_some() => Location::InHost,
-            _ if self.ssd.is_some() => Location::OnSsd,
+            _ if self.readable_ssd().is_some() => Location::OnSsd,
             _ => Location::Caller,
         }
     }
 
+    /// The SSD copy, unless a newer version superseded it.
+    fn readable_ssd(&self) -> Option<&SsdCopy> {
+        self.ssd.as_ref().filter(|_| !self.ssd_superseded)
+    }
+
+    /// Whether a prefetch has a copy of the newest version to read.
     fn has_copy(&self) -> bool {
-        self.ssd.is_some() || self.host.is_some() || self.held.is_some()
+        self.readable_ssd().is_some() || self.host.is_some() || self.held.is_some()
+    }
+
+    /// Why a prefetch finds nothing to read, for an error naming the tensor.
+    fn no_copy_detail(&self) -> String {
+        if self.ssd_superseded {
+            "its newest version is not in the store (its offload failed, and a prefetch or \
+             take_held already took the memory the store held); the SSD copy is an older version \
+             and is not returned: offload the tensor again"
+                .into()
+        } else {
+            "it has no copy in the store to prefetch (never offloaded, freed, or already taken \
+             back by a prefetch: a volatile store hands a tensor back and forgets it): offload it \
+             again first"
+                .into()
+        }
     }
 }
 
@@ -671,16 +712,39 @@ impl TensorStore {
             && !(entry.queue.len() == 1 && entry.active == Active::Running);
         if tail_is_queued_offload {
             let op = entry.queue.pop_back().expect("checked");
-            if entry.queue.is_empty() {
-                entry.active = Active::Idle;
-            }
             let (OpKind::Offload { src: Some(src), after: src_after, .. }, Done::Offload(slot)) =
                 (op.kind, op.done)
             else {
                 unreachable!("a queued offload owns its source")
             };
+            // The data goes to this prefetch, and a volatile store forgets what a prefetch took:
+            // every copy the store has, or the operations before the cancelled offload leave
+            // (an older version, or the source of an older failed offload), is dropped, so no
+            // later prefetch can return it.
+            let mut older = None;
+            if entry.queue.is_empty() {
+                entry.active = Active::Idle;
+                if let Some(old) = entry.ssd.take() {
+                    self.inner.release_extents(&old.map);
+                }
+                entry.ssd_superseded = false;
+                older = Some((entry.host.take(), entry.held.take()));
+            } else {
+                // Behind the operations still queued or running; it takes over the cancelled
+                // offload's place in the queued-operations budget.
+                let op = Op {
+                    kind: OpKind::Discard,
+                    priority: op.priority,
+                    enqueued: Instant::now(),
+                    done: Done::Discard,
+                };
+                self.inner.enqueue(id, entry, op);
+            }
             drop(table);
-            self.inner.queued.release(1);
+            if older.is_some() {
+                drop(older);
+                self.inner.queued.release(1);
+            }
             self.inner.stats.lock().offloads_cancelled += 1;
             slot.complete(Ok(OffloadOutcome::Cancelled));
             // The caller's queued work on the source finishes before it is copied.
@@ -695,8 +759,7 @@ impl TensorStore {
         if entry.queue.is_empty() && !entry.has_copy() {
             return Err(Error::InvalidState {
                 tensor: id.to_string(),
-                detail: "it has no copy in the store to prefetch (never offloaded, or freed)"
-                    .into(),
+                detail: entry.no_copy_detail(),
             });
         }
         drop(table);
@@ -769,9 +832,11 @@ impl TensorStore {
     /// without writing, the tensor then being offloaded to that tier.
     pub fn has_current_copy_in(&self, id: TensorId, tier: Destination) -> bool {
         self.inner.table.lock().get(&id).is_some_and(|e| {
+            // A held source is newer than any copy (its offload failed).
             e.queue.is_empty()
+                && e.held.is_none()
                 && match tier {
-                    Destination::Ssd => e.ssd.is_some(),
+                    Destination::Ssd => e.readable_ssd().is_some(),
                     Destination::Host => e.host.is_some(),
                 }
         })
@@ -865,6 +930,7 @@ enum Outcome {
     Offload(Result<OffloadOutcome>),
     Prefetch(Result<TensorMem>),
     Free(Result<()>),
+    Discard,
 }
 
 impl Inner {
@@ -885,7 +951,7 @@ impl Inner {
 
     /// Run the head operation of tensor `id`, if it is dispatched.
     fn run_one(&self, id: TensorId) {
-        let (kind, priority, enqueued, ssd, host, held) = {
+        let (kind, priority, enqueued, ssd, host, held, no_copy) = {
             let mut table = self.table.lock();
             let Some(entry) = table.get_mut(&id) else { return };
             if entry.active != Active::Dispatched {
@@ -908,17 +974,29 @@ impl Inner {
                 },
                 OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None, after: None },
                 OpKind::Free => OpKind::Free,
+                OpKind::Discard => OpKind::Discard,
             };
+            let (priority, enqueued) = (op.priority, op.enqueued);
             let (ssd, host, held) = match &kind {
                 // A prefetch reads from whatever copy exists; take the memory copies out of the
                 // table while the worker uses them (they go back unless consumed).
+                // (An SSD copy older than the newest version is never read.)
                 OpKind::Prefetch { .. } => {
-                    (entry.ssd.clone(), entry.host.take(), entry.held.take())
+                    (entry.readable_ssd().cloned(), entry.host.take(), entry.held.take())
                 }
-                OpKind::Free => (entry.ssd.take(), entry.host.take(), entry.held.take()),
+                OpKind::Free | OpKind::Discard => {
+                    (entry.ssd.take(), entry.host.take(), entry.held.take())
+                }
                 OpKind::Offload { .. } => (None, None, entry.held.take()),
             };
-            (kind, op.priority, op.enqueued, ssd, host, held)
+            // What a prefetch that finds nothing says (the entry knows why).
+            let no_copy = match &kind {
+                OpKind::Prefetch { .. } if ssd.is_none() && host.is_none() && held.is_none() => {
+                    Some(entry.no_copy_detail())
+                }
+                _ => None,
+            };
+            (kind, priority, enqueued, ssd, host, held, no_copy)
         };
         self.stats.lock().queue_wait[priority as usize].record(enqueued.elapsed());
         let (outcome, update) = match kind {
@@ -952,11 +1030,21 @@ impl Inner {
                     (after, _) => after,
                 };
                 match after.map_or(Ok(()), |f| f.wait()) {
-                    Ok(()) => self.run_prefetch(id, dst, ssd, host, held),
+                    Ok(()) => match no_copy {
+                        Some(detail) => {
+                            let e = Error::InvalidState { tensor: id.to_string(), detail };
+                            (Outcome::Prefetch(Err(e)), Update::None)
+                        }
+                        None => self.run_prefetch(id, dst, ssd, host, held),
+                    },
                     Err(e) => (Outcome::Prefetch(Err(e)), Update::Restore { host, held }),
                 }
             }
             OpKind::Free => self.run_free(ssd, host, held),
+            OpKind::Discard => {
+                drop((host, held));
+                (Outcome::Discard, Update::Discarded(ssd))
+            }
         };
         let (outcome, update, gate) = self.commit(id, outcome, update);
         // Apply the result to the table and dispatch the tensor's next operation.
@@ -992,6 +1080,7 @@ impl Inner {
             }
             (Done::Prefetch(s), Outcome::Prefetch(r)) => s.complete(r),
             (Done::Free(s), Outcome::Free(r)) => s.complete(r),
+            (Done::Discard, Outcome::Discard) => {}
             _ => unreachable!("an op's outcome matches its kind"),
         }
         // The rest (a prefetch's volatile copy, a freed tensor's memory) is released only now:
@@ -1019,6 +1108,16 @@ impl Inner {
                 Persistence::put_record(id, name.as_deref(), copy)
             }
             Update::Freed(Some(_)) => RecordBody::DeleteTensor { id },
+            // No copy of the tensor is known to be durable, so there is nothing to delete;
+            // but after a failed metadata write the record of its failed offload may have
+            // reached the disk all the same (a journal write that failed at its sync), and a
+            // reopen would bring the tensor back: the free cannot be promised then.
+            Update::Freed(None) => {
+                return match p.writable() {
+                    Ok(()) => (outcome, update, None),
+                    Err(e) => (Outcome::Free(Err(e)), Update::None, None),
+                };
+            }
             _ => return (outcome, update, None),
         };
         loop {
@@ -1097,6 +1196,8 @@ enum Update {
     },
     /// Free done: the SSD copy (if any) is released.
     Freed(Option<SsdCopy>),
+    /// Discard done (volatile stores only, never journaled): the SSD copy (if any) is released.
+    Discarded(Option<SsdCopy>),
     /// Free failed: the SSD copy stays.
     KeepSsd(SsdCopy),
     /// A volatile prefetch read the SSD copy: release it.
@@ -1112,6 +1213,7 @@ impl Update {
             Update::Held(_) => "held",
             Update::Restore { .. } => "restore",
             Update::Freed(_) => "freed",
+            Update::Discarded(_) => "discarded",
             Update::KeepSsd(_) => "keep-ssd",
             Update::ConsumedSsd => "consumed-ssd",
         }
@@ -1125,6 +1227,7 @@ impl Update {
                 if let Some(old) = entry.ssd.replace(copy) {
                     inner.release_extents(&old.map);
                 }
+                entry.ssd_superseded = false;
                 entry.host = None;
                 if name.is_some() {
                     entry.name = name;
@@ -1140,13 +1243,24 @@ impl Update {
                 if let Some(old) = entry.ssd.take() {
                     inner.release_extents(&old.map);
                 }
+                entry.ssd_superseded = false;
                 if name.is_some() {
                     entry.name = name;
                 }
                 Some(src)
             }
             Update::Held(mem) => {
+                // The held source is the newest version: older copies must never be read again.
+                // A volatile or retaining store drops them. A persistent one keeps the SSD copy
+                // as the durable version (the one a reopen finds: the failed write was never
+                // acknowledged) but marks it superseded, so this session never reads it.
                 entry.held = Some(mem);
+                entry.host = None;
+                if inner.persist.is_some() {
+                    entry.ssd_superseded = entry.ssd.is_some();
+                } else if let Some(old) = entry.ssd.take() {
+                    inner.release_extents(&old.map);
+                }
                 None
             }
             Update::Restore { host, held } => {
@@ -1158,10 +1272,11 @@ impl Update {
                 }
                 None
             }
-            Update::Freed(copy) => {
+            Update::Freed(copy) | Update::Discarded(copy) => {
                 if let Some(c) = copy {
                     inner.release_extents(&c.map);
                 }
+                entry.ssd_superseded = false;
                 None
             }
             Update::KeepSsd(copy) => {
@@ -1172,6 +1287,7 @@ impl Update {
                 if let Some(c) = entry.ssd.take() {
                     inner.release_extents(&c.map);
                 }
+                entry.ssd_superseded = false;
                 None
             }
         }
@@ -1320,6 +1436,22 @@ impl Inner {
         }
     }
 
+    /// Extents for a tensor of `size` bytes. Persistent mode: the extents of overwritten and
+    /// freed tensors become reusable only at a checkpoint (a crash must never hand one tensor's
+    /// blocks to another), so when the array is full but such extents wait, a checkpoint is
+    /// written (making them free, safely) and the allocation tried once more.
+    fn alloc_extents(&self, size: u64) -> Result<StripeMap> {
+        // (The allocator's lock is released before a checkpoint takes it.)
+        let first = self.alloc.lock().alloc_tensor(size);
+        match (first, &self.persist) {
+            (Err(teraio_allocator::Error::NoSpace { .. }), Some(p)) if p.has_deferred_frees() => {
+                self.checkpoint()?;
+                Ok(self.alloc.lock().alloc_tensor(size)?)
+            }
+            (r, _) => Ok(r?),
+        }
+    }
+
     /// Allocate, checksum, write (and journal). On failure the source comes back.
     fn write_to_ssd(
         &self,
@@ -1327,9 +1459,9 @@ impl Inner {
         size: u64,
         src: TensorMem,
     ) -> std::result::Result<(SsdCopy, TensorMem), Box<(Error, TensorMem)>> {
-        let map = match self.alloc.lock().alloc_tensor(size) {
+        let map = match self.alloc_extents(size) {
             Ok(m) => m,
-            Err(e) => return Err(Box::new((Error::from(e), src))),
+            Err(e) => return Err(Box::new((e, src))),
         };
         let chunk = map.unit_bytes();
         let padded = map.padded_bytes() as usize;

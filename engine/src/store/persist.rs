@@ -9,7 +9,8 @@
 //!
 //! Reopen: pick each device's valid superblock, device 0's newest checkpoint, replay the journal
 //! records after it (the scan stops cleanly at a torn tail), rebuild the allocator from the
-//! table (cross-checked against the checkpoint bitmaps), and refuse overlapping tensors.
+//! table (cross-checked against the checkpoint bitmaps), refuse overlapping tensors, and sync
+//! the devices (what was read is durable before the store shows it).
 
 use std::collections::BTreeMap;
 
@@ -403,6 +404,10 @@ impl Persistence {
         let layouts: Vec<_> = superblocks.iter().map(|(s, _)| s.layout).collect();
         let loaded = Self::load(array, &pool, superblocks)?;
         let alloc = Self::rebuild(array, &layouts, &loaded)?;
+        // What was read may sit in a device's cache, not yet on stable storage (a journal write
+        // whose sync failed before a restart): make it durable before the store shows it, or a
+        // power loss could undo what the reopened store reported (a deleted tensor back).
+        array.sync()?;
         let generation = loaded.checkpoint.generation;
         let p = Self {
             uuid: loaded.checkpoint.array_uuid,
@@ -567,6 +572,16 @@ impl Persistence {
     /// Remember extents to free at the next checkpoint.
     pub(crate) fn defer_free(&self, map: StripeMap) {
         self.journal.lock().pending_free.push(map);
+    }
+
+    /// `Ok` unless an earlier metadata write failed (then nothing more is written).
+    pub(crate) fn writable(&self) -> Result<()> {
+        check_failed(&self.journal.lock())
+    }
+
+    /// Whether extents wait for the next checkpoint to become free.
+    pub(crate) fn has_deferred_frees(&self) -> bool {
+        !self.journal.lock().pending_free.is_empty()
     }
 
     /// Held while a checkpoint captures the table: no commit is half applied.
