@@ -138,7 +138,7 @@ pub fn run(args: Args) -> Result<()> {
     for p in &advice.probes {
         let v = amount(p.value);
         match &p.fails {
-            Some(why) => outln!("  {v:>14}: no plan runs ({why})"),
+            Some(why) => outln!("  {v:>14}: no plan runs: {why}"),
             None if p.planned_for != p.value => outln!(
                 "  {v:>14}: {:.1}% of ideal (the plan for {}: better than the one made for {v})",
                 p.percent_of_ideal,
@@ -149,9 +149,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     match (advice.value, &advice.report) {
         (Some(v), Some(r)) if advice.resource == "ssd_count" => outln!(
-            "{}: {v} SSDs reach {:.1}% of ideal (target {:.1}%) with {}; the plan keeps {:.1} GB \
-             on them ({:.1} GB per SSD) and {:.1} GB on the host tier",
+            "{}: {} {} {:.1}% of ideal (target {:.1}%) with {}; the plan keeps {:.1} GB on \
+             them ({:.1} GB per SSD) and {:.1} GB on the host tier",
             trace.name,
+            amount(v),
+            if v == 1 { "reaches" } else { "reach" },
             r.percent_of_ideal,
             args.target,
             policy,
