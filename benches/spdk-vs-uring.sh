@@ -29,7 +29,7 @@ old_pages=$(cat /proc/sys/vm/nr_hugepages)
 trap 'echo "$old_pages" > /proc/sys/vm/nr_hugepages' EXIT
 [ "$old_pages" -ge 128 ] || echo 128 > /proc/sys/vm/nr_hugepages  # fio's shmhuge buffers
 mkdir -p "$(dirname "$FILE")"
-"$TERAIO" bench --backend uring --device "$FILE" --file-size "$SIZE" --force --rw write --bs 1M \
+"$TERAIO" bench --backend uring --device "$FILE" --create --file-size "$SIZE" --force --rw write --bs 1M \
     --iodepth "$QD" --size "$SIZE" --json > /dev/null  # lay the file out (written, not sparse)
 
 run() { # tool rw bs -> "bw iops cpu_us_per_io"

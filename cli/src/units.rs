@@ -1,8 +1,9 @@
 //! Byte counts for people, the one place for them: parsing sizes given on the command line
-//! (`4k`, `1M`, `1G`: powers of 1024, as fio and the engine configuration read them), binary
+//! (`4k`, `1M`, `1.5G`: powers of 1024, as fio and the engine configuration read them), binary
 //! units (KiB, MiB, ...) for storage sizes and rates, decimal GB for training-scale figures.
 
-/// Parse a size option: `4096`, `4k`, `1M`, `1GiB` (see [`teraio_engine::units::parse_bytes`]).
+/// Parse a size option: `4096`, `4k`, `1M`, `1.5G`, `1GiB` (see
+/// [`teraio_engine::units::parse_bytes`]).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     teraio_engine::units::parse_bytes(s)
 }
@@ -67,6 +68,9 @@ mod tests {
         assert_eq!(parse_size("1M"), Ok(1 << 20));
         assert_eq!(parse_size("1GiB"), Ok(1 << 30));
         assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29), "decimal sizes, as the configuration");
+        assert_eq!(parse_size("0.5M"), Ok(512 << 10));
+        assert!(parse_size("-1").unwrap_err().contains("negative"));
         assert!(parse_size("0").is_err());
         assert_eq!(parse_size_or_zero("0"), Ok(0));
         assert!(parse_size("x").is_err());

@@ -84,8 +84,13 @@ pub enum ExistingData {
 pub struct ArrayConfig {
     /// The devices, in array order.
     pub targets: Vec<Target>,
-    /// Files are created or extended (never shrunk) to this size; 0 keeps their size.
+    /// Files are created or resized to this size; 0 keeps their size. A file holding a teraio
+    /// array keeps its size when `keeps_contents` (asking another is an error).
     pub file_size_bytes: u64,
+    /// The array's contents are kept across opens (a persistent store reopens them): an
+    /// existing file holding a teraio array is never resized. Otherwise (volatile: nothing
+    /// survives an open) files of another size are resized to `file_size_bytes`.
+    pub keeps_contents: bool,
     /// io_uring (default) or psync.
     pub backend: BackendKind,
     /// Requests in flight per device (io_uring ring depth; psync threads per device).
@@ -107,6 +112,7 @@ impl ArrayConfig {
         Self {
             targets,
             file_size_bytes: 0,
+            keeps_contents: false,
             backend: BackendKind::Uring,
             queue_depth: 32,
             existing: ExistingData::Refuse,
@@ -135,6 +141,8 @@ struct Slot {
 /// N devices behind one backend. `Send + Sync`; share it as `Arc<DeviceArray>`.
 pub struct DeviceArray {
     slots: Vec<Arc<Slot>>,
+    /// Files this open created (did not exist before).
+    created: Vec<PathBuf>,
     backend: Box<dyn Backend>,
     geometry: ArrayGeometry,
     max_io_bytes: u64,
@@ -259,9 +267,186 @@ fn read_head_via(backend: &dyn Backend, slot: &Slot) -> Result<Vec<u8>> {
     Ok(unsafe { std::slice::from_raw_parts(buf.0, len as usize) }.to_vec())
 }
 
+/// Whether `path` names something under `/dev` (where a regular file is never what was meant).
+fn under_dev(path: &Path) -> bool {
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir().map(|d| d.join(path)).unwrap_or_else(|_| path.to_path_buf())
+    };
+    abs.starts_with("/dev")
+}
+
+/// What a path target is before anything is opened: checked whole before any file is created or
+/// resized, so a refused open changes nothing.
+struct PathCheck {
+    /// It exists (a file or a block device).
+    exists: bool,
+    /// A regular file (existing) to be shrunk to the asked size after the checks.
+    shrink_to: Option<u64>,
+}
+
+/// The checks of one path target that need nothing opened: a path under /dev must be a block
+/// device, an existing file's contents pass the overwrite guard, its size agrees with the
+/// configuration.
+fn check_path(config: &ArrayConfig, path: &Path) -> Result<PathCheck> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            return Err(Error::Os { context: format!("looking at {}", path.display()), source: e });
+        }
+    };
+    let is_block = meta.as_ref().is_some_and(|m| m.file_type().is_block_device());
+    if under_dev(path) && !is_block {
+        let what = match &meta {
+            None => "no such device".to_string(),
+            Some(m) if m.file_type().is_char_device() => "a character device".to_string(),
+            Some(m) if m.is_dir() => "a folder".to_string(),
+            Some(_) => "a regular file (in /dev, memory-backed: not a drive)".to_string(),
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{} is not a block device ({what}): name an NVMe drive or partition that exists \
+             (`lsblk` lists them, e.g. /dev/nvme1n1), or a file on a mounted filesystem; teraio \
+             never creates files under /dev",
+            path.display()
+        )));
+    }
+    let Some(meta) = meta else {
+        if config.file_size_bytes == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{} does not exist and file_size is 0 (keep the size of existing files): set \
+                 file_size (--file-size) to create it",
+                path.display()
+            )));
+        }
+        return Ok(PathCheck { exists: false, shrink_to: None });
+    };
+    if !is_block && !meta.is_file() {
+        return Err(Error::InvalidArgument(format!(
+            "{} is neither a regular file nor a block device: name a file (created if missing) \
+             or a raw block device",
+            path.display()
+        )));
+    }
+    let head = device::read_head(path)?;
+    check_existing(config.existing, path, &head)?;
+    let asked = config.file_size_bytes;
+    if is_block || asked == 0 || meta.len() == asked {
+        return Ok(PathCheck { exists: true, shrink_to: None });
+    }
+    let holds_array = device::detect_signature(&head).is_some_and(|f| f.contains("teraio"));
+    if config.keeps_contents && holds_array {
+        let have = crate::units::display_size(meta.len());
+        return Err(Error::InvalidArgument(format!(
+            "{} holds a persistent teraio array of {} bytes ({have}) but file_size asks {asked} \
+             bytes ({}): reopen it with file_size = 0 (keep) or file_size = \"{have}\", or \
+             remove the array's files to start a new one of the new size (its tensors are lost)",
+            path.display(),
+            meta.len(),
+            crate::units::display_size(asked),
+        )));
+    }
+    Ok(PathCheck { exists: true, shrink_to: (meta.len() > asked).then_some(asked) })
+}
+
+/// Refuse, before anything is created, files that would not fit: the bytes still to allocate
+/// on each filesystem (new files and growth of existing ones) against its free space.
+fn check_free_space(config: &ArrayConfig, paths: &[(&Path, PathCheck)]) -> Result<()> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let asked = config.file_size_bytes;
+    if asked == 0 {
+        return Ok(());
+    }
+    // filesystem id -> (a folder on it, bytes needed, files)
+    let mut need: Vec<(u64, PathBuf, u64, Vec<String>)> = Vec::new();
+    for (path, check) in paths {
+        let (folder, have) = if check.exists {
+            let m = std::fs::metadata(path).map_err(|e| Error::Os {
+                context: format!("stat of {}", path.display()),
+                source: e,
+            })?;
+            if m.file_type().is_block_device() {
+                continue;
+            }
+            (path.to_path_buf(), m.blocks() * 512)
+        } else {
+            let parent = match path.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            (parent, 0)
+        };
+        let more = asked.saturating_sub(have);
+        if more == 0 {
+            continue;
+        }
+        let Ok(fs) = std::fs::metadata(&folder).map(|m| m.dev()) else { continue };
+        let name = path.display().to_string();
+        match need.iter_mut().find(|n| n.0 == fs) {
+            Some(n) => {
+                n.2 += more;
+                n.3.push(name);
+            }
+            None => need.push((fs, folder, more, vec![name])),
+        }
+    }
+    for (_, folder, more, files) in need {
+        let free = device::free_bytes(&folder)?;
+        if more > free {
+            let d = crate::units::display_size;
+            let names = if files.len() == 1 {
+                files[0].clone()
+            } else {
+                format!("{} files ({})", files.len(), files.join(", "))
+            };
+            return Err(Error::NoSpace(format!(
+                "{names} of file_size {asked} bytes ({}) need {more} more bytes ({}) on the \
+                 filesystem of {}, which has {free} bytes ({}) free: lower file_size \
+                 (--file-size), use fewer files, or put the array on a disk with room (df -h); \
+                 nothing was created",
+                d(asked),
+                d(more),
+                folder.display(),
+                d(free),
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl DeviceArray {
     /// Open every target, apply the overwrite guard, and start the backend.
+    ///
+    /// Path targets are checked before anything is created or resized: a path under /dev must
+    /// be a block device, an existing target must pass the overwrite guard and (holding a teraio
+    /// array whose contents are kept) have the asked size, and the files must fit in their
+    /// filesystems' free space. A failed open removes the files it created (never files that
+    /// existed before).
     pub fn open(config: ArrayConfig) -> Result<Arc<DeviceArray>> {
+        let mut created = Vec::new();
+        match Self::open_inner(&config, &mut created) {
+            Ok(mut array) => {
+                array.created = created;
+                Ok(Arc::new(array))
+            }
+            Err(e) => {
+                for f in &created {
+                    let _ = std::fs::remove_file(f);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Files this array's open created (they did not exist before): what a failed open of
+    /// something built on the array removes.
+    pub fn created_files(&self) -> &[PathBuf] {
+        &self.created
+    }
+
+    fn open_inner(config: &ArrayConfig, created: &mut Vec<PathBuf>) -> Result<DeviceArray> {
         if config.targets.is_empty() {
             return Err(Error::InvalidArgument("an array needs at least one target".into()));
         }
@@ -289,7 +474,7 @@ impl DeviceArray {
                     "the spdk backend does not take simulated disks".into(),
                 ));
             }
-            open_spdk(&config)?
+            open_spdk(config)?
         } else if !sims.is_empty() {
             if sims.len() != config.targets.len() {
                 return Err(Error::InvalidArgument(
@@ -348,9 +533,29 @@ impl DeviceArray {
                 }
                 seen.extend(id);
             }
+            let mut checks = Vec::new();
             for t in &config.targets {
                 let Target::Path(path) = t else { unreachable!("all targets are paths here") };
+                checks.push((path.as_path(), check_path(config, path)?));
+            }
+            check_free_space(config, &checks)?;
+            for (path, check) in &checks {
+                let path = *path;
+                if let Some(size) = check.shrink_to {
+                    // A volatile array's file of another size holds nothing that is kept.
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(path)
+                        .and_then(|f| f.set_len(size))
+                        .map_err(|e| Error::Os {
+                            context: format!("resizing {} to {size} bytes", path.display()),
+                            source: e,
+                        })?;
+                }
                 let opened = device::open_path(path, config.file_size_bytes)?;
+                if !check.exists {
+                    created.push(path.to_path_buf());
+                }
                 let meta = std::fs::metadata(path).map_err(|e| Error::Os {
                     context: format!("stat of {}", path.display()),
                     source: e,
@@ -363,11 +568,14 @@ impl DeviceArray {
                     )));
                 }
                 ids.push(id);
-                check_existing(config.existing, path, &device::read_head(path)?)?;
+                if check.exists {
+                    // Checked before it was opened; again, as it is now.
+                    check_existing(config.existing, path, &device::read_head(path)?)?;
+                }
                 slots.push(Slot {
                     index: slots.len() as u32,
                     name: path.display().to_string(),
-                    path: path.clone(),
+                    path: path.to_path_buf(),
                     capacity_bytes: opened.capacity_bytes,
                     block_bytes: opened.block_bytes,
                     max_io_bytes: opened.max_io_bytes,
@@ -414,13 +622,14 @@ impl DeviceArray {
         let scattered = slots.iter().map(|s| s.max_io_scattered_bytes).min().expect("a target");
         let max_io_scattered_bytes =
             (scattered / u64::from(block) * u64::from(block)).clamp(u64::from(block), max_io_bytes);
-        Ok(Arc::new(DeviceArray {
+        Ok(DeviceArray {
             slots: slots.into_iter().map(Arc::new).collect(),
+            created: Vec::new(),
             backend,
             geometry,
             max_io_bytes,
             max_io_scattered_bytes,
-        }))
+        })
     }
 
     /// Device count, block size (the largest logical block of the devices) and stripe unit.

@@ -160,8 +160,24 @@ fn dio_alignment(fd: i32) -> Option<u32> {
 /// same file: the second is refused. Block devices are opened with O_EXCL (refused while
 /// mounted or held by another exclusive user). The overwrite guard is not applied here; see
 /// [`detect_signature`].
+///
+/// A file this call created is removed again when the call fails (no space to preallocate, not
+/// a file it can use); a file that existed is left as it was found, but for its size.
 pub fn open_path(path: &Path, file_size_bytes: u64) -> Result<OpenedDevice> {
     let meta = std::fs::metadata(path);
+    let created = meta.is_err();
+    let opened = open_path_inner(path, file_size_bytes, meta);
+    if opened.is_err() && created {
+        let _ = std::fs::remove_file(path);
+    }
+    opened
+}
+
+fn open_path_inner(
+    path: &Path,
+    file_size_bytes: u64,
+    meta: std::io::Result<std::fs::Metadata>,
+) -> Result<OpenedDevice> {
     let is_block = matches!(&meta, Ok(m) if m.file_type().is_block_device());
     let open = |direct: bool| {
         let mut o = OpenOptions::new();
@@ -236,9 +252,19 @@ pub fn open_path(path: &Path, file_size_bytes: u64) -> Result<OpenedDevice> {
             if rc != 0 {
                 let e = std::io::Error::last_os_error();
                 if e.raw_os_error() == Some(libc::ENOSPC) {
+                    // A partial preallocation is given back (a file this call created is
+                    // removed by the caller).
+                    let _ = file.set_len(meta.len());
+                    let folder = path.parent().unwrap_or(Path::new("."));
+                    let free = free_bytes(folder).map_or_else(
+                        |_| "unknown".to_string(),
+                        |f| format!("{f} bytes ({})", crate::units::display_size(f)),
+                    );
                     return Err(Error::NoSpace(format!(
-                        "cannot preallocate {} bytes for {}: filesystem full",
-                        file_size_bytes,
+                        "cannot preallocate {file_size_bytes} bytes ({}) for {}: its filesystem \
+                         has {free} free; lower file_size (--file-size) or put the array on a \
+                         disk with room",
+                        crate::units::display_size(file_size_bytes),
                         path.display()
                     )));
                 }
@@ -267,6 +293,23 @@ pub fn open_path(path: &Path, file_size_bytes: u64) -> Result<OpenedDevice> {
         max_segments,
         lock,
     })
+}
+
+/// Bytes an unprivileged process may still allocate on the filesystem holding `path` (an
+/// existing file or folder): statvfs's `f_bavail * f_frsize`.
+pub fn free_bytes(path: &Path) -> Result<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| Error::InvalidArgument(format!("{} contains a NUL byte", path.display())))?;
+    // SAFETY: an all-zero statvfs is a valid value to be filled in.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(os_err(
+            format!("free space of the filesystem holding {}", path.display()),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
 /// Take the exclusive lock that keeps a second array off the file at `path`.
@@ -340,6 +383,55 @@ mod tests {
         assert_eq!(mode, 0o600);
         let blocks = std::fs::metadata(&p).unwrap().blocks();
         assert!(blocks * 512 >= 8 << 20, "fallocate reserved the space ({blocks} blocks)");
+    }
+
+    /// A small tmpfs mounted for one test, unmounted when dropped.
+    struct SmallFs(tempfile::TempDir);
+
+    impl SmallFs {
+        /// `None` (and why) where this process may not mount (not root, no mount namespace).
+        fn mount(size: &str) -> Result<SmallFs, String> {
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            let out = std::process::Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+                .arg(dir.path())
+                .output()
+                .map_err(|e| format!("running mount: {e}"))?;
+            if !out.status.success() {
+                return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+            }
+            Ok(SmallFs(dir))
+        }
+    }
+
+    impl Drop for SmallFs {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+        }
+    }
+
+    #[test]
+    fn no_space_to_preallocate_leaves_no_file_behind_and_names_the_sizes() {
+        let fs = match SmallFs::mount("16m") {
+            Ok(fs) => fs,
+            Err(why) => {
+                // A mount needs root; the engine's tests of the free-space check run anywhere.
+                eprintln!("skipped: cannot mount a 16 MiB tmpfs here ({why})");
+                return;
+            }
+        };
+        let p = fs.0.path().join("dev0");
+        let e = open_path(&p, 64 << 20).unwrap_err();
+        assert!(matches!(e, Error::NoSpace(_)), "{e:?}");
+        let e = e.to_string();
+        assert!(e.contains("dev0") && e.contains(&(64u64 << 20).to_string()), "{e}");
+        assert!(e.contains("free") && e.contains("file_size"), "{e}");
+        assert!(!p.exists(), "the file it created is removed");
+        // A file that was there keeps its size and gives back what was preallocated.
+        std::fs::write(&p, vec![1u8; 1 << 20]).unwrap();
+        assert!(open_path(&p, 64 << 20).is_err());
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 1 << 20);
+        assert!(free_bytes(fs.0.path()).unwrap() >= 14 << 20, "the partial allocation is freed");
     }
 
     #[test]

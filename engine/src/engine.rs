@@ -152,7 +152,9 @@ pub struct EngineConfig {
     /// The devices, in array order: files (created if missing) or raw block devices. Empty:
     /// `files` files named `dev0`, `dev1`, ... in `dir`.
     pub targets: Vec<PathBuf>,
-    /// Folder of the default files when `targets` is empty (created if missing).
+    /// Folder of the default files when `targets` is empty (created if missing). No default:
+    /// an engine opened without `targets` or `dir` is refused rather than filling the current
+    /// folder (the `teraio` command line's default is `./teraio-data`).
     pub dir: PathBuf,
     /// Number of default files in `dir` when `targets` is empty.
     pub files: u32,
@@ -206,12 +208,13 @@ pub struct EngineConfig {
 }
 
 impl Default for EngineConfig {
-    /// Four 1 GiB files in `./teraio-data`, io_uring, queue depth 32, 1 MiB stripe unit,
+    /// No location (name `dir` or `targets`; opening refuses a configuration without one), 4
+    /// files of 1 GiB when `dir` is named, io_uring, queue depth 32, 1 MiB stripe unit,
     /// volatile, checksums on, no host tier, 4 workers, 1 GiB in flight.
     fn default() -> Self {
         Self {
             targets: Vec::new(),
-            dir: PathBuf::from("./teraio-data"),
+            dir: PathBuf::new(),
             files: 4,
             file_size_bytes: ByteSize(1 << 30),
             backend: BackendName::Uring,
@@ -245,18 +248,41 @@ impl EngineConfig {
         Self { sim_disks: disks, ..Self::default() }
     }
 
-    /// Parse a TOML configuration.
+    /// Parse a TOML configuration. A syntax error names its line and column (the user wrote the
+    /// text); a bad value names its key, the value and the expected form.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let cfg: Self = toml::from_str(text)
+        let table: toml::Table = toml::from_str(text)
             .map_err(|e| Error::InvalidArgument(format!("engine configuration (TOML): {e}")))?;
-        cfg.validate()?;
-        Ok(cfg)
+        let value = serde_json::to_value(table).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "engine configuration (TOML): {e} (dates are not values of any key)"
+            ))
+        })?;
+        Self::from_value(value)
     }
 
-    /// Parse a JSON configuration.
+    /// Parse a JSON configuration (see [`from_toml_str`](Self::from_toml_str)).
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text)
+        let value: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| Error::InvalidArgument(format!("engine configuration (JSON): {e}")))?;
+        Self::from_value(value)
+    }
+
+    /// A configuration from a JSON value (an object whose keys are those of the file): what the
+    /// TOML and JSON readers and the bindings' keyword options come to. A bad value is an error
+    /// naming the key (`[gpu] budget` in a section), the value and the expected form, never a
+    /// position in text the caller did not write.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let serde_json::Value::Object(map) = value else {
+            return Err(Error::InvalidArgument(format!(
+                "engine configuration: expected a table of keys (targets, dir, files, \
+                 file_size, ...; docs/ENGINE.md), got {}",
+                short_json(&value)
+            )));
+        };
+        check_keys::<Self>(&map, "")?;
+        let cfg: Self = serde_json::from_value(serde_json::Value::Object(map))
+            .map_err(|e| Error::InvalidArgument(format!("engine configuration: {e}")))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -293,7 +319,9 @@ impl EngineConfig {
             }
         };
         cfg.targets.iter_mut().for_each(rebase);
-        rebase(&mut cfg.dir);
+        if !cfg.dir.as_os_str().is_empty() {
+            rebase(&mut cfg.dir);
+        }
         Ok(cfg)
     }
 
@@ -369,14 +397,49 @@ impl EngineConfig {
     /// Open only the device array (for raw-block tools such as `teraio bench` and `inspect`;
     /// [`Engine::open`] opens the array and everything above it). The default folder is
     /// created when the configuration names no targets.
+    ///
+    /// A failed open removes what it created (files, and the folders it made for them), never
+    /// what existed before.
     pub fn open_array(&self) -> Result<Arc<DeviceArray>> {
+        self.open_array_made().map(|(array, _)| array)
+    }
+
+    /// [`open_array`](Self::open_array), and the folders it made (for [`Engine::open`] to
+    /// remove when a later step fails).
+    fn open_array_made(&self) -> Result<(Arc<DeviceArray>, Vec<PathBuf>)> {
         self.validate()?;
-        if self.targets.is_empty() && self.sim_disks.is_empty() {
-            std::fs::create_dir_all(&self.dir).map_err(|e| Error::Os {
-                context: format!("creating the array folder {}", self.dir.display()),
-                source: e,
-            })?;
+        self.check_location()?;
+        let made = if self.targets.is_empty() && self.sim_disks.is_empty() {
+            create_dirs(&self.dir)?
+        } else {
+            Vec::new()
+        };
+        match self.open_array_in() {
+            Ok(array) => Ok((array, made)),
+            Err(e) => {
+                remove_dirs(&made);
+                Err(e)
+            }
         }
+    }
+
+    /// An engine needs to be told where its array is: no files in the current folder by
+    /// default.
+    pub fn check_location(&self) -> Result<()> {
+        if self.targets.is_empty() && self.sim_disks.is_empty() && self.dir.as_os_str().is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "the engine configuration names no array: set `dir` (a folder for `files` files \
+                 of `file_size` each, e.g. dir = \"/mnt/nvme/teraio\", files = {}, file_size = \
+                 \"{}\") or `targets` (files or raw block devices, one per SSD); nothing is \
+                 created in the current folder by default",
+                self.files,
+                crate::units::display_size(self.file_size_bytes.0)
+            )));
+        }
+        Ok(())
+    }
+
+    fn open_array_in(&self) -> Result<Arc<DeviceArray>> {
         let mut cfg = ArrayConfig::new(self.resolved_targets());
         // Raw block devices are used whole; files are sized as asked.
         cfg.file_size_bytes = self.file_size_bytes.0;
@@ -390,7 +453,81 @@ impl EngineConfig {
             (Overwrite::Teraio, _) | (Overwrite::Refuse, true) => ExistingData::AllowTeraio,
             (Overwrite::Refuse, false) => ExistingData::Refuse,
         };
+        // A persistent array's files keep their size (the store reopens what is on them); a
+        // volatile array keeps nothing, so its files are resized to what is asked.
+        cfg.keeps_contents = self.persistent && self.overwrite != Overwrite::Anything;
         DeviceArray::open(cfg)
+    }
+}
+
+/// A JSON value as the user wrote it, cut short when long.
+fn short_json(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 80 {
+        format!("{}...", s.chars().take(77).collect::<String>())
+    } else {
+        s
+    }
+}
+
+/// Deserialize every key of `map` alone into `T` (defaults elsewhere), so that the first bad
+/// one is reported with its name and value; the sections `gpu` and `spdk` key by key too.
+fn check_keys<T: serde::de::DeserializeOwned>(
+    map: &serde_json::Map<String, serde_json::Value>,
+    section: &str,
+) -> Result<()> {
+    for (key, value) in map {
+        let mut one = serde_json::Map::new();
+        one.insert(key.clone(), value.clone());
+        let Err(e) = serde_json::from_value::<T>(serde_json::Value::Object(one)) else {
+            continue;
+        };
+        if section.is_empty()
+            && let serde_json::Value::Object(inner) = value
+        {
+            match key.as_str() {
+                "gpu" => check_keys::<GpuConfig>(inner, "[gpu] ")?,
+                "spdk" => check_keys::<SpdkOptions>(inner, "[spdk] ")?,
+                _ => {}
+            }
+        }
+        let e = e.to_string();
+        let hint = if e.starts_with("unknown field") {
+            " (a misspelt key? every key is in docs/ENGINE.md)"
+        } else {
+            ""
+        };
+        return Err(Error::InvalidArgument(format!(
+            "engine configuration: {section}{key} = {}: {e}{hint}",
+            short_json(value)
+        )));
+    }
+    Ok(())
+}
+
+/// Create `dir` and its missing parents; the folders made, deepest last.
+fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut missing = Vec::new();
+    let mut p = dir;
+    while !p.as_os_str().is_empty() && !p.exists() {
+        missing.push(p.to_path_buf());
+        match p.parent() {
+            Some(parent) => p = parent,
+            None => break,
+        }
+    }
+    missing.reverse();
+    std::fs::create_dir_all(dir).map_err(|e| {
+        remove_dirs(&missing);
+        Error::Os { context: format!("creating the array folder {}", dir.display()), source: e }
+    })?;
+    Ok(missing)
+}
+
+/// Remove folders made by [`create_dirs`] (deepest first) where they are empty.
+pub(crate) fn remove_dirs(made: &[PathBuf]) {
+    for d in made.iter().rev() {
+        let _ = std::fs::remove_dir(d);
     }
 }
 
@@ -474,8 +611,26 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Open the array, the store on it (a persistent store reopens what is there), the host
     /// tier and the host buffer pool.
+    ///
+    /// A failed open removes what it created (the array's new files and the folders made for
+    /// them), never what existed before.
     pub fn open(config: EngineConfig) -> Result<Engine> {
-        let array = config.open_array()?;
+        let (array, made_dirs) = config.open_array_made()?;
+        let created = array.created_files().to_vec();
+        match Self::open_on(config, array) {
+            Ok(engine) => Ok(engine),
+            Err(e) => {
+                // Everything holding the array's descriptors is gone with the error.
+                for f in &created {
+                    let _ = std::fs::remove_file(f);
+                }
+                remove_dirs(&made_dirs);
+                Err(e)
+            }
+        }
+    }
+
+    fn open_on(config: EngineConfig, array: Arc<DeviceArray>) -> Result<Engine> {
         let gpu = GpuTier::open(&config.gpu)?;
         let host_tier = match config.host_tier_bytes.0 {
             0 => None,
@@ -740,6 +895,153 @@ mod tests {
         assert!(e.contains("no targets"), "{e}");
         let e = EngineConfig::from_json_str("{").unwrap_err().to_string();
         assert!(e.contains("JSON"), "{e}");
+    }
+
+    #[test]
+    fn configuration_errors_name_the_key_the_value_and_the_form() {
+        // Decimal sizes are sizes, in every form.
+        let t =
+            EngineConfig::from_toml_str("host_tier = \"1.5G\"\nfile_size = \"0.5M\"\n").unwrap();
+        assert_eq!((t.host_tier_bytes.0, t.file_size_bytes.0), (3 << 29, 512 << 10));
+        let j = EngineConfig::from_json_str(r#"{"host_tier": "1.5G", "file_size": 4096}"#).unwrap();
+        assert_eq!((j.host_tier_bytes.0, j.file_size_bytes.0), (3 << 29, 4096));
+        // A long JSON object of keyword options (as the bindings merge them): the key, the
+        // value and the form, no position in text the user never wrote.
+        let mut over = serde_json::to_value(EngineConfig::default()).unwrap();
+        over["host_tier"] = "1.5x".into();
+        let e = EngineConfig::from_value(over).unwrap_err().to_string();
+        assert!(e.contains("host_tier") && e.contains("\"1.5x\"") && e.contains("1.5G"), "{e}");
+        assert!(!e.contains("line") && !e.contains("column"), "{e}");
+        let e = EngineConfig::from_json_str(r#"{"dir": "/x", "file_size": -1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("file_size = -1") && e.contains("positive"), "{e}");
+        assert!(!e.contains("untagged") && !e.contains("Raw"), "{e}");
+        let e = EngineConfig::from_toml_str("[gpu]\nbudget = \"lots\"\n").unwrap_err().to_string();
+        assert!(e.contains("[gpu] budget = \"lots\"") && e.contains("64M"), "{e}");
+        let e = EngineConfig::from_json_str(r#"{"host_teir": "1G"}"#).unwrap_err().to_string();
+        assert!(e.contains("host_teir") && e.contains("docs/ENGINE.md"), "{e}");
+        let e = EngineConfig::from_json_str("[1]").unwrap_err().to_string();
+        assert!(e.contains("[1]") && e.contains("dir"), "{e}");
+    }
+
+    #[test]
+    fn an_empty_configuration_names_the_keys_it_needs_and_creates_nothing() {
+        let before = std::fs::read_dir(".").unwrap().count();
+        for cfg in [
+            EngineConfig::from_toml_str("").unwrap(),
+            EngineConfig::from_json_str("{}").unwrap(),
+            EngineConfig::default(),
+        ] {
+            let e = Engine::open(cfg).unwrap_err().to_string();
+            assert!(e.contains("`dir`") && e.contains("`targets`"), "{e}");
+        }
+        assert!(!Path::new("teraio-data").exists());
+        assert_eq!(std::fs::read_dir(".").unwrap().count(), before, "nothing made here");
+    }
+
+    #[test]
+    fn files_that_do_not_fit_are_refused_before_anything_is_created() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("new").join("array");
+        let asked = 1u64 << 60;
+        let cfg = EngineConfig {
+            dir: dir.clone(),
+            files: 2,
+            file_size_bytes: ByteSize(asked),
+            backend: BackendName::Psync,
+            ..Default::default()
+        };
+        let e = Engine::open(cfg).unwrap_err();
+        assert!(matches!(e, Error::NoSpace(_)), "{e:?}");
+        let e = e.to_string();
+        let free = crate::device::free_bytes(tmp.path()).unwrap();
+        assert!(e.contains("dev0") && e.contains("dev1"), "names the files: {e}");
+        assert!(e.contains(&asked.to_string()) && e.contains("1048576T"), "the size asked: {e}");
+        // the free space, give or take what the filesystem did meanwhile
+        let said: u64 = e
+            .split(" bytes (")
+            .nth(2)
+            .and_then(|s| s.rsplit(' ').next())
+            .map_or(0, |s| s.parse().unwrap_or(0));
+        assert!(said.abs_diff(free) < 1 << 30, "free {free}, said {said}: {e}");
+        assert!(e.contains("lower file_size") && e.contains("nothing was created"), "{e}");
+        assert!(!tmp.path().join("new").exists(), "the folders it would have made are not there");
+    }
+
+    #[test]
+    fn a_failed_open_removes_what_it_created_and_keeps_what_was_there() {
+        let tmp = tempfile::tempdir().unwrap();
+        // A GPU that no machine has: the engine fails after its array was opened.
+        let no_gpu = GpuConfig { device: Some(4000), ..GpuConfig::default() };
+        let cfg = EngineConfig {
+            dir: tmp.path().join("a").join("b"),
+            files: 2,
+            file_size_bytes: ByteSize(8 << 20),
+            backend: BackendName::Psync,
+            gpu: no_gpu.clone(),
+            ..Default::default()
+        };
+        assert!(Engine::open(cfg).is_err());
+        assert!(!tmp.path().join("a").exists(), "files and folders it made are removed");
+        let keep = tmp.path().join("keep");
+        std::fs::write(&keep, vec![0u8; 4 << 20]).unwrap();
+        let cfg = EngineConfig {
+            targets: vec![keep.clone(), tmp.path().join("new")],
+            file_size_bytes: ByteSize(4 << 20),
+            backend: BackendName::Psync,
+            gpu: no_gpu,
+            ..Default::default()
+        };
+        assert!(Engine::open(cfg).is_err());
+        assert!(!tmp.path().join("new").exists(), "the file it created is removed");
+        assert_eq!(
+            std::fs::metadata(&keep).unwrap().len(),
+            4 << 20,
+            "the file that was there stays"
+        );
+    }
+
+    #[test]
+    fn reopening_with_another_size_resizes_a_volatile_array_and_refuses_a_persistent_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = |size: u64, persistent: bool| EngineConfig {
+            dir: tmp.path().to_path_buf(),
+            files: 1,
+            file_size_bytes: ByteSize(size),
+            backend: BackendName::Psync,
+            persistent,
+            ..Default::default()
+        };
+        let file = tmp.path().join("dev0");
+        let len = || std::fs::metadata(&file).unwrap().len();
+        drop(Engine::open(cfg(64 << 20, false)).unwrap());
+        assert_eq!(len(), 64 << 20);
+        let e = Engine::open(cfg(32 << 20, false)).unwrap();
+        assert_eq!(len(), 32 << 20, "a volatile array holds nothing: resized as asked");
+        assert!(e.capacity_bytes() < 32 << 20);
+        drop(e);
+        drop(Engine::open(cfg(48 << 20, false)).unwrap());
+        assert_eq!(len(), 48 << 20);
+        std::fs::remove_file(&file).unwrap();
+        drop(Engine::open(cfg(32 << 20, true)).unwrap());
+        let e = Engine::open(cfg(16 << 20, true)).unwrap_err().to_string();
+        assert!(e.contains("dev0") && e.contains(&(32u64 << 20).to_string()), "{e}");
+        assert!(e.contains(&(16u64 << 20).to_string()) && e.contains("file_size = 0"), "{e}");
+        assert_eq!(len(), 32 << 20, "refused: untouched");
+        drop(Engine::open(cfg(0, true)).unwrap());
+        drop(Engine::open(cfg(32 << 20, true)).unwrap());
+    }
+
+    #[test]
+    fn a_path_under_dev_that_is_not_a_block_device_is_refused() {
+        for (path, why) in [("/dev/nvme9n1teraio", "no such device"), ("/dev/null", "character")] {
+            let mut cfg = EngineConfig::with_targets(vec![PathBuf::from(path)]);
+            cfg.backend = BackendName::Psync;
+            let e = Engine::open(cfg).unwrap_err().to_string();
+            assert!(e.contains(path) && e.contains(why) && e.contains("lsblk"), "{e}");
+        }
+        assert!(!Path::new("/dev/nvme9n1teraio").exists(), "nothing created in /dev");
     }
 
     #[test]

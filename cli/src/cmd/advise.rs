@@ -128,19 +128,32 @@ pub fn run(args: Args) -> Result<()> {
         outln!("{}", serde_json::to_string_pretty(&advice)?);
         return Ok(());
     }
-    for p in &advice.probes {
-        let v = if advice.resource == "ssd_count" {
-            format!("{} SSDs", p.value)
+    let amount = |v: u64| {
+        if advice.resource == "ssd_count" {
+            format!("{v} SSD{}", if v == 1 { "" } else { "s" })
         } else {
-            format!("{:.0} GB host", to_gb(p.value))
-        };
-        outln!("  {v:>14}: {:.1}% of ideal", p.percent_of_ideal);
+            format!("{:.0} GB host", to_gb(v))
+        }
+    };
+    for p in &advice.probes {
+        let v = amount(p.value);
+        match &p.fails {
+            Some(why) => outln!("  {v:>14}: no plan runs: {why}"),
+            None if p.planned_for != p.value => outln!(
+                "  {v:>14}: {:.1}% of ideal (the plan for {}: better than the one made for {v})",
+                p.percent_of_ideal,
+                amount(p.planned_for)
+            ),
+            None => outln!("  {v:>14}: {:.1}% of ideal", p.percent_of_ideal),
+        }
     }
     match (advice.value, &advice.report) {
         (Some(v), Some(r)) if advice.resource == "ssd_count" => outln!(
-            "{}: {v} SSDs reach {:.1}% of ideal (target {:.1}%) with {}; the plan keeps {:.1} GB \
-             on them ({:.1} GB per SSD) and {:.1} GB on the host tier",
+            "{}: {} {} {:.1}% of ideal (target {:.1}%) with {}; the plan keeps {:.1} GB on \
+             them ({:.1} GB per SSD) and {:.1} GB on the host tier",
             trace.name,
+            amount(v),
+            if v == 1 { "reaches" } else { "reach" },
             r.percent_of_ideal,
             args.target,
             policy,

@@ -41,6 +41,10 @@ pub struct ArrayArgs {
     /// A file or raw block device of the array; repeat for several, in array order. Default:
     /// --files files in --dir.
     ///
+    /// Each must exist (a raw block device, or a file on a mounted filesystem) unless --create
+    /// is given: a mistyped device name is refused, not made into a file. A path under /dev
+    /// that is not a block device is always refused.
+    ///
     /// With --backend spdk a target is one of: PATH (an SPDK uring bdev over the file or
     /// device), `uring:PATH` or `aio:PATH` (the bdev module named), `nvme:BDF` (a PCIe NVMe
     /// drive bound to vfio-pci, e.g. `nvme:0000:5e:00.0`; never one the kernel's nvme driver
@@ -56,7 +60,8 @@ pub struct ArrayArgs {
     /// Number of files in --dir [default: 4].
     #[arg(long, value_name = "N")]
     pub files: Option<u32>,
-    /// Size each file is created or grown to (raw devices are used whole) [default: 1G].
+    /// Size each file is created or resized to (raw devices are used whole; a file holding a
+    /// persistent teraio array keeps its size, docs/ENGINE.md) [default: 1G].
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub file_size: Option<u64>,
     /// I/O backend [default: uring]. `spdk` needs a build with the cargo feature `spdk`
@@ -70,10 +75,18 @@ pub struct ArrayArgs {
     /// `interrupt = true` there.
     #[arg(long)]
     pub spdk_interrupt: bool,
+    /// With --device: create a --device PATH that does not exist as a regular file (like fio's
+    /// --filename with --size), of --file-size bytes (`teraio bench`: --size). Never under /dev.
+    #[arg(long, requires = "devices")]
+    pub create: bool,
     /// Use targets that hold a filesystem, partition table or teraio array (overwriting them).
     #[arg(long)]
     pub force: bool,
 }
+
+/// The folder of the array files when neither the command line nor the configuration file
+/// names one (`teraio` only: an engine configuration without a location is refused).
+pub const DEFAULT_DIR: &str = "./teraio-data";
 
 impl ArrayArgs {
     /// The engine configuration: the file's (or the defaults), with the options given on the
@@ -116,8 +129,45 @@ impl ArrayArgs {
                 "--device and --dir/--files both name the array: give one or the other".into(),
             ));
         }
+        if !self.create {
+            for d in &self.devices {
+                check_device_exists(d)?;
+            }
+        }
+        if cfg.targets.is_empty() && cfg.dir.as_os_str().is_empty() {
+            cfg.dir = PathBuf::from(DEFAULT_DIR);
+        }
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+/// A `--device PATH` that does not exist is a mistyped device or a file the user did not ask to
+/// create: refused with what to do (SPDK targets such as `nvme:...` are not paths).
+fn check_device_exists(path: &std::path::Path) -> Result<()> {
+    if teraio_engine::backend::spdk_config::is_spdk_syntax(path) {
+        return Ok(());
+    }
+    match std::fs::metadata(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let under_dev = path.starts_with("/dev");
+            Err(crate::CliError::Usage(if under_dev {
+                format!(
+                    "--device {}: no such device; check its name (`lsblk` lists the drives, e.g. \
+                     /dev/nvme1n1)",
+                    path.display()
+                )
+            } else {
+                format!(
+                    "--device {}: no such file or device; check the name, or add --create to \
+                     create it as a file of --file-size bytes (`teraio bench`: --size), as fio's \
+                     --filename with --size does",
+                    path.display()
+                )
+            }))
+        }
+        Err(e) => Err(crate::CliError::File { path: path.to_path_buf(), source: e }),
     }
 }
 
@@ -130,14 +180,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("e.toml");
         std::fs::write(&file, "files = 2\nfile_size = \"64M\"\nbackend = \"psync\"\n").unwrap();
-        let args = ArrayArgs { config: Some(file), file_size: Some(1 << 20), ..Default::default() };
+        let args = ArrayArgs {
+            config: Some(file.clone()),
+            file_size: Some(1 << 20),
+            ..Default::default()
+        };
         let cfg = args.engine_config().unwrap();
         assert_eq!(cfg.files, 2);
         assert_eq!(cfg.file_size_bytes.0, 1 << 20);
         assert_eq!(cfg.backend, BackendName::Psync);
-        assert_eq!(cfg.dir, dir.path().join("teraio-data"), "relative to the file");
+        assert_eq!(cfg.dir, PathBuf::from(DEFAULT_DIR), "the file names no folder");
+        std::fs::write(&file, "dir = \"data\"\nfiles = 2\n").unwrap();
+        let args = ArrayArgs { config: Some(file), ..Default::default() };
+        assert_eq!(args.engine_config().unwrap().dir, dir.path().join("data"), "relative to it");
         let plain = ArrayArgs::default().engine_config().unwrap();
         assert_eq!((plain.files, plain.file_size_bytes.0), (4, 1 << 30));
+        assert_eq!(plain.dir, PathBuf::from(DEFAULT_DIR));
         let devices =
             ArrayArgs { devices: vec!["/a".into()], files: Some(2), ..Default::default() };
         assert!(devices.engine_config().is_err());
@@ -150,5 +208,20 @@ mod tests {
         let no_spdk = ArrayArgs { spdk_interrupt: true, ..Default::default() };
         assert!(no_spdk.engine_config().is_err(), "--spdk-interrupt needs --backend spdk");
         assert!(!plain.spdk.interrupt);
+    }
+
+    #[test]
+    fn a_device_that_does_not_exist_is_refused_unless_asked_to_create_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nvme-typo");
+        let args = ArrayArgs { devices: vec![missing.clone()], ..Default::default() };
+        let e = args.engine_config().unwrap_err().to_string();
+        assert!(e.contains("--device") && e.contains("nvme-typo") && e.contains("--create"), "{e}");
+        let args = ArrayArgs { devices: vec!["/dev/nvme9n1".into()], ..Default::default() };
+        let e = args.engine_config().unwrap_err().to_string();
+        assert!(e.contains("/dev/nvme9n1") && e.contains("no such device") && e.contains("lsblk"));
+        let args = ArrayArgs { devices: vec![missing.clone()], create: true, ..Default::default() };
+        assert_eq!(args.engine_config().unwrap().targets, vec![missing.clone()]);
+        assert!(!missing.exists(), "the configuration creates nothing; opening does");
     }
 }

@@ -37,7 +37,9 @@ impl HwArgs {
         let mut hw = if self.hw.ends_with(".json") {
             let text = std::fs::read_to_string(&self.hw)
                 .map_err(|source| CliError::File { path: self.hw.clone().into(), source })?;
-            serde_json::from_str(&text)?
+            serde_json::from_str(&text).map_err(|e| {
+                crate::error::json_file(std::path::Path::new(&self.hw), "hardware model", &e)
+            })?
         } else {
             Hardware::preset(&self.hw)?
         };

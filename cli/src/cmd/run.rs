@@ -134,7 +134,7 @@ pub struct Args {
 
 fn load_trace(args: &Args) -> Result<Trace> {
     match &args.trace {
-        Some(path) => Ok(Trace::from_json(&crate::cmd::trace::read_text(path)?)?),
+        Some(path) => crate::cmd::trace::load_file(path),
         None => Ok(generate(&ModelConfig::from_spec(&args.model)?)?),
     }
 }

@@ -190,7 +190,9 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(path) = &args.plan {
         let text = std::fs::read_to_string(path)
             .map_err(|source| CliError::File { path: path.clone(), source })?;
-        plans.push((Plan::from_json(&text)?, 0.0, false));
+        let plan =
+            Plan::from_json(&text).map_err(|e| crate::error::scheduler_file(path, "plan", e))?;
+        plans.push((plan, 0.0, false));
     } else {
         let names: Vec<String> = if args.policy == "all" {
             Policy::ALL.iter().map(|p| p.to_string()).collect()

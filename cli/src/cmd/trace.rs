@@ -151,13 +151,13 @@ pub fn load(spec: &str) -> Result<Trace> {
     if let Some(model) = spec.strip_prefix("preset:") {
         return Ok(generate(&ModelConfig::from_spec(model)?)?);
     }
-    let text = read_text(std::path::Path::new(spec))?;
-    Trace::from_json(&text).map_err(|e| match e {
-        teraio_scheduler::Error::InvalidTrace { path, detail } => {
-            CliError::Usage(format!("{spec}: invalid trace at {path}: {detail}"))
-        }
-        other => other.into(),
-    })
+    load_file(std::path::Path::new(spec))
+}
+
+/// Load a trace file (JSON, gzip-compressed or not); an error names the file, once.
+pub fn load_file(path: &std::path::Path) -> Result<Trace> {
+    let text = read_text(path)?;
+    Trace::from_json(&text).map_err(|e| crate::error::scheduler_file(path, "trace", e))
 }
 
 /// A trace file's text: JSON, or JSON compressed with gzip (found by its magic bytes, whatever

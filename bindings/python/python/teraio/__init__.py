@@ -354,9 +354,10 @@ class Engine:
     ``Engine("teraio.toml", **options)`` reads a configuration file (JSON when it ends in
     ``.json``); ``Engine(**options)`` takes the keys of that file as keyword arguments
     (``targets``, ``dir``, ``files``, ``file_size``, ``backend``, ``persistent``,
-    ``host_tier``, ...; sizes as ints or strings like ``"64G"``); keyword options override the
-    file's. Also :meth:`from_toml` and :meth:`from_json`. Use it as a context manager or call
-    :meth:`close`.
+    ``host_tier``, ...; sizes as ints or strings like ``"64G"`` or ``"1.5G"``; every key in
+    docs/ENGINE.md); keyword options override the file's. ``dir`` or ``targets`` is required: an
+    engine is never opened in the current folder by default. Also :meth:`from_toml` and
+    :meth:`from_json`. Use it as a context manager or call :meth:`close`.
     """
 
     def __init__(self, path: Optional[PathLike] = None, /, **options: Any) -> None:
