@@ -17,10 +17,7 @@ pub fn load_trace(path_or_spec: &str) -> Result<Trace> {
     if let Some(spec) = path_or_spec.strip_prefix("preset:") {
         return Ok(teraio_scheduler::generate(&ModelConfig::from_spec(spec)?)?);
     }
-    let text = std::fs::read_to_string(path_or_spec).map_err(|source| Error::File {
-        context: format!("reading the trace {path_or_spec}"),
-        source,
-    })?;
+    let text = read_trace_text(path_or_spec)?;
     trace_from_json(&text).map_err(|e| match e {
         Error::Scheduler(teraio_scheduler::Error::InvalidTrace { path, detail }) => {
             Error::Scheduler(teraio_scheduler::Error::InvalidTrace {
@@ -35,6 +32,34 @@ pub fn load_trace(path_or_spec: &str) -> Result<Trace> {
             })
         }
         e => e,
+    })
+}
+
+/// A trace file's text, at most [`teraio_scheduler::trace_text_bytes_max`] bytes (never reading
+/// more): a larger file is an error naming it and the limit.
+fn read_trace_text(path: &str) -> Result<String> {
+    use std::io::Read;
+    let file_err = |source| Error::File { context: format!("reading the trace {path}"), source };
+    let max = teraio_scheduler::trace_text_bytes_max()?;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max.saturating_add(1)).read_to_end(&mut bytes))
+        .map_err(file_err)?;
+    if bytes.len() as u64 > max {
+        return Err(Error::InvalidArgument(format!(
+            "the trace {path} holds more than {max} bytes, the limit on a trace's text (set {}=BYTES \
+             to raise it)",
+            teraio_scheduler::TRACE_TEXT_BYTES_MAX_ENV
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        Error::Scheduler(teraio_scheduler::Error::InvalidTrace {
+            path: path.to_string(),
+            detail: format!(
+                "not UTF-8 JSON text (invalid at byte {})",
+                e.utf8_error().valid_up_to()
+            ),
+        })
     })
 }
 
@@ -157,9 +182,6 @@ pub fn simulate(
     iterations: usize,
     timeline: bool,
 ) -> Result<SimReport> {
-    if iterations == 0 {
-        return Err(Error::InvalidArgument("iterations must be >= 1".into()));
-    }
     let opts = SimOptions { iterations, record_timeline: timeline };
     Ok(teraio_scheduler::simulate(trace, plan, hw, &opts)?)
 }

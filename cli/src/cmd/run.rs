@@ -134,7 +134,8 @@ pub struct Args {
 
 fn load_trace(args: &Args) -> Result<Trace> {
     match &args.trace {
-        Some(path) => Ok(Trace::from_json(&crate::cmd::trace::read_text(path)?)?),
+        Some(path) => Trace::from_json(&crate::cmd::trace::read_text(path)?)
+            .map_err(|e| crate::cmd::trace::in_file(&path.display().to_string(), e)),
         None => Ok(generate(&ModelConfig::from_spec(&args.model)?)?),
     }
 }

@@ -188,9 +188,10 @@ pub fn run(args: Args) -> Result<()> {
     let mut plans: Vec<(Plan, f64, bool)> = Vec::new();
     let mut refused: Vec<Refused> = Vec::new();
     if let Some(path) = &args.plan {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| CliError::File { path: path.clone(), source })?;
-        plans.push((Plan::from_json(&text)?, 0.0, false));
+        let text = crate::cmd::trace::read_text(path)?;
+        let plan = Plan::from_json(&text)
+            .map_err(|e| crate::cmd::trace::in_file(&path.display().to_string(), e))?;
+        plans.push((plan, 0.0, false));
     } else {
         let names: Vec<String> = if args.policy == "all" {
             Policy::ALL.iter().map(|p| p.to_string()).collect()
