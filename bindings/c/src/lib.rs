@@ -470,7 +470,9 @@ fn offload_options(name: Option<&str>, dest: i32, prio: i32) -> core::Result<Off
 }
 
 /// Offload `len` bytes at `data` as tensor `tensor_id`. The bytes are copied into engine
-/// memory before this returns: `data` may be reused at once. `name` (may be NULL) is recorded
+/// memory before this returns: `data` may be reused at once. A `len` above `PTRDIFF_MAX` is
+/// `TERAIO_ERR_INVALID_ARGUMENT`, one above the engine's host buffers `TERAIO_ERR_NO_SPACE`
+/// (both before `data` is read). `name` (may be NULL) is recorded
 /// with the tensor (persistent engines find it again with `teraio_lookup`). `destination` is a
 /// `TERAIO_DEST_*`, `priority` a `TERAIO_PRIORITY_*`. On success `*out_op` is a pending
 /// operation to wait on and free.
@@ -954,7 +956,8 @@ pub unsafe extern "C" fn teraio_plan(
 }
 
 /// Simulate a plan (JSON, as `teraio_plan` returns it) of `trace` on `hardware` for
-/// `iterations` (>= 1; the last is reported). The report as JSON (the simulator's `SimReport`:
+/// `iterations` (1 to 1000, else `TERAIO_ERR_INVALID_ARGUMENT` at once; the last is reported).
+/// The report as JSON (the simulator's `SimReport`:
 /// `iteration_time_us`, `percent_of_ideal`, `stall_us`, `peak_gpu_bytes`, ...).
 ///
 /// # Safety

@@ -171,7 +171,13 @@ impl Fuzz {
         CALL_STARTED_MS.store(0, Ordering::SeqCst);
         self.calls += 1;
         let e = self.stats.entry(name).or_default();
-        e[if s == TERAIO_OK { 0 } else if s == TERAIO_PENDING { 1 } else { 2 }] += 1;
+        e[if s == TERAIO_OK {
+            0
+        } else if s == TERAIO_PENDING {
+            1
+        } else {
+            2
+        }] += 1;
         let known = s == TERAIO_OK
             || s == TERAIO_PENDING
             // SAFETY: a static string.
@@ -321,7 +327,8 @@ impl Fuzz {
     fn trace_json(&mut self) -> String {
         let n = 1 + self.rng.below(6) as usize;
         let dur = *self.rng.pick(&["100", "0", "1e308", "-1", "1e12", "\"x\""]);
-        let bytes = *self.rng.pick(&["65536", "4611686018427387904", "0", "1", "18446744073709551615"]);
+        let bytes =
+            *self.rng.pick(&["65536", "4611686018427387904", "0", "1", "18446744073709551615"]);
         let kernels: Vec<String> = (0..n)
             .map(|i| {
                 let d = if i == 0 && self.rng.chance(30) { dur } else { "100" };
@@ -668,14 +675,20 @@ impl Fuzz {
             }
             36..=37 => {
                 let t = self.handle(&self.traces.clone());
-                let policy = self.string(&["teraio", "none", "lru", "g10", "zero-infinity", "auto", "ideal"]);
+                let policy = self.string(&[
+                    "teraio",
+                    "none",
+                    "lru",
+                    "g10",
+                    "zero-infinity",
+                    "auto",
+                    "ideal",
+                ]);
                 let hw = self.hardware();
                 self.begin(format!("plan {t:p} {policy:?} {hw:?}"));
                 let out: *mut *mut c_char = self.out(&mut slot);
                 // SAFETY: NULL or valid strings; out NULL or valid.
-                let s = unsafe {
-                    teraio_plan(t, opt(&policy), opt(&hw), out)
-                };
+                let s = unsafe { teraio_plan(t, opt(&policy), opt(&hw), out) };
                 self.end("plan", s);
                 if s == TERAIO_OK {
                     // SAFETY: written on success; a string teraio returned.
@@ -854,7 +867,9 @@ impl Fuzz {
             alloc: if custom == 2 { None } else { Some(fuzz_alloc) },
             release: Some(fuzz_release),
         };
-        self.begin(format!("executor_new {e:p} {t:p} budget={budget} created={created} alloc={custom}"));
+        self.begin(format!(
+            "executor_new {e:p} {t:p} budget={budget} created={created} alloc={custom}"
+        ));
         let out: *mut *mut teraio_executor = self.out(slot);
         let ap: *const teraio_allocator = if custom == 0 { std::ptr::null() } else { &a };
         // SAFETY: NULL or valid strings and allocator; out NULL or valid.
@@ -931,7 +946,8 @@ impl Fuzz {
                 15 => ("executor_modified", teraio_executor_modified(x, tensor)),
                 _ => {
                     let finish = self.rng.chance(50);
-                    let s = if finish { teraio_executor_finish(x) } else { teraio_executor_free(x) };
+                    let s =
+                        if finish { teraio_executor_finish(x) } else { teraio_executor_free(x) };
                     if s != TERAIO_ERR_INVALID_HANDLE
                         && let Some(i) = self.executors.iter().position(|&h| h == x)
                     {
