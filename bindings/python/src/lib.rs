@@ -1086,6 +1086,13 @@ impl NativeExecutor {
     }
 }
 
+/// Panic inside a native call (for the tests: the panic must arrive as `teraio.InternalError`,
+/// with nothing printed).
+#[pyfunction]
+fn _panic_for_tests(py: Python<'_>) -> PyRes<()> {
+    run(py, "teraio._panic_for_tests", || -> core::Result<()> { panic!("a panic for the tests") })
+}
+
 /// The stable status code of every exception class name.
 #[pyfunction]
 fn status_codes() -> Vec<(&'static str, i32)> {
@@ -1105,6 +1112,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativePlan>()?;
     m.add_class::<NativeExecutor>()?;
     m.add_function(wrap_pyfunction!(hardware_json, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(compare_policies, m)?)?;

@@ -169,3 +169,11 @@ def test_a_trace_or_plan_with_a_byte_order_mark_loads(tmp_path):
     bad.write_text("\ufeff{", encoding="utf-8")
     with pytest.raises(teraio.TraceError, match="bad.json"):
         teraio.load_trace(bad)
+
+
+def test_a_native_panic_is_an_internal_error_and_prints_nothing(capfd):
+    with pytest.raises(teraio.InternalError, match="a panic for the tests") as e:
+        teraio._teraio._panic_for_tests()
+    assert isinstance(e.value, Exception) and "lib.rs" in str(e.value)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)
