@@ -200,7 +200,19 @@ pub struct PolicyResult {
 }
 
 /// Plan and simulate `trace` on `hw` with each policy (every policy when empty).
+///
+/// Each policy at most once (a list that names one twice is an error): the caller's list sets
+/// how many plans are made, so it is bounded by the number of policies.
 pub fn compare(trace: &Trace, hw: &Hardware, policies: &[Policy]) -> Result<Vec<PolicyResult>> {
+    for (i, p) in policies.iter().enumerate() {
+        if policies[..i].contains(p) {
+            return Err(Error::InvalidArgument(format!(
+                "policies: {p} is named twice ({} names; each of the {} policies at most once)",
+                policies.len(),
+                Policy::ALL.len()
+            )));
+        }
+    }
     let all = if policies.is_empty() { &Policy::ALL[..] } else { policies };
     all.iter()
         .map(|&p| {
@@ -250,6 +262,42 @@ mod tests {
         let all = compare(&t, &hw, &[Policy::Teraio, Policy::None]).unwrap();
         assert_eq!(all.len(), 2);
         assert_eq!(all[0].report.percent_of_ideal, r.percent_of_ideal);
+    }
+
+    #[test]
+    fn a_comparison_names_each_policy_once_and_a_long_list_is_refused_at_once() {
+        let t = small();
+        let hw = hardware("paper", None).unwrap();
+        let many = vec![Policy::Teraio; 100_000];
+        let start = std::time::Instant::now();
+        let e = compare(&t, &hw, &many).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument);
+        assert!(e.to_string().contains("teraio is named twice"), "{e}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_trace_file_over_the_text_limit_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.json");
+        std::fs::write(&path, vec![b' '; 2 << 20]).unwrap();
+        // The limit comes from the environment; a child process sets it (tests share theirs).
+        if std::env::var_os("TERAIO_SCHED_CHILD").is_some() {
+            let e = load_trace(path.to_str().unwrap()).unwrap_err().to_string();
+            assert!(e.contains("big.json") && e.contains("1048576"), "{e}");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "sched::tests::a_trace_file_over_the_text_limit_is_refused_naming_it",
+            ])
+            .env("TERAIO_SCHED_CHILD", "1")
+            .env("TERAIO_TRACE_BYTES_MAX", "1048576")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains("1 passed"), "{stdout}");
     }
 
     #[test]
