@@ -344,8 +344,7 @@ impl Trace {
         }
         for (i, k) in self.kernels.iter().enumerate() {
             if !(k.duration_us.is_finite()
-                && k.duration_us >= 0.0
-                && k.duration_us <= Kernel::DURATION_US_MAX)
+                && (0.0..=Kernel::DURATION_US_MAX).contains(&k.duration_us))
             {
                 return Err(Error::trace(
                     format!("kernels[{i}].duration_us"),
@@ -479,7 +478,7 @@ impl Trace {
             return Err(Error::trace(p(""), "only a non-global tensor can be recomputed"));
         };
         if let Some(d) = pr.duration_us
-            && !(d.is_finite() && d >= 0.0 && d <= Kernel::DURATION_US_MAX)
+            && !(d.is_finite() && (0.0..=Kernel::DURATION_US_MAX).contains(&d))
         {
             return Err(Error::trace(
                 p(".duration_us"),

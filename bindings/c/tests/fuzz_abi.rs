@@ -266,7 +266,7 @@ impl Fuzz {
             2 => Some(CString::new(vec![0xff, 0xfe, b'x']).unwrap()),
             3 => Some(cs(&"n".repeat(1 + self.rng.below(1 << 16) as usize))),
             4 => Some(cs(&format!("t{}", self.rng.below(8)))),
-            _ if !choices.is_empty() => Some(cs(*self.rng.pick(choices))),
+            _ if !choices.is_empty() => Some(cs(self.rng.pick::<&str>(choices))),
             _ => Some(cs("x")),
         }
     }
@@ -887,7 +887,8 @@ impl Fuzz {
         let tensor = (self.tensor_id() as u32).min(if self.rng.chance(90) { 16 } else { u32::MAX });
         let which = self.rng.below(17);
         self.begin(format!("executor call {which} {x:p} k={k} tensor={tensor}"));
-        // SAFETY (every call below): outs NULL or valid; attached memory is the leaked arena.
+        // SAFETY: every call below gets outs NULL or valid (possibly misaligned), memory of the
+        // leaked arena for attach, and NULL or valid strings.
         let (name, s) = unsafe {
             match which {
                 0 => {
@@ -931,7 +932,7 @@ impl Fuzz {
                     let l: *mut u64 = self.out(&mut slot2);
                     ("executor_resident", teraio_executor_resident(x, tensor, p, l))
                 }
-                12 | 13 | 14 => {
+                12..=14 => {
                     let o: *mut *mut c_char = self.out(slot);
                     let (n, s) = match which {
                         12 => ("executor_events", teraio_executor_events(x, o)),
@@ -1143,7 +1144,7 @@ fn the_c_abi_survives_random_calls_with_random_arguments() {
             f.step();
         }
         rounds += 1;
-        if rounds % 20 == 0 {
+        if rounds.is_multiple_of(20) {
             f.reset();
         }
     }

@@ -137,7 +137,10 @@ impl NativeEngine {
     fn close(&self, py: Python<'_>) -> PyRes<()> {
         run(py, "Engine.close", || {
             let e = self.engine.write().take();
-            Ok(e.map(|e| e.close()).transpose()?.unwrap_or(()))
+            if let Some(e) = e {
+                e.close()?;
+            }
+            Ok(())
         })
     }
 
