@@ -608,14 +608,22 @@ class Engine:
 
     def close(self) -> None:
         """Drain, checkpoint (persistent engines) and release. Later calls raise
-        :class:`ClosedError`; closing twice does nothing."""
+        :class:`ClosedError` (also those of its executors); closing twice does nothing. A failed
+        final checkpoint is raised (e.g. :class:`IoError`); the engine is closed all the same
+        and the journal still has every acknowledged change."""
         self._native.close()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        # A failed final checkpoint is raised, unless an exception already leaves the block
+        # (that one says more; the engine is closed either way).
+        try:
+            self.close()
+        except TeraioError:
+            if exc[0] is None:
+                raise
 
     def __repr__(self) -> str:
         return "Engine(closed)" if self.closed else f"Engine({self.describe()})"
