@@ -17,7 +17,8 @@ pub const TRACE_VERSION: u64 = 1;
 /// The most bytes of JSON text a trace (or plan) file may hold, decompressed, unless the
 /// environment variable [`TRACE_TEXT_BYTES_MAX_ENV`] says more: 256 MiB. Readers stop at the
 /// limit instead of decompressing (and parsing) whatever a small gzip file expands to. The
-/// largest generated preset trace is a few tens of MiB.
+/// largest preset trace (`llama3-70b`, 14,619 kernels) is 6.8 MB of JSON; a generated trace of
+/// a million kernels is about 270 MB.
 pub const TRACE_TEXT_BYTES_MAX: u64 = 256 << 20;
 
 /// The environment variable that raises (or lowers) [`TRACE_TEXT_BYTES_MAX`]: a number of bytes.
