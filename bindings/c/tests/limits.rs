@@ -193,3 +193,74 @@ fn simulating_more_iterations_than_the_maximum_is_refused_at_once() {
     take_string(out);
     assert_eq!(teraio_trace_free(t), TERAIO_OK);
 }
+
+/// The child of the next test: a persistent engine whose final checkpoint cannot be written (the
+/// process may not write past 4 KiB of any file from then on: `prlimit --fsize`).
+#[test]
+fn checkpoint_failure_child() {
+    let Some(dir) = std::env::var_os("TERAIO_CLOSE_CHILD_DIR") else { return };
+    let toml = cs(&format!(
+        "dir = {:?}\nfiles = 1\nfile_size = \"32M\"\npersistent = true\nbackend = \"psync\"\n",
+        std::path::Path::new(&dir).display().to_string()
+    ));
+    let mut e = null_mut();
+    // SAFETY: valid string and out-pointer.
+    assert_eq!(
+        unsafe { teraio_engine_open_toml(toml.as_ptr(), &mut e) },
+        TERAIO_OK,
+        "{}",
+        last_error()
+    );
+    let data = vec![0x5au8; 100_000];
+    let mut op = null_mut();
+    let name = cs("kept");
+    // SAFETY: valid pointers for the call.
+    let s = unsafe {
+        teraio_offload(e, 7, data.as_ptr().cast(), data.len(), name.as_ptr(), 0, 0, &mut op)
+    };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    assert_eq!(teraio_op_free(op), TERAIO_OK, "{}", last_error());
+    let limit = std::process::Command::new("prlimit")
+        .args(["--pid", &std::process::id().to_string(), "--fsize=4096:4096"])
+        .status()
+        .expect("prlimit (util-linux) runs");
+    assert!(limit.success());
+    let s = teraio_engine_close(e);
+    println!("CLOSE STATUS {s} {}", last_error());
+}
+
+#[test]
+fn close_reports_a_failed_final_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    // SIGXFSZ ignored (the shell's `trap ''` survives exec), so a write past the limit fails
+    // with EFBIG instead of killing the child.
+    let out = std::process::Command::new("sh")
+        .args(["-c", "trap '' XFSZ; exec \"$0\" --exact checkpoint_failure_child --nocapture"])
+        .arg(std::env::current_exe().unwrap())
+        .env("TERAIO_CLOSE_CHILD_DIR", dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout.lines().find(|l| l.starts_with("CLOSE STATUS")).expect("the child closed");
+    assert!(line.starts_with(&format!("CLOSE STATUS {TERAIO_ERR_IO} ")), "{line}");
+    // The journal had everything: the tensor is there after a reopen.
+    let toml = cs(&format!(
+        "dir = {:?}\nfiles = 1\nfile_size = \"32M\"\npersistent = true\nbackend = \"psync\"\n",
+        dir.path().display().to_string()
+    ));
+    let mut e = null_mut();
+    // SAFETY: valid string and out-pointer.
+    assert_eq!(
+        unsafe { teraio_engine_open_toml(toml.as_ptr(), &mut e) },
+        TERAIO_OK,
+        "{}",
+        last_error()
+    );
+    let mut id = 0u64;
+    let name = cs("kept");
+    // SAFETY: valid string and out-pointer.
+    assert_eq!(unsafe { teraio_lookup(e, name.as_ptr(), &mut id) }, TERAIO_OK, "{}", last_error());
+    assert_eq!(id, 7);
+    assert_eq!(teraio_engine_close(e), TERAIO_OK, "{}", last_error());
+}
