@@ -4,6 +4,7 @@ claims and timeouts refused (never a PanicException), an executor whose engine w
 simulations of too many iterations."""
 
 import math
+import os
 import time
 
 import numpy as np
@@ -177,3 +178,39 @@ def test_a_native_panic_is_an_internal_error_and_prints_nothing(capfd):
     assert isinstance(e.value, Exception) and "lib.rs" in str(e.value)
     out, err = capfd.readouterr()
     assert out == "" and err == "", (out, err)
+
+
+CLOSE_CHILD = """
+import os, subprocess, sys
+import numpy as np
+import teraio
+e = teraio.Engine(dir=sys.argv[1], files=1, file_size="32M", persistent=True, backend="psync")
+e.offload(7, np.full(100000, 0x5A, dtype=np.uint8), name="kept").wait()
+# From now on this process may not write past 4 KiB of any file: the checkpoint fails.
+subprocess.run(["prlimit", "--pid", str(os.getpid()), "--fsize=4096:4096"], check=True)
+try:
+    e.close()
+except teraio.IoError as x:
+    print("RAISED", x)
+else:
+    print("NOT RAISED")
+assert e.closed
+"""
+
+
+def test_close_raises_a_failed_final_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # SIGXFSZ ignored (survives exec): a write past the limit fails with EFBIG.
+    r = subprocess.run(
+        ["sh", "-c", "trap '' XFSZ; exec \"$0\" -c \"$1\" \"$2\"", sys.executable, CLOSE_CHILD,
+         str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "RAISED" in r.stdout, r.stdout + r.stderr
+    with teraio.Engine(dir=tmp_path, files=1, file_size="32M", persistent=True,
+                       backend="psync") as e:
+        assert e.lookup("kept") == 7
