@@ -214,3 +214,10 @@ def test_close_raises_a_failed_final_checkpoint(tmp_path):
     with teraio.Engine(dir=tmp_path, files=1, file_size="32M", persistent=True,
                        backend="psync") as e:
         assert e.lookup("kept") == 7
+
+
+def test_a_wait_timeout_beyond_the_clock_waits(engine):
+    # Found by the buffer fuzz: 2^63 seconds fit a duration but not the clock (a panic before).
+    data = np.arange(1 << 16, dtype=np.uint8)
+    for i, t in enumerate((9.223372036854773e18, 2.0**63, 1.7e308)):
+        assert engine.offload(20 + i, data).wait(timeout=t) == "ssd"
