@@ -204,8 +204,8 @@ fn checkpoint_failure_child() {
         std::path::Path::new(&dir).display().to_string()
     ));
     let mut e = null_mut();
-    // SAFETY: valid string and out-pointer.
     assert_eq!(
+        // SAFETY: valid string and out-pointer.
         unsafe { teraio_engine_open_toml(toml.as_ptr(), &mut e) },
         TERAIO_OK,
         "{}",
@@ -250,8 +250,8 @@ fn close_reports_a_failed_final_checkpoint() {
         dir.path().display().to_string()
     ));
     let mut e = null_mut();
-    // SAFETY: valid string and out-pointer.
     assert_eq!(
+        // SAFETY: valid string and out-pointer.
         unsafe { teraio_engine_open_toml(toml.as_ptr(), &mut e) },
         TERAIO_OK,
         "{}",
