@@ -47,7 +47,7 @@ c++ -std=c++11 -Wall -Wextra -Werror -fsyntax-only -I"$inc" bindings/c/examples/
 
 step "Python: fresh virtual environment"
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q --disable-pip-version-check maturin pytest numpy
+"$work/venv/bin/pip" install -q --disable-pip-version-check maturin pytest numpy hypothesis
 
 step "Python: wheel (maturin, dev profile)"
 wheels=${TERAIO_WHEEL_DIR:-$work/wheels}

@@ -51,6 +51,6 @@ pub fn scheduler_file(path: &std::path::Path, what: &str, e: teraio_scheduler::E
         | teraio_scheduler::Error::InvalidPlan { path: at, detail } => {
             CliError::Usage(format!("{}: invalid {what} at {at}: {detail}", path.display()))
         }
-        other => other.into(),
+        other => CliError::Usage(format!("{}: {other}", path.display())),
     }
 }

@@ -658,6 +658,18 @@ impl Engine {
         Ok(Engine { config, store, gpu, host_tier, buffers, array })
     }
 
+    /// Close the engine: wait for every queued operation, write the final checkpoint
+    /// (persistent engines) and release everything. Unlike dropping it, this reports a failed
+    /// final checkpoint (the journal still has every acknowledged change, so a reopen finds them
+    /// all; the error says why the checkpoint failed). An executor still holding the store keeps
+    /// it alive: its later operations are journaled, and checkpointed when it is dropped.
+    pub fn close(self) -> Result<()> {
+        self.store.drain();
+        let checkpoint = if self.config.persistent { self.store.checkpoint() } else { Ok(()) };
+        drop(self);
+        checkpoint
+    }
+
     /// Read `path` ([`EngineConfig::from_file`]) and open it.
     pub fn open_file(path: impl AsRef<Path>) -> Result<Engine> {
         Self::open(EngineConfig::from_file(path)?)
@@ -1072,6 +1084,33 @@ mod tests {
         let back = engine.store().prefetch_sync(9, engine.alloc_host(size).unwrap()).unwrap();
         assert!(back.host().unwrap().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
         assert!(engine.capacity_bytes() > 0);
+    }
+
+    #[test]
+    fn close_reports_a_failed_final_checkpoint() {
+        use crate::backend::sim::{SimFault, SimOp};
+        let disks: Vec<_> = (0..2).map(|i| SimDisk::new(64 << 20, 4096, i)).collect();
+        let mut cfg = EngineConfig::with_sim_disks(disks.clone());
+        cfg.persistent = true;
+        let engine = Engine::open(cfg.clone()).unwrap();
+        let buf = engine.alloc_host(1 << 20).unwrap();
+        engine.store().offload(1, buf, OffloadOptions::default()).unwrap().wait().unwrap();
+        // A clean close is Ok.
+        engine.close().unwrap();
+        let engine = Engine::open(cfg.clone()).unwrap();
+        assert!(engine.store().info(1).is_some(), "reopened with its tensor");
+        for d in &disks {
+            d.inject(SimFault::Eio { op: SimOp::Write, after_ops: 0 });
+        }
+        let e = engine.close().unwrap_err();
+        assert!(!e.to_string().is_empty());
+        for d in &disks {
+            d.clear_faults();
+        }
+        // The journal still had everything.
+        let engine = Engine::open(cfg).unwrap();
+        assert!(engine.store().info(1).is_some(), "reopened after the failed checkpoint");
+        engine.close().unwrap();
     }
 
     #[test]

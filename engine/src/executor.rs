@@ -320,6 +320,8 @@ pub struct Executor {
     phase: Phase,
     /// Next kernel expected in this iteration.
     next_kernel: usize,
+    /// Kernels of this iteration whose `after_kernel` ran (the next one may be this or later).
+    after_next: usize,
     /// Boundaries issued so far in this iteration (boundary `i` issued when `i < issued`).
     issued: usize,
     next_instr: usize,
@@ -461,6 +463,7 @@ impl Executor {
             flying: Vec::new(),
             phase: Phase::Setup,
             next_kernel: 0,
+            after_next: 0,
             issued: 0,
             next_instr: 0,
             safe: None,
@@ -717,6 +720,7 @@ impl Executor {
     fn begin_iteration(&mut self) {
         self.phase = Phase::Running;
         self.next_kernel = 0;
+        self.after_next = 0;
         self.issued = 0;
         self.next_instr = 0;
         self.iteration_start = Instant::now();
@@ -1407,11 +1411,33 @@ impl Executor {
     }
 
     /// Kernel `k` ran: the tensors whose last use it was die (their memory goes back to the
-    /// allocator).
+    /// allocator). `k` is the kernel `before_kernel`/`kernel_ready` last said could run, once:
+    /// a kernel outside the trace, one that was not readied, or one already ended is
+    /// [`Error::InvalidArgument`] (in safe mode only the range is checked).
     pub fn after_kernel(&mut self, k: usize) -> Result<()> {
-        if self.safe.is_some() || k >= self.deaths.len() {
+        let n = self.deaths.len();
+        if k >= n {
+            return Err(Error::InvalidArgument(format!(
+                "after_kernel({k}): the trace has {n} kernels (0 to {})",
+                n.saturating_sub(1)
+            )));
+        }
+        if self.safe.is_some() {
             return Ok(());
         }
+        if self.phase != Phase::Running || k + 1 != self.next_kernel || k < self.after_next {
+            let expected = match self.next_kernel.checked_sub(1) {
+                Some(last) if self.phase == Phase::Running && last >= self.after_next => {
+                    format!("kernel {last}, the one before_kernel/kernel_ready last readied")
+                }
+                _ => "none: call before_kernel (or kernel_ready) for the next kernel first"
+                    .to_string(),
+            };
+            return Err(Error::InvalidArgument(format!(
+                "after_kernel({k}) out of order: expected {expected}"
+            )));
+        }
+        self.after_next = k + 1;
         for &t in &self.accesses[k] {
             if self.trace.tensors[t].writes_at(k) {
                 self.current[t] = false;

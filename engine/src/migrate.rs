@@ -105,9 +105,13 @@ impl<T> Handle<T> {
         f(self.slot.value.lock().as_ref())
     }
 
-    /// Wait at most `timeout`; gives the handle back if the operation is still running.
+    /// Wait at most `timeout`; gives the handle back if the operation is still running. A
+    /// timeout that reaches beyond the clock's range (`Instant` + `timeout` overflows, e.g.
+    /// 2^63 seconds) waits without a limit.
     pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, Self> {
-        let deadline = Instant::now() + timeout;
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return Ok(self.wait());
+        };
         {
             let mut v = self.slot.value.lock();
             while v.is_none() {

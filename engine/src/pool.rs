@@ -309,10 +309,15 @@ impl BufferPool {
 
     /// The capacity a request of `len` bytes gets: below 2 MiB the next power of two (at least
     /// 4096; such buffers are cut from 2 MiB huge-page slabs), from 2 MiB up a multiple of 2 MiB.
+    ///
+    /// Saturates at the largest multiple of 2 MiB for lengths within 2 MiB of `usize::MAX`
+    /// (no pool has that capacity, so [`alloc`](Self::alloc) refuses them).
     pub fn capacity_for(len: usize) -> usize {
         let len = len.max(1);
         if len > HUGE_PAGE_BYTES / 2 {
-            len.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+            len.div_ceil(HUGE_PAGE_BYTES)
+                .checked_mul(HUGE_PAGE_BYTES)
+                .unwrap_or(usize::MAX / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
         } else {
             len.next_power_of_two().max(BUF_ALIGN_BYTES)
         }
@@ -322,10 +327,17 @@ impl BufferPool {
     /// 2 MiB when its capacity is 2 MiB or more. Returns [`Error::NoSpace`] when the live
     /// buffers would exceed the pool's capacity; never blocks.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Result<IoBuf> {
+        if len as u64 > self.capacity_bytes {
+            return Err(Error::NoSpace(format!(
+                "buffer pool: {len} bytes requested, more than its capacity of {} bytes \
+                 (raise the engine's `host_buffers` or move the tensor in pieces)",
+                self.capacity_bytes
+            )));
+        }
         let capacity = Self::capacity_for(len);
         let cap64 = capacity as u64;
         let mut st = self.state.lock();
-        if st.used_bytes + cap64 > self.capacity_bytes {
+        if st.used_bytes.saturating_add(cap64) > self.capacity_bytes {
             return Err(Error::NoSpace(format!(
                 "buffer pool: {} bytes requested, {} of {} in use",
                 capacity, st.used_bytes, self.capacity_bytes
@@ -717,6 +729,20 @@ mod tests {
         let mut a = p.alloc(4 << 20).unwrap();
         a.fill(7);
         assert!(a.iter().all(|&x| x == 7));
+    }
+
+    #[test]
+    fn a_request_beyond_any_capacity_is_no_space_not_a_panic() {
+        let p = pool(8 << 20);
+        for len in [usize::MAX, usize::MAX - 1, usize::MAX / 2 + 1, (8 << 20) + 1] {
+            match p.alloc(len) {
+                Err(Error::NoSpace(m)) => assert!(m.contains(&len.to_string()), "{m}"),
+                other => panic!("{len} bytes: {other:?}"),
+            }
+        }
+        assert!(BufferPool::capacity_for(usize::MAX) >= HUGE_PAGE_BYTES);
+        assert_eq!(BufferPool::capacity_for(usize::MAX) % HUGE_PAGE_BYTES, 0);
+        assert_eq!(p.used_bytes(), 0);
     }
 
     #[test]

@@ -244,14 +244,15 @@ pub fn largest_working_set(trace: &Trace) -> (usize, u64) {
     best
 }
 
-/// Analyse a trace.
+/// Analyse a trace. Sums saturate; a validated trace ([`Trace::validate`]) has none that
+/// would overflow.
 pub fn summarize(trace: &Trace) -> Summary {
     let n = trace.kernel_count();
     let mem = trace.resident_memory_per_kernel();
     let mut active = vec![0u64; n];
     for t in &trace.tensors {
         for &k in &t.accesses {
-            active[k] += t.bytes;
+            active[k] = active[k].saturating_add(t.bytes);
         }
     }
     let total_time = trace.iteration_time_us();
@@ -276,7 +277,7 @@ pub fn summarize(trace: &Trace) -> Summary {
         }
         let i = edges_us.iter().rposition(|(lo, _)| d >= *lo).unwrap_or(0);
         periods[i].count += 1;
-        periods[i].bytes += iv.bytes;
+        periods[i].bytes = periods[i].bytes.saturating_add(iv.bytes);
     }
     let size_edges = [
         (0u64, "<1 MB"),
@@ -290,7 +291,7 @@ pub fn summarize(trace: &Trace) -> Summary {
     for t in &trace.tensors {
         let i = size_edges.iter().rposition(|(lo, _)| t.bytes >= *lo).unwrap_or(0);
         sizes[i].count += 1;
-        sizes[i].bytes += t.bytes;
+        sizes[i].bytes = sizes[i].bytes.saturating_add(t.bytes);
     }
     let by_kind = TensorKind::ALL
         .iter()
@@ -299,7 +300,7 @@ pub fn summarize(trace: &Trace) -> Summary {
                 .tensors
                 .iter()
                 .filter(|t| t.kind == kind)
-                .fold((0, 0), |(c, b), t| (c + 1, b + t.bytes));
+                .fold((0, 0u64), |(c, b), t| (c + 1, b.saturating_add(t.bytes)));
             KindBytes { kind, count, bytes }
         })
         .collect();
@@ -308,7 +309,7 @@ pub fn summarize(trace: &Trace) -> Summary {
         kernels: n,
         tensors: trace.tensors.len(),
         iteration_time_us: total_time,
-        total_tensor_bytes: trace.tensors.iter().map(|t| t.bytes).sum(),
+        total_tensor_bytes: trace.tensors.iter().fold(0u64, |s, t| s.saturating_add(t.bytes)),
         peak_resident_bytes: mem.iter().copied().max().unwrap_or(0),
         mean_active_fraction: mean,
         max_active_fraction: max_frac,

@@ -46,4 +46,7 @@ pub use model::{Dtype, Gpu, ModelConfig, generate};
 pub use plan::{HostKernel, InitialPlacement, Instruction, Op, Plan, PlanStats, Recompute};
 pub use planner::{Checked, PlanOptions, Policy, plan, plan_checked, plan_with};
 pub use sim::{Outcome, SimOptions, SimReport, simulate};
-pub use trace::{Kernel, Producer, Tensor, TensorId, TensorKind, Trace};
+pub use trace::{
+    Kernel, Producer, TRACE_TEXT_BYTES_MAX, TRACE_TEXT_BYTES_MAX_ENV, Tensor, TensorId, TensorKind,
+    Trace, trace_text_bytes_max,
+};

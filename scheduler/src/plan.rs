@@ -291,6 +291,8 @@ impl Plan {
 
     /// Parse from JSON (checked with [`Plan::validate`] by the caller, who has the trace).
     pub fn from_json(text: &str) -> Result<Plan> {
+        // A UTF-8 byte order mark is not JSON: skip it.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         Ok(serde_json::from_str(text)?)
     }
 

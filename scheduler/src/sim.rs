@@ -52,6 +52,13 @@ pub struct SimOptions {
     pub record_timeline: bool,
 }
 
+impl SimOptions {
+    /// The most iterations one simulation replays: the reported iteration is steady after a
+    /// few (the second already starts from the state the first leaves), and the run's time
+    /// grows with the count, so a larger number is refused rather than left running.
+    pub const ITERATIONS_MAX: usize = 1000;
+}
+
 impl Default for SimOptions {
     fn default() -> Self {
         SimOptions { iterations: 2, record_timeline: false }
@@ -223,8 +230,12 @@ pub fn simulate(trace: &Trace, plan: &Plan, hw: &Hardware, opts: &SimOptions) ->
     trace.validate()?;
     hw.validate()?;
     plan.validate(trace)?;
-    if opts.iterations == 0 {
-        return Err(Error::InvalidArgument("iterations must be >= 1".into()));
+    if opts.iterations == 0 || opts.iterations > SimOptions::ITERATIONS_MAX {
+        return Err(Error::InvalidArgument(format!(
+            "iterations {}: at least 1 and at most {} (SimOptions::ITERATIONS_MAX)",
+            opts.iterations,
+            SimOptions::ITERATIONS_MAX
+        )));
     }
     Sim::new(trace, plan, hw, opts).run()
 }
@@ -740,7 +751,9 @@ impl<'a> Sim<'a> {
         let mut pending_creates = 0usize;
         let mut create_marker: Vec<bool> = vec![false; self.trace.tensors.len()];
         // Every loop pass either starts a kernel or advances time to an event; bound it.
-        let max_steps = 64 * self.opts.iterations * (n + 2 * self.plan.instructions.len() + 16);
+        let max_steps = (n + 2 * self.plan.instructions.len() + 16)
+            .saturating_mul(64)
+            .saturating_mul(self.opts.iterations);
         for _ in 0..max_steps {
             if !issued && running_until.is_none() {
                 self.issue(k);
@@ -841,15 +854,22 @@ impl<'a> Sim<'a> {
                     .filter(|t| self.state[t.index()] != TState::Resident)
                     .map(|t| format!("{t} ({:?})", self.state[t.index()]))
                     .collect();
-                return Err(Error::SimulationStuck {
-                    iteration,
-                    kernel: k,
-                    detail: format!(
-                        "waiting for {} with no migration able to progress ({} in flight)",
+                let name = &self.trace.kernels[k].name;
+                let detail = if missing.is_empty() {
+                    format!(
+                        "kernel {k} ({name:?}) cannot start although its tensors are resident: \
+                         time does not advance ({} in flight; are its durations too large?)",
+                        self.transfers.len()
+                    )
+                } else {
+                    format!(
+                        "kernel {k} ({name:?}) waits for {} with no migration able to progress \
+                         ({} in flight)",
                         missing.join(", "),
                         self.transfers.len()
-                    ),
-                });
+                    )
+                };
+                return Err(Error::SimulationStuck { iteration, kernel: k, detail });
             }
             // Advance.
             for tr in &mut self.transfers {

@@ -14,6 +14,30 @@ pub const TRACE_FORMAT: &str = "teraio-trace";
 /// Version of the trace schema this crate reads and writes.
 pub const TRACE_VERSION: u64 = 1;
 
+/// The most bytes of JSON text a trace (or plan) file may hold, decompressed, unless the
+/// environment variable [`TRACE_TEXT_BYTES_MAX_ENV`] says more: 256 MiB. Readers stop at the
+/// limit instead of decompressing (and parsing) whatever a small gzip file expands to. The
+/// largest preset trace (`llama3-70b`, 14,619 kernels) is 6.8 MB of JSON; a generated trace of
+/// a million kernels is about 270 MB.
+pub const TRACE_TEXT_BYTES_MAX: u64 = 256 << 20;
+
+/// The environment variable that raises (or lowers) [`TRACE_TEXT_BYTES_MAX`]: a number of bytes.
+pub const TRACE_TEXT_BYTES_MAX_ENV: &str = "TERAIO_TRACE_BYTES_MAX";
+
+/// The limit on a trace file's text: [`TRACE_TEXT_BYTES_MAX_ENV`] when set, else
+/// [`TRACE_TEXT_BYTES_MAX`]. A value that is not a number of bytes is an error naming it.
+pub fn trace_text_bytes_max() -> Result<u64> {
+    match std::env::var(TRACE_TEXT_BYTES_MAX_ENV) {
+        Err(_) => Ok(TRACE_TEXT_BYTES_MAX),
+        Ok(v) => v.trim().parse::<u64>().map_err(|_| {
+            Error::InvalidArgument(format!(
+                "{TRACE_TEXT_BYTES_MAX_ENV}={v:?}: a number of bytes is required (e.g. \
+                 1073741824 for 1 GiB; unset: {TRACE_TEXT_BYTES_MAX})"
+            ))
+        }),
+    }
+}
+
 /// Identifier of a tensor: its index in [`Trace::tensors`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -86,6 +110,13 @@ pub struct Kernel {
     /// Transformer layer the kernel belongs to, if any (used by layer-granular policies).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer: Option<u32>,
+}
+
+impl Kernel {
+    /// The longest a kernel (or a producer's recomputation) may take, in microseconds: 10^12
+    /// (11.6 days). Longer ones are refused when a trace is validated: sums of such times lose
+    /// the short kernels' microseconds, and near `f64::MAX` they overflow to infinity.
+    pub const DURATION_US_MAX: f64 = 1e12;
 }
 
 /// One tensor of the iteration.
@@ -313,10 +344,17 @@ impl Trace {
             return Err(Error::trace("kernels", "a trace needs at least one kernel"));
         }
         for (i, k) in self.kernels.iter().enumerate() {
-            if !(k.duration_us.is_finite() && k.duration_us >= 0.0) {
+            if !(k.duration_us.is_finite()
+                && (0.0..=Kernel::DURATION_US_MAX).contains(&k.duration_us))
+            {
                 return Err(Error::trace(
                     format!("kernels[{i}].duration_us"),
-                    format!("must be finite and >= 0, got {}", k.duration_us),
+                    format!(
+                        "kernel {:?}: must be finite, >= 0 and at most {:e} (Kernel::DURATION_US_MAX), got {}",
+                        k.name,
+                        Kernel::DURATION_US_MAX,
+                        k.duration_us
+                    ),
                 ));
             }
         }
@@ -405,6 +443,32 @@ impl Trace {
                 self.validate_producer(i, t, pr)?;
             }
         }
+        self.validate_byte_sums()
+    }
+
+    /// Every sum of sizes the scheduler takes (memory per kernel, bytes per inactive interval,
+    /// traffic per access) is at most the sum over tensors of `bytes x accesses`: check that it
+    /// fits in a `u64`, so none of them wraps. The error names the tensor where it overflows.
+    fn validate_byte_sums(&self) -> Result<()> {
+        let mut total = 0u64;
+        for (i, t) in self.tensors.iter().enumerate() {
+            let weight = (t.accesses.len() as u64).saturating_add(1);
+            total = t.bytes.checked_mul(weight).and_then(|b| total.checked_add(b)).ok_or_else(
+                || {
+                    Error::trace(
+                        format!("tensors[{i}].bytes"),
+                        format!(
+                            "tensor {:?} ({} bytes, {} accesses): the trace's sizes times their \
+                             accesses add up to more than 2^64 - 1 bytes here; no sum over the \
+                             trace could be computed",
+                            t.name,
+                            t.bytes,
+                            t.accesses.len()
+                        ),
+                    )
+                },
+            )?;
+        }
         Ok(())
     }
 
@@ -415,11 +479,15 @@ impl Trace {
             return Err(Error::trace(p(""), "only a non-global tensor can be recomputed"));
         };
         if let Some(d) = pr.duration_us
-            && !(d.is_finite() && d >= 0.0)
+            && !(d.is_finite() && (0.0..=Kernel::DURATION_US_MAX).contains(&d))
         {
             return Err(Error::trace(
                 p(".duration_us"),
-                format!("must be finite and >= 0, got {d}"),
+                format!(
+                    "tensor {:?}: must be finite, >= 0 and at most {:e} (Kernel::DURATION_US_MAX), got {d}",
+                    t.name,
+                    Kernel::DURATION_US_MAX
+                ),
             ));
         }
         for (j, &x) in pr.inputs.iter().enumerate() {
@@ -445,6 +513,8 @@ impl Trace {
 
     /// Parse and validate a trace from JSON text. Errors name the bad field by JSON path.
     pub fn from_json(text: &str) -> Result<Trace> {
+        // A UTF-8 byte order mark (some Windows editors write one) is not JSON: skip it.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let v: Value = serde_json::from_str(text)?;
         let trace = decode_trace(&v)?;
         trace.validate()?;

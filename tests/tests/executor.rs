@@ -887,3 +887,39 @@ fn make_room_moves_out_what_the_kernel_does_not_use_and_it_comes_back() {
     let host = rig.store.stats().host_write.ops - before.host_write.ops;
     assert!(host > 0, "moved out to the host tier");
 }
+
+#[test]
+fn after_kernel_out_of_range_or_out_of_order_is_an_invalid_argument() {
+    let (trace, p, budget) = squeezed();
+    let n = trace.kernels.len();
+    let rig = rig(256 << 20);
+    let mut ex = tier_executor(&rig, &trace, &p, budget, true);
+    for t in trace.tensors.iter().filter(|t| t.global) {
+        ex.attach(t.id, rig.mem.alloc(t.bytes).unwrap()).unwrap();
+    }
+    ex.start().unwrap();
+    let invalid = |r: Result<()>, needle: &str| match r {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
+        other => panic!("expected InvalidArgument containing {needle:?}, got {other:?}"),
+    };
+    invalid(ex.after_kernel(usize::MAX), &format!("the trace has {n} kernels (0 to {})", n - 1));
+    invalid(ex.after_kernel(n), &format!("after_kernel({n})"));
+    // Before any kernel ran.
+    invalid(ex.after_kernel(0), "call before_kernel");
+    ex.before_kernel(0).unwrap();
+    // A kernel that was not readied, then the right one, then it again.
+    invalid(ex.after_kernel(2), "expected kernel 0");
+    ex.after_kernel(0).unwrap();
+    invalid(ex.after_kernel(0), "after_kernel(0) out of order");
+    ex.before_kernel(1).unwrap();
+    invalid(ex.after_kernel(0), "expected kernel 1");
+    ex.after_kernel(1).unwrap();
+    for k in 2..n {
+        ex.before_kernel(k).unwrap();
+        ex.after_kernel(k).unwrap();
+    }
+    ex.end_iteration().unwrap();
+    // Between iterations nothing ran.
+    invalid(ex.after_kernel(n - 1), "call before_kernel");
+    ex.finish().unwrap();
+}

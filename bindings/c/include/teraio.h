@@ -191,8 +191,11 @@ teraio_status teraio_engine_open_file(const char *path,
                                       teraio_engine **out);
 
 // Close an engine: waits for queued operations, writes a checkpoint (persistent engines) and
-// releases everything. The handle is invalid afterwards (`TERAIO_ERR_CLOSED`). Pending
-// operation handles stay valid: they complete, and must still be freed.
+// releases everything. The handle is invalid afterwards (`TERAIO_ERR_CLOSED`), also when
+// this returns an error: a failed final checkpoint is reported (e.g. `TERAIO_ERR_IO`; the
+// journal still has every acknowledged change, so a reopen finds them). Pending operation
+// handles stay valid: they complete, and must still be freed. An executor of the engine
+// answers `TERAIO_ERR_CLOSED` from then on (finish or free it before closing).
 teraio_status teraio_engine_close(teraio_engine *engine);
 
 // What the engine is, as JSON: `{"describe", "capacity_bytes", "persistent", "devices",
@@ -230,7 +233,9 @@ teraio_status teraio_list_tensors(teraio_engine *engine, char **out_json);
 teraio_status teraio_lookup(teraio_engine *engine, const char *name, uint64_t *out_id);
 
 // Offload `len` bytes at `data` as tensor `tensor_id`. The bytes are copied into engine
-// memory before this returns: `data` may be reused at once. `name` (may be NULL) is recorded
+// memory before this returns: `data` may be reused at once. A `len` above `PTRDIFF_MAX` is
+// `TERAIO_ERR_INVALID_ARGUMENT`, one above the engine's host buffers `TERAIO_ERR_NO_SPACE`
+// (both before `data` is read). `name` (may be NULL) is recorded
 // with the tensor (persistent engines find it again with `teraio_lookup`). `destination` is a
 // `TERAIO_DEST_*`, `priority` a `TERAIO_PRIORITY_*`. On success `*out_op` is a pending
 // operation to wait on and free.
@@ -415,7 +420,8 @@ teraio_status teraio_plan(teraio_trace *trace,
                           char **out_plan_json);
 
 // Simulate a plan (JSON, as `teraio_plan` returns it) of `trace` on `hardware` for
-// `iterations` (>= 1; the last is reported). The report as JSON (the simulator's `SimReport`:
+// `iterations` (1 to 1000, else `TERAIO_ERR_INVALID_ARGUMENT` at once; the last is reported).
+// The report as JSON (the simulator's `SimReport`:
 // `iteration_time_us`, `percent_of_ideal`, `stall_us`, `peak_gpu_bytes`, ...).
 //
 // # Safety
@@ -505,7 +511,10 @@ teraio_status teraio_executor_kernel_ready(teraio_executor *executor, size_t k, 
 // `stall_s` is NULL or valid for a write of a `double`.
 teraio_status teraio_executor_before_kernel(teraio_executor *executor, size_t k, double *stall_s);
 
-// Kernel `k` ran: tensors whose last use it was die (their memory is released).
+// Kernel `k` ran: tensors whose last use it was die (their memory is released). `k` is the
+// kernel `teraio_executor_before_kernel` (or `_kernel_ready`) last said could run, once: a
+// kernel outside the trace, one not readied, or one already ended is
+// `TERAIO_ERR_INVALID_ARGUMENT` naming the kernel expected.
 teraio_status teraio_executor_after_kernel(teraio_executor *executor, size_t k);
 
 // The caller's allocator ran out of memory running kernel `k` within the budget (its blocks

@@ -167,6 +167,8 @@ impl TensorAllocator for EngineAllocator {
 type DeviceMode = Arc<Mutex<Option<u64>>>;
 
 struct ExecEntry {
+    /// The handle of the engine it runs on: every call checks it is still open.
+    engine: u64,
     ex: Mutex<Option<Executor>>,
     table: Table,
     device: DeviceMode,
@@ -201,9 +203,25 @@ fn with_ex<R>(
     f: impl FnOnce(&mut Executor, &Table) -> ::teraio_engine::Result<R>,
 ) -> core::Result<R> {
     let entry = EXECUTORS.get(h as u64)?;
-    let mut g = entry.ex.lock();
-    let ex = g.as_mut().ok_or_else(|| Error::InvalidState("the executor was finished".into()))?;
-    Ok(f(ex, &entry.table)?)
+    // The engine stays open for the call (its close waits for it).
+    on_engine(&entry, || {
+        let mut g = entry.ex.lock();
+        let ex =
+            g.as_mut().ok_or_else(|| Error::InvalidState("the executor was finished".into()))?;
+        Ok(f(ex, &entry.table)?)
+    })
+}
+
+/// Run `f` while the executor's engine is open; `TERAIO_ERR_CLOSED` once it was closed.
+fn on_engine<R>(entry: &ExecEntry, f: impl FnOnce() -> core::Result<R>) -> core::Result<R> {
+    with_engine(handle(entry.engine), |_| f()).map_err(|e| match e {
+        Error::Closed(_) => Error::Closed(format!(
+            "the engine {:#x} this executor runs on was closed: finish (or free) the executor \
+             before teraio_engine_close",
+            entry.engine
+        )),
+        e => e,
+    })
 }
 
 /// A plan executor over `engine`'s store for `trace` and a plan (JSON, as `teraio_plan`
@@ -254,7 +272,12 @@ pub unsafe extern "C" fn teraio_executor_new(
             };
             Ok(e.executor((*t).clone(), plan, cfg, alloc)?)
         })?;
-        let id = EXECUTORS.insert(ExecEntry { ex: Mutex::new(Some(ex)), table, device })?;
+        let id = EXECUTORS.insert(ExecEntry {
+            engine: engine as u64,
+            ex: Mutex::new(Some(ex)),
+            table,
+            device,
+        })?;
         // SAFETY: forwarded contract.
         unsafe { put(out_executor, "out_executor", handle(id)) }?;
         Ok(Status::Ok)
@@ -399,7 +422,10 @@ pub unsafe extern "C" fn teraio_executor_before_kernel(
     })
 }
 
-/// Kernel `k` ran: tensors whose last use it was die (their memory is released).
+/// Kernel `k` ran: tensors whose last use it was die (their memory is released). `k` is the
+/// kernel `teraio_executor_before_kernel` (or `_kernel_ready`) last said could run, once: a
+/// kernel outside the trace, one not readied, or one already ended is
+/// `TERAIO_ERR_INVALID_ARGUMENT` naming the kernel expected.
 #[unsafe(no_mangle)]
 pub extern "C" fn teraio_executor_after_kernel(
     executor: *mut teraio_executor,
@@ -597,7 +623,8 @@ pub extern "C" fn teraio_executor_finish(executor: *mut teraio_executor) -> tera
         let entry = EXECUTORS.remove(executor as u64)?;
         let ex = entry.ex.lock().take();
         if let Some(ex) = ex {
-            ex.finish()?;
+            // After the engine's close the executor is only dropped (the handle is freed).
+            on_engine(&entry, || Ok(ex.finish()?))?;
         }
         Ok(Status::Ok)
     })

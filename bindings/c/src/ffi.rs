@@ -5,7 +5,6 @@
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::ffi::{CStr, CString, c_char};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use parking_lot::Mutex;
 use teraio_bindings_core::{Error, Result, Status};
@@ -27,19 +26,12 @@ pub(crate) fn last_error_ptr() -> *const c_char {
     LAST_ERROR.with(|l| l.borrow().as_ptr())
 }
 
-/// Run one entry point: its result as a status, panics caught.
+/// Run one entry point: its result as a status, panics caught (and not printed: see
+/// [`teraio_bindings_core::catch`]).
 pub(crate) fn guard(name: &str, f: impl FnOnce() -> Result<Status>) -> i32 {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(s)) => s.code(),
-        Ok(Err(e)) => fail(&e),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
-            fail(&Error::Internal(format!("{name}: {msg}")))
-        }
+    match teraio_bindings_core::catch(name, f) {
+        Ok(s) => s.code(),
+        Err(e) => fail(&e),
     }
 }
 
@@ -71,13 +63,15 @@ pub(crate) unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<
 /// Write an out-parameter.
 ///
 /// # Safety
-/// `out` is null or valid for a write of `T` (aligned).
+/// `out` is null or valid for a write of `T` (any alignment: a misaligned pointer is written
+/// byte-wise, never undefined behaviour).
 pub(crate) unsafe fn put<T>(out: *mut T, what: &str, value: T) -> Result<()> {
     if out.is_null() {
         return Err(Error::InvalidArgument(format!("`{what}` (the result pointer) is NULL")));
     }
-    // SAFETY: non-null; the caller guarantees it is valid and aligned for a write of T.
-    unsafe { out.write(value) };
+    // SAFETY: non-null; the caller guarantees it is valid for a write of T; write_unaligned
+    // needs no alignment.
+    unsafe { out.write_unaligned(value) };
     Ok(())
 }
 

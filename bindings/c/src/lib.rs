@@ -146,7 +146,9 @@ pub(crate) fn with_engine<R>(
     f: impl FnOnce(&Engine) -> core::Result<R>,
 ) -> core::Result<R> {
     let entry = ENGINES.get(h as u64)?;
-    let guard = entry.engine.read();
+    // Recursive: an executor call holds its engine open while its allocator looks the engine
+    // up again (device memory); a close waiting for the write lock must not deadlock it.
+    let guard = entry.engine.read_recursive();
     let engine = guard.as_ref().ok_or_else(|| Error::Closed("the engine was closed".into()))?;
     f(engine)
 }
@@ -309,14 +311,19 @@ pub unsafe extern "C" fn teraio_engine_open_file(
 }
 
 /// Close an engine: waits for queued operations, writes a checkpoint (persistent engines) and
-/// releases everything. The handle is invalid afterwards (`TERAIO_ERR_CLOSED`). Pending
-/// operation handles stay valid: they complete, and must still be freed.
+/// releases everything. The handle is invalid afterwards (`TERAIO_ERR_CLOSED`), also when
+/// this returns an error: a failed final checkpoint is reported (e.g. `TERAIO_ERR_IO`; the
+/// journal still has every acknowledged change, so a reopen finds them). Pending operation
+/// handles stay valid: they complete, and must still be freed. An executor of the engine
+/// answers `TERAIO_ERR_CLOSED` from then on (finish or free it before closing).
 #[unsafe(no_mangle)]
 pub extern "C" fn teraio_engine_close(engine: *mut teraio_engine) -> teraio_status {
     guard("teraio_engine_close", || {
         let entry = ENGINES.remove(engine as u64)?;
         let e = entry.engine.write().take();
-        drop(e);
+        if let Some(e) = e {
+            e.close()?;
+        }
         Ok(Status::Ok)
     })
 }
@@ -442,6 +449,18 @@ fn submit(
     Ok(Status::Ok)
 }
 
+/// A length of caller memory: at most `isize::MAX` bytes (no object is larger), else an error
+/// naming the argument.
+fn caller_len(len: usize, what: &str) -> core::Result<()> {
+    if len > isize::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "`{what}` {len} is larger than any memory object (at most {} bytes)",
+            isize::MAX
+        )));
+    }
+    Ok(())
+}
+
 fn offload_options(name: Option<&str>, dest: i32, prio: i32) -> core::Result<OffloadOptions> {
     Ok(OffloadOptions {
         destination: destination(dest)?,
@@ -451,7 +470,9 @@ fn offload_options(name: Option<&str>, dest: i32, prio: i32) -> core::Result<Off
 }
 
 /// Offload `len` bytes at `data` as tensor `tensor_id`. The bytes are copied into engine
-/// memory before this returns: `data` may be reused at once. `name` (may be NULL) is recorded
+/// memory before this returns: `data` may be reused at once. A `len` above `PTRDIFF_MAX` is
+/// `TERAIO_ERR_INVALID_ARGUMENT`, one above the engine's host buffers `TERAIO_ERR_NO_SPACE`
+/// (both before `data` is read). `name` (may be NULL) is recorded
 /// with the tensor (persistent engines find it again with `teraio_lookup`). `destination` is a
 /// `TERAIO_DEST_*`, `priority` a `TERAIO_PRIORITY_*`. On success `*out_op` is a pending
 /// operation to wait on and free.
@@ -477,6 +498,7 @@ pub unsafe extern "C" fn teraio_offload(
         if data.is_null() {
             return Err(Error::InvalidArgument("`data` is NULL".into()));
         }
+        caller_len(len, "len")?;
         // SAFETY: non-null, and the caller guarantees `len` readable bytes at `data` for the
         // call (the bytes are copied before it returns).
         let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) };
@@ -507,6 +529,12 @@ pub unsafe extern "C" fn teraio_prefetch(
         let prio = self::priority(priority)?;
         if dst.is_null() {
             return Err(Error::InvalidArgument("`dst` is NULL".into()));
+        }
+        caller_len(len, "len")?;
+        if (dst as usize).checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "`dst` {dst:p} + `len` {len} wraps around the address space"
+            )));
         }
         let dest = Some((dst as usize, len));
         submit(out_op, dest, || {
@@ -928,7 +956,8 @@ pub unsafe extern "C" fn teraio_plan(
 }
 
 /// Simulate a plan (JSON, as `teraio_plan` returns it) of `trace` on `hardware` for
-/// `iterations` (>= 1; the last is reported). The report as JSON (the simulator's `SimReport`:
+/// `iterations` (1 to 1000, else `TERAIO_ERR_INVALID_ARGUMENT` at once; the last is reported).
+/// The report as JSON (the simulator's `SimReport`:
 /// `iteration_time_us`, `percent_of_ideal`, `stall_us`, `peak_gpu_bytes`, ...).
 ///
 /// # Safety

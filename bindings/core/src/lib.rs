@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 mod buffer;
+mod catch;
 mod error;
 mod op;
 pub mod sched;
@@ -25,6 +26,7 @@ use teraio_engine::store::{Destination, Location, TensorInfo};
 use teraio_engine::{Engine, EngineConfig};
 
 pub use buffer::HostBuffer;
+pub use catch::catch;
 pub use error::{Error, Result, Status};
 pub use op::{Op, OpKind, Outcome};
 

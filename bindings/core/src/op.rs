@@ -429,4 +429,21 @@ mod tests {
         let r = op.wait(None, |_| Ok(()));
         assert!(matches!(r, Some(Ok(Outcome::Offloaded(_)))), "first wait done: {first}");
     }
+
+    /// A timeout beyond the clock's range (found by the Python buffer fuzz: 9.2e18 s panicked
+    /// adding it to `Instant::now()`) waits without a limit.
+    #[test]
+    fn a_timeout_beyond_the_clock_waits_without_a_limit() {
+        let disks: Vec<_> = (0..1).map(|i| SimDisk::new(64 << 20, 4096, i)).collect();
+        let e = Engine::open(EngineConfig::with_sim_disks(disks)).unwrap();
+        let data = vec![3u8; 1 << 20];
+        for (i, t) in [Duration::MAX, Duration::from_secs(1 << 63), Duration::from_secs_f64(9.2e18)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut op = Op::offload_copy(&e, i as u64, &data, OffloadOptions::default()).unwrap();
+            let r = op.wait(Some(t), |_| Ok(()));
+            assert!(matches!(r, Some(Ok(Outcome::Offloaded(_)))), "{t:?}");
+        }
+    }
 }

@@ -17,10 +17,7 @@ pub fn load_trace(path_or_spec: &str) -> Result<Trace> {
     if let Some(spec) = path_or_spec.strip_prefix("preset:") {
         return Ok(teraio_scheduler::generate(&ModelConfig::from_spec(spec)?)?);
     }
-    let text = std::fs::read_to_string(path_or_spec).map_err(|source| Error::File {
-        context: format!("reading the trace {path_or_spec}"),
-        source,
-    })?;
+    let text = read_trace_text(path_or_spec)?;
     trace_from_json(&text).map_err(|e| match e {
         Error::Scheduler(teraio_scheduler::Error::InvalidTrace { path, detail }) => {
             Error::Scheduler(teraio_scheduler::Error::InvalidTrace {
@@ -35,6 +32,34 @@ pub fn load_trace(path_or_spec: &str) -> Result<Trace> {
             })
         }
         e => e,
+    })
+}
+
+/// A trace file's text, at most [`teraio_scheduler::trace_text_bytes_max`] bytes (never reading
+/// more): a larger file is an error naming it and the limit.
+fn read_trace_text(path: &str) -> Result<String> {
+    use std::io::Read;
+    let file_err = |source| Error::File { context: format!("reading the trace {path}"), source };
+    let max = teraio_scheduler::trace_text_bytes_max()?;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max.saturating_add(1)).read_to_end(&mut bytes))
+        .map_err(file_err)?;
+    if bytes.len() as u64 > max {
+        return Err(Error::InvalidArgument(format!(
+            "the trace {path} holds more than {max} bytes, the limit on a trace's text (set {}=BYTES \
+             to raise it)",
+            teraio_scheduler::TRACE_TEXT_BYTES_MAX_ENV
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        Error::Scheduler(teraio_scheduler::Error::InvalidTrace {
+            path: path.to_string(),
+            detail: format!(
+                "not UTF-8 JSON text (invalid at byte {})",
+                e.utf8_error().valid_up_to()
+            ),
+        })
     })
 }
 
@@ -157,9 +182,6 @@ pub fn simulate(
     iterations: usize,
     timeline: bool,
 ) -> Result<SimReport> {
-    if iterations == 0 {
-        return Err(Error::InvalidArgument("iterations must be >= 1".into()));
-    }
     let opts = SimOptions { iterations, record_timeline: timeline };
     Ok(teraio_scheduler::simulate(trace, plan, hw, &opts)?)
 }
@@ -178,7 +200,19 @@ pub struct PolicyResult {
 }
 
 /// Plan and simulate `trace` on `hw` with each policy (every policy when empty).
+///
+/// Each policy at most once (a list that names one twice is an error): the caller's list sets
+/// how many plans are made, so it is bounded by the number of policies.
 pub fn compare(trace: &Trace, hw: &Hardware, policies: &[Policy]) -> Result<Vec<PolicyResult>> {
+    for (i, p) in policies.iter().enumerate() {
+        if policies[..i].contains(p) {
+            return Err(Error::InvalidArgument(format!(
+                "policies: {p} is named twice ({} names; each of the {} policies at most once)",
+                policies.len(),
+                Policy::ALL.len()
+            )));
+        }
+    }
     let all = if policies.is_empty() { &Policy::ALL[..] } else { policies };
     all.iter()
         .map(|&p| {
@@ -228,6 +262,42 @@ mod tests {
         let all = compare(&t, &hw, &[Policy::Teraio, Policy::None]).unwrap();
         assert_eq!(all.len(), 2);
         assert_eq!(all[0].report.percent_of_ideal, r.percent_of_ideal);
+    }
+
+    #[test]
+    fn a_comparison_names_each_policy_once_and_a_long_list_is_refused_at_once() {
+        let t = small();
+        let hw = hardware("paper", None).unwrap();
+        let many = vec![Policy::Teraio; 100_000];
+        let start = std::time::Instant::now();
+        let e = compare(&t, &hw, &many).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument);
+        assert!(e.to_string().contains("teraio is named twice"), "{e}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_trace_file_over_the_text_limit_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.json");
+        std::fs::write(&path, vec![b' '; 2 << 20]).unwrap();
+        // The limit comes from the environment; a child process sets it (tests share theirs).
+        if std::env::var_os("TERAIO_SCHED_CHILD").is_some() {
+            let e = load_trace(path.to_str().unwrap()).unwrap_err().to_string();
+            assert!(e.contains("big.json") && e.contains("1048576"), "{e}");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "sched::tests::a_trace_file_over_the_text_limit_is_refused_naming_it",
+            ])
+            .env("TERAIO_SCHED_CHILD", "1")
+            .env("TERAIO_TRACE_BYTES_MAX", "1048576")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains("1 passed"), "{stdout}");
     }
 
     #[test]

@@ -40,6 +40,16 @@ fn err(e: Error) -> PyErr {
 
 type PyRes<T> = PyResult<T>;
 
+/// Run `f` (the call `what`) with the GIL released; a panic becomes `teraio.InternalError`
+/// (never pyo3's `PanicException`, a `BaseException`), and nothing is printed.
+fn run<R: Send>(
+    py: Python<'_>,
+    what: &str,
+    f: impl FnOnce() -> core::Result<R> + Send,
+) -> PyRes<R> {
+    py.detach(|| core::catch(what, f)).map_err(err)
+}
+
 fn json_arg(text: Option<&str>, what: &str) -> core::Result<Option<serde_json::Value>> {
     text.map(|t| {
         serde_json::from_str(t).map_err(|e| Error::InvalidArgument(format!("{what}: {e}")))
@@ -60,13 +70,25 @@ impl NativeEngine {
         py: Python<'_>,
         f: impl FnOnce(&CoreEngine) -> core::Result<R> + Send,
     ) -> PyRes<R> {
-        py.detach(|| {
-            let g = self.engine.read();
+        run(py, "teraio.Engine", || {
+            let g = self.engine.read_recursive();
             let e = g.as_ref().ok_or_else(|| Error::Closed("the engine was closed".into()))?;
             f(e)
         })
-        .map_err(err)
     }
+}
+
+/// Caller memory of `nbytes` at `address`: no object is larger than `isize::MAX` bytes or
+/// wraps around the address space.
+fn caller_span(address: usize, nbytes: usize) -> core::Result<()> {
+    if nbytes > isize::MAX as usize || address.checked_add(nbytes).is_none() {
+        return Err(Error::InvalidArgument(format!(
+            "a buffer of {nbytes} bytes at {address:#x} is larger than any memory object (at \
+             most {} bytes that do not wrap around the address space)",
+            isize::MAX
+        )));
+    }
+    Ok(())
 }
 
 fn options(
@@ -93,30 +115,33 @@ impl NativeEngine {
         text: Option<String>,
         overrides_json: Option<String>,
     ) -> PyRes<Self> {
-        let engine = py
-            .detach(|| {
-                let over = json_arg(overrides_json.as_deref(), "engine options")?;
-                let t = text.as_deref().unwrap_or("");
-                let src = match source {
-                    "default" => ConfigSource::Default,
-                    "toml" => ConfigSource::Toml(t),
-                    "json" => ConfigSource::Json(t),
-                    "file" => ConfigSource::File(std::path::Path::new(t)),
-                    other => {
-                        return Err(Error::InvalidArgument(format!(
-                            "configuration source {other:?}"
-                        )));
-                    }
-                };
-                core::open_engine(src, over.as_ref())
-            })
-            .map_err(err)?;
+        let engine = run(py, "teraio.Engine", || {
+            let over = json_arg(overrides_json.as_deref(), "engine options")?;
+            let t = text.as_deref().unwrap_or("");
+            let src = match source {
+                "default" => ConfigSource::Default,
+                "toml" => ConfigSource::Toml(t),
+                "json" => ConfigSource::Json(t),
+                "file" => ConfigSource::File(std::path::Path::new(t)),
+                other => {
+                    return Err(Error::InvalidArgument(format!("configuration source {other:?}")));
+                }
+            };
+            core::open_engine(src, over.as_ref())
+        })?;
         Ok(NativeEngine { engine: RwLock::new(Some(engine)) })
     }
 
-    /// Drain, checkpoint (persistent engines) and release. Closing twice does nothing.
-    fn close(&self, py: Python<'_>) {
-        py.detach(|| drop(self.engine.write().take()));
+    /// Drain, checkpoint (persistent engines) and release; a failed final checkpoint is
+    /// raised (the engine is closed anyway). Closing twice does nothing.
+    fn close(&self, py: Python<'_>) -> PyRes<()> {
+        run(py, "Engine.close", || {
+            let e = self.engine.write().take();
+            if let Some(e) = e {
+                e.close()?;
+            }
+            Ok(())
+        })
     }
 
     /// Whether `close` was called.
@@ -181,6 +206,7 @@ impl NativeEngine {
         if address == 0 && nbytes > 0 {
             return Err(err(Error::InvalidArgument("a buffer at address 0".into())));
         }
+        caller_span(address, nbytes).map_err(err)?;
         let op = self.with(py, |e| {
             let data: &[u8] = if nbytes == 0 {
                 &[]
@@ -226,6 +252,7 @@ impl NativeEngine {
         if address == 0 {
             return Err(err(Error::InvalidArgument("a buffer at address 0".into())));
         }
+        caller_span(address, nbytes).map_err(err)?;
         let op = self.with(py, |e| Op::prefetch_copy(e, tensor_id, nbytes as u64, prio))?;
         Ok(NativeOp::new(op, Some((address, nbytes)), Some(keepalive)))
     }
@@ -375,25 +402,23 @@ impl NativeOp {
             op.result().is_some() || op.is_done()
         };
         if finished {
-            py.detach(|| drop(self.collect(Some(Duration::ZERO))));
+            let _ = run(py, "teraio.PendingOp.done", || {
+                drop(self.collect(Some(Duration::ZERO)));
+                Ok(())
+            });
         }
         finished
     }
 
-    /// Wait (at most `timeout` seconds; None: as long as it takes) with the GIL released; the
-    /// outcome name (`ssd`, `host`, `cancelled`, `prefetched`, `freed`), or the op's error.
+    /// Wait (at most `timeout` seconds; None, infinity, or more seconds than a `Duration`
+    /// holds (about 584 billion years): as long as it takes) with the GIL released; the outcome
+    /// name (`ssd`, `host`, `cancelled`, `prefetched`, `freed`), or the op's error. A negative or
+    /// NaN timeout is an `InvalidArgumentError`.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyRes<&'static str> {
-        let t = match timeout {
-            Some(s) if s.is_nan() || s < 0.0 || s.is_infinite() => {
-                return Err(err(Error::InvalidArgument(format!(
-                    "timeout {s} is not a number of seconds >= 0"
-                ))));
-            }
-            Some(s) => Some(Duration::from_secs_f64(s)),
-            None => None,
-        };
-        match py.detach(|| self.collect(t)) {
+        let t = wait_timeout(timeout).map_err(err)?;
+        let collected = run(py, "teraio.PendingOp.wait", || Ok(self.collect(t)))?;
+        match collected {
             None => Err(PyTimeoutError::new_err(format!(
                 "{} of tensor {} still running after {} s",
                 self.kind,
@@ -411,6 +436,18 @@ impl NativeOp {
     }
 }
 
+/// A `wait` timeout in seconds as a `Duration` (`None`: no limit). Negative and NaN are errors;
+/// infinity and values beyond `Duration::MAX` mean no limit.
+fn wait_timeout(seconds: Option<f64>) -> core::Result<Option<Duration>> {
+    match seconds {
+        None => Ok(None),
+        Some(s) if s.is_nan() || s < 0.0 => Err(Error::InvalidArgument(format!(
+            "timeout {s}: a number of seconds >= 0 is required (None waits as long as it takes)"
+        ))),
+        Some(s) => Ok(Duration::try_from_secs_f64(s).ok()),
+    }
+}
+
 /// Engine host memory with a stable address (wrapped by `teraio.HostBuffer`).
 #[pyclass(frozen, subclass, module = "teraio._teraio")]
 struct NativeBuffer {
@@ -421,7 +458,7 @@ struct NativeBuffer {
 impl NativeBuffer {
     #[new]
     fn new(py: Python<'_>, nbytes: u64) -> PyRes<Self> {
-        let buf = py.detach(|| CoreBuffer::new(nbytes)).map_err(err)?;
+        let buf = run(py, "teraio.HostBuffer", || CoreBuffer::new(nbytes))?;
         Ok(NativeBuffer { buf })
     }
 
@@ -466,14 +503,14 @@ impl NativeTrace {
     /// From a file or `preset:` spec.
     #[staticmethod]
     fn load(py: Python<'_>, path_or_spec: String) -> PyRes<Self> {
-        let t = py.detach(|| core::sched::load_trace(&path_or_spec)).map_err(err)?;
+        let t = run(py, "teraio.load_trace", || core::sched::load_trace(&path_or_spec))?;
         Ok(NativeTrace { trace: Arc::new(t) })
     }
 
     /// From JSON text.
     #[staticmethod]
     fn from_json(py: Python<'_>, text: String) -> PyRes<Self> {
-        let t = py.detach(|| core::sched::trace_from_json(&text)).map_err(err)?;
+        let t = run(py, "teraio.trace_from_json", || core::sched::trace_from_json(&text))?;
         Ok(NativeTrace { trace: Arc::new(t) })
     }
 
@@ -484,7 +521,7 @@ impl NativeTrace {
         model: String,
         options: Vec<(String, Option<String>)>,
     ) -> PyRes<Self> {
-        let t = py.detach(|| core::sched::generate_trace(&model, &options)).map_err(err)?;
+        let t = run(py, "teraio.generate_trace", || core::sched::generate_trace(&model, &options))?;
         Ok(NativeTrace { trace: Arc::new(t) })
     }
 
@@ -511,7 +548,7 @@ impl NativePlan {
     #[staticmethod]
     fn from_json(py: Python<'_>, trace: &NativeTrace, text: String) -> PyRes<Self> {
         let t = trace.trace.clone();
-        let p = py.detach(|| core::sched::plan_from_json(&t, &text)).map_err(err)?;
+        let p = run(py, "teraio.plan_from_json", || core::sched::plan_from_json(&t, &text))?;
         Ok(NativePlan { plan: Arc::new(p) })
     }
 
@@ -555,17 +592,15 @@ fn plan(
     checked: bool,
 ) -> PyRes<NativePlan> {
     let t = trace.trace.clone();
-    let p = py
-        .detach(|| {
-            let h = hw(&hardware, overrides_json.as_deref())?;
-            let policy = core::sched::policy(&policy)?;
-            if checked {
-                core::sched::plan_checked(&t, &h, policy)
-            } else {
-                core::sched::plan(&t, &h, policy)
-            }
-        })
-        .map_err(err)?;
+    let p = run(py, "teraio.plan", || {
+        let h = hw(&hardware, overrides_json.as_deref())?;
+        let policy = core::sched::policy(&policy)?;
+        if checked {
+            core::sched::plan_checked(&t, &h, policy)
+        } else {
+            core::sched::plan(&t, &h, policy)
+        }
+    })?;
     Ok(NativePlan { plan: Arc::new(p) })
 }
 
@@ -582,12 +617,11 @@ fn simulate(
     timeline: bool,
 ) -> PyRes<String> {
     let (t, p) = (trace.trace.clone(), plan.plan.clone());
-    py.detach(|| {
+    run(py, "teraio.simulate", || {
         let h = hw(&hardware, overrides_json.as_deref())?;
         let r = core::sched::simulate(&t, &p, &h, iterations, timeline)?;
         Ok(serde_json::to_string(&r).expect("a report serializes"))
     })
-    .map_err(err)
 }
 
 /// Plan and simulate with several policies (empty: all); a JSON array.
@@ -601,14 +635,13 @@ fn compare_policies(
     overrides_json: Option<String>,
 ) -> PyRes<String> {
     let t = trace.trace.clone();
-    py.detach(|| {
+    run(py, "teraio.compare_policies", || {
         let h = hw(&hardware, overrides_json.as_deref())?;
         let ps =
             policies.iter().map(|p| core::sched::policy(p)).collect::<core::Result<Vec<_>>>()?;
         let r = core::sched::compare(&t, &h, &ps)?;
         Ok(serde_json::to_string(&r).expect("results serialize"))
     })
-    .map_err(err)
 }
 
 /// Caller memory (a Python buffer the Python layer exported) that the executor moves through
@@ -778,6 +811,14 @@ impl TensorAllocator for PyAllocator {
     }
 }
 
+fn closed_under_executor() -> Error {
+    Error::Closed(
+        "the engine this executor runs on was closed: finish() the executor before closing the \
+         engine"
+            .into(),
+    )
+}
+
 /// (used_bytes, in_flight, next_kernel, diverged (kernel, detail)).
 type ExecutorState = (u64, usize, usize, Option<(usize, String)>);
 
@@ -797,14 +838,19 @@ impl NativeExecutor {
         py: Python<'_>,
         f: impl FnOnce(&mut Executor) -> teraio_engine::Result<R> + Send,
     ) -> PyRes<R> {
-        py.detach(|| {
+        let engine = self.engine.get();
+        run(py, "teraio.Executor", || {
+            // The engine stays open for the call (its close waits for it).
+            let open = engine.engine.read_recursive();
+            if open.is_none() {
+                return Err(closed_under_executor());
+            }
             let mut g = self.ex.lock();
             let ex = g.as_mut().ok_or_else(|| {
                 Error::InvalidState("the executor was finished (finish() was called)".into())
             })?;
             f(ex).map_err(Error::from)
         })
-        .map_err(err)
     }
 }
 
@@ -1011,14 +1057,17 @@ impl NativeExecutor {
     }
 
     fn finish(&self, py: Python<'_>) -> PyRes<()> {
-        py.detach(|| {
+        let engine = self.engine.get();
+        run(py, "teraio.Executor.finish", || {
             let ex = self.ex.lock().take();
+            let open = engine.engine.read_recursive();
             match ex {
+                // After the engine's close the executor is only dropped.
+                Some(_) if open.is_none() => Err(closed_under_executor()),
                 Some(ex) => ex.finish().map_err(Error::from),
                 None => Ok(()),
             }
         })
-        .map_err(err)
     }
 
     /// (used_bytes, in_flight, next_kernel, diverged (kernel, detail) or None).
@@ -1040,6 +1089,13 @@ impl NativeExecutor {
     }
 }
 
+/// Panic inside a native call (for the tests: the panic must arrive as `teraio.InternalError`,
+/// with nothing printed).
+#[pyfunction]
+fn _panic_for_tests(py: Python<'_>) -> PyRes<()> {
+    run(py, "teraio._panic_for_tests", || -> core::Result<()> { panic!("a panic for the tests") })
+}
+
 /// The stable status code of every exception class name.
 #[pyfunction]
 fn status_codes() -> Vec<(&'static str, i32)> {
@@ -1059,6 +1115,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativePlan>()?;
     m.add_class::<NativeExecutor>()?;
     m.add_function(wrap_pyfunction!(hardware_json, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(compare_policies, m)?)?;

@@ -160,28 +160,56 @@ pub fn load_file(path: &std::path::Path) -> Result<Trace> {
     Trace::from_json(&text).map_err(|e| crate::error::scheduler_file(path, "trace", e))
 }
 
-/// A trace file's text: JSON, or JSON compressed with gzip (found by its magic bytes, whatever
-/// the file is called).
+/// A trace (or plan) file's text: JSON, or JSON compressed with gzip (found by its magic bytes,
+/// whatever the file is called), at most [`teraio_scheduler::trace_text_bytes_max`] bytes
+/// (decompressed): a larger one is an error naming the file and the limit, found without
+/// reading (or decompressing) more than the limit. A UTF-8 byte order mark is skipped.
 pub fn read_text(path: &std::path::Path) -> Result<String> {
-    let bytes =
-        std::fs::read(path).map_err(|source| CliError::File { path: path.into(), source })?;
+    use std::io::Read;
+    let max = teraio_scheduler::trace_text_bytes_max()?;
+    let too_large = |what: &str| {
+        CliError::Usage(format!(
+            "{}: {what} more than {max} bytes, the limit on a trace's text (set {}=BYTES to \
+             raise it)",
+            path.display(),
+            teraio_scheduler::TRACE_TEXT_BYTES_MAX_ENV
+        ))
+    };
+    let file =
+        std::fs::File::open(path).map_err(|source| CliError::File { path: path.into(), source })?;
+    let mut bytes = Vec::new();
+    file.take(max.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|source| CliError::File { path: path.into(), source })?;
+    if bytes.len() as u64 > max {
+        return Err(too_large("the file holds"));
+    }
     if bytes.starts_with(&[0x1f, 0x8b]) {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut text)
+        let mut text = Vec::new();
+        flate2::read::GzDecoder::new(&bytes[..])
+            .take(max.saturating_add(1))
+            .read_to_end(&mut text)
             .map_err(|e| {
                 CliError::Usage(format!(
                     "{}: gzip-compressed, but not a whole gzip stream of JSON text: {e}",
                     path.display()
                 ))
             })?;
-        return Ok(text);
+        if text.len() as u64 > max {
+            return Err(too_large("gzip-compressed, it expands to"));
+        }
+        bytes = text;
     }
-    String::from_utf8(bytes).map_err(|e| {
+    let text = String::from_utf8(bytes).map_err(|e| {
         CliError::Usage(format!(
             "{}: neither JSON text nor gzip-compressed JSON (invalid UTF-8 at byte {})",
             path.display(),
             e.utf8_error().valid_up_to()
         ))
+    })?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
     })
 }
 

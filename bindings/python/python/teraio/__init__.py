@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -148,17 +149,70 @@ def _whole_buffer(addr: int, nbytes: int) -> Optional[HostBuffer]:
     return None
 
 
+_TYPESTR = re.compile(r"([<>|=])([a-zA-Z])(\d*)(\[\w+\])?")
+
+
+def _typestr_itemsize(typestr: Any, what: str) -> int:
+    """Bytes per element of an array interface ``typestr`` (``<f4``, ``|S7``, ``<U10``,
+    ``<M8[ns]``, ``|V12``). Its number counts bytes, except for ``U`` (unicode: 4-byte code
+    points). Object arrays (``|O``) hold pointers to Python objects, not data: refused."""
+    m = _TYPESTR.fullmatch(typestr) if isinstance(typestr, str) else None
+    if m is not None and m.group(2) == "O":
+        raise InvalidArgumentError(
+            f"{what}: an array of Python objects (dtype object) holds pointers, not data; "
+            "convert it to a numeric, bytes or string dtype first (e.g. a.astype(float))")
+    if m is None or not m.group(3):
+        raise InvalidArgumentError(
+            f"{what}: the array interface's typestr {typestr!r} is not of the form <kind><bytes> "
+            "(e.g. '<f4')")
+    count = int(m.group(3))
+    return 4 * count if m.group(2) == "U" else count
+
+
+def _descr_has_objects(descr: Any) -> bool:
+    """Whether a structured dtype's ``descr`` (``[(name, typestr or descr[, shape]), ...]``)
+    has an object field anywhere."""
+    if not isinstance(descr, (list, tuple)):
+        return False
+    for field in descr:
+        if isinstance(field, (list, tuple)) and len(field) >= 2:
+            t = field[1]
+            if (isinstance(t, str) and t[1:2] == "O") or _descr_has_objects(t):
+                return True
+    return False
+
+
 def _interface_span(ai: Dict[str, Any], writable: bool, what: str, hint: str) -> Tuple[int, int]:
     """(address, nbytes) of an ``__array_interface__`` / ``__cuda_array_interface__`` dict,
-    checked C-contiguous (and writable when asked)."""
-    addr, readonly = ai["data"]
-    shape = tuple(ai["shape"])
-    itemsize = int(str(ai["typestr"])[2:])
-    nbytes = itemsize * math.prod(shape)
-    strides = ai.get("strides")
-    if strides is not None and not _c_contiguous(shape, strides, itemsize):
+    checked C-contiguous (and writable when asked). The item size comes from the typestr as
+    bytes (a ``U`` count is of 4-byte characters), never more than ``sys.maxsize`` bytes in
+    all; object arrays are refused."""
+    try:
+        addr, readonly = ai["data"]
+        shape = tuple(ai["shape"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"{what}: a malformed array interface ({e!r})") from e
+    if not isinstance(addr, int) or isinstance(addr, bool) or addr < 0:
+        raise InvalidArgumentError(f"{what}: the array interface's address {addr!r} is not an int >= 0")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InvalidArgumentError(f"{what}: the array interface's shape {shape!r} is not of ints >= 0")
+    itemsize = _typestr_itemsize(ai.get("typestr"), what)
+    if _descr_has_objects(ai.get("descr")):
         raise InvalidArgumentError(
-            f"{what}: a non-contiguous array (shape {shape}, strides {tuple(strides)}); {hint}")
+            f"{what}: a structured array with object fields holds pointers, not data")
+    nbytes = itemsize * math.prod(shape)
+    if nbytes > sys.maxsize or addr + nbytes > 2 * sys.maxsize + 1:
+        raise InvalidArgumentError(
+            f"{what}: the array claims {nbytes} bytes at {addr:#x}, more than any memory object "
+            f"(at most {sys.maxsize} bytes)")
+    strides = ai.get("strides")
+    if strides is not None:
+        if not (isinstance(strides, (tuple, list)) and len(strides) == len(shape)
+                and all(isinstance(x, int) for x in strides)):
+            raise InvalidArgumentError(f"{what}: the array interface's strides {strides!r} do not match its shape")
+        if not _c_contiguous(shape, strides, itemsize):
+            raise InvalidArgumentError(
+                f"{what}: a non-contiguous array (shape {shape}, strides {tuple(strides)}); {hint}")
     if writable and readonly:
         raise InvalidArgumentError(f"{what}: the array is read-only")
     return addr, nbytes
@@ -189,6 +243,9 @@ def _export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any, Optiona
         raise InvalidArgumentError(f"{what}: {e}") from e
     if not mv.c_contiguous:
         raise InvalidArgumentError(f"{what}: the buffer is not C-contiguous")
+    if "O" in mv.format:
+        raise InvalidArgumentError(
+            f"{what}: a buffer of Python objects (format {mv.format!r}) holds pointers, not data")
     nbytes = mv.nbytes
     if nbytes == 0:
         return 0, 0, mv, None
@@ -322,7 +379,9 @@ class PendingOp:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Wait (at most ``timeout`` seconds; ``TimeoutError`` then, and it may be waited
-        again) with the GIL released. Returns ``"ssd"``, ``"host"`` or ``"cancelled"`` for an
+        again; ``None``, ``math.inf`` or more seconds than a ``datetime.timedelta``-like
+        duration holds (about 584 billion years): no limit; negative or NaN:
+        :class:`InvalidArgumentError`) with the GIL released. Returns ``"ssd"``, ``"host"`` or ``"cancelled"`` for an
         offload, the destination for a prefetch, ``None`` for a free; raises the operation's
         error (a :class:`TeraioError`). Waiting twice returns or raises the same."""
         outcome = self._op.wait(timeout)
@@ -550,14 +609,22 @@ class Engine:
 
     def close(self) -> None:
         """Drain, checkpoint (persistent engines) and release. Later calls raise
-        :class:`ClosedError`; closing twice does nothing."""
+        :class:`ClosedError` (also those of its executors); closing twice does nothing. A failed
+        final checkpoint is raised (e.g. :class:`IoError`); the engine is closed all the same
+        and the journal still has every acknowledged change."""
         self._native.close()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        # A failed final checkpoint is raised, unless an exception already leaves the block
+        # (that one says more; the engine is closed either way).
+        try:
+            self.close()
+        except TeraioError:
+            if exc[0] is None:
+                raise
 
     def __repr__(self) -> str:
         return "Engine(closed)" if self.closed else f"Engine({self.describe()})"
