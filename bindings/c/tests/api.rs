@@ -2,27 +2,13 @@
 //! every kind of bad handle and argument, persistence across close and crash, threads, and the
 //! scheduler.
 
-use std::ffi::{CStr, CString, c_char, c_void};
+use std::ffi::{CStr, CString, c_void};
 use std::ptr::null_mut;
 
 use teraio::*;
 
-fn cs(s: &str) -> CString {
-    CString::new(s).unwrap()
-}
-
-fn last_error() -> String {
-    // SAFETY: teraio_last_error_message returns a valid NUL-terminated string.
-    unsafe { CStr::from_ptr(teraio_last_error_message()) }.to_string_lossy().into_owned()
-}
-
-fn take_string(p: *mut c_char) -> String {
-    assert!(!p.is_null());
-    // SAFETY: p is a string teraio returned.
-    let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
-    assert_eq!(teraio_string_free(p), TERAIO_OK);
-    s
-}
+mod common;
+use common::{cs, last_error, take_string};
 
 fn config(dir: &std::path::Path, persistent: bool) -> CString {
     cs(&format!(

@@ -2,28 +2,14 @@
 //! error status that names the argument, never a panic (`TERAIO_ERR_INTERNAL`), a hang, or a
 //! message printed by the library.
 
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::CString;
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 use teraio::*;
 
-fn cs(s: &str) -> CString {
-    CString::new(s).unwrap()
-}
-
-fn last_error() -> String {
-    // SAFETY: teraio_last_error_message returns a valid NUL-terminated string.
-    unsafe { CStr::from_ptr(teraio_last_error_message()) }.to_string_lossy().into_owned()
-}
-
-fn take_string(p: *mut c_char) -> String {
-    assert!(!p.is_null());
-    // SAFETY: p is a string teraio returned.
-    let s = unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
-    assert_eq!(teraio_string_free(p), TERAIO_OK);
-    s
-}
+mod common;
+use common::{cs, last_error, take_string};
 
 fn open(dir: &std::path::Path) -> *mut teraio_engine {
     let toml = cs(&format!(
@@ -194,14 +180,11 @@ fn simulating_more_iterations_than_the_maximum_is_refused_at_once() {
     assert_eq!(teraio_trace_free(t), TERAIO_OK);
 }
 
-/// The child of the next test: a persistent engine whose final checkpoint cannot be written (the
-/// process may not write past 4 KiB of any file from then on: `prlimit --fsize`).
-#[test]
-fn checkpoint_failure_child() {
-    let Some(dir) = std::env::var_os("TERAIO_CLOSE_CHILD_DIR") else { return };
+/// A persistent one-file engine in `dir` (psync: the child's file size limit applies to its writes).
+fn open_persistent(dir: &std::path::Path) -> *mut teraio_engine {
     let toml = cs(&format!(
         "dir = {:?}\nfiles = 1\nfile_size = \"32M\"\npersistent = true\nbackend = \"psync\"\n",
-        std::path::Path::new(&dir).display().to_string()
+        dir.display().to_string()
     ));
     let mut e = null_mut();
     assert_eq!(
@@ -211,6 +194,15 @@ fn checkpoint_failure_child() {
         "{}",
         last_error()
     );
+    e
+}
+
+/// The child of the next test: a persistent engine whose final checkpoint cannot be written (the
+/// process may not write past 4 KiB of any file from then on: `prlimit --fsize`).
+#[test]
+fn checkpoint_failure_child() {
+    let Some(dir) = std::env::var_os("TERAIO_CLOSE_CHILD_DIR") else { return };
+    let e = open_persistent(std::path::Path::new(&dir));
     let data = vec![0x5au8; 100_000];
     let mut op = null_mut();
     let name = cs("kept");
@@ -245,18 +237,7 @@ fn close_reports_a_failed_final_checkpoint() {
     let line = stdout.lines().find(|l| l.starts_with("CLOSE STATUS")).expect("the child closed");
     assert!(line.starts_with(&format!("CLOSE STATUS {TERAIO_ERR_IO} ")), "{line}");
     // The journal had everything: the tensor is there after a reopen.
-    let toml = cs(&format!(
-        "dir = {:?}\nfiles = 1\nfile_size = \"32M\"\npersistent = true\nbackend = \"psync\"\n",
-        dir.path().display().to_string()
-    ));
-    let mut e = null_mut();
-    assert_eq!(
-        // SAFETY: valid string and out-pointer.
-        unsafe { teraio_engine_open_toml(toml.as_ptr(), &mut e) },
-        TERAIO_OK,
-        "{}",
-        last_error()
-    );
+    let e = open_persistent(dir.path());
     let mut id = 0u64;
     let name = cs("kept");
     // SAFETY: valid string and out-pointer.
