@@ -712,3 +712,20 @@ def test_a_step_line_is_logged_by_default():
         with s.step():
             train_step(model, opt, t)
     assert [ln.split(":")[0] for ln in lines] == ["teraio step 0", "teraio step 1"]
+
+
+def test_a_global_whose_storage_was_replaced_between_steps_is_an_error_naming_it(tmp_path):
+    # (the executor must never write into memory that is no longer the tensor's)
+    model, opt = make()
+    s = tt.Session(model, opt, store=engine_store(tmp_path), gpu_budget_bytes=3 * params_bytes(model),
+                   page_min_bytes=0, log=lambda _: None)
+    data = batches(6)
+    for t in data[:4]:
+        with s.step():
+            train_step(model, opt, t)
+    assert s.steps[-1]["mode"] == "planned"
+    with torch.no_grad():
+        model.head.weight.data = model.head.weight.data.clone()  # a new storage, outside the plan
+    with pytest.raises(RuntimeError, match=r"global tensor param:head\.weight .*was moved outside the plan"):
+        with s.step():
+            train_step(model, opt, data[4])

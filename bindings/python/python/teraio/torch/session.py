@@ -280,7 +280,7 @@ class Session:
         # an H200, 4 GiB cap: plans at 0.85 of it ran out of memory on a 512 MiB allocation at
         # 3.43 GiB allocated; at 0.75 they run, docs/BENCHMARKS.md)
         self._headroom = 0
-        # first operator's signature -> {"trace", "plan", "signatures", "profiles"}
+        # plan key (_plan_key: the whole operator sequence) -> {"trace", "plan", "signatures", ...}
         self.plans: dict[Any, dict[str, Any]] = {}
         # the plan whose run holds the global tensors now (at most one: see _planned_run)
         self._live_key: Any = None
