@@ -319,9 +319,23 @@ fn lock_file(path: &Path) -> Result<OwnedFd> {
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| os_err(format!("opening {} to lock it", path.display()), e))?;
-    // SAFETY: flock takes no pointers; the descriptor is the one just opened.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    // A lock released a moment ago can still be held by a child that another thread of this
+    // process forked while the old descriptor was open: the child shares it until it execs
+    // (O_CLOEXEC closes it then). Such a holder goes within milliseconds; an array that is
+    // really open elsewhere does not, so a short bounded retry tells the two apart.
+    let deadline = std::time::Instant::now() + LOCK_RETRY;
+    let mut pause = std::time::Duration::from_millis(1);
+    loop {
+        // SAFETY: flock takes no pointers; the descriptor is the one just opened.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(OwnedFd::from(f));
+        }
         let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) && std::time::Instant::now() < deadline {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(20));
+            continue;
+        }
         let why = if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
             format!(
                 "locking {}: it is in use by another array (another teraio process, or one still \
@@ -333,8 +347,10 @@ fn lock_file(path: &Path) -> Result<OwnedFd> {
         };
         return Err(os_err(why, e));
     }
-    Ok(OwnedFd::from(f))
 }
+
+/// How long [`lock_file`] waits for a lock held by a forked child that has not yet exec'd.
+const LOCK_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
 
 #[cfg(test)]
 mod tests {
@@ -443,5 +459,30 @@ mod tests {
         assert!(e.to_string().contains("in use by another array"), "{e}");
         drop(first);
         open_path(&p, 1 << 20).expect("the lock goes with the descriptor");
+    }
+
+    #[test]
+    fn a_lock_held_by_a_forked_child_for_a_moment_does_not_refuse_the_file() {
+        // What CI saw: another test's `Command` forked while the first array was open, so the
+        // child shared the locked descriptor until it exec'd and the reopen was refused.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev0");
+        let first = open_path(&p, 1 << 20).unwrap();
+        // SAFETY: the child calls only async-signal-safe functions (usleep, _exit).
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork: {}", std::io::Error::last_os_error());
+        if child == 0 {
+            // SAFETY: as above; the child holds the inherited descriptors for 50 ms and exits.
+            unsafe {
+                libc::usleep(50_000);
+                libc::_exit(0);
+            }
+        }
+        drop(first);
+        let reopened = open_path(&p, 1 << 20);
+        let mut status = 0;
+        // SAFETY: `child` is this process's child; `status` is a valid out-pointer.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        reopened.expect("a lock the child held for a moment is taken once the child is gone");
     }
 }
