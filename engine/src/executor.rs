@@ -359,6 +359,11 @@ pub struct Executor {
     gathering: bool,
     /// Which tensors the plan moves, which kernels need no call (the `quiet` module).
     quiet: quiet::Quiet,
+    /// The trace's sizes are upper bounds ([`Executor::set_sizes_at_most`]).
+    sizes_at_most: bool,
+    /// Each tensor's size as last attached (the trace's until then): what a prefetch or a
+    /// recomputation allocates. Budgets account the trace's sizes.
+    sizes: Vec<u64>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -443,6 +448,7 @@ impl Executor {
         let current = vec![false; trace.tensors.len()];
         let stats_before = store.stats();
         let trace_len = trace.tensors.len();
+        let sizes = trace.tensors.iter().map(|t| t.bytes).collect();
         let mut ex = Executor {
             trace,
             plan,
@@ -482,6 +488,8 @@ impl Executor {
             regather: vec![false; trace_len],
             gathering: false,
             quiet: quiet::Quiet::none(),
+            sizes_at_most: false,
+            sizes,
         };
         ex.quiet = quiet::Quiet::new(&ex);
         Ok(ex)
@@ -542,6 +550,16 @@ impl Executor {
     /// attach, or between iterations when the trainer moves to another stream.
     pub fn set_stream(&mut self, stream: Option<u64>) {
         self.cfg.stream = stream;
+    }
+
+    /// Take the trace's tensor sizes as upper bounds: memory attached to a tensor may be smaller
+    /// than the trace says (not larger, not empty), and a prefetch or recomputation of it
+    /// allocates the size attached. The budget still accounts the trace's sizes, so a plan made
+    /// for a larger shape of the same iteration runs a smaller one within its budget (the
+    /// PyTorch runtime runs a new input shape so while it profiles it). With
+    /// `allocate_created`, created tensors get the trace's sizes.
+    pub fn set_sizes_at_most(&mut self, at_most: bool) {
+        self.sizes_at_most = at_most;
     }
 
     /// Whether tensor `t` is resident (memory granted).
@@ -608,11 +626,17 @@ impl Executor {
         }
         let i = self.tensor_index(t)?;
         let tensor = &self.trace.tensors[i];
-        if mem.len() != tensor.bytes {
+        let fits = if self.sizes_at_most {
+            mem.len() > 0 && mem.len() <= tensor.bytes
+        } else {
+            mem.len() == tensor.bytes
+        };
+        if !fits {
             let detail = format!(
-                "tensor {t} ({}) has {} bytes, the trace {}",
+                "tensor {t} ({}) has {} bytes, the trace {}{}",
                 tensor.name,
                 mem.len(),
+                if self.sizes_at_most { "at most " } else { "" },
                 tensor.bytes
             );
             self.give_back(t, mem);
@@ -621,10 +645,12 @@ impl Executor {
         match (&self.states[i], tensor.global) {
             (State::Absent, true) if self.phase == Phase::Setup => {
                 self.used += tensor.bytes;
+                self.sizes[i] = mem.len();
                 self.states[i] = State::Resident(mem);
                 Ok(())
             }
             (State::Reserved, false) => {
+                self.sizes[i] = mem.len();
                 self.states[i] = State::Resident(mem);
                 Ok(())
             }
@@ -1026,11 +1052,11 @@ impl Executor {
                 }
                 Alloc::Create(_) => self.states[t] = State::Reserved,
                 Alloc::Remake(_) => {
-                    let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Recompute)?;
+                    let mem = self.alloc.alloc(id, self.sizes[t], AllocFor::Recompute)?;
                     self.states[t] = State::Remaking(mem);
                 }
                 Alloc::Prefetch(_, priority) => {
-                    let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Prefetch)?;
+                    let mem = self.alloc.alloc(id, self.sizes[t], AllocFor::Prefetch)?;
                     let h = match (self.cfg.stream, mem.device().is_some()) {
                         (Some(stream), true) => {
                             self.store.prefetch_after_stream(t as u64, mem, priority, stream)?

@@ -149,6 +149,15 @@ struct Seen {
     /// After each kernel it called about: how often `nothing_away` said yes and no (checked
     /// against what is resident each time).
     nothing_away: [u64; 2],
+    /// The trainer's created tensors are smaller than the trace says ([`smaller`]), as a
+    /// shorter input's are under a longer one's plan; the executor takes the trace's sizes as
+    /// upper bounds (`set_sizes_at_most`) and must hand each tensor back at its own size.
+    smaller: bool,
+}
+
+/// The size of a created tensor in a [`Seen::smaller`] run: a quarter less, at least a byte.
+fn smaller(bytes: u64) -> u64 {
+    (bytes - bytes / 4).max(1)
 }
 
 /// A trainer running `iterations` iterations of `trace` under `plan`: it creates and writes
@@ -203,7 +212,10 @@ fn drive_with(
 ) -> Result<()> {
     let cfg = ExecutorConfig { gpu_budget_bytes: budget, allocate_created: false, stream: None };
     let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg)?;
+    ex.set_sizes_at_most(seen.smaller);
     let mut version = vec![0u32; trace.tensors.len()];
+    let shrink = seen.smaller;
+    let len = |t: &Tensor| if shrink && !t.global { smaller(t.bytes) } else { t.bytes };
     for (i, t) in trace.tensors.iter().enumerate() {
         if t.global {
             let mut m = rig.mem.alloc(t.bytes)?;
@@ -239,7 +251,7 @@ fn drive_with(
             }
             for (i, t) in trace.tensors.iter().enumerate() {
                 if !t.global && t.created_by == Some(k) {
-                    let mut m = rig.mem.alloc(t.bytes)?;
+                    let mut m = rig.mem.alloc(len(t))?;
                     version[i] += 1;
                     fill(&mut m, i, version[i]);
                     if seen.skip_quiet && !ex.movable()[i] {
@@ -262,6 +274,14 @@ fn drive_with(
                     seen.wrong.push(format!("tensor {i} not resident at kernel {k}"));
                     continue;
                 };
+                if mem.len() != len(&trace.tensors[i]) {
+                    seen.wrong.push(format!(
+                        "kernel {k}: tensor {i} has {} bytes, attached {}",
+                        mem.len(),
+                        len(&trace.tensors[i])
+                    ));
+                    continue;
+                }
                 if let Err(e) = check(mem, i, version[i]) {
                     seen.wrong.push(format!("kernel {k}: {e}"));
                 }
@@ -351,6 +371,7 @@ proptest! {
         frac in 0.35f64..1.1,
         gather in any::<bool>(),
         skip_quiet in any::<bool>(),
+        smaller in any::<bool>(),
     ) {
         trace.validate().unwrap();
         let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
@@ -359,7 +380,7 @@ proptest! {
         let Ok(p) = plan(&trace, &hw, Policy::Teraio) else { return Ok(()) };
         let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
         let rig = rig(64 << 20);
-        let mut seen = Seen { skip_quiet, ..Seen::default() };
+        let mut seen = Seen { skip_quiet, smaller, ..Seen::default() };
         let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, gather, &mut seen);
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         for (r, &skipped) in seen.reports.iter().zip(&seen.skipped) {
@@ -452,6 +473,7 @@ proptest! {
         layers in 1u32..3,
         frac in 0.5f64..0.95,
         skip_quiet in any::<bool>(),
+        smaller in any::<bool>(),
     ) {
         // Generated GPT traces say how their activations are recomputed.
         let trace = small_gpt(layers, None);
@@ -462,7 +484,7 @@ proptest! {
         let Ok(p) = plan_with(&trace, &hw, Policy::Auto, &opts) else { return Ok(()) };
         let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
         let rig = rig(64 << 20);
-        let mut seen = Seen { skip_quiet, ..Seen::default() };
+        let mut seen = Seen { skip_quiet, smaller, ..Seen::default() };
         let run = drive_remaking(&rig, &trace, &p, hw.gpu_memory_bytes, 2, &mut seen);
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         if matches!(sim.outcome, Outcome::Completed) {

@@ -858,7 +858,7 @@ impl NativeExecutor {
 impl NativeExecutor {
     #[new]
     #[allow(clippy::too_many_arguments)] // the Python signature
-    #[pyo3(signature = (engine, trace, plan, gpu_budget_bytes, allocate_created, allocator=None, stream=None))]
+    #[pyo3(signature = (engine, trace, plan, gpu_budget_bytes, allocate_created, allocator=None, stream=None, sizes_at_most=false))]
     fn new(
         py: Python<'_>,
         engine: Py<NativeEngine>,
@@ -868,6 +868,7 @@ impl NativeExecutor {
         allocate_created: bool,
         allocator: Option<Py<PyAny>>,
         stream: Option<u64>,
+        sizes_at_most: bool,
     ) -> PyRes<Self> {
         let table: Table = Arc::default();
         let (t, p) = ((*trace.trace).clone(), (*plan.plan).clone());
@@ -887,7 +888,9 @@ impl NativeExecutor {
                 Some(a) => Box::new(a),
                 None => e.host_allocator(),
             };
-            Ok(e.executor(t, p, cfg, alloc)?)
+            let mut ex = e.executor(t, p, cfg, alloc)?;
+            ex.set_sizes_at_most(sizes_at_most);
+            Ok(ex)
         })?;
         Ok(NativeExecutor { ex: Mutex::new(Some(ex)), table, engine })
     }

@@ -111,3 +111,52 @@ def test_divergence_and_bad_input_are_clear(tmp_path, planned):
         with pytest.raises(teraio.InvalidArgumentError, match="read-only"):
             ex.attach(g, ro)
         ex.finish()
+
+
+def test_sizes_at_most_takes_smaller_tensors_and_reads_them_back_at_their_size(tmp_path, planned):
+    """A plan of a larger shape runs a smaller one (teraio.torch's first step of a new shape):
+    with ``sizes_at_most`` the trace's sizes are upper bounds, each tensor comes back at the
+    size it was attached with and its bytes intact; without it a smaller tensor diverges, and a
+    larger one always does."""
+    trace, plan, budget = planned
+    tensors = trace.to_dict()["tensors"]
+    globals_ = [i for i, t in enumerate(tensors) if t["global"]]
+    size = {i: max(1, tensors[i]["bytes"] - tensors[i]["bytes"] // 3) for i in globals_}
+
+    class Sized(Allocator):
+        asked = {}
+
+        def alloc(self, tid, nbytes, why):
+            self.asked.setdefault(tid, set()).add(nbytes)
+            return super().alloc(tid, nbytes, why)
+
+    with teraio.Engine(dir=tmp_path, files=2, file_size="128M", retain_on_prefetch=True) as eng:
+        ex = eng.executor(trace, plan, gpu_budget_bytes=budget, allocate_created=False, allocator=Allocator())
+        g = globals_[0]
+        with pytest.raises(teraio.DivergedError, match="bytes"):
+            ex.attach(g, fill(g, size[g]))
+        ex.finish()
+        alloc = Sized()
+        ex = eng.executor(trace, plan, gpu_budget_bytes=budget, allocate_created=True, allocator=alloc,
+                          sizes_at_most=True)
+        with pytest.raises(teraio.DivergedError, match="at most"):
+            ex.attach(g, fill(g, tensors[g]["bytes"] + 1))
+        ex.finish()
+        alloc = Sized()
+        ex = eng.executor(trace, plan, gpu_budget_bytes=budget, allocate_created=True, allocator=alloc,
+                          sizes_at_most=True)
+        for i in globals_:
+            ex.attach(i, fill(i, size[i]))
+        ex.start()
+        drive(ex, trace, budget, iterations=2)
+        moved = [i for i in globals_ if i in alloc.asked]
+        assert moved, "the plan moves global tensors"
+        for i in moved:
+            assert alloc.asked[i] == {size[i]}, (i, alloc.asked[i], size[i])
+        ex.gather_globals()
+        # (a global whose write is still in flight keeps its memory with the store meanwhile)
+        back = [i for i in moved if ex.resident(i) is not None]
+        assert back, "the gather read moved globals back"
+        for i in back:
+            assert np.array_equal(np.asarray(ex.resident(i)), fill(i, size[i])), i
+        ex.finish()

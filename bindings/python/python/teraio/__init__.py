@@ -545,11 +545,13 @@ class Engine:
         allocate_created: bool = False,
         allocator: Any = None,
         stream: Any = None,
+        sizes_at_most: bool = False,
     ) -> "Executor":
         """A plan :class:`Executor` over this engine's store."""
         return Executor(
             self, trace, plan, gpu_budget_bytes=gpu_budget_bytes,
             allocate_created=allocate_created, allocator=allocator, stream=stream,
+            sizes_at_most=sizes_at_most,
         )
 
     def tensors(self) -> List[TensorInfo]:
@@ -658,6 +660,10 @@ class Executor:
     one call); then :meth:`end_iteration` (a dict report). :meth:`finish` at the end.
     A divergence raises :class:`DivergedError` once; the executor then runs in safe mode.
     Trace tensor ids are the indices of the trace's tensors.
+
+    ``sizes_at_most``: the trace's tensor sizes are upper bounds: attached memory may be
+    smaller (not larger), a prefetch asks for the size attached, the budget accounts the trace's
+    (a plan of a larger shape of the same iteration runs a smaller one within its budget).
     """
 
     __slots__ = ("_native", "trace", "plan")
@@ -672,6 +678,7 @@ class Executor:
         allocate_created: bool = False,
         allocator: Any = None,
         stream: Any = None,
+        sizes_at_most: bool = False,
     ) -> None:
         if not isinstance(engine, Engine):
             raise InvalidArgumentError(
@@ -694,6 +701,7 @@ class Executor:
         self._native = _teraio.NativeExecutor(
             engine._native, trace._native, plan._native, int(gpu_budget_bytes),
             bool(allocate_created), allocator, None if stream is None else _stream_handle(stream),
+            bool(sizes_at_most),
         )
 
     def attach(self, tensor_id: int, mem: Any) -> None:

@@ -77,6 +77,8 @@ def arbitrary_case(draw):
         # contract is that nothing touches the globals between steps)
         "between": draw(st.sampled_from(["none", "read", "write"])) if gather else "none",
         "grads_to_none": draw(st.booleans()),
+        # a new shape's first step runs under a larger shape's plan (profiled meanwhile)
+        "bounded": draw(st.booleans()),
     }
 
 
@@ -177,7 +179,7 @@ def run_case(case):
             session_kw = dict(gpu_budget_bytes=budget, host_budget_bytes=(8 << 20) if case["host_tier"] else 0,
                               page_min_bytes=0, recompute=case["recompute"],
                               gather_between_steps=case["gather"], optimizer_chunk_bytes=budget // case["chunk"] if case["chunk"] else case["chunk"],
-                              hardware="dev")
+                              hardware="dev", bounded_shapes=case.get("bounded", True))
             losses, seen, model, opt, s = _train(case, session_kw, eng)
             modes = [r["mode"] for r in s.steps]
             diverged = [r.get("diverged") for r in s.steps if r.get("diverged")]
@@ -198,8 +200,8 @@ def run_case(case):
         for k in a:
             assert torch.equal(_bits(a[k]), _bits(b[k])), f"optimizer state {n}.{k} differs: {where}"
     if PROGRESS:
-        print(f"teraio-diff: equal ({case['model']}, {len(case['steps'])} steps, {modes.count('planned')} planned)",
-              flush=True)
+        print(f"teraio-diff: equal ({case['model']}, {len(case['steps'])} steps, {modes.count('planned')} planned, "
+              f"{modes.count('bounded')} bounded)", flush=True)
     return modes
 
 
@@ -227,3 +229,17 @@ def test_alternating_lengths_are_planned_and_bitwise(model):
         modes = run_case({**case, "gather": gather})
         # both shapes reach their plan (planned steps follow one another with each switch)
         assert modes.count("planned") >= 6, modes
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_new_shorter_shapes_run_under_a_longer_shapes_plan_and_are_bitwise(model):
+    """Lengths seen longest first: each new shorter one's first step runs under the plan of a
+    longer one (bounded) instead of paging, its own plan comes from that step, and the training
+    is bitwise plain training's."""
+    case = {"model": model, "seed": 5, "batch": 3, "steps": [16, 16, 8, 12, 8, 12, 16, 4, 8, 4, 12],
+            "budget_x": 3.0, "host_tier": False, "recompute": True, "gather": True, "chunk": None,
+            "device_memory": False, "between": "none", "grads_to_none": True, "bounded": True}
+    modes = run_case(case)
+    # steps 0-1 profile 16; 8, 12 and 4 (steps 2, 3, 7) are new and shorter: bounded
+    assert [i for i, m in enumerate(modes) if m == "bounded"] == [2, 3, 7], modes
+    assert modes[4:7] == ["planned"] * 3 and modes[8:] == ["planned"] * 3, modes

@@ -116,6 +116,18 @@ def signature(func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor] 
     return (op_name(func), tuple((tuple(t.shape), t.dtype) for t in tensors))
 
 
+def covers(bound: tuple, sig: tuple) -> bool:
+    """Whether signature ``bound`` covers ``sig``: the same op with as many tensor arguments of
+    the same dtypes and ranks, each at most as large in every dimension (a longer input's
+    operator over a shorter one's)."""
+    if bound[0] != sig[0] or len(bound[1]) != len(sig[1]):
+        return False
+    for (bs, bd), (s, d) in zip(bound[1], sig[1]):
+        if bd != d or len(bs) != len(s) or any(x > y for x, y in zip(s, bs)):
+            return False
+    return True
+
+
 def remakeable(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether running the op again on the same inputs makes the same bytes: no argument it
     writes, no random numbers (``nondeterministic_seeded``), no nondeterministic kernels

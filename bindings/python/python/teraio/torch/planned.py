@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
-from ._storages import byte_view, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
+from ._storages import byte_view, covers, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
 from .runtime import host_view
 
 _DIRECT_RESIZE = ("cpu", "cuda")
@@ -162,8 +162,16 @@ class PlannedRun:
     def __init__(self, entry: dict[str, Any], model: torch.nn.Module | None, optimizer: Any, budget: int,
                  device: torch.device, executor_factory: Callable[..., Any] | None = None,
                  device_memory: bool | None = None, gather: bool = True, max_ahead: int = 0,
-                 time_gpu: bool = False, host_waits: bool = False) -> None:
+                 time_gpu: bool = False, host_waits: bool = False,
+                 record: Callable[[Any, tuple, dict], Any] | None = None) -> None:
         self.trace = entry["trace"]
+        # ``record`` (a profiler's dispatch): the run is *bounded*: the plan is another, larger
+        # shape's of the same iteration (every operator's tensors at most as large as the
+        # profile's, the executor taking the trace's sizes as upper bounds), run for one step
+        # while ``record`` runs and records every operator (the profile of this shape); no
+        # operator is skipped or run unwatched
+        self.bounded = record is not None
+        self._record = record
         self.signatures = entry["signatures"]
         self.created = entry["created"]  # per op: the trace ids first seen there, in order
         self.device = device
@@ -247,7 +255,7 @@ class PlannedRun:
                       for c, where in zip(self.created, self._created_at)]
         # the executor says after each operator how many next ones need no call (quiet ones:
         # nothing moves around them); with ``max_ahead`` or ``time_gpu`` every one is called
-        self._skips = self.max_ahead <= 0 and not self.time_gpu
+        self._skips = self.max_ahead <= 0 and not self.time_gpu and not self.bounded
         self._quiet_until = -1
         self._funcs: list[Any] = [None] * len(self.signatures)  # the operators matched so far
         # unwatched stretches: where nothing the plan moves is away and the next operators are
@@ -575,6 +583,9 @@ class PlannedRun:
                     break
         if not same:
             sig = signature(func, args, kwargs, flat)
+            if self.bounded and covers(self.signatures[k], sig):
+                self._funcs[k] = func
+                return flat
             if sig[0] != name or len(sig[1]) != len(shapes):
                 raise Diverged(k, f"{sig[0]} with {len(sig[1])} tensors where the profile has "
                                   f"{name} with {len(shapes)}")
@@ -610,7 +621,12 @@ class PlannedRun:
         leave and come back before their next use) and the operator runs again: up to three
         times, asking for twice as much each time; then the error is raised. (PyTorch's
         operators allocate their results before they write them; the pager retries the same
-        way.)"""
+        way.) A bounded run's profiler records the operator once, around all the tries."""
+        if self._record is not None:
+            return self._record(func, args, kwargs, lambda: self._retrying(k, func, args, kwargs))
+        return self._retrying(k, func, args, kwargs)
+
+    def _retrying(self, k: int, func: Any, args: tuple, kwargs: dict) -> Any:
         tries = 0
         while True:
             try:

@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -211,9 +211,10 @@ class Profiler:
             f.detach()
         self._reset()
 
-    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run and record one operator."""
-        return self._dispatch(func, args, kwargs)
+    def dispatch(self, func: Any, args: tuple, kwargs: dict, run: Callable[[], Any] | None = None) -> Any:
+        """Run and record one operator (``run``: what runs it, instead of ``func`` itself; a
+        planned run that retries an operator after making room)."""
+        return self._dispatch(func, args, kwargs, run)
 
     def _global_storages(self) -> list[torch.UntypedStorage]:
         """Parameters, gradients, buffers and optimizer states on the traced device."""
@@ -304,7 +305,7 @@ class Profiler:
             if st.dies_after is None:
                 st.dies_after = max(len(self.ops) - 1, st.accesses[-1] if st.accesses else 0)
 
-    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict, run: Callable[[], Any] | None = None) -> Any:
         op = len(self.ops)
         phase = self._phase
         if phase == "fwd" and torch._C._current_graph_task_id() != -1:
@@ -330,7 +331,7 @@ class Profiler:
             self._events.append(ev)
             # an operator the pager runs again after paging out: its clock restarts there
             out = pager.run_op(func, args, kwargs, stor, op, again=ev.record) if pager is not None \
-                else func(*args, **kwargs)
+                else run() if run is not None else func(*args, **kwargs)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._ends.append(end)
@@ -341,7 +342,7 @@ class Profiler:
                 t0[0] = time.perf_counter()
 
             out = pager.run_op(func, args, kwargs, stor, op, again=again) if pager is not None \
-                else func(*args, **kwargs)
+                else run() if run is not None else func(*args, **kwargs)
             self._times.append((time.perf_counter() - t0[0]) * 1e6)
         for t, st in zip(in_tensors, ins):
             if st is not None:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import flat_args, signature, storage_of
+from ._storages import covers, flat_args, signature, storage_of
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun, Results, keep_last
 from .profiler import Profiler, peak_bytes
@@ -158,6 +158,11 @@ class Session:
     the copy is done before the memory is reused (as before 2026-12-02); by default the copy is
     queued on the device and the trainer's stream, not the host, waits for it where the memory
     is needed again.
+    ``bounded_shapes`` (default True): the first step of a new input shape, when a larger shape
+    of the same iteration has a plan (every operator's tensors at least as large), runs under
+    that plan while it is profiled (its executor takes the trace's sizes as upper bounds: the
+    budget holds), instead of paging; the new shape's own plan is made from that step's profile
+    (the step's report says ``bounded``). False: a new shape's first step pages.
     ``keep_steps`` (default 1000): :attr:`steps` keeps the records of at least this many latest
     steps (at most twice as many: older ones are dropped, the training may run for millions).
     ``executor_factory``
@@ -195,6 +200,7 @@ class Session:
         plan_margin: float = 0.0,
         planner: Callable[[dict, int, int], Any] | None = None,
         keep_steps: int = 1000,
+        bounded_shapes: bool = True,
         log: Callable[[str], None] = print,
     ) -> None:
         if gpu_budget_bytes is not None and gpu_budget_bytes <= 0:
@@ -206,6 +212,7 @@ class Session:
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
         self.keep_steps = keep_steps
+        self.bounded_shapes = bounded_shapes
         if not 0.0 <= plan_margin < 0.5:
             raise ValueError(f"plan_margin must be in [0, 0.5), got {plan_margin}")
         self.plan_margin = plan_margin
@@ -367,6 +374,12 @@ class Session:
                 self.plans[mode.key]["diverged_n"] = 0
             if mode.decided_at is not None:
                 rec["decided_at"] = mode.decided_at
+            if run.bounded:
+                # (its executor let go, every global back, then the profile is built)
+                rec["mode"] = "bounded"
+                rec["bounded_by"] = _shapes(self.plans[mode.bound_key]["signatures"][0]) \
+                    if mode.bound_key in self.plans else "a plan dropped since"
+                self._end_bounded(mode)
         else:
             rec["mode"] = "paged" if self.pager is not None else "profiled"
             rec["stall_s"] = (self.pager.wait_s - wait0) if self.pager else 0.0
@@ -388,7 +401,7 @@ class Session:
             # its cache (each one synchronizes the device); one read of its counters a step
             counts = _allocator_counts(self.device)
             rec["allocator"] = {k: v - alloc0[k] for k, v in counts.items()}
-        if mode.run is None and not mode.paged_only:
+        if (mode.run is None or mode.run.bounded) and not mode.paged_only:
             self._after_profile(n, rec, mode.state0)
         # a session lives as long as the training: its records are bounded (every object kept
         # is one more for Python's garbage collector to walk in a full collection)
@@ -408,7 +421,9 @@ class Session:
                 if run.diverged is None:
                     run._diverge(mode.k, Diverged(mode.k, "the step raised an exception"))
                 run.end_iteration()
-                if self._live_key == mode.key:
+                if run.bounded:
+                    self._end_bounded(mode, record=False)
+                elif self._live_key == mode.key:
                     self._retire_live_run()
             else:
                 self.profiler.abort()
@@ -445,6 +460,42 @@ class Session:
             entry["runs_started"] = entry.get("runs_started", 0) + 1
         self._live_key = key
         return entry["run"]
+
+    def _bounding_plan(self, sigs: list[tuple], n: int) -> Any:
+        """The plan a step whose first operators have signatures ``sigs`` runs bounded, or None:
+        of the plans whose first operators cover them (:func:`covers`: a larger shape of the
+        same iteration), the one whose trace holds the fewest bytes."""
+        if not self.bounded_shapes or n < self.warmup_steps or self.budget is None or not self.planned \
+                or self.executor_factory is not None:
+            return None
+        best = None
+        for key, e in self.plans.items():
+            if e.get("plan") is None or e.get("run") is False or len(e["signatures"]) < len(sigs) \
+                    or not all(covers(b, g) for b, g in zip(e["signatures"], sigs)):
+                continue
+            size = sum(t["bytes"] for t in e["trace"]["tensors"])
+            if best is None or size < best[0]:
+                best = (size, key)
+        return None if best is None else best[1]
+
+    def _bounded_run(self, key: Any) -> PlannedRun:
+        """A one-step run of ``key``'s plan for a smaller shape, the profiler recording it."""
+        return PlannedRun(self.plans[key], self.model, self.optimizer, self.plan_budget, self.device,
+                          self._planned_executor, device_memory=self._device_memory(), gather=True,
+                          max_ahead=self.max_ahead, time_gpu=self.time_gpu, host_waits=self.host_waits,
+                          record=self.profiler.dispatch)
+
+    def _end_bounded(self, mode: "_StepMode", record: bool = True) -> None:
+        """A bounded step's end: its executor finished (every global tensor back), the pager
+        given back to the profiler, the profile built (``record``) or dropped."""
+        try:
+            _finish_run(mode.run)
+        finally:
+            self.profiler.pager = mode.bound_pager
+            if record:
+                self.profiler.end()
+            else:
+                self.profiler.abort()
 
     def _retire_live_run(self) -> None:
         """Finish the live run, if any (see :meth:`_planned_run`)."""
@@ -498,8 +549,9 @@ class Session:
             stream = torch.cuda.current_stream(self.device).cuda_stream
         elif self._device_memory():
             stream = 0  # the emulation's fences
+        # (a bounded run's trace is a larger shape's: its sizes are upper bounds)
         return executor(trace, plan, gpu_budget_bytes=budget, allocate_created=False, allocator=allocator,
-                        stream=stream)
+                        stream=stream, sizes_at_most=bool(getattr(allocator, "bounded", False)))
 
     def _diverged(self, key: Any, d: Diverged) -> None:
         """A planned step left its plan at kernel ``d.kernel``. It may have been another shape
@@ -567,7 +619,11 @@ class Session:
                  "created": self.profiler.created_ids, "created_at": self.profiler.created_positions,
                  "marks": list(self.profiler.marks)}
         self.plans[key] = entry
-        self._groups.setdefault(sigs[0], _Group()).add(key, sigs, self.plans)
+        group = self._groups.setdefault(sigs[0], _Group())
+        group.add(key, sigs, self.plans)
+        # a step is told from another shape no earlier than where it first reads its input (a
+        # model that makes its rotary tables first looks the same for every shape until then)
+        group.decide_at = max(group.decide_at, _first_input_op(entry))
         if self.budget is None:
             return
         if self.device.type == "cuda":
@@ -607,6 +663,8 @@ class Session:
             rec["plan_s"] = time.perf_counter() - t0
         rec["plan"] = _plan_summary(entry["plan"]) if entry["plan"] is not None \
             else "profiled (no planner in this build)"
+        if rec.get("mode") == "bounded":
+            rec["plan"] += ", from this step's profile (run under a larger shape's plan)"
         t = entry.get("traffic") or {}
         if t.get("chosen") == "planned for slower transfers":
             rec["plan"] += (f", planned for slower transfers: {(t['modelled_moved_bytes'] - t['slower_transfers_moved_bytes']) / 1e9:.2f}"
@@ -617,8 +675,10 @@ class Session:
     @staticmethod
     def line(rec: dict[str, Any]) -> str:
         """A one-line report of a step."""
-        s = (f"teraio step {rec['step']}: {rec['mode']}, {rec['time_s']:.3f} s, stall "
-             f"{rec['stall_s']:.3f} s")
+        s = f"teraio step {rec['step']}: {rec['mode']}"
+        if rec.get("bounded_by"):
+            s += f" (a new shape, profiled under the plan of {rec['bounded_by']})"
+        s += f", {rec['time_s']:.3f} s, stall {rec['stall_s']:.3f} s"
         ex = rec.get("executor")
         if isinstance(ex, dict) and ex.get("stall_memory_s"):
             s += f" ({ex['stall_memory_s']:.3f} s for memory)"
@@ -790,6 +850,22 @@ def _state_count(optimizer: Any) -> int:
     return sum(sum(isinstance(v, torch.Tensor) for v in st.values()) for st in optimizer.state.values())
 
 
+def _first_input_op(entry: dict[str, Any]) -> int:
+    """The first operator of a profile that takes a tensor made outside the iteration that is
+    not a global one (the input batch), 0 if none."""
+    tensors = entry["trace"]["tensors"]
+    for k, (ids, where) in enumerate(zip(entry["created"], entry["created_at"])):
+        n_in = len(entry["signatures"][k][1])
+        if any(at < n_in and not tensors[t]["global"] for t, at in zip(ids, where)):
+            return k
+    return 0
+
+
+def _shapes(sig: tuple) -> str:
+    """A signature's tensor shapes, for a report: ``embedding [32000, 1024] [8, 512]``."""
+    return sig[0] + " " + " ".join(str(list(shape)) for shape, _ in sig[1])
+
+
 def _plan_key(sigs: list[tuple]) -> tuple:
     """A plan's key: its iteration's first operator's signature, operator count and a hash of
     every operator's signature (two shapes whose first operators look alike get two plans)."""
@@ -857,6 +933,10 @@ class _StepMode(TorchDispatchMode):
         self.keep_live = False
         self._pager: Any = None
         self.decided_at: int | None = None
+        # a bounded step (Session.bounded_shapes): the plan it runs under, the profiler's pager
+        # set aside meanwhile
+        self.bound_key: Any = None
+        self.bound_pager: Any = None
 
     def close(self) -> None:
         """The step's end: the planned run's module hooks removed, the mode left (unless the
@@ -885,6 +965,28 @@ class _StepMode(TorchDispatchMode):
             self.hooks = run.watch(self)
         else:
             self._profile()
+
+    def _start_bounded(self, first: Any) -> bool:
+        """A new shape at its first operator: when a larger shape's plan covers it, the step runs
+        under that plan (bounded) and is profiled; False: it is profiled and paged."""
+        session = self.session
+        key = session._bounding_plan([first], self.n)
+        if key is None:
+            return False
+        prof = session.profiler
+        self.state0 = _state_count(session.optimizer)
+        # (the run moves the tensors: the pager must not)
+        self.bound_pager, prof.pager = prof.pager, None
+        try:
+            run = session._bounded_run(key)
+        except (NotImplementedError, Diverged, _teraio_error()):
+            prof.pager, self.bound_pager = self.bound_pager, None
+            return False
+        self.bound_key = key
+        self.run = run
+        run.begin_iteration()
+        self.hooks = run.watch(self)
+        return True
 
     def _profile(self) -> None:
         session = self.session
@@ -936,15 +1038,46 @@ class _StepMode(TorchDispatchMode):
                 return session.pager.dispatch(func, args, kwargs, k, session.device)
             return func(*args, **kwargs)
         if not self.cands:
+            if self._commit_bounded(sig):
+                return self.run.op(k, func, args, kwargs)
             self._profiled_after_all()
             return session.profiler.dispatch(func, args, kwargs)
         out = session.profiler.dispatch(func, args, kwargs)
         res = Results.of(out)
         self.prefix.append((func, args, kwargs, res))
         self.cands = [c for c in self.cands if _created_fit(plans[c], k, args, kwargs, res, session.device)]
-        if not self.cands:
+        if not self.cands and not self._commit_bounded(None):
             self._profiled_after_all()
         return out
+
+    def _commit_bounded(self, sig: tuple | None) -> bool:
+        """No candidate is this step (a new shape): when a larger shape's plan covers the
+        operators run so far (and ``sig``, the one about to run), the step goes on under it,
+        bounded (:meth:`_start_bounded`), the executor told the operators that ran; False: it
+        is profiled (nothing changed)."""
+        session = self.session
+        prof = session.profiler
+        sigs = [op.signature for op in prof.ops] + ([sig] if sig is not None else [])
+        key = session._bounding_plan(sigs, self.n)
+        if key is None:
+            return False
+        pager = self._pager if self.keep_live else prof.pager
+        # (one executor over the global tensors; what the prefix paged out comes back)
+        session._retire_live_run()
+        if session.pager is not None:
+            session.pager.restore_all()
+        prof.pager = None
+        try:
+            run = session._bounded_run(key)
+        except (NotImplementedError, Diverged, _teraio_error()):
+            prof.pager = None if self.keep_live else pager
+            return False
+        prefix, self.prefix, self.cands, self.keep_live = self.prefix, None, None, False
+        self.bound_pager, self.bound_key, self.run = pager, key, run
+        run.begin_iteration()
+        run.replay(prefix)
+        self.hooks = run.watch(self)
+        return True
 
     def _commit(self, key: Any, k: int) -> bool:
         """Operator ``k`` is about to run and ``key``'s plan is the step's: its run starts, told
@@ -977,14 +1110,20 @@ class _StepMode(TorchDispatchMode):
         self.k += 1
         if k == 0:
             session = self.session
-            cands, decide_at = session._candidates(signature(func, args, kwargs), self.n)
+            sig0 = signature(func, args, kwargs)
+            cands, decide_at = session._candidates(sig0, self.n)
+            if not sig0[1]:
+                # an operator without tensor arguments (``arange(n)``) tells shapes apart only by
+                # what it makes: a plan is chosen after it
+                decide_at = max(decide_at, 1)
             if len(cands) == 1 and decide_at == 0:
                 self._start(cands[0])
             elif cands:
                 self._begin_deciding(cands, decide_at)
             else:
                 session._retire_live_run()
-                self._profile()
+                if not self._start_bounded(sig0):
+                    self._profile()
         if self.cands is not None:
             return self._decide(k, func, args, kwargs)
         if self.run is not None:
