@@ -627,7 +627,7 @@ impl Executor {
         let i = self.tensor_index(t)?;
         let tensor = &self.trace.tensors[i];
         let fits = if self.sizes_at_most {
-            mem.len() > 0 && mem.len() <= tensor.bytes
+            !mem.is_empty() && mem.len() <= tensor.bytes
         } else {
             mem.len() == tensor.bytes
         };

@@ -153,6 +153,9 @@ struct Seen {
     /// shorter input's are under a longer one's plan; the executor takes the trace's sizes as
     /// upper bounds (`set_sizes_at_most`) and must hand each tensor back at its own size.
     smaller: bool,
+    /// The trainer gathers within the budget (`gather_globals_within`): what does not fit stays
+    /// in the store.
+    gather_within: bool,
 }
 
 /// The size of a created tensor in a [`Seen::smaller`] run: a quarter less, at least a byte.
@@ -306,7 +309,21 @@ fn drive_with(
         seen.skipped.push(skipped);
         seen.reports.push(ex.end_iteration()?);
         if gather {
-            let g = ex.gather_globals()?;
+            let before = ex.used_bytes();
+            let g = if seen.gather_within {
+                ex.gather_globals_within(budget)?
+            } else {
+                ex.gather_globals()?
+            };
+            if seen.gather_within && g.used_bytes > budget.max(before) {
+                seen.wrong.push(format!(
+                    "gathered {} bytes within a budget of {budget} ({before} before)",
+                    g.used_bytes
+                ));
+            }
+            if !seen.gather_within && g.left_off > 0 {
+                seen.wrong.push(format!("{} globals left off by a full gather", g.left_off));
+            }
             // Every global is resident, or keeps its memory while its write completes (the
             // store owns that memory until then: a trainer's own buffer stays readable).
             let mut writing = 0;
@@ -320,14 +337,24 @@ fn drive_with(
                     }
                 }
             }
-            if writing > g.kept_in_flight {
+            if writing > g.kept_in_flight + g.left_off {
                 seen.wrong.push(format!("{writing} globals off the GPU after gather_globals"));
             }
             seen.gathers.push(g);
             // The trainer writes one of the tensors the plan starts offloaded (or any global);
-            // `modified` waits for a write of it still in flight.
-            let first_global = trace.tensors.iter().find(|t| t.global).map(|t| t.id);
-            if let Some(id) = p.initially_offloaded.first().map(|x| x.tensor).or(first_global) {
+            // `modified` waits for a write of it still in flight. (Within the budget: one that
+            // was gathered.)
+            let first_global = trace
+                .tensors
+                .iter()
+                .find(|t| t.global && (!seen.gather_within || ex.resident(t.id).is_some()))
+                .map(|t| t.id);
+            let offloaded = p
+                .initially_offloaded
+                .iter()
+                .map(|x| x.tensor)
+                .find(|&id| !seen.gather_within || ex.resident(id).is_some());
+            if let Some(id) = offloaded.or(first_global) {
                 let i = id.index();
                 ex.modified(id)?;
                 version[i] += 1;
@@ -372,6 +399,7 @@ proptest! {
         gather in any::<bool>(),
         skip_quiet in any::<bool>(),
         smaller in any::<bool>(),
+        gather_within in any::<bool>(),
     ) {
         trace.validate().unwrap();
         let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
@@ -380,7 +408,7 @@ proptest! {
         let Ok(p) = plan(&trace, &hw, Policy::Teraio) else { return Ok(()) };
         let sim = simulate(&trace, &p, &hw, &SimOptions::default()).unwrap();
         let rig = rig(64 << 20);
-        let mut seen = Seen { skip_quiet, smaller, ..Seen::default() };
+        let mut seen = Seen { skip_quiet, smaller, gather_within, ..Seen::default() };
         let run = drive(&rig, &trace, &p, hw.gpu_memory_bytes, 2, gather, &mut seen);
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         for (r, &skipped) in seen.reports.iter().zip(&seen.skipped) {
@@ -584,6 +612,55 @@ fn squeezed_with_host() -> (Trace, Plan, Hardware, u64) {
     hw.host_memory_cap_bytes = 4 * peak;
     let p = plan(&trace, &hw, Policy::TeraioHybrid).unwrap();
     (trace, p, hw, peak)
+}
+
+#[test]
+fn a_gather_within_the_budget_leaves_off_what_does_not_fit_and_the_next_iterations_run() {
+    // Global tensors that exceed the budget between iterations: a full gather goes past it, a
+    // gather within it reads back what fits (the ones used first) and leaves the rest stored.
+    // Six weights of 1 MiB, each used by one kernel of eight, under a budget of 2.5 MiB: the
+    // plan moves them out after their use and back before it.
+    let mut trace = Trace::new("weights");
+    for k in 0..8 {
+        trace.kernels.push(Kernel { name: format!("k{k}"), duration_us: 2000.0, layer: None });
+    }
+    for i in 0..6usize {
+        trace.tensors.push(Tensor {
+            id: TensorId(i as u32),
+            name: format!("w{i}"),
+            bytes: 1 << 20,
+            kind: TensorKind::Weight,
+            global: true,
+            created_by: None,
+            dies_after: None,
+            accesses: vec![i + 1],
+            writes: Some(vec![]),
+            producer: None,
+        });
+    }
+    trace.validate().unwrap();
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = 5 << 19;
+    let p = plan(&trace, &hw, Policy::Teraio).unwrap();
+    assert!(p.initially_offloaded.len() > 3, "{:?}", p.initially_offloaded);
+    let budget = hw.gpu_memory_bytes;
+    let mut full = Seen::default();
+    drive(&rig(256 << 20), &trace, &p, budget, 3, true, &mut full).unwrap();
+    assert!(full.wrong.is_empty(), "{:?}", full.wrong);
+    assert!(
+        full.gathers.iter().all(|g| g.used_bytes > budget),
+        "a full gather goes past the budget"
+    );
+    let mut within = Seen { gather_within: true, ..Seen::default() };
+    drive(&rig(256 << 20), &trace, &p, budget, 3, true, &mut within).unwrap();
+    assert!(within.wrong.is_empty(), "{:?}", within.wrong);
+    for g in &within.gathers {
+        assert!(g.used_bytes <= budget, "{g:?}");
+        assert!(g.left_off > 0 && g.read_back > 0, "{g:?}");
+    }
+    for r in &within.reports {
+        assert!(r.peak_bytes <= budget, "{r:?}");
+    }
 }
 
 #[test]

@@ -568,6 +568,16 @@ teraio_status teraio_executor_end_iteration(teraio_executor *executor, char **ou
 // `out_report_json` is valid for a write of a pointer.
 teraio_status teraio_executor_gather_globals(teraio_executor *executor, char **out_report_json);
 
+// `teraio_executor_gather_globals` within `limit_bytes` GPU bytes (e.g. the budget): global
+// tensors off the GPU are read back, those the iteration uses first first, while they fit; the
+// others stay stored (the report's `left_off`, `left_off_bytes`).
+//
+// # Safety
+// `out_report_json` is valid for a write of a pointer.
+teraio_status teraio_executor_gather_globals_within(teraio_executor *executor,
+                                                    uint64_t limit_bytes,
+                                                    char **out_report_json);
+
 // The caller wrote global tensor `tensor` between iterations (after
 // `teraio_executor_gather_globals`): the store's copy is stale and the next offload writes it.
 teraio_status teraio_executor_modified(teraio_executor *executor, uint32_t tensor);

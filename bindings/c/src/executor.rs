@@ -602,6 +602,28 @@ pub unsafe extern "C" fn teraio_executor_gather_globals(
     })
 }
 
+/// `teraio_executor_gather_globals` within `limit_bytes` GPU bytes (e.g. the budget): global
+/// tensors off the GPU are read back, those the iteration uses first first, while they fit; the
+/// others stay stored (the report's `left_off`, `left_off_bytes`).
+///
+/// # Safety
+/// `out_report_json` is valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_gather_globals_within(
+    executor: *mut teraio_executor,
+    limit_bytes: u64,
+    out_report_json: *mut *mut c_char,
+) -> teraio_status {
+    guard("teraio_executor_gather_globals_within", || {
+        // SAFETY: forwarded contract.
+        unsafe {
+            report_json(executor, out_report_json, |ex| {
+                ex.gather_globals_within(limit_bytes).map(|r| serde_json::json!(r))
+            })
+        }
+    })
+}
+
 /// The caller wrote global tensor `tensor` between iterations (after
 /// `teraio_executor_gather_globals`): the store's copy is stale and the next offload writes it.
 #[unsafe(no_mangle)]

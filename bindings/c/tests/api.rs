@@ -619,11 +619,24 @@ fn executor_iterations(device: bool) {
             assert!(r["offloads"].as_u64().unwrap() > 0 && r["prefetches"].as_u64().unwrap() > 0);
             assert!(r["diverged"].is_null());
         }
-        // Between iterations: every global back (or keeping its memory while its write ends).
+        // Between iterations, within no room at all: nothing read back, what is off stays off.
+        let mut rep = null_mut();
+        assert_eq!(
+            teraio_executor_gather_globals_within(ex, 0, &mut rep),
+            TERAIO_OK,
+            "{}",
+            last_error()
+        );
+        let g0: serde_json::Value = serde_json::from_str(&take_string(rep)).unwrap();
+        assert_eq!(g0["read_back"], 0, "{g0}");
+        assert!(g0["left_off"].as_u64().unwrap() > 0, "the plan leaves globals off the GPU: {g0}");
+        // Then every global back (or keeping its memory while its write ends: those the first
+        // call found in flight it counted).
         let mut rep = null_mut();
         assert_eq!(teraio_executor_gather_globals(ex, &mut rep), TERAIO_OK, "{}", last_error());
         let g: serde_json::Value = serde_json::from_str(&take_string(rep)).unwrap();
-        let kept = g["kept_in_flight"].as_u64().unwrap();
+        let kept = g0["kept_in_flight"].as_u64().unwrap() + g["kept_in_flight"].as_u64().unwrap();
+        assert_eq!(g["read_back"], g0["left_off"], "{g0} then {g}");
         let globals = tensors.iter().filter(|x| x.1).count() as u64;
         // Every resident global holds its bytes.
         let mut checked = 0;

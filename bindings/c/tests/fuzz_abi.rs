@@ -1,5 +1,5 @@
 //! A seeded random fuzzer over the C ABI's argument space, in-process through the `extern "C"`
-//! functions: every one of the 53 exported functions, called in random order with live, stale
+//! functions: every one of the 54 exported functions, called in random order with live, stale
 //! (closed, freed), wrong-kind, NULL and made-up handles; NULL, valid and misaligned pointers;
 //! lengths from 0 to `SIZE_MAX`; valid and mangled configurations, traces, plans, hardware and
 //! policy names. The contract it checks: every call returns a known status and never
@@ -939,7 +939,16 @@ impl Fuzz {
                     let (n, s) = match which {
                         12 => ("executor_events", teraio_executor_events(x, o)),
                         13 => ("end_iteration", teraio_executor_end_iteration(x, o)),
-                        _ => ("gather_globals", teraio_executor_gather_globals(x, o)),
+                        _ if self.rng.chance(50) => {
+                            ("gather_globals", teraio_executor_gather_globals(x, o))
+                        }
+                        _ => {
+                            let limit = *self.rng.pick(&[0, 1, 65536, 1 << 30, u64::MAX]);
+                            (
+                                "gather_globals_within",
+                                teraio_executor_gather_globals_within(x, limit, o),
+                            )
+                        }
                     };
                     if s == TERAIO_OK {
                         self.strings.push(o.read_unaligned());

@@ -1048,9 +1048,10 @@ impl NativeExecutor {
         })
     }
 
-    fn gather_globals_json(&self, py: Python<'_>) -> PyRes<String> {
+    #[pyo3(signature = (limit=None))]
+    fn gather_globals_json(&self, py: Python<'_>, limit: Option<u64>) -> PyRes<String> {
         self.with(py, |ex| {
-            let r = ex.gather_globals()?;
+            let r = ex.gather_globals_within(limit.unwrap_or(u64::MAX))?;
             Ok(serde_json::to_string(&r).expect("a report serializes"))
         })
     }

@@ -12,6 +12,10 @@
 //!   global tensors are alive), and it returns once every global tensor is resident with its
 //!   bytes in place (on a GPU: the caller's stream waits for them). Only reads the plan did not
 //!   schedule cost time: tensors whose offload had already finished.
+//! - [`Executor::gather_globals_within`]: the same under a limit (the budget): tensors off the
+//!   GPU are read back in the order the next iteration first uses them while they fit; the
+//!   others stay in the store, where the plan starts them anyway (a caller reads them with a
+//!   full [`gather_globals`](Executor::gather_globals) when its own code needs them all).
 //! - [`Executor::modified`]: the caller wrote a global tensor between iterations, so the store's
 //!   copy is stale (a write still in flight completes first).
 //! - At the next iteration's boundary 0 the gathered tensors go back where the plan starts
@@ -43,6 +47,11 @@ pub struct GatherReport {
     /// GPU bytes accounted once every global tensor is resident (may exceed the budget: the
     /// next iteration's boundary 0 puts them back where the plan starts them).
     pub used_bytes: u64,
+    /// Global tensors left in the store by [`Executor::gather_globals_within`] (they did not
+    /// fit the limit).
+    pub left_off: u64,
+    /// Their bytes.
+    pub left_off_bytes: u64,
 }
 
 impl Executor {
@@ -50,6 +59,12 @@ impl Executor {
     /// module documentation). Call it after [`end_iteration`](Self::end_iteration) or
     /// [`abort_iteration`](Self::abort_iteration).
     pub fn gather_globals(&mut self) -> Result<GatherReport> {
+        self.gather_globals_within(u64::MAX)
+    }
+
+    /// [`gather_globals`](Self::gather_globals) within `limit` GPU bytes (see the module
+    /// documentation): what does not fit stays in the store and the report counts it.
+    pub fn gather_globals_within(&mut self, limit: u64) -> Result<GatherReport> {
         if self.phase != Phase::Idle {
             return Err(Error::InvalidArgument(
                 "gather_globals() between iterations only: after start(), end_iteration() or abort_iteration()"
@@ -58,25 +73,43 @@ impl Executor {
         }
         let start = Instant::now();
         let mut rep = GatherReport::default();
-        let globals: Vec<usize> =
+        // (in the order the iteration first uses them: what the next one needs first comes
+        // back first when not all fit)
+        let mut globals: Vec<usize> =
             (0..self.states.len()).filter(|&t| self.trace.tensors[t].global).collect();
+        globals.sort_by_key(|&t| {
+            self.trace.tensors[t].accesses.first().copied().unwrap_or(usize::MAX)
+        });
         let planned = self.safe.is_none();
+        // (in safe mode nothing is planned: everything comes back)
+        let limit = if planned { limit } else { u64::MAX };
+        // Offloads still being written keep their memory (accounted already); reads come after.
         for &t in &globals {
-            match &mut self.states[t] {
-                State::Offloading { keep, .. } if !*keep => {
-                    *keep = true;
-                    self.regather[t] = planned;
-                    rep.kept_in_flight += 1;
-                }
-                State::Offloaded => {
-                    self.states[t] = State::QueuedPrefetch;
-                    self.allocs.push_back(Alloc::Prefetch(t, Priority::Urgent));
-                    self.regather[t] = planned;
-                    rep.read_back += 1;
-                    rep.read_back_bytes += self.trace.tensors[t].bytes;
-                }
-                _ => {}
+            if let State::Offloading { keep, .. } = &mut self.states[t]
+                && !*keep
+            {
+                *keep = true;
+                self.regather[t] = planned;
+                rep.kept_in_flight += 1;
             }
+        }
+        let mut will_use = self.used;
+        for &t in &globals {
+            if !matches!(self.states[t], State::Offloaded) {
+                continue;
+            }
+            let bytes = self.trace.tensors[t].bytes;
+            if will_use.saturating_add(bytes) > limit {
+                rep.left_off += 1;
+                rep.left_off_bytes += bytes;
+                continue;
+            }
+            will_use += bytes;
+            self.states[t] = State::QueuedPrefetch;
+            self.allocs.push_back(Alloc::Prefetch(t, Priority::Urgent));
+            self.regather[t] = planned;
+            rep.read_back += 1;
+            rep.read_back_bytes += bytes;
         }
         self.gathering = true;
         let waited = self.wait_globals(&globals);

@@ -789,13 +789,17 @@ class Executor:
         thousands of points, and the Python objects they would become, each step)."""
         return json.loads(self._native.end_iteration_json(timeline))
 
-    def gather_globals(self) -> Dict[str, Any]:
+    def gather_globals(self, limit_bytes: Optional[int] = None) -> Dict[str, Any]:
         """Between iterations (after :meth:`end_iteration`): every global tensor resident with
         its bytes in place until the next iteration's kernel 0, for the caller's own code
         between steps. Offloads still being written keep their memory, tensors already off the
-        GPU are read back. A dict: ``read_back``, ``read_back_bytes``, ``kept_in_flight``,
-        ``waited_s``, ``used_bytes``."""
-        return json.loads(self._native.gather_globals_json())
+        GPU are read back. With ``limit_bytes`` (e.g. the budget) only while the GPU bytes stay
+        within it, those the iteration uses first first; the others stay stored. A dict:
+        ``read_back``, ``read_back_bytes``, ``kept_in_flight``, ``left_off``,
+        ``left_off_bytes``, ``waited_s``, ``used_bytes``."""
+        if limit_bytes is not None and (not isinstance(limit_bytes, int) or limit_bytes < 0):
+            raise InvalidArgumentError(f"gather_globals(limit_bytes={limit_bytes!r}): a byte count >= 0, or None")
+        return json.loads(self._native.gather_globals_json(limit_bytes))
 
     def modified(self, tensor_id: int) -> None:
         """The caller wrote global tensor ``tensor_id`` between iterations: its stored copy

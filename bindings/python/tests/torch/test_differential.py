@@ -19,6 +19,7 @@ engine's device paths.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -57,7 +58,7 @@ def _teraio():
 def arbitrary_case(draw):
     lengths = draw(st.lists(st.integers(4, MAX_SEQ), min_size=1, max_size=6, unique=True))
     steps = draw(st.lists(st.sampled_from(lengths), min_size=2, max_size=12))
-    gather = draw(st.booleans())
+    gather = draw(st.sampled_from([True, False, "budget"]))
     return {
         "model": draw(st.sampled_from(MODELS)),
         "seed": draw(st.integers(0, 2**16)),
@@ -73,9 +74,10 @@ def arbitrary_case(draw):
         # an eighth of the budget (a chunk's parameters, gradients and two states then half of it)
         "chunk": draw(st.sampled_from([None, 0, 8])),
         "device_memory": draw(st.booleans()),
-        # what the loop's own code does between steps (only with the gather: without it the
-        # contract is that nothing touches the globals between steps)
-        "between": draw(st.sampled_from(["none", "read", "write"])) if gather else "none",
+        # what the loop's own code does between steps (with gather False or "budget" inside
+        # Session.gathered(), which brings back what the plan's steady state keeps away or the
+        # gather left stored)
+        "between": draw(st.sampled_from(["none", "read", "write"])),
         "grads_to_none": draw(st.booleans()),
         # a new shape's first step runs under a larger shape's plan (profiled meanwhile)
         "bounded": draw(st.booleans()),
@@ -103,12 +105,14 @@ def _data(case):
     return [torch.randint(0, VOCAB, (case["batch"], s), generator=g).to(DEVICE) for s in case["steps"]]
 
 
-def _between(case, i, model, opt):
+def _between(case, i, model, opt, s=None):
     """The loop's code between steps: reads (a norm, logged) or writes (parameters and states
-    scaled) every few steps."""
+    scaled) every few steps; under a Session that does not gather everything between steps,
+    inside ``gathered()`` (what stays stored comes back for it)."""
     if case["between"] == "none" or i % 2 == 0:
         return None
-    with torch.no_grad():
+    gathered = s is not None and case["gather"] is not True
+    with torch.no_grad(), (s.gathered() if gathered else contextlib.nullcontext()):
         if case["between"] == "read":
             return float(sum(p.double().norm() for p in model.parameters()))
         for p in model.parameters():
@@ -144,7 +148,7 @@ def _train(case, session_kw=None, engine=None):
             opt.step()
             opt.zero_grad(set_to_none=case["grads_to_none"])
         losses.append(loss.detach().cpu().view(-1).view(torch.int32).item())  # the bits
-        seen.append(_between(case, i, model, opt))
+        seen.append(_between(case, i, model, opt, s))
     return losses, seen, model, opt, s
 
 

@@ -152,6 +152,66 @@ def test_planned_steps_run_on_the_engines_executor_with_the_same_losses(tmp_path
     s.close()
 
 
+@pytest.mark.parametrize("store_kind", ["engine", "engine-device"])
+def test_a_budgeted_gather_keeps_the_budget_and_gathered_brings_back_the_rest(tmp_path, store_kind):
+    """gather_between_steps="budget": between steps at most the budget is resident (the rest
+    stays stored, said once in the log), ``gathered()`` brings every tensor back for code that
+    touches them, and the training is plain training's, bitwise."""
+    ref_model, ref_opt = make()
+    ref_losses = []
+    for i, t in enumerate(batches(6)):
+        ref_losses.append(train_step(ref_model, ref_opt, t))
+        if i in (2, 4):
+            _halve(ref_model, ref_opt)
+    budget = 3 * params_bytes(ref_model)  # parameters, gradients and two AdamW states do not fit
+    model, opt = make()
+    lines = []
+    s = tt.Session(model, opt, store=engine_store(tmp_path, device=store_kind == "engine-device"),
+                   gpu_budget_bytes=budget, page_min_bytes=0, gather_between_steps="budget", log=lines.append)
+    losses, left_off = [], []
+    for i, t in enumerate(batches(6)):
+        with s.step():
+            losses.append(train_step(model, opt, t))
+        rec = s.steps[-1]
+        if rec["mode"] == "planned":
+            g = rec["gathered"]
+            assert g["used_bytes"] <= budget, g
+            left_off.append(g["left_off"])
+        if i in (2, 4):
+            with s.gathered():
+                (run,) = [e["run"] for e in s.plans.values() if e.get("run")]
+                for tid, x in run._globals:  # every one back, with its bytes
+                    assert x.untyped_storage().nbytes() == run.tensors[tid]["bytes"], run.tensors[tid]["name"]
+                _halve(model, opt)
+    assert losses == ref_losses
+    with s.gathered():  # (outside it, the tensors left stored have empty storages)
+        for p, q in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ref_opt.state[p][k], opt.state[q][k])
+    assert left_off and all(n > 0 for n in left_off), left_off
+    said = [ln for ln in lines if "stay in the store to keep the budget" in ln]
+    assert len(said) == 1 and "session.gathered()" in said[0], lines
+    s.close()
+
+
+def test_a_full_gather_past_the_budget_is_said_once(tmp_path):
+    model, opt = make()
+    lines = []
+    budget = 3 * params_bytes(model)
+    s = tt.Session(model, opt, store=engine_store(tmp_path), gpu_budget_bytes=budget, page_min_bytes=0,
+                   log=lines.append)
+    for t in batches(5):
+        with s.step():
+            train_step(model, opt, t)
+    planned = [r for r in s.steps if r["mode"] == "planned"]
+    assert planned and all(r["gathered"]["used_bytes"] > budget and r["gathered"]["left_off"] == 0
+                           for r in planned), planned
+    said = [ln for ln in lines if "past the budget" in ln]
+    assert len(said) == 1 and "gather_between_steps='budget'" in said[0], lines
+    s.close()
+
+
 def test_the_trace_peak_exceeds_the_budget_it_ran_under():
     ref_losses, ref_model = reference(3)
     budget = 3 * params_bytes(ref_model)
@@ -694,6 +754,8 @@ def test_session_arguments_are_checked_when_it_is_made(tmp_path):
         tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware=str(tmp_path / "hw.json"))
     with pytest.raises(ValueError, match="policy"):
         tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, policy="fastest")
+    with pytest.raises(ValueError, match=r"gather_between_steps must be True .*'budget'.*got 'all'"):
+        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, gather_between_steps="all")
     with pytest.raises(ValueError, match="engine"):
         tt.Session(model, opt, gpu_budget_bytes=1 << 20)
     teraio = pytest.importorskip("teraio")

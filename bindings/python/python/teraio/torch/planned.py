@@ -197,9 +197,11 @@ class PlannedRun:
         self.stall_s = 0.0
         self.stalls: dict[int, float] = {}  # kernel -> seconds waited before it, this step
         self.reports: list[Any] = []  # the last KEEP_REPORTS steps' executor reports
-        # between steps every global tensor resident (the executor's gather_globals), and what
-        # the caller's code wrote meanwhile told to the executor (the tensors' version counters)
+        # between steps every global tensor resident (the executor's gather_globals; True: every
+        # one; "budget": those that fit the budget, the others stay stored), and what the
+        # caller's code wrote meanwhile told to the executor (the tensors' version counters)
         self.gather = gather
+        self.left_off = 0  # global tensors the last gather left stored (they did not fit)
         self.gathers: list[Any] = []
         self._versions: dict[int, tuple[torch.Tensor, int | None]] = {}
         # on a GPU, the host runs at most ``max_ahead`` operators ahead of the GPU (0: no limit):
@@ -761,7 +763,7 @@ class PlannedRun:
             rep = None
         keep_last(self.reports, rep)
         if self.gather:
-            self.gather_globals()
+            self.gather_globals(self.budget if self.gather == "budget" else None)
         return rep
 
     def top_stalls(self, n: int = 5) -> list[tuple[int, str, float]]:
@@ -769,14 +771,16 @@ class PlannedRun:
         top = sorted(self.stalls.items(), key=lambda kv: -kv[1])[:n]
         return [(k, self.trace["kernels"][k]["name"], round(s, 6)) for k, s in top]
 
-    def gather_globals(self) -> Any:
+    def gather_globals(self, limit: int | None = None) -> Any:
         """Every global tensor resident with its bytes until the next step (the executor's
-        ``gather_globals``); the tensors' version counters noted, so writes by the caller's code
-        between steps reach the executor at the next step."""
+        ``gather_globals``; with ``limit``, as many as fit those bytes, the others stay stored);
+        the tensors' version counters noted, so writes by the caller's code between steps reach
+        the executor at the next step."""
         gather = getattr(self.ex, "gather_globals", None)
         if gather is None:
             return None
-        g = gather()
+        g = gather(limit) if limit is not None else gather()
+        self.left_off = g.get("left_off", 0) if isinstance(g, dict) else 0
         keep_last(self.gathers, g)
         self._versions = {tid: (t, _version(t)) for tid, t in self._moved_globals}
         return g
@@ -787,7 +791,7 @@ class PlannedRun:
         copies are not freed."""
         if self.poisoned:
             return  # the memory it holds is not the tensors' any more: leave it untouched
-        if not self._versions:
+        if not self._versions or self.left_off:
             self.gather_globals()
         self._releasing_deaths = True  # memory handed back at the end is resident, keep it
         try:

@@ -129,8 +129,13 @@ class Session:
     True): steps with a plan run it on the engine's executor (False: every step pages).
     ``gather_between_steps`` (default True): after a planned step every parameter, gradient and
     optimizer state is resident and complete, and writes to them before the next step are seen
-    (version counters); False keeps the plan's steady state between steps, for loops whose code
-    between steps touches none of them. ``max_ahead`` (GPU, planned steps; 0: no limit): the host
+    (version counters); when they do not fit the budget together this passes it between steps
+    (said once in the log). ``"budget"``: they come back as far as the budget allows (those the
+    next step uses first first), the others stay stored with empty storages until the next step
+    or :meth:`gathered`; code between steps that touches any of them then runs inside
+    ``with session.gathered():`` (PyTorch does not check a storage's size: a kernel reading an
+    empty one may crash the process). False keeps the plan's steady state between steps, for
+    loops whose code between steps touches none of them (or does so inside ``gathered()``). ``max_ahead`` (GPU, planned steps; 0: no limit): the host
     runs at most this many operators ahead of the GPU, so the executor sees memory freed and
     transfers done close to when the GPU does (a prefetch into memory granted late is ordered
     after all work queued before it). ``recompute`` (default True): traces say how activations
@@ -235,7 +240,12 @@ class Session:
         # steps sees them all; without it the plan's steady state stays (faster, and then only
         # the next step may touch parameters, gradients and optimizer states)
         self.planned = planned
+        if gather_between_steps not in (True, False, "budget"):
+            raise ValueError("gather_between_steps must be True (every parameter, gradient and optimizer "
+                             "state back between steps), 'budget' (as many as the budget allows) or False "
+                             f"(none), got {gather_between_steps!r}")
         self.gather_between_steps = gather_between_steps
+        self._left_off_said = False
         if max_ahead < 0:
             raise ValueError(f"max_ahead must be >= 0, got {max_ahead}")
         self.max_ahead = max_ahead
@@ -348,6 +358,8 @@ class Session:
             rec["executor"] = rep
             if run.gather and run.gathers:
                 rec["gathered"] = run.gathers[-1]
+                g = rec["gathered"] if isinstance(rec["gathered"], dict) else {}
+                self._say_gather(run, g)
             rec["top_stalls"] = run.top_stalls()
             if run.recomputed:
                 rec["recomputed"] = run.recomputed
@@ -410,6 +422,38 @@ class Session:
             self._alloc_counts = counts
         if self.report_every and (n + 1) % self.report_every == 0:
             self.log(self.line(rec))
+
+    def _say_gather(self, run: PlannedRun, g: dict[str, Any]) -> None:
+        """Once per session: the gather between steps passed the budget, or left tensors
+        stored to keep it."""
+        if self._left_off_said or run.bounded or not g:
+            return
+        if g.get("left_off"):
+            self._left_off_said = True
+            self.log(f"teraio: between steps {g['left_off']} parameter, gradient and optimizer-state "
+                     f"tensors ({g['left_off_bytes'] / 1e9:.2f} GB) stay in the store to keep the budget "
+                     "(gather_between_steps='budget'); code between steps that reads or writes them runs "
+                     "inside `with session.gathered():`")
+        elif run.gather is True and g.get("used_bytes", 0) > run.budget:
+            self._left_off_said = True
+            self.log(f"teraio: between steps the parameters, gradients and optimizer states take "
+                     f"{g['used_bytes'] / 1e9:.2f} GB, past the budget of {run.budget / 1e9:.2f} GB; "
+                     "Session(gather_between_steps='budget') keeps the budget (code between steps that "
+                     "touches them then runs inside `with session.gathered():`)")
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator["Session"]:
+        """Between steps: every parameter, gradient and optimizer state resident and complete
+        inside the block, past the budget if they do not fit it (evaluation, a checkpoint, code
+        that reads or writes them all); writes inside it are seen by the next step. The next
+        planned step puts them back where its plan starts them. (Also with
+        ``gather_between_steps=False``.)"""
+        key = self._live_key
+        entry = self.plans.get(key) if key is not None else None
+        run = entry.get("run") if entry else None
+        if run and (run.gather is False or run.left_off):
+            run.gather_globals(None)
+        yield self
 
     def _abandon(self, mode: "_StepMode") -> None:
         """A step whose body raised: a planned one ends in the executor's safe mode (everything
