@@ -96,6 +96,11 @@ fn main() {
             e.exit()
         }
     };
+    // The engine never prints: what it has to say (a fallback taken, a cleanup that failed)
+    // comes here and goes to stderr beside the command's own output.
+    teraio_engine::notice::set_sink(Some(std::sync::Arc::new(
+        |n: &teraio_engine::notice::Notice| eprintln!("{n}"),
+    )));
     let result = match cli.command {
         Command::Run(a) => cmd::run::run(a),
         Command::Bench(a) => cmd::bench::run(a),

@@ -595,7 +595,9 @@ impl DeviceArray {
                 BackendKind::Uring => match uring::probe() {
                     Ok(()) => true,
                     Err(e) => {
-                        eprintln!("teraio: notice: io_uring is not available ({e}); using psync");
+                        crate::notice::info(format!(
+                            "io_uring is not available ({e}); using psync"
+                        ));
                         false
                     }
                 },

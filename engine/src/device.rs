@@ -196,10 +196,10 @@ fn open_path_inner(
     let (file, direct) = match open(true) {
         Ok(f) => (f, true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) && !is_block => {
-            eprintln!(
-                "teraio: notice: {} does not support O_DIRECT; using buffered I/O",
+            crate::notice::info(format!(
+                "{} does not support O_DIRECT; using buffered I/O",
                 path.display()
-            );
+            ));
             (open(false).map_err(|e| os_err(format!("opening {}", path.display()), e))?, false)
         }
         Err(e) if is_block && e.raw_os_error() == Some(libc::EBUSY) => {

@@ -876,6 +876,24 @@ impl Executor {
         Ok(())
     }
 
+    /// The caller left the plan at kernel `k` for a reason of its own (`detail`: an operator the
+    /// trace does not have, a tensor of another size): safe mode from now on, as when
+    /// [`boundary_named`](Self::boundary_named) finds another kernel name (nothing more is
+    /// offloaded, everything offloaded comes back; [`diverged`](Self::diverged) and the
+    /// iteration's report say where and why). After `start`; a second call keeps the first
+    /// divergence.
+    pub fn leave_plan(&mut self, k: usize, detail: &str) -> Result<()> {
+        if self.phase == Phase::Setup {
+            return Err(Error::InvalidArgument(format!(
+                "leave_plan({k}) before start: there is no plan to leave yet"
+            )));
+        }
+        if self.safe.is_none() {
+            let _ = self.diverge(k, format!("the caller left the plan: {detail}"));
+        }
+        Ok(())
+    }
+
     /// Like [`boundary`](Self::boundary), checking the caller's kernel name against the trace's.
     pub fn boundary_named(&mut self, k: usize, name: &str) -> Result<()> {
         if self.safe.is_none()
@@ -1259,7 +1277,9 @@ impl Executor {
                     _ => false,
                 };
                 if !on_stream && let Err(e) = f.wait() {
-                    eprintln!("teraio: waiting for a copy before memory goes back failed: {e}");
+                    crate::notice::error(format!(
+                        "waiting for a copy before memory goes back failed: {e}"
+                    ));
                 }
             }
             d.set_ready(None);

@@ -27,6 +27,7 @@ mod error;
 pub mod executor;
 pub mod gpucrc;
 pub mod migrate;
+pub mod notice;
 pub mod pool;
 pub mod runtime;
 pub mod store;

@@ -270,9 +270,9 @@ impl BufferPool {
         } else if thp_available() {
             PageBacking::TransparentHuge
         } else {
-            eprintln!(
-                "teraio: notice: no huge pages reserved and transparent huge pages disabled; \
-                 I/O buffers use ordinary pages (large transfers may be split)"
+            crate::notice::info(
+                "no huge pages reserved and transparent huge pages disabled; I/O buffers use \
+                 ordinary pages (large transfers may be split)",
             );
             PageBacking::Normal
         };
@@ -473,10 +473,11 @@ impl BufferPool {
             Ok(()) => r.pinned = true,
             Err(e) => {
                 if !self.pin_failed.swap(true, Ordering::Relaxed) {
-                    eprintln!(
-                        "teraio: page-locking a {}-byte host buffer failed ({e}); copies between it and the GPU go through the driver's staging (slower)",
+                    crate::notice::warning(format!(
+                        "page-locking a {}-byte host buffer failed ({e}); copies between it and \
+                         the GPU go through the driver's staging (slower)",
                         r.capacity
-                    );
+                    ));
                 }
             }
         }
@@ -723,12 +724,23 @@ mod tests {
     }
 
     #[test]
-    fn a_failing_pinner_leaves_buffers_usable() {
+    fn a_failing_pinner_leaves_buffers_usable_and_says_so_once_without_printing() {
+        let _serial = crate::notice::tests::SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        crate::notice::take_all();
         let p = pool(16 << 20);
         p.pin_with(Arc::new(CountingPinner { fail: true, ..Default::default() })).unwrap();
         let mut a = p.alloc(4 << 20).unwrap();
+        let b = p.alloc(4 << 20).unwrap(); // a second mapping, a second failed pin
         a.fill(7);
         assert!(a.iter().all(|&x| x == 7));
+        drop(b);
+        let said: Vec<_> = crate::notice::take_all()
+            .into_iter()
+            .filter(|n| n.message.starts_with("page-locking a"))
+            .collect();
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert_eq!(said[0].level, crate::notice::Level::Warning);
+        assert!(said[0].message.contains("slower"), "{}", said[0].message);
     }
 
     #[test]

@@ -361,7 +361,7 @@ impl Emulation {
     }
 }
 
-/// `TERAIO_DEBUG_STALLS=1` prints every stall longer than 20 ms.
+/// `TERAIO_DEBUG_STALLS=1`: a notice ([`crate::notice`]) for every stall longer than 20 ms.
 fn debug_stalls() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TERAIO_DEBUG_STALLS").is_some_and(|v| v != "0"))
@@ -581,15 +581,15 @@ fn run_kernel(
     let waited = ex.before_kernel(k)?;
     emu.events(ex);
     if debug_stalls() && waited > Duration::from_millis(20) {
-        eprintln!(
-            "teraio: stall {:.1} ms before kernel {k} ({}) at {:.3} s; GPU {} of {} bytes in use, {} migrations in flight",
+        crate::notice::info(format!(
+            "stall {:.1} ms before kernel {k} ({}) at {:.3} s; GPU {} of {} bytes in use, {} migrations in flight",
             waited.as_secs_f64() * 1e3,
             trace.kernels[k].name,
             iteration_start.elapsed().as_secs_f64(),
             ex.used_bytes(),
             cfg.gpu_capacity_bytes,
             ex.in_flight()
-        );
+        ));
     }
     for &t in creations {
         emu.owe(t, Check::Fill(0));
@@ -600,12 +600,12 @@ fn run_kernel(
         let t0 = Instant::now();
         emu.check(ex, t.index(), u64::MAX)?;
         if debug_stalls() && t0.elapsed() > Duration::from_millis(20) {
-            eprintln!(
-                "teraio: kernel {k}: checking tensor {} ({} bytes) took {:.1} ms",
+            crate::notice::info(format!(
+                "kernel {k}: checking tensor {} ({} bytes) took {:.1} ms",
                 t.index(),
                 trace.tensors[t.index()].bytes,
                 t0.elapsed().as_secs_f64() * 1e3
-            );
+            ));
         }
     }
     let deadline =
@@ -625,12 +625,12 @@ fn run_kernel(
     let over = start.elapsed().saturating_sub(deadline - start);
     *overrun += over;
     if debug_stalls() && over > Duration::from_millis(20) {
-        eprintln!(
-            "teraio: kernel {k} ({}) ran {:.1} ms over its {:.1} ms",
+        crate::notice::info(format!(
+            "kernel {k} ({}) ran {:.1} ms over its {:.1} ms",
             trace.kernels[k].name,
             over.as_secs_f64() * 1e3,
             trace.kernels[k].duration_us * 1e-3 * cfg.time_scale
-        );
+        ));
     }
     ex.after_kernel(k)?;
     emu.events(ex);

@@ -36,7 +36,7 @@ use rand::{Rng, SeedableRng};
 use store_common::{MIB, bytes_of, host_zeroed, pool};
 use teraio_engine::Error;
 use teraio_engine::array::{ArrayConfig, DeviceArray, ExistingData, Target};
-use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp, corrupt_ssd_copy};
+use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::migrate::{Handle, Priority};
 use teraio_engine::pool::BufferPool;
 use teraio_engine::store::{
@@ -609,7 +609,7 @@ impl Case {
             return;
         }
         self.note(format!("corrupt the SSD copy of {id}"));
-        if corrupt_ssd_copy(self.store(), &self.disks, id).is_none() {
+        if self.store().corrupt_ssd_copy(&self.disks, id).is_none() {
             self.fail(&format!("tensor {id} has no SSD copy to corrupt"));
         }
         let t = &mut self.tensors[id as usize];

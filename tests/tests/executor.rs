@@ -755,11 +755,16 @@ fn assert_skip_diverges(e: &Error, at: usize, expected: usize) {
     }
 }
 
-#[test]
-fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
-    let (trace, p, budget) = squeezed();
-    let rig = rig(256 << 20);
-    let mut ex = tier_executor(&rig, &trace, &p, budget, true);
+/// Globals attached (version 0), started, and the first half of an iteration run as planned,
+/// the tensors it creates written at version 7: the executor, each tensor's version, and the
+/// kernel it stopped before.
+fn half_an_iteration(
+    rig: &Rig,
+    trace: &Trace,
+    p: &Plan,
+    budget: u64,
+) -> (Executor, Vec<u32>, usize) {
+    let mut ex = tier_executor(rig, trace, p, budget, true);
     let mut version = vec![0u32; trace.tensors.len()];
     for (i, t) in trace.tensors.iter().enumerate() {
         if t.global {
@@ -769,7 +774,6 @@ fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
         }
     }
     ex.start().unwrap();
-    // Half an iteration, as planned.
     let half = trace.kernels.len() / 2;
     for k in 0..half {
         ex.before_kernel(k).unwrap();
@@ -781,12 +785,12 @@ fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
         }
         ex.after_kernel(k).unwrap();
     }
-    assert!(ex.in_flight() > 0 || ex.used_bytes() < budget);
-    // The trainer skips a kernel: a clear divergence, naming where.
-    assert_skip_diverges(&ex.before_kernel(half + 1).unwrap_err(), half + 1, half);
-    assert!(ex.diverged().is_some());
-    // Safe mode: the next call waits until everything offloaded is back, nothing is lost.
-    ex.before_kernel(half + 1).unwrap();
+    (ex, version, half)
+}
+
+/// In safe mode after [`half_an_iteration`]: every tensor alive at `half` is resident with its
+/// bytes.
+fn assert_all_back(ex: &Executor, trace: &Trace, version: &[u32], half: usize) {
     for (i, t) in trace.tensors.iter().enumerate() {
         let alive = t.global || (t.created_by.unwrap() < half && t.dies_after.unwrap() >= half);
         if alive {
@@ -794,8 +798,43 @@ fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
             check(mem, i, version[i]).unwrap();
         }
     }
+}
+
+#[test]
+fn a_shorter_iteration_diverges_and_safe_mode_brings_everything_back() {
+    let (trace, p, budget) = squeezed();
+    let rig = rig(256 << 20);
+    let (mut ex, version, half) = half_an_iteration(&rig, &trace, &p, budget);
+    assert!(ex.in_flight() > 0 || ex.used_bytes() < budget);
+    // The trainer skips a kernel: a clear divergence, naming where.
+    assert_skip_diverges(&ex.before_kernel(half + 1).unwrap_err(), half + 1, half);
+    assert!(ex.diverged().is_some());
+    // Safe mode: the next call waits until everything offloaded is back, nothing is lost.
+    ex.before_kernel(half + 1).unwrap();
+    assert_all_back(&ex, &trace, &version, half);
     let r = ex.end_iteration().unwrap();
     assert!(r.diverged.is_some());
+    ex.finish().unwrap();
+}
+
+#[test]
+fn leaving_the_plan_explicitly_is_safe_mode_with_the_callers_reason() {
+    let (trace, p, budget) = squeezed();
+    let rig = rig(256 << 20);
+    let mut early = tier_executor(&rig, &trace, &p, budget, true);
+    assert!(matches!(early.leave_plan(0, "too early"), Err(Error::InvalidArgument(_))));
+    let (mut ex, version, half) = half_an_iteration(&rig, &trace, &p, budget);
+    assert!(ex.diverged().is_none());
+    ex.leave_plan(half, "an operator the trace does not have").unwrap();
+    ex.leave_plan(half + 1, "a second reason").unwrap(); // the first divergence stays
+    let d = ex.diverged().expect("safe mode");
+    assert_eq!(d.kernel, half);
+    assert!(d.detail.contains("an operator the trace does not have"), "{}", d.detail);
+    // Safe mode: the next kernel waits until everything offloaded is back.
+    ex.before_kernel(half).unwrap();
+    assert_all_back(&ex, &trace, &version, half);
+    let r = ex.end_iteration().unwrap();
+    assert!(r.diverged.as_ref().is_some_and(|d| d.detail.contains("the caller left the plan")));
     ex.finish().unwrap();
 }
 

@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use teraio_engine::Error;
-use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp, corrupt_ssd_copy};
+use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::executor::{Executor, ExecutorConfig, TierAllocator};
 use teraio_engine::pool::BufferPool;
 use teraio_engine::runtime::{
@@ -225,7 +225,7 @@ fn a_corrupt_copy_stops_its_iteration_and_the_next_one_runs() {
                 && k >= at
                 && corrupted.is_none()
                 && let Some(t) = victim(&r, k)
-                && let Some(dev) = corrupt_ssd_copy(&r.store, &r.disks, t as u64)
+                && let Some(dev) = r.store.corrupt_ssd_copy(&r.disks, t as u64)
             {
                 corrupted = Some((t, dev));
             }
@@ -261,7 +261,7 @@ fn a_lost_global_tensor_ends_the_replay_with_an_error_naming_it() {
         if it == 1 && k == 0 && corrupted.is_none() {
             for &t in &offloaded {
                 let on_ssd = r.store.info(t as u64).is_some_and(|x| x.location == Location::OnSsd);
-                if on_ssd && let Some(dev) = corrupt_ssd_copy(&r.store, &r.disks, t as u64) {
+                if on_ssd && let Some(dev) = r.store.corrupt_ssd_copy(&r.disks, t as u64) {
                     corrupted = Some((t, dev));
                     break;
                 }
@@ -378,7 +378,7 @@ fn a_trainer_that_starts_over_at_kernel_0_after_a_lost_tensor_goes_on() {
                 && corrupted.is_none()
                 && let Some(t) = victim(&r, k)
             {
-                corrupted = corrupt_ssd_copy(&r.store, &r.disks, t as u64).map(|_| t);
+                corrupted = r.store.corrupt_ssd_copy(&r.disks, t as u64).map(|_| t);
             }
             match ex.before_kernel(k) {
                 Ok(_) => ex.after_kernel(k).unwrap(),

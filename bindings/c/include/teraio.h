@@ -44,6 +44,18 @@
 // Version of this C ABI: bumped when a function's signature or meaning changes.
 #define TERAIO_ABI_VERSION 1
 
+// Notice level: a choice the library made that the caller may want to know (a slower
+// fallback taken: no io_uring, no O_DIRECT).
+#define TERAIO_NOTICE_INFO 0
+
+// Notice level: something went wrong and was worked around (a host buffer that could not be
+// page-locked).
+#define TERAIO_NOTICE_WARNING 1
+
+// Notice level: something failed where no call could return the error (a final checkpoint in
+// a destructor).
+#define TERAIO_NOTICE_ERROR 2
+
 // The executor asks for memory of a tensor a kernel creates (`allocate_created`).
 #define TERAIO_ALLOC_CREATE 0
 
@@ -165,6 +177,21 @@ const char *teraio_status_name(teraio_status status);
 // Free a string returned by teraio (JSON results). NULL is accepted and does nothing; a
 // pointer teraio did not return, or one already freed, gives `TERAIO_ERR_INVALID_HANDLE`.
 teraio_status teraio_string_free(char *s);
+
+// Take the oldest waiting notice. teraio never prints: what it has to say outside a call's
+// result waits in a queue of the latest 256 notices until taken here. `*out_message` is NULL
+// when none waits, else the notice's text (free it with `teraio_string_free`) and
+// `*out_level` one of `TERAIO_NOTICE_*`.
+//
+// # Safety
+// `out_level` and `out_message` are valid for writes.
+teraio_status teraio_take_notice(int32_t *out_level, char **out_message);
+
+// How many notices were dropped, the queue being full, since the last call.
+//
+// # Safety
+// `out_count` is valid for a write.
+teraio_status teraio_notices_dropped(uint64_t *out_count);
 
 // Open an engine from a TOML configuration (the keys of docs/C_ABI.md; e.g.
 // `dir = "/tmp/t"\nfiles = 2\nfile_size = "256M"\npersistent = true`).
@@ -496,6 +523,14 @@ teraio_status teraio_executor_start(teraio_executor *executor);
 // # Safety
 // `name` is NULL or a NUL-terminated string.
 teraio_status teraio_executor_boundary(teraio_executor *executor, size_t k, const char *name);
+
+// The iteration left the plan at kernel `k` for a reason of the caller's (`detail`, may be
+// NULL): safe mode until it ends (nothing more offloaded, everything offloaded read back; the
+// report's `diverged` says where and why). After `teraio_executor_start`.
+//
+// # Safety
+// `detail` is NULL or a NUL-terminated string.
+teraio_status teraio_executor_leave_plan(teraio_executor *executor, size_t k, const char *detail);
 
 // Without blocking: issue boundary `k` if not yet, collect what finished, and say whether
 // kernel `k` can run (`TERAIO_OK` with `*ready` set).

@@ -381,6 +381,26 @@ pub unsafe extern "C" fn teraio_executor_boundary(
     })
 }
 
+/// The iteration left the plan at kernel `k` for a reason of the caller's (`detail`, may be
+/// NULL): safe mode until it ends (nothing more offloaded, everything offloaded read back; the
+/// report's `diverged` says where and why). After `teraio_executor_start`.
+///
+/// # Safety
+/// `detail` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_executor_leave_plan(
+    executor: *mut teraio_executor,
+    k: usize,
+    detail: *const c_char,
+) -> teraio_status {
+    guard("teraio_executor_leave_plan", || {
+        // SAFETY: forwarded contract.
+        let detail = unsafe { opt_str(detail, "detail") }?;
+        with_ex(executor, |ex, _| ex.leave_plan(k, detail.unwrap_or("(no detail)")))?;
+        Ok(Status::Ok)
+    })
+}
+
 /// Without blocking: issue boundary `k` if not yet, collect what finished, and say whether
 /// kernel `k` can run (`TERAIO_OK` with `*ready` set).
 ///

@@ -233,6 +233,67 @@ pub extern "C" fn teraio_string_free(s: *mut c_char) -> teraio_status {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Notices
+
+/// Notice level: a choice the library made that the caller may want to know (a slower
+/// fallback taken: no io_uring, no O_DIRECT).
+pub const TERAIO_NOTICE_INFO: i32 = 0;
+/// Notice level: something went wrong and was worked around (a host buffer that could not be
+/// page-locked).
+pub const TERAIO_NOTICE_WARNING: i32 = 1;
+/// Notice level: something failed where no call could return the error (a final checkpoint in
+/// a destructor).
+pub const TERAIO_NOTICE_ERROR: i32 = 2;
+
+/// Take the oldest waiting notice. teraio never prints: what it has to say outside a call's
+/// result waits in a queue of the latest 256 notices until taken here. `*out_message` is NULL
+/// when none waits, else the notice's text (free it with `teraio_string_free`) and
+/// `*out_level` one of `TERAIO_NOTICE_*`.
+///
+/// # Safety
+/// `out_level` and `out_message` are valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_take_notice(
+    out_level: *mut i32,
+    out_message: *mut *mut c_char,
+) -> teraio_status {
+    guard("teraio_take_notice", || {
+        ffi::need(out_level, "out_level")?;
+        ffi::need(out_message, "out_message")?;
+        let Some(n) = ::teraio_engine::notice::take() else {
+            // SAFETY: checked non-null; the caller guarantees validity.
+            unsafe { ffi::put(out_message, "out_message", std::ptr::null_mut())? };
+            return Ok(Status::Ok);
+        };
+        let level = match n.level {
+            ::teraio_engine::notice::Level::Info => TERAIO_NOTICE_INFO,
+            ::teraio_engine::notice::Level::Warning => TERAIO_NOTICE_WARNING,
+            ::teraio_engine::notice::Level::Error => TERAIO_NOTICE_ERROR,
+        };
+        // SAFETY: checked non-null; the caller guarantees validity.
+        unsafe {
+            ffi::put(out_level, "out_level", level)?;
+            ffi::put_string(out_message, "out_message", n.message)?;
+        }
+        Ok(Status::Ok)
+    })
+}
+
+/// How many notices were dropped, the queue being full, since the last call.
+///
+/// # Safety
+/// `out_count` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_notices_dropped(out_count: *mut u64) -> teraio_status {
+    guard("teraio_notices_dropped", || {
+        ffi::need(out_count, "out_count")?;
+        // SAFETY: checked non-null; the caller guarantees validity.
+        unsafe { ffi::put(out_count, "out_count", ::teraio_engine::notice::take_dropped())? };
+        Ok(Status::Ok)
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
 // Engines
 
 fn open_into(

@@ -1,5 +1,5 @@
 //! A seeded random fuzzer over the C ABI's argument space, in-process through the `extern "C"`
-//! functions: every one of the 54 exported functions, called in random order with live, stale
+//! functions: every one of the 57 exported functions, called in random order with live, stale
 //! (closed, freed), wrong-kind, NULL and made-up handles; NULL, valid and misaligned pointers;
 //! lengths from 0 to `SIZE_MAX`; valid and mangled configurations, traces, plans, hardware and
 //! policy names. The contract it checks: every call returns a known status and never
@@ -762,6 +762,28 @@ impl Fuzz {
             assert_eq!(teraio_abi_version(), TERAIO_ABI_VERSION);
             self.end("static", TERAIO_OK);
         }
+        if self.rng.chance(3) {
+            let mut slot2 = [0u8; 64];
+            let level: *mut i32 = self.out(&mut slot);
+            let msg: *mut *mut c_char = self.out(&mut slot2);
+            self.begin(format!("take_notice {level:p} {msg:p}"));
+            // SAFETY: valid, NULL or misaligned out-pointers (written unaligned).
+            let s = unsafe { teraio_take_notice(level, msg) };
+            self.end("take_notice", s);
+            if s == TERAIO_OK {
+                // SAFETY: written on success (NULL when no notice waited).
+                let p = unsafe { msg.read_unaligned() };
+                if !p.is_null() {
+                    self.strings.push(p);
+                }
+            }
+            let mut slot3 = [0u8; 64];
+            let count: *mut u64 = self.out(&mut slot3);
+            self.begin(format!("notices_dropped {count:p}"));
+            // SAFETY: as above.
+            let s = unsafe { teraio_notices_dropped(count) };
+            self.end("notices_dropped", s);
+        }
     }
 
     fn hardware(&mut self) -> Option<CString> {
@@ -909,6 +931,10 @@ impl Fuzz {
                     ("use_device_memory", teraio_executor_use_device_memory(x, e, 0))
                 }
                 2 => ("executor_start", teraio_executor_start(x)),
+                3 if self.rng.chance(25) => {
+                    let n = self.string(&["an operator the trace lacks", ""]);
+                    ("executor_leave_plan", teraio_executor_leave_plan(x, k, opt(&n)))
+                }
                 3 => {
                     let n = self.string(&["k0", "k1"]);
                     ("executor_boundary", teraio_executor_boundary(x, k, opt(&n)))

@@ -197,6 +197,46 @@ fn open_persistent(dir: &std::path::Path) -> *mut teraio_engine {
     e
 }
 
+/// From now on this process may not write past 4 KiB of any file (`prlimit --fsize`).
+fn no_writes_past_4k() {
+    let limit = std::process::Command::new("prlimit")
+        .args(["--pid", &std::process::id().to_string(), "--fsize=4096:4096"])
+        .status()
+        .expect("prlimit (util-linux) runs");
+    assert!(limit.success());
+}
+
+/// Run test `child` of this binary in a child process with `env` set to `dir`; its stdout and
+/// stderr (it must succeed). SIGXFSZ is ignored (the shell's `trap ''` survives exec), so a
+/// write past the child's file size limit fails with EFBIG instead of killing it.
+fn run_child(child: &str, env: &str, dir: &std::path::Path) -> (String, String) {
+    let out = std::process::Command::new("sh")
+        .args(["-c", &format!("trap '' XFSZ; exec \"$0\" --exact {child} --nocapture")])
+        .arg(std::env::current_exe().unwrap())
+        .env(env, dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    (stdout, stderr)
+}
+
+/// Every waiting notice on stdout (`NOTICE <level> <text>`), for a parent test to read: the
+/// library never prints, what it had to say waits in its queue.
+fn print_notices() {
+    loop {
+        let (mut level, mut msg) = (-1i32, null_mut());
+        // SAFETY: valid out-pointers.
+        let s = unsafe { teraio_take_notice(&mut level, &mut msg) };
+        assert_eq!(s, TERAIO_OK, "{}", last_error());
+        if msg.is_null() {
+            break;
+        }
+        println!("NOTICE {level} {}", take_string(msg));
+    }
+}
+
 /// The child of the next test: a persistent engine whose final checkpoint cannot be written (the
 /// process may not write past 4 KiB of any file from then on: `prlimit --fsize`).
 #[test]
@@ -212,30 +252,24 @@ fn checkpoint_failure_child() {
     };
     assert_eq!(s, TERAIO_OK, "{}", last_error());
     assert_eq!(teraio_op_free(op), TERAIO_OK, "{}", last_error());
-    let limit = std::process::Command::new("prlimit")
-        .args(["--pid", &std::process::id().to_string(), "--fsize=4096:4096"])
-        .status()
-        .expect("prlimit (util-linux) runs");
-    assert!(limit.success());
+    no_writes_past_4k();
     let s = teraio_engine_close(e);
     println!("CLOSE STATUS {s} {}", last_error());
+    print_notices();
 }
 
 #[test]
 fn close_reports_a_failed_final_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    // SIGXFSZ ignored (the shell's `trap ''` survives exec), so a write past the limit fails
-    // with EFBIG instead of killing the child.
-    let out = std::process::Command::new("sh")
-        .args(["-c", "trap '' XFSZ; exec \"$0\" --exact checkpoint_failure_child --nocapture"])
-        .arg(std::env::current_exe().unwrap())
-        .env("TERAIO_CLOSE_CHILD_DIR", dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let (stdout, stderr) =
+        run_child("checkpoint_failure_child", "TERAIO_CLOSE_CHILD_DIR", dir.path());
     let line = stdout.lines().find(|l| l.starts_with("CLOSE STATUS")).expect("the child closed");
     assert!(line.starts_with(&format!("CLOSE STATUS {TERAIO_ERR_IO} ")), "{line}");
+    // Reported by the call, never printed by the library.
+    assert!(!stderr.contains("checkpoint"), "the library printed: {stderr}");
+    for n in stdout.lines().filter(|l| l.starts_with("NOTICE ")) {
+        assert!(n.starts_with(&format!("NOTICE {TERAIO_NOTICE_ERROR} checkpoint")), "{n}");
+    }
     // The journal had everything: the tensor is there after a reopen.
     let e = open_persistent(dir.path());
     let mut id = 0u64;
@@ -244,4 +278,57 @@ fn close_reports_a_failed_final_checkpoint() {
     assert_eq!(unsafe { teraio_lookup(e, name.as_ptr(), &mut id) }, TERAIO_OK, "{}", last_error());
     assert_eq!(id, 7);
     assert_eq!(teraio_engine_close(e), TERAIO_OK, "{}", last_error());
+}
+
+/// The child of the next test: a persistent engine closed while an executor still holds its
+/// store; then the process may not write past 4 KiB, and freeing the executor drops the store,
+/// whose final checkpoint fails where no call can return the error.
+#[test]
+fn notice_child() {
+    let Some(dir) = std::env::var_os("TERAIO_NOTICE_CHILD_DIR") else { return };
+    let e = open_persistent(std::path::Path::new(&dir));
+    let t = small_trace(4);
+    let ex = executor(e, t);
+    assert_eq!(teraio_engine_close(e), TERAIO_OK, "{}", last_error());
+    no_writes_past_4k();
+    assert_eq!(teraio_executor_free(ex), TERAIO_OK, "{}", last_error());
+    assert_eq!(teraio_trace_free(t), TERAIO_OK);
+    print_notices();
+    let mut dropped = 7u64;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { teraio_notices_dropped(&mut dropped) }, TERAIO_OK);
+    println!("DROPPED {dropped}");
+}
+
+#[test]
+fn a_failure_inside_a_destructor_is_a_notice_not_a_print() {
+    let dir = tempfile::tempdir().unwrap();
+    let (stdout, stderr) = run_child("notice_child", "TERAIO_NOTICE_CHILD_DIR", dir.path());
+    let notices: Vec<&str> = stdout.lines().filter(|l| l.starts_with("NOTICE ")).collect();
+    assert_eq!(notices.len(), 1, "{stdout}");
+    assert!(
+        notices[0].starts_with(&format!("NOTICE {TERAIO_NOTICE_ERROR} checkpoint at close failed")),
+        "{}",
+        notices[0]
+    );
+    assert!(stdout.contains("DROPPED 0"), "{stdout}");
+    assert!(!stderr.contains("checkpoint"), "the library printed: {stderr}");
+}
+
+#[test]
+fn take_notice_names_a_null_result_pointer() {
+    let mut level = 0i32;
+    let mut msg = null_mut();
+    // SAFETY: NULL is what is being tested; the other pointers are valid.
+    unsafe {
+        assert_eq!(teraio_take_notice(std::ptr::null_mut(), &mut msg), TERAIO_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("out_level"), "{}", last_error());
+        assert_eq!(
+            teraio_take_notice(&mut level, std::ptr::null_mut()),
+            TERAIO_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("out_message"), "{}", last_error());
+        assert_eq!(teraio_notices_dropped(std::ptr::null_mut()), TERAIO_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("out_count"), "{}", last_error());
+    }
 }

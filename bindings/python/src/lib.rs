@@ -923,6 +923,10 @@ impl NativeExecutor {
         self.with(py, move |ex| ex.boundary_named(k, &name))
     }
 
+    fn leave_plan(&self, py: Python<'_>, k: usize, detail: String) -> PyRes<()> {
+        self.with(py, move |ex| ex.leave_plan(k, &detail))
+    }
+
     fn kernel_ready(&self, py: Python<'_>, k: usize) -> PyRes<bool> {
         self.with(py, |ex| ex.kernel_ready(k))
     }
@@ -1106,6 +1110,17 @@ fn status_codes() -> Vec<(&'static str, i32)> {
     core::Status::ALL.iter().map(|s| (s.python_class(), s.code())).collect()
 }
 
+/// The engine's queued notices, oldest first, as (level, message), and how many were dropped
+/// (the queue was full) since the last call; the package turns them into `TeraioWarning`s.
+#[pyfunction]
+fn take_notices() -> (Vec<(&'static str, String)>, u64) {
+    let notices = teraio_engine::notice::take_all();
+    (
+        notices.into_iter().map(|n| (n.level.name(), n.message)).collect(),
+        teraio_engine::notice::take_dropped(),
+    )
+}
+
 /// The native module.
 #[pymodule]
 fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -1124,5 +1139,6 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(compare_policies, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(take_notices, m)?)?;
     Ok(())
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp, corrupt_ssd_copy};
+use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::store::{Location, TensorStore};
 use teraio_scheduler::Trace;
 
@@ -182,7 +182,7 @@ impl Injector {
                     && store.info(*i as u64).is_some_and(|x| x.location == Location::OnSsd)
             });
             if let Some((i, t)) = victim
-                && let Some(dev) = corrupt_ssd_copy(store, &self.disks, i as u64)
+                && let Some(dev) = store.corrupt_ssd_copy(&self.disks, i as u64)
             {
                 *done = true;
                 said.push(format!(

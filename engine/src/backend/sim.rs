@@ -362,28 +362,6 @@ impl SimDisk {
     }
 }
 
-/// Flip the bytes of the first block of tensor `id`'s SSD copy on `disks` (the disks of the
-/// store's array, in array order), as silent corruption on a drive would: the next read of the
-/// copy fails its checksum. Returns the device corrupted, or `None` when the tensor has no SSD
-/// copy (for fault-injection tests and `teraio run --fault corrupt`).
-pub fn corrupt_ssd_copy(
-    store: &crate::store::TensorStore,
-    disks: &[Arc<SimDisk>],
-    id: crate::store::TensorId,
-) -> Option<u32> {
-    let map = store.info(id)?.stripe_map?;
-    let (device, extent) = map.extents().next()?;
-    let disk = disks.get(device as usize)?;
-    let len = extent.len.min(u64::from(disk.block_bytes())) as usize;
-    let mut block = vec![0u8; len];
-    disk.peek(extent.offset, &mut block);
-    for b in &mut block {
-        *b ^= 0xff;
-    }
-    disk.poke(extent.offset, &block);
-    Some(device)
-}
-
 /// Backend over simulated disks: a few worker threads execute requests against the disks.
 pub struct SimBackend {
     disks: Vec<Arc<SimDisk>>,

@@ -268,7 +268,8 @@ fn benign(e: &io::Error) -> bool {
 
 /// io_uring_enter failed for a reason that cannot be retried (a bug: EBADF, EFAULT...). The
 /// kernel may still write into the buffers of requests in flight, so unwinding (which would
-/// free them) is not safe: stop the process with the reason.
+/// free them) is not safe: stop the process with the reason (on stderr: the one place the
+/// library prints, since no notice survives the abort; see [`crate::notice`]).
 fn enter_failed(e: &io::Error) -> ! {
     eprintln!("teraio: fatal: io_uring_enter failed with requests in flight: {e}");
     std::process::abort()

@@ -252,7 +252,7 @@ impl Drop for Staging {
             // SAFETY: pinned in `new` by this runtime; every operation returned its buffers
             // (they are all in `free` now), so no copy uses them.
             if let Err(e) = unsafe { self.runtime.unpin_host(p as *mut u8) } {
-                eprintln!("teraio: unpinning a staging buffer failed: {e}");
+                crate::notice::warning(format!("unpinning a staging buffer failed: {e}"));
             }
         }
     }

@@ -31,6 +31,7 @@
 //! - A prefetch verifies the crc32c of every chunk (stripe unit) it read; a mismatch is
 //!   [`Error::ChecksumMismatch`] naming the tensor, never bad data.
 
+mod faults;
 mod gpu;
 mod persist;
 
@@ -368,7 +369,7 @@ impl Graveyard {
 impl Drop for Graveyard {
     fn drop(&mut self) {
         if let Err(e) = self.drain() {
-            eprintln!("teraio: waiting for copies from the host tier failed: {e}");
+            crate::notice::error(format!("waiting for copies from the host tier failed: {e}"));
         }
     }
 }
@@ -903,7 +904,10 @@ impl Drop for TensorStore {
         if self.inner.persist.as_ref().is_some_and(|p| !p.failed())
             && let Err(e) = self.inner.checkpoint()
         {
-            eprintln!("teraio: checkpoint at close failed (the journal still has everything): {e}");
+            crate::notice::error(format!(
+                "checkpoint at close failed (the journal still has everything; Engine::close \
+                 reports this as an error): {e}"
+            ));
         }
     }
 }

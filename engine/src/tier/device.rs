@@ -194,7 +194,7 @@ impl crate::pool::HostPinner for RuntimePinner {
     unsafe fn unpin(&self, ptr: *mut u8) {
         // SAFETY: forwarded contract (pinned by `pin`, unused now).
         if let Err(e) = unsafe { self.0.unpin_host(ptr) } {
-            eprintln!("teraio: unpinning a host-tier buffer failed: {e}");
+            crate::notice::warning(format!("unpinning a host-tier buffer failed: {e}"));
         }
     }
 }

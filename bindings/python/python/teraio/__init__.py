@@ -407,6 +407,44 @@ def _overrides(options: Dict[str, Any]) -> Optional[str]:
     return json.dumps({k: _jsonable(v) for k, v in options.items()}) if options else None
 
 
+class TeraioWarning(UserWarning):
+    """What the engine had to say that is not the result of a call: a slower fallback it took
+    (no io_uring, no O_DIRECT, a host buffer that could not be page-locked) or a cleanup that
+    failed where no call could raise (a final checkpoint when an engine was dropped unclosed).
+    teraio never prints; these are issued as warnings when an engine opens or closes and when
+    an executor ends an iteration or finishes (``warnings.simplefilter("error", TeraioWarning)``
+    makes them errors, ``"ignore"`` silences them), and :func:`notices` returns the waiting ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """One notice: ``level`` is "notice", "warning" or "error"."""
+
+    level: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"teraio: {self.level}: {self.message}"
+
+
+def notices() -> List[Notice]:
+    """The engine's notices not yet issued as :class:`TeraioWarning`, oldest first (taking
+    them: each is returned once). When more than 256 waited, the oldest were dropped and a
+    last notice says how many."""
+    taken, dropped = _teraio.take_notices()
+    out = [Notice(level, message) for level, message in taken]
+    if dropped:
+        out.append(Notice("warning", f"{dropped} earlier notices were dropped (more than 256 waited)"))
+    return out
+
+
+def _warn_notices() -> None:
+    import warnings
+
+    for n in notices():
+        warnings.warn(str(n), TeraioWarning, stacklevel=3)
+
+
 class Engine:
     """A teraio engine: the SSD array, the tensor store, the host tier and host buffers.
 
@@ -421,17 +459,23 @@ class Engine:
 
     def __init__(self, path: Optional[PathLike] = None, /, **options: Any) -> None:
         over = _overrides(options)
-        if path is None:
-            self._native = _teraio.NativeEngine("default", None, over)
-        else:
-            self._native = _teraio.NativeEngine("file", os.fspath(path), over)
+        try:
+            if path is None:
+                self._native = _teraio.NativeEngine("default", None, over)
+            else:
+                self._native = _teraio.NativeEngine("file", os.fspath(path), over)
+        finally:
+            _warn_notices()
 
     @classmethod
     def _from(cls, source: str, text: str, options: Dict[str, Any]) -> "Engine":
         if not isinstance(text, str):
             raise InvalidArgumentError(f"a configuration text is a str, not {type(text).__name__}")
         e = cls.__new__(cls)
-        e._native = _teraio.NativeEngine(source, text, _overrides(options))
+        try:
+            e._native = _teraio.NativeEngine(source, text, _overrides(options))
+        finally:
+            _warn_notices()
         return e
 
     @classmethod
@@ -614,7 +658,10 @@ class Engine:
         :class:`ClosedError` (also those of its executors); closing twice does nothing. A failed
         final checkpoint is raised (e.g. :class:`IoError`); the engine is closed all the same
         and the journal still has every acknowledged change."""
-        self._native.close()
+        try:
+            self._native.close()
+        finally:
+            _warn_notices()
 
     def __enter__(self) -> "Engine":
         return self
@@ -720,6 +767,12 @@ class Executor:
         """:meth:`boundary`, checking the caller's kernel name against the trace's."""
         self._native.boundary_named(k, name)
 
+    def leave_plan(self, k: int, detail: str) -> None:
+        """The iteration left the plan at kernel ``k`` (``detail``: why, in the caller's words):
+        safe mode until it ends (nothing more offloaded, everything offloaded read back); the
+        report's ``diverged`` says where and why."""
+        self._native.leave_plan(k, detail)
+
     def kernel_ready(self, k: int) -> bool:
         """Non-blocking: whether kernel ``k`` can run now."""
         return self._native.kernel_ready(k)
@@ -787,7 +840,10 @@ class Executor:
         memory timeline, store statistics). ``timeline=False``: ``memory_timeline`` is empty (a
         caller that ends an iteration every training step and does not plot it saves parsing
         thousands of points, and the Python objects they would become, each step)."""
-        return json.loads(self._native.end_iteration_json(timeline))
+        try:
+            return json.loads(self._native.end_iteration_json(timeline))
+        finally:
+            _warn_notices()
 
     def gather_globals(self, limit_bytes: Optional[int] = None) -> Dict[str, Any]:
         """Between iterations (after :meth:`end_iteration`): every global tensor resident with
@@ -808,7 +864,10 @@ class Executor:
 
     def finish(self) -> None:
         """Wait for migrations in flight and free the store's copies of the trace's tensors."""
-        self._native.finish()
+        try:
+            self._native.finish()
+        finally:
+            _warn_notices()
 
     def is_resident(self, tensor_id: int) -> bool:
         """Whether the tensor has GPU (budget) memory now."""
@@ -1087,6 +1146,9 @@ __all__ = [
     "plan",
     "simulate",
     "compare_policies",
+    "TeraioWarning",
+    "Notice",
+    "notices",
 ] + _errors.__all__
 
 if sys.version_info < (3, 9):  # pragma: no cover

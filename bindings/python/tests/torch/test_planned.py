@@ -40,6 +40,12 @@ class ScriptedExecutor:
                 self._back(t)
             raise RuntimeError(f"Diverged at kernel {k}")
 
+    def leave_plan(self, k, detail):
+        self.calls.append(("leave_plan", k, detail))
+        self.diverged = True
+        for t in list(self.off):  # safe mode: everything back
+            self._back(t)
+
     def _back(self, t):
         n = self.trace["tensors"][t]["bytes"]
         mem = self.alloc.alloc(t, n, "prefetch")
@@ -181,6 +187,9 @@ def test_divergence_brings_everything_back_and_profiles_again():
     assert "diverged" in s.steps[4] and "diverged" not in s.steps[3]
     left_at = int(s.steps[4]["diverged"].split(":")[0].removeprefix("kernel "))
     assert s.steps[5]["decided_at"] > left_at and s.steps[6]["decided_at"] > left_at
+    # the executor was told, with an explicit call (not a made-up kernel name)
+    told = [c for ex in exs for c in ex.calls if isinstance(c, tuple) and c[0] == "leave_plan"]
+    assert len(told) == 1 and told[0][1] == left_at and told[0][2], told
     # the executor after the divergence is a new one, and so is each one after a step that was
     # told apart by its first operators (this stand-in cannot say that nothing it moves is away,
     # so no run stays live through them)
@@ -254,7 +263,7 @@ def test_an_operator_that_runs_out_of_memory_runs_again_once_the_executor_made_r
             a = train_step(model, opt, t)
         assert a == train_step(ref, ref_opt, t)
     assert [r["mode"] for r in s.steps[:4]] == ["profiled", "profiled", "planned", "planned"]
-    rooms = [c for c in exs[0].calls if isinstance(c, tuple)]
+    rooms = [c for c in exs[0].calls if isinstance(c, tuple) and c[0] == "make_room"]
     assert len(rooms) == 2 + 3
     assert rooms[0][1] == rooms[1][1] and rooms[1][2] == 2 * rooms[0][2], "the same operator, twice the bytes"
     assert s.steps[3]["oom_retries"] == 2 and s.steps[3]["made_room_bytes"] == 3 * rooms[0][2]

@@ -227,7 +227,7 @@ fn release(rt: &runtime::Runtime, handle: &Arc<Handle>) {
     if let Ok(rc) = r
         && rc != 0
     {
-        eprintln!("teraio: warning: releasing an SPDK target failed (error {rc})");
+        crate::notice::warning(format!("releasing an SPDK target failed (error {rc})"));
     }
 }
 

@@ -22,7 +22,7 @@ translates between PyTorch and it:
   back (``alloc``) and asks for it (``recompute``) right before the kernel that needs it, and the
   operator runs again, its result copied into the storage;
 - a mismatch, or the executor's ``Diverged`` error, ends planned execution for the step: the
-  executor reads everything back (its safe mode), the rest of the step runs without moving
+  executor, told with ``leave_plan(k, detail)``, reads everything back (its safe mode), the rest of the step runs without moving
   anything, and the session profiles the next step again.
 
 The executor is created with ``executor_factory(trace_dict, plan, budget_bytes, allocator)``
@@ -742,11 +742,11 @@ class PlannedRun:
         d = e if isinstance(e, Diverged) else Diverged(k, str(e))
         self.diverged = d
         self._quiet_until = -1
-        # tell the executor (a name no kernel has), which then reads everything back
+        # the executor enters safe mode: nothing more offloaded, everything offloaded read back
         try:
-            self.ex.boundary_named(k, f"<diverged: {d.detail}>")
-        except Exception:
-            pass
+            self.ex.leave_plan(k, d.detail)
+        except Exception as err:  # (a closed engine, an executor already in trouble: say so)
+            d.detail += f"; telling the executor failed too: {err}"
         try:
             self.ex.before_kernel(k)
         except Exception:
