@@ -36,6 +36,53 @@ pub trait StagedMemory: Send {
     fn copy_in(&mut self, offset: u64, src: &[u8]) -> Result<()>;
 }
 
+/// Host memory a caller owns at a raw address (a Python buffer export, a C caller's pointer),
+/// moved through staging buffers: the one raw-memory type both bindings use, built only by the
+/// unsafe [`TensorMem::caller`].
+struct CallerMemory {
+    addr: usize,
+    len: usize,
+    /// What keeps the memory alive, if the caller's contract alone does not (a buffer export).
+    _keep: Option<Box<dyn Send>>,
+}
+
+impl CallerMemory {
+    /// `offset`'s index when `n` bytes from it lie inside the memory.
+    fn range(&self, offset: u64, n: usize) -> Result<usize> {
+        match usize::try_from(offset).ok().and_then(|o| o.checked_add(n).map(|end| (o, end))) {
+            Some((o, end)) if end <= self.len => Ok(o),
+            _ => Err(Error::InvalidArgument(format!(
+                "range {offset}+{n} is outside a buffer of {} bytes",
+                self.len
+            ))),
+        }
+    }
+}
+
+impl StagedMemory for CallerMemory {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let o = self.range(offset, dst.len())?;
+        // SAFETY: `TensorMem::caller`'s contract: [addr, addr + len) is live, readable memory
+        // while this object lives; the range was checked; `dst` is engine memory, so the two do
+        // not overlap.
+        let src = unsafe { std::slice::from_raw_parts((self.addr + o) as *const u8, dst.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_in(&mut self, offset: u64, src: &[u8]) -> Result<()> {
+        let o = self.range(offset, src.len())?;
+        // SAFETY: as in copy_out; the memory is writable by the same contract.
+        let dst = unsafe { std::slice::from_raw_parts_mut((self.addr + o) as *mut u8, src.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
 /// The memory holding one tensor in some tier. Dropping it returns the memory to its tier.
 pub enum TensorMem {
     /// Host memory from a buffer pool: the I/O backends read and write it directly.
@@ -63,6 +110,17 @@ impl std::fmt::Debug for TensorMem {
 }
 
 impl TensorMem {
+    /// Host memory of the caller's, `len` bytes at `addr`, moved through staging buffers;
+    /// `keep` (dropped with it) holds what keeps it alive, when the caller's contract alone does
+    /// not (a Python buffer export).
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is memory valid for reads and writes, and nothing else uses it, from
+    /// now until the returned value is dropped (the executor gives it back).
+    pub unsafe fn caller(addr: usize, len: usize, keep: Option<Box<dyn Send>>) -> TensorMem {
+        TensorMem::Staged(Box::new(CallerMemory { addr, len, _keep: keep }))
+    }
+
     /// Bytes of the tensor.
     pub fn len(&self) -> u64 {
         match self {
@@ -277,5 +335,31 @@ impl MemoryTier for HostTier {
 
     fn used_bytes(&self) -> u64 {
         self.pool.used_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caller_memory_copies_inside_its_range_and_refuses_outside() {
+        let mut backing = vec![0u8; 100];
+        // SAFETY: `backing` outlives `mem` and nothing else touches it meanwhile.
+        let mut mem = unsafe { TensorMem::caller(backing.as_mut_ptr() as usize, 100, None) };
+        assert_eq!(mem.len(), 100);
+        let TensorMem::Staged(m) = &mut mem else { panic!("caller memory is staged") };
+        m.copy_in(10, &[7; 20]).unwrap();
+        let mut out = [0u8; 30];
+        m.copy_out(0, &mut out).unwrap();
+        assert_eq!(&out[10..30], &[7; 20]);
+        assert_eq!(&out[..10], &[0; 10]);
+        for (offset, n) in [(90, 11), (100, 1), (u64::MAX, 1), (u64::MAX - 5, 10)] {
+            let e = m.copy_in(offset, &vec![1; n]).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+            assert!(m.copy_out(offset, &mut vec![0; n]).is_err());
+        }
+        drop(mem);
+        assert_eq!(backing.iter().filter(|&&b| b == 7).count(), 20, "nothing written outside");
     }
 }

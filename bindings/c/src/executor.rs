@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
 use ::teraio_engine::executor::{AllocFor, Event, Executor, ExecutorConfig, TensorAllocator};
-use ::teraio_engine::tier::{StagedMemory, TensorMem};
+use ::teraio_engine::tier::TensorMem;
 use parking_lot::Mutex;
 use teraio_bindings_core::{self as core, Error, Status};
 use teraio_scheduler::TensorId;
@@ -47,44 +47,6 @@ pub struct teraio_allocator {
 
 /// tensor -> (address, length) of the caller memory holding it now.
 type Table = Arc<Mutex<HashMap<u32, (usize, usize)>>>;
-
-/// Caller memory, moved through the store's staging buffers.
-struct CMem {
-    addr: usize,
-    len: usize,
-}
-
-impl StagedMemory for CMem {
-    fn len(&self) -> u64 {
-        self.len as u64
-    }
-
-    fn copy_out(&self, offset: u64, dst: &mut [u8]) -> ::teraio_engine::Result<()> {
-        let o = range(offset, dst.len(), self.len)?;
-        // SAFETY: the caller attached (or its allocator returned) `len` bytes at `addr`, valid
-        // until the executor releases them; the range was checked.
-        let src = unsafe { std::slice::from_raw_parts((self.addr + o) as *const u8, dst.len()) };
-        dst.copy_from_slice(src);
-        Ok(())
-    }
-
-    fn copy_in(&mut self, offset: u64, src: &[u8]) -> ::teraio_engine::Result<()> {
-        let o = range(offset, src.len(), self.len)?;
-        // SAFETY: as in copy_out; the memory is writable by the same contract.
-        let dst = unsafe { std::slice::from_raw_parts_mut((self.addr + o) as *mut u8, src.len()) };
-        dst.copy_from_slice(src);
-        Ok(())
-    }
-}
-
-fn range(offset: u64, n: usize, len: usize) -> ::teraio_engine::Result<usize> {
-    match usize::try_from(offset).ok().and_then(|o| o.checked_add(n).map(|e| (o, e))) {
-        Some((o, e)) if e <= len => Ok(o),
-        _ => Err(::teraio_engine::Error::InvalidArgument(format!(
-            "range {offset}+{n} is outside {len} bytes"
-        ))),
-    }
-}
 
 struct CAllocator {
     a: teraio_allocator,
@@ -192,7 +154,9 @@ unsafe fn caller_mem(
             Ok(unsafe { e.wrap_caller_gpu(addr as u64, len as u64) }?)
         })
         .map_err(|e| ::teraio_engine::Error::InvalidArgument(e.to_string())),
-        None => Ok(TensorMem::Staged(Box::new(CMem { addr, len }))),
+        // SAFETY: forwarded contract (host memory valid for reads and writes, unused by the
+        // caller while the executor holds it).
+        None => Ok(unsafe { TensorMem::caller(addr, len, None) }),
     }
 }
 

@@ -19,7 +19,7 @@ use teraio_bindings_core::{self as core, ConfigSource, Error, HostBuffer as Core
 use teraio_engine::Engine as CoreEngine;
 use teraio_engine::executor::{AllocFor, Event, Executor, ExecutorConfig, TensorAllocator};
 use teraio_engine::store::OffloadOptions;
-use teraio_engine::tier::{StagedMemory, TensorMem};
+use teraio_engine::tier::TensorMem;
 use teraio_scheduler::TensorId;
 
 /// Raise `e` as the `teraio` exception of its status (`teraio._errors`).
@@ -644,47 +644,6 @@ fn compare_policies(
     })
 }
 
-/// Caller memory (a Python buffer the Python layer exported) that the executor moves through
-/// the store's staging buffers.
-struct PyMem {
-    addr: usize,
-    len: usize,
-    /// The buffer export (and the object) that keep `addr` valid.
-    _keep: Py<PyAny>,
-}
-
-fn check_range(offset: u64, n: usize, len: usize) -> teraio_engine::Result<usize> {
-    match usize::try_from(offset).ok().and_then(|o| o.checked_add(n).map(|end| (o, end))) {
-        Some((o, end)) if end <= len => Ok(o),
-        _ => Err(teraio_engine::Error::InvalidArgument(format!(
-            "range {offset}+{n} is outside a buffer of {len} bytes"
-        ))),
-    }
-}
-
-impl StagedMemory for PyMem {
-    fn len(&self) -> u64 {
-        self.len as u64
-    }
-
-    fn copy_out(&self, offset: u64, dst: &mut [u8]) -> teraio_engine::Result<()> {
-        let o = check_range(offset, dst.len(), self.len)?;
-        // SAFETY: [addr, addr + len) is a buffer export held by `_keep` for this object's
-        // life; the range was checked; `dst` is engine memory, so the two do not overlap.
-        let src = unsafe { std::slice::from_raw_parts((self.addr + o) as *const u8, dst.len()) };
-        dst.copy_from_slice(src);
-        Ok(())
-    }
-
-    fn copy_in(&mut self, offset: u64, src: &[u8]) -> teraio_engine::Result<()> {
-        let o = check_range(offset, src.len(), self.len)?;
-        // SAFETY: as in copy_out; the export is writable (the Python layer asked for that).
-        let dst = unsafe { std::slice::from_raw_parts_mut((self.addr + o) as *mut u8, src.len()) };
-        dst.copy_from_slice(src);
-        Ok(())
-    }
-}
-
 /// tensor -> the Python object holding its memory now (attached or allocated).
 type Table = Arc<Mutex<HashMap<u32, Py<PyAny>>>>;
 
@@ -733,7 +692,9 @@ fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyR
             &Error::InvalidArgument(format!("{what}: a buffer of {len} bytes for {bytes}")),
         ));
     }
-    Ok(TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep })))
+    // SAFETY: [addr, addr + len) is a writable buffer export that `keep` holds until the
+    // executor drops the memory.
+    Ok(unsafe { TensorMem::caller(addr, len, Some(Box::new(keep))) })
 }
 
 /// The executor's memory from a Python object's `alloc(tensor_id, nbytes, why)` (a writable
@@ -902,7 +863,8 @@ impl NativeExecutor {
         let dev = py.import("teraio")?.getattr("_device_export")?.call1((bound, "mem"))?;
         let mem = if dev.is_none() {
             let (addr, len, keep) = export(py, bound, "mem")?;
-            TensorMem::Staged(Box::new(PyMem { addr, len, _keep: keep }))
+            // SAFETY: a writable buffer export of `len` bytes at `addr`, held by `keep`.
+            unsafe { TensorMem::caller(addr, len, Some(Box::new(keep))) }
         } else {
             let (_, len): (u64, u64) = dev.extract()?;
             any_mem(py, &self.engine, bound, len, "mem")?
@@ -968,11 +930,10 @@ impl NativeExecutor {
                 if device {
                     wrap.push((tensor, addr, len));
                 } else {
-                    let mem = TensorMem::Staged(Box::new(PyMem {
-                        addr: addr as usize,
-                        len: len as usize,
-                        _keep: owner.clone_ref(py),
-                    }));
+                    let keep: Box<dyn Send> = Box::new(owner.clone_ref(py));
+                    // SAFETY: the caller vouches for the range (above); `owner`, kept with
+                    // the memory, holds it for as long as the executor does.
+                    let mem = unsafe { TensorMem::caller(addr as usize, len as usize, Some(keep)) };
                     mems.push((tensor, mem));
                 }
                 table.insert(tensor, owner);
