@@ -389,7 +389,8 @@ class Session:
             if run.bounded:
                 # (its executor let go, every global back, then the profile is built)
                 rec["mode"] = "bounded"
-                rec["bounded_by"] = _shapes(self.plans[mode.bound_key]["signatures"][0]) \
+                # (the operator that reads the input: where shapes tell plans apart)
+                rec["bounded_by"] = _shapes(self.plans[mode.bound_key]["signatures"][self._input_op(mode.bound_key)]) \
                     if mode.bound_key in self.plans else "a plan dropped since"
                 self._end_bounded(mode)
         else:
@@ -505,10 +506,20 @@ class Session:
         self._live_key = key
         return entry["run"]
 
+    def _input_op(self, key: Any) -> int:
+        """The operator of ``key``'s profile that reads the input batch (cached)."""
+        entry = self.plans[key]
+        if "input_op" not in entry:
+            entry["input_op"] = _first_input_op(entry)
+        return entry["input_op"]
+
     def _bounding_plan(self, sigs: list[tuple], n: int) -> Any:
-        """The plan a step whose first operators have signatures ``sigs`` runs bounded, or None:
-        of the plans whose first operators cover them (:func:`covers`: a larger shape of the
-        same iteration), the one whose trace holds the fewest bytes."""
+        """The plan a step whose first operators have signatures ``sigs`` may run bounded, or
+        None: of the plans whose first operators cover them (:func:`covers`: a larger shape of
+        the same iteration), the one whose trace holds the fewest bytes. It is taken only once
+        ``sigs`` reach past its operator that reads the input batch (:meth:`_input_op`): before
+        it, a shorter shape's plan covers a longer one's first operators too (tables a model
+        builds from a length given as a number)."""
         if not self.bounded_shapes or n < self.warmup_steps or self.budget is None or not self.planned \
                 or self.executor_factory is not None:
             return None
@@ -981,6 +992,9 @@ class _StepMode(TorchDispatchMode):
         # set aside meanwhile
         self.bound_key: Any = None
         self.bound_pager: Any = None
+        # no candidate is left, but a larger shape's plan may bound the step once the operator
+        # that reads the input has run (until then the operators are profiled and kept)
+        self.bounding = False
 
     def close(self) -> None:
         """The step's end: the planned run's module hooks removed, the mode left (unless the
@@ -1017,6 +1031,11 @@ class _StepMode(TorchDispatchMode):
         key = session._bounding_plan([first], self.n)
         if key is None:
             return False
+        if session._input_op(key) >= 1:
+            # the input is read later: decide there (a bounding prefix, as a deciding one)
+            self._begin_deciding([], 0)
+            self.bounding = True
+            return True
         prof = session.profiler
         self.state0 = _state_count(session.optimizer)
         # (the run moves the tensors: the pager must not)
@@ -1061,7 +1080,7 @@ class _StepMode(TorchDispatchMode):
     def _profiled_after_all(self) -> None:
         """No candidate is this step: it is profiled (from its first operator, as recorded)."""
         session = self.session
-        self.cands, self.prefix = None, None
+        self.cands, self.prefix, self.bounding = None, None, False
         if self.keep_live:
             # the step ran operators its executor did not see (they may write its tensors)
             session._retire_live_run()
@@ -1073,6 +1092,8 @@ class _StepMode(TorchDispatchMode):
         session = self.session
         plans = session.plans
         sig = signature(func, args, kwargs)
+        if self.bounding:
+            return self._bounding_op(k, func, args, kwargs, sig)
         self.cands = [c for c in self.cands
                       if c in plans and len(plans[c]["signatures"]) > k and plans[c]["signatures"][k] == sig]
         if len(self.cands) == 1 and k >= self.decide_at:
@@ -1082,29 +1103,53 @@ class _StepMode(TorchDispatchMode):
                 return session.pager.dispatch(func, args, kwargs, k, session.device)
             return func(*args, **kwargs)
         if not self.cands:
-            if self._commit_bounded(sig):
-                return self.run.op(k, func, args, kwargs)
-            self._profiled_after_all()
-            return session.profiler.dispatch(func, args, kwargs)
+            self.bounding = True
+            return self._bounding_op(k, func, args, kwargs, sig)
         out = session.profiler.dispatch(func, args, kwargs)
         res = Results.of(out)
         self.prefix.append((func, args, kwargs, res))
         self.cands = [c for c in self.cands if _created_fit(plans[c], k, args, kwargs, res, session.device)]
-        if not self.cands and not self._commit_bounded(None):
-            self._profiled_after_all()
+        if not self.cands:
+            self.bounding = True
+            if self._try_bounded(None) == "none":
+                self._profiled_after_all()
         return out
 
-    def _commit_bounded(self, sig: tuple | None) -> bool:
+    def _bounding_op(self, k: int, func: Any, args: tuple, kwargs: dict, sig: tuple) -> Any:
+        """No plan is this step's, but a larger shape's may bound it: operator ``k`` runs under
+        it once the operators so far (``sig`` included) reach past its input operator; until
+        then it is profiled and kept for the replay; with none left, the step is profiled."""
+        session = self.session
+        r = self._try_bounded(sig)
+        if r == "committed":
+            return self.run.op(k, func, args, kwargs)
+        if r == "none":
+            self._profiled_after_all()
+            return session.profiler.dispatch(func, args, kwargs)
+        out = session.profiler.dispatch(func, args, kwargs)
+        self.prefix.append((func, args, kwargs, Results.of(out)))
+        return out
+
+    def _try_bounded(self, sig: tuple | None) -> str:
+        """"committed": the step goes on under a larger shape's plan (:meth:`_commit_bounded`);
+        "waiting": one covers the operators so far (and ``sig``, the one about to run) but its
+        input operator is still ahead; "none": none does (the step is a profiled one)."""
+        session = self.session
+        sigs = [op.signature for op in session.profiler.ops] + ([sig] if sig is not None else [])
+        key = session._bounding_plan(sigs, self.n)
+        if key is None:
+            return "none"
+        if len(sigs) <= session._input_op(key):
+            return "waiting"
+        return "committed" if self._commit_bounded(key) else "none"
+
+    def _commit_bounded(self, key: Any) -> bool:
         """No candidate is this step (a new shape): when a larger shape's plan covers the
         operators run so far (and ``sig``, the one about to run), the step goes on under it,
         bounded (:meth:`_start_bounded`), the executor told the operators that ran; False: it
         is profiled (nothing changed)."""
         session = self.session
         prof = session.profiler
-        sigs = [op.signature for op in prof.ops] + ([sig] if sig is not None else [])
-        key = session._bounding_plan(sigs, self.n)
-        if key is None:
-            return False
         pager = self._pager if self.keep_live else prof.pager
         # (one executor over the global tensors; what the prefix paged out comes back)
         session._retire_live_run()
@@ -1117,6 +1162,7 @@ class _StepMode(TorchDispatchMode):
             prof.pager = None if self.keep_live else pager
             return False
         prefix, self.prefix, self.cands, self.keep_live = self.prefix, None, None, False
+        self.bounding = False
         self.bound_pager, self.bound_key, self.run = pager, key, run
         run.begin_iteration()
         run.replay(prefix)
