@@ -1,6 +1,6 @@
 //! The plan executor: executes a scheduler [`Plan`] for a trainer that drives it with its own
 //! progress. One implementation of the plan's semantics for every front end: the emulated
-//! replay ([`crate::runtime::replay`]), the PyTorch runtime (through the Python package) and a
+//! replay ([`crate::replay::replay`]), the PyTorch runtime (through the Python package) and a
 //! C++ trainer (through the C ABI).
 //!
 //! The semantics are those of the scheduler's simulator (`teraio_scheduler::plan`):

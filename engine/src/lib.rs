@@ -29,7 +29,7 @@ pub mod gpucrc;
 pub mod migrate;
 pub mod notice;
 pub mod pool;
-pub mod runtime;
+pub mod replay;
 pub mod store;
 pub mod tier;
 pub mod units;

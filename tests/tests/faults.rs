@@ -1,4 +1,4 @@
-//! Faults while the runtime replays training iterations (`runtime::replay` on simulated disks):
+//! Faults while the runtime replays training iterations (`replay::replay` on simulated disks):
 //! out of space, EIO on one device, short transfers, corrupt bytes on disk, a device 10x slower,
 //! each injected at seeded points of an iteration. Whatever happens, no tensor comes back wrong
 //! (the replay verifies every tensor that comes back and fails on a wrong byte) and no tensor
@@ -13,7 +13,7 @@ use teraio_engine::Error;
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
 use teraio_engine::executor::{Executor, ExecutorConfig, TierAllocator};
 use teraio_engine::pool::BufferPool;
-use teraio_engine::runtime::{
+use teraio_engine::replay::{
     BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay, replay_adaptive,
 };
 use teraio_engine::store::{Location, TensorStore};

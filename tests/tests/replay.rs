@@ -6,7 +6,7 @@ use std::sync::Arc;
 use teraio_engine::array::{ArrayConfig, DeviceArray, Target};
 use teraio_engine::backend::sim::SimDisk;
 use teraio_engine::pool::BufferPool;
-use teraio_engine::runtime::{ReplayConfig, replay};
+use teraio_engine::replay::{ReplayConfig, replay};
 use teraio_engine::store::{StoreConfig, TensorStore};
 use teraio_engine::tier::HostTier;
 use teraio_scheduler::{Hardware, ModelConfig, Policy, SimOptions, generate, plan, simulate};

@@ -11,7 +11,7 @@ use teraio_engine::Engine;
 use teraio_engine::backend::sim::{SimDisk, SimFault};
 use teraio_engine::migrate::Priority;
 use teraio_engine::pool::BufferPool;
-use teraio_engine::runtime::{
+use teraio_engine::replay::{
     BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay_adaptive,
 };
 use teraio_engine::store::OffloadOptions;
@@ -434,7 +434,7 @@ pub fn run(args: Args) -> Result<()> {
     // The probe's buffers: two sets of probe tensors in flight at once.
     let probe_buffers = (2 * probe_tensors(args.probe_size) + 2) * PROBE_TENSOR_BYTES;
     ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers + (256 << 20)));
-    // Every tensor keeps its own buffer between uses (see `engine::runtime`): the tier holds
+    // Every tensor keeps its own buffer between uses (see `engine::replay`): the tier holds
     // them all; the cap the plan runs under is the runtime's exact-byte accounting.
     let backing: u64 =
         trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
@@ -550,7 +550,7 @@ pub fn run(args: Args) -> Result<()> {
     ));
 
     // GPU memory: exact-byte accounting in the runtime; real buffers from a tier big enough for
-    // every tensor to keep its own buffer (see `engine::runtime`): the CUDA tier with --gpu,
+    // every tensor to keep its own buffer (see `engine::replay`): the CUDA tier with --gpu,
     // host memory emulating it otherwise.
     let gpu: std::sync::Arc<dyn MemoryTier> = match engine.gpu_tier() {
         Some(t) => t.clone(),
@@ -588,7 +588,7 @@ pub fn run(args: Args) -> Result<()> {
         notes.borrow_mut().push(s);
     };
     let store = engine.store_arc().clone();
-    let mut progress = |pr: teraio_engine::runtime::Progress| {
+    let mut progress = |pr: teraio_engine::replay::Progress| {
         for s in injector.at(pr.iteration, pr.kernel, &store, &trace) {
             note(s);
         }

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import teraio.torch as tt
-from teraio.torch.runtime import host_view
+from teraio.torch.pager import host_view
 
 from models import Block, batches, make, train_step
 

@@ -14,7 +14,7 @@ from .distributed import rank_config, rank_engine
 from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, check_working_sets, make_plannable, step_in_backward
 from .planned import Diverged, PlannedRun
 from .profiler import Profiler, memory_curve, peak_bytes
-from .runtime import Pager, StorageMover
+from .pager import Pager, StorageMover
 from .session import Session
 
 __all__ = [

@@ -43,7 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
 from ._storages import byte_view, covers, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
-from .runtime import host_view
+from .pager import host_view
 
 _DIRECT_RESIZE = ("cpu", "cuda")
 

@@ -15,7 +15,7 @@ What each step does:
    chunks), so no kernel touches every parameter at once.
 2. Until a plan exists for the iteration's shapes, a step is *profiled*
    (:class:`teraio.torch.Profiler`) and, when a GPU budget is given, *paged*
-   (:class:`teraio.torch.runtime.Pager`: demand paging through the engine, so even the first
+   (:class:`teraio.torch.pager.Pager`: demand paging through the engine, so even the first
    iterations fit the budget).
 3. After ``profile_steps`` profiled steps of the same shapes, the last trace (each operator
    timed by its median over those steps that ran the same operators) is checked
@@ -47,7 +47,7 @@ from ._storages import covers, flat_args, signature, storage_of
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun, Results, keep_last
 from .profiler import Profiler, peak_bytes
-from .runtime import Pager, StorageMover, Store
+from .pager import Pager, StorageMover, Store
 
 
 def _open_engine(engine: Any, device: torch.device) -> Any:

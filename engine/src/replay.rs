@@ -1,4 +1,4 @@
-//! The plan runtime: replays a training iteration's trace in real time, executing a
+//! Replay: plays a training iteration's trace in real time, executing a
 //! scheduler [`Plan`] with the real migration engine.
 //!
 //! Kernels are emulated by waiting their (scaled) duration; tensors are real buffers in an
