@@ -791,3 +791,55 @@ def test_a_global_whose_storage_was_replaced_between_steps_is_an_error_naming_it
     with pytest.raises(RuntimeError, match=r"global tensor param:head\.weight .*was moved outside the plan"):
         with s.step():
             train_step(model, opt, data[4])
+
+
+class _Repeating(torch.nn.Module):
+    """A TinyGPT whose hidden states, for length 12 only, are repeated three times along the
+    sequence (36 positions: more than any length-16 plan holds) right after the input is read."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = __import__("models").TinyGPT()
+
+    def forward(self, tokens):
+        m = self.inner
+        x = m.emb(tokens) + m.pos[: tokens.shape[1]]
+        if tokens.shape[1] == 12:
+            x = torch.cat([x, x, x], dim=1)
+        for layer in m.layers:
+            x = layer(x)
+        logits = m.head(m.ln(x))[:, : tokens.shape[1]]
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("store_kind", ["engine", "engine-device"])
+def test_a_bounded_step_that_leaves_its_plan_trains_as_plain_training(tmp_path, store_kind):
+    """A new shorter shape starts under a longer shape's plan (bounded) and then does what no
+    plan of the longer shape covers: the step leaves the plan (safe mode) and its loss, and the
+    training after it, are plain training's, bitwise."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [16, 16, 12, 12, 16, 12, 16]
+    data = [torch.randint(0, 97, (3, n), generator=g) for n in lengths]
+
+    def opt_of(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+
+    ref = _Repeating()
+    ref_opt = opt_of(ref)
+    ref_losses = [train_step(ref, ref_opt, t) for t in data]
+    model = _Repeating()
+    opt = opt_of(model)
+    s = tt.Session(model, opt, store=engine_store(tmp_path, device=store_kind == "engine-device"),
+                   gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0, hardware="dev", log=lambda _: None)
+    losses = []
+    for t in data:
+        with s.step():
+            losses.append(train_step(model, opt, t))
+    left = [r for r in s.steps if r["mode"] == "bounded" and r.get("diverged")]
+    assert left, [(r["mode"], r.get("diverged")) for r in s.steps]
+    assert losses == ref_losses, [(r["mode"], r.get("diverged")) for r in s.steps]
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    s.close()
