@@ -507,11 +507,9 @@ class Session:
         return entry["run"]
 
     def _input_op(self, key: Any) -> int:
-        """The operator of ``key``'s profile that reads the input batch (cached)."""
-        entry = self.plans[key]
-        if "input_op" not in entry:
-            entry["input_op"] = _first_input_op(entry)
-        return entry["input_op"]
+        """The operator of ``key``'s profile that reads the input batch (found when the plan's
+        entry was made)."""
+        return self.plans[key]["input_op"]
 
     def _bounding_plan(self, sigs: list[tuple], n: int) -> Any:
         """The plan a step whose first operators have signatures ``sigs`` may run bounded, or
@@ -673,12 +671,13 @@ class Session:
         entry = {"trace": trace, "signatures": sigs, "plan": None,
                  "created": self.profiler.created_ids, "created_at": self.profiler.created_positions,
                  "marks": list(self.profiler.marks)}
+        entry["input_op"] = _first_input_op(entry)
         self.plans[key] = entry
         group = self._groups.setdefault(sigs[0], _Group())
         group.add(key, sigs, self.plans)
         # a step is told from another shape no earlier than where it first reads its input (a
         # model that makes its rotary tables first looks the same for every shape until then)
-        group.decide_at = max(group.decide_at, _first_input_op(entry))
+        group.decide_at = max(group.decide_at, entry["input_op"])
         if self.budget is None:
             return
         if self.device.type == "cuda":
@@ -1144,10 +1143,9 @@ class _StepMode(TorchDispatchMode):
         return "committed" if self._commit_bounded(key) else "none"
 
     def _commit_bounded(self, key: Any) -> bool:
-        """No candidate is this step (a new shape): when a larger shape's plan covers the
-        operators run so far (and ``sig``, the one about to run), the step goes on under it,
-        bounded (:meth:`_start_bounded`), the executor told the operators that ran; False: it
-        is profiled (nothing changed)."""
+        """The step (a new shape) goes on under ``key``'s plan, a larger shape's that covers its
+        operators so far (:meth:`_try_bounded`): bounded, the executor told the operators that
+        ran; False: that run could not start (nothing changed)."""
         session = self.session
         prof = session.profiler
         pager = self._pager if self.keep_live else prof.pager
