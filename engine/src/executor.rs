@@ -355,8 +355,9 @@ pub struct Executor {
     /// Global tensors `gather_globals` kept or read back: boundary 0 puts them back where the
     /// plan starts them.
     regather: Vec<bool>,
-    /// `gather_globals` is reading global tensors back: the budget does not hold them back.
-    gathering: bool,
+    /// `gather_globals` is reading global tensors back: allocations may reach this many bytes
+    /// (past the budget; `u64::MAX` for a full gather).
+    gather_cap: Option<u64>,
     /// Which tensors the plan moves, which kernels need no call (the `quiet` module).
     quiet: quiet::Quiet,
     /// The trace's sizes are upper bounds ([`Executor::set_sizes_at_most`]).
@@ -486,7 +487,7 @@ impl Executor {
             replanned: false,
             last_write_error: None,
             regather: vec![false; trace_len],
-            gathering: false,
+            gather_cap: None,
             quiet: quiet::Quiet::none(),
             sizes_at_most: false,
             sizes,
@@ -1051,10 +1052,10 @@ impl Executor {
         }
         while let Some(a) = self.allocs.front() {
             let t = a.tensor();
-            if self.safe.is_none()
-                && !self.gathering
-                && self.used + self.bytes(t) > self.cfg.gpu_budget_bytes
-            {
+            let cap = self
+                .gather_cap
+                .map_or(self.cfg.gpu_budget_bytes, |c| c.max(self.cfg.gpu_budget_bytes));
+            if self.safe.is_none() && self.used.saturating_add(self.bytes(t)) > cap {
                 break;
             }
             let a = self.allocs.pop_front().expect("front exists");

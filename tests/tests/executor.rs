@@ -664,6 +664,57 @@ fn a_gather_within_the_budget_leaves_off_what_does_not_fit_and_the_next_iteratio
 }
 
 #[test]
+fn a_gather_within_the_budget_does_not_grant_the_plans_queued_prefetches_past_it() {
+    // Found by the property test in CI: a weight the plan prefetches at the end of an
+    // iteration for the next one waits for memory (the other weight's offload is still being
+    // written); a gather within the budget keeps that offload's memory, and used to grant the
+    // queued prefetch past the budget as a full gather does. Slow disks keep the write in
+    // flight.
+    let durations = [
+        1738.9, 704.7, 680.6, 1630.1, 731.3, 127.1, 455.9, 1279.2, 137.5, 1528.1, 1923.3, 613.2,
+        1099.6, 806.7,
+    ];
+    let mut trace = Trace::new("two weights");
+    for (k, &d) in durations.iter().enumerate() {
+        trace.kernels.push(Kernel { name: format!("k{k}"), duration_us: d, layer: None });
+    }
+    let tensor = |i: u32, bytes: u64, global: bool, k: usize| Tensor {
+        id: TensorId(i),
+        name: format!("t{i}"),
+        bytes,
+        kind: if global { TensorKind::Weight } else { TensorKind::Activation },
+        global,
+        created_by: (!global).then_some(k),
+        dies_after: (!global).then_some(k),
+        accesses: vec![k],
+        writes: Some(if global && i == 3 { vec![] } else { vec![k] }),
+        producer: None,
+    };
+    trace.tensors =
+        vec![tensor(0, 1, false, 0), tensor(1, 1, false, 0), tensor(2, 1_148_148, true, 3)];
+    trace.tensors.push(tensor(3, 730_055, true, 0));
+    trace.validate().unwrap();
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = 1_148_148; // the larger weight alone
+    let p = plan(&trace, &hw, Policy::Teraio).unwrap();
+    for _ in 0..5 {
+        let rig = rig(64 << 20);
+        for d in &rig.disks {
+            d.inject(SimFault::Throughput { bytes_per_s: 20 << 20 });
+        }
+        let mut seen = Seen { gather_within: true, skip_quiet: true, ..Seen::default() };
+        drive(&rig, &trace, &p, hw.gpu_memory_bytes, 3, true, &mut seen).unwrap();
+        assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+        assert!(
+            seen.max_used <= hw.gpu_memory_bytes,
+            "{} over {}",
+            seen.max_used,
+            hw.gpu_memory_bytes
+        );
+    }
+}
+
+#[test]
 fn gathered_tensors_go_back_to_the_host_tier_without_a_write_unless_modified() {
     let (trace, p, hw, peak) = squeezed_with_host();
     let on_host = p.initially_offloaded.iter().filter(|x| x.tier == Tier::Host).count();

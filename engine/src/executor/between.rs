@@ -48,7 +48,7 @@ pub struct GatherReport {
     /// next iteration's boundary 0 puts them back where the plan starts them).
     pub used_bytes: u64,
     /// Global tensors left in the store by [`Executor::gather_globals_within`] (they did not
-    /// fit the limit).
+    /// fit the limit, or the plan's prefetch of them still waits for memory).
     pub left_off: u64,
     /// Their bytes.
     pub left_off_bytes: u64,
@@ -93,28 +93,47 @@ impl Executor {
                 rep.kept_in_flight += 1;
             }
         }
+        // The reads go ahead of what the plan queued (a prefetch of the next iteration waiting
+        // for memory): they fit the limit by construction, so they never wait behind one that
+        // does not.
         let mut will_use = self.used;
+        let mut queued = Vec::new();
         for &t in &globals {
             if !matches!(self.states[t], State::Offloaded) {
                 continue;
             }
             let bytes = self.trace.tensors[t].bytes;
             if will_use.saturating_add(bytes) > limit {
-                rep.left_off += 1;
-                rep.left_off_bytes += bytes;
                 continue;
             }
             will_use += bytes;
             self.states[t] = State::QueuedPrefetch;
-            self.allocs.push_back(Alloc::Prefetch(t, Priority::Urgent));
             self.regather[t] = planned;
+            queued.push(t);
             rep.read_back += 1;
             rep.read_back_bytes += bytes;
         }
-        self.gathering = true;
-        let waited = self.wait_globals(&globals);
-        self.gathering = false;
+        for &t in queued.iter().rev() {
+            self.allocs.push_front(Alloc::Prefetch(t, Priority::Urgent));
+        }
+        // Past the budget up to the limit: between iterations only global tensors are alive.
+        // A prefetch the plan queued is granted when it fits too (and then waited for); one
+        // that does not stays queued for the next iteration.
+        self.gather_cap = Some(limit);
+        let full = limit == u64::MAX;
+        let waited = self.wait_globals(&globals, |t, s| match s {
+            State::Prefetching(_) => true,
+            State::QueuedPrefetch => full || queued.contains(&t),
+            _ => false,
+        });
+        self.gather_cap = None;
         waited?;
+        for &t in &globals {
+            if matches!(self.states[t], State::Offloaded | State::QueuedPrefetch) {
+                rep.left_off += 1;
+                rep.left_off_bytes += self.trace.tensors[t].bytes;
+            }
+        }
         // On a GPU the caller's stream waits for the reads, as for a kernel.
         if let Some(stream) = self.cfg.stream {
             for &t in &globals {
@@ -131,13 +150,15 @@ impl Executor {
         Ok(rep)
     }
 
-    /// Poll until no global tensor waits for memory or a read.
-    fn wait_globals(&mut self, globals: &[usize]) -> Result<()> {
+    /// Poll until no global tensor `waits` for memory or a read.
+    fn wait_globals(
+        &mut self,
+        globals: &[usize],
+        waits: impl Fn(usize, &State) -> bool,
+    ) -> Result<()> {
         loop {
             let changed = self.poll()?;
-            let waiting = globals
-                .iter()
-                .any(|&t| matches!(self.states[t], State::QueuedPrefetch | State::Prefetching(_)));
+            let waiting = globals.iter().any(|&t| waits(t, &self.states[t]));
             if !waiting {
                 return Ok(());
             }
