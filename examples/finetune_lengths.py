@@ -70,6 +70,8 @@ def main() -> int:
     ap.add_argument("--no-bounded", action="store_true",
                     help="a new shape's first step pages (Session(bounded_shapes=False)) instead of running "
                          "under a longer shape's plan while it is profiled")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="plans move tensors only (Session(recompute=False)), never recompute them")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     ap.add_argument("--compare", nargs=2, metavar=("IDEAL", "TERAIO"), help="compare two results")
     args = ap.parse_args()
@@ -96,7 +98,8 @@ def main() -> int:
         if host:
             engine["host_tier"] = host
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=int(args.cap_gib * 2**30),
-                             host_budget_bytes=host, report_every=0, bounded_shapes=not args.no_bounded)
+                             host_budget_bytes=host, report_every=0, bounded_shapes=not args.no_bounded,
+                             recompute=not args.no_recompute)
     autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     steps = []
     t_all = time.perf_counter()

@@ -81,6 +81,8 @@ def arbitrary_case(draw):
         "grads_to_none": draw(st.booleans()),
         # a new shape's first step runs under a larger shape's plan (profiled meanwhile)
         "bounded": draw(st.booleans()),
+        # the forward under bf16 autocast (mixed precision, as fine-tuning runs)
+        "autocast": draw(st.booleans()),
     }
 
 
@@ -124,9 +126,10 @@ def _between(case, i, model, opt, s=None):
 
 
 def _loss(case, model, tokens):
-    if case["model"] == "hf-llama":
-        return model(input_ids=tokens, labels=tokens).loss  # the library's output object
-    return model(tokens)
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=case.get("autocast", False)):
+        if case["model"] == "hf-llama":
+            return model(input_ids=tokens, labels=tokens).loss  # the library's output object
+        return model(tokens)
 
 
 def _train(case, session_kw=None, engine=None):
