@@ -1183,11 +1183,13 @@ fn sgd_step(
     })
 }
 
-/// The instruction set the host optimizer runs with (`avx512`, `avx2`, `portable`) and the
-/// threads it uses by default.
+/// The instruction set the host optimizer runs with (`avx512`, `avx2`, `portable`), the
+/// threads it uses by default, and whether this is an unoptimized build (the dev profile's
+/// wheels: correct, but their loops are not vectorized; benchmarks want a release wheel).
 #[pyfunction]
-fn optim_info() -> (&'static str, usize) {
-    (teraio_engine::optim::isa().name(), teraio_engine::optim::default_threads())
+fn optim_info() -> (&'static str, usize, bool) {
+    let isa = teraio_engine::optim::isa().name();
+    (isa, teraio_engine::optim::default_threads(), cfg!(debug_assertions))
 }
 
 /// Panic inside a native call (for the tests: the panic must arrive as `teraio.InternalError`,

@@ -1272,9 +1272,10 @@ def sgd_step(
 
 def optimizer_info() -> Dict[str, Any]:
     """What the host optimizer runs with here: ``{"isa": "avx512" | "avx2" | "portable",
-    "threads": default thread count}``."""
-    isa, threads = _teraio.optim_info()
-    return {"isa": isa, "threads": threads}
+    "threads": default thread count, "debug_build": bool}`` (a debug build, such as a wheel of
+    maturin's dev profile, computes the same bits far more slowly: benchmark a release wheel)."""
+    isa, threads, debug = _teraio.optim_info()
+    return {"isa": isa, "threads": threads, "debug_build": debug}
 
 __all__ = [
     "DeviceMemory",
