@@ -2,7 +2,8 @@
 # CI of the C ABI and the Python package; standalone (installs what it needs), meant to run
 # after the cargo tests of .ci/run (it reuses their dev-profile build):
 #  - the C example compiled with the system C compiler against libteraio.so and libteraio.a and
-#    run, the benchmark loop compiled, the header compiled as C++ (c++ -fsyntax-only);
+#    run, the host optimizer's example (optim.c) run, the benchmark loop compiled, the header
+#    compiled as C++ (c++ -fsyntax-only);
 #  - the Python wheel built with maturin, installed into a fresh virtual environment, pytest.
 # (That include/teraio.h matches the code is a cargo test: teraio-capi's tests/header.rs.)
 set -euo pipefail
@@ -41,6 +42,11 @@ cc -std=c99 -Wall -Wextra -Werror -I"$inc" bindings/c/examples/roundtrip.c "$lib
 step "C: bench.c compiles"
 cc -std=c99 -O2 -Wall -Wextra -Werror -I"$inc" bindings/c/examples/bench.c -L"$lib" -lteraio -lm \
   -o "$work/bench"
+
+step "C: optim.c (the host optimizer, bitwise against the update rule) against the shared library"
+cc -std=c99 -O2 -ffp-contract=off -Wall -Wextra -Werror -pedantic -I"$inc" \
+  bindings/c/examples/optim.c -L"$lib" -lteraio -lm -o "$work/optim"
+LD_LIBRARY_PATH="$lib" "$work/optim"
 
 step "C++: the header as is"
 c++ -std=c++11 -Wall -Wextra -Werror -fsyntax-only -I"$inc" bindings/c/examples/header_check.cpp

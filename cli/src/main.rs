@@ -30,6 +30,8 @@ enum Command {
     Run(cmd::run::Args),
     /// Storage benchmark in the spirit of fio, over files or raw block devices.
     Bench(cmd::bench::Args),
+    /// Throughput of the host optimizer step (AdamW, Adam, SGD) in memory traffic per second.
+    BenchOptim(cmd::bench_optim::Args),
     /// Work with traces (generate synthetic transformer training traces).
     #[command(subcommand)]
     Trace(cmd::trace::Command),
@@ -104,6 +106,7 @@ fn main() {
     let result = match cli.command {
         Command::Run(a) => cmd::run::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::BenchOptim(a) => cmd::bench_optim::run(a),
         Command::Trace(c) => cmd::trace::run(c),
         Command::Analyze(a) => cmd::analyze::run(a),
         Command::Plan(a) => cmd::plan::run(a),

@@ -15,6 +15,8 @@
 //! - [`store`]: the tensor store (location table, checksums, persistent metadata).
 //! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
 //! - [`executor`]: executes a scheduler plan for a trainer that drives it (any front end).
+//! - [`optim`]: host-side optimizer steps (AdamW, Adam, SGD) over float32 buffers, with
+//!   PyTorch's semantics, SIMD and multi-threaded.
 //! - [`runtime`]: replays a training iteration under a scheduler plan on the real engine.
 
 pub mod array;
@@ -28,6 +30,7 @@ pub mod executor;
 pub mod gpucrc;
 pub mod migrate;
 pub mod notice;
+pub mod optim;
 pub mod pool;
 pub mod replay;
 pub mod store;

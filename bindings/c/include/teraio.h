@@ -99,6 +99,47 @@ typedef struct {
   void (*release)(void*, uint32_t, void*, uint64_t);
 } teraio_allocator;
 
+// Hyperparameters of [`teraio_adamw_step`], as `torch.optim.AdamW` names them (its defaults:
+// lr 1e-3, beta1 0.9, beta2 0.999, eps 1e-8, weight_decay 0.01).
+typedef struct {
+  // Learning rate (>= 0).
+  double lr;
+  // Coefficient of the running average of the gradient (`betas[0]`, in [0, 1)).
+  double beta1;
+  // Coefficient of the running average of its square (`betas[1]`, in [0, 1)).
+  double beta2;
+  // Added to the denominator (>= 0).
+  double eps;
+  // Weight decay (>= 0).
+  double weight_decay;
+  // 1: AMSGrad (`max_exp_avg_sq` required); 0: not.
+  int32_t amsgrad;
+  // 1: maximize the objective; 0: minimize.
+  int32_t maximize;
+  // 1: AdamW's decoupled weight decay; 0: Adam's L2 weight decay (`torch.optim.Adam`).
+  int32_t decoupled_weight_decay;
+  // Threads at most (0: every core; a buffer under 64 Ki elements a thread uses fewer).
+  uint32_t threads;
+} teraio_adamw_params;
+
+// Hyperparameters of [`teraio_sgd_step`], as `torch.optim.SGD` names them.
+typedef struct {
+  // Learning rate (>= 0).
+  double lr;
+  // Momentum factor (>= 0; 0: no momentum buffer).
+  double momentum;
+  // Dampening of the gradient in the momentum buffer.
+  double dampening;
+  // L2 weight decay (>= 0).
+  double weight_decay;
+  // 1: Nesterov momentum (needs momentum > 0, dampening 0); 0: not.
+  int32_t nesterov;
+  // 1: maximize the objective; 0: minimize.
+  int32_t maximize;
+  // Threads at most (0: every core).
+  uint32_t threads;
+} teraio_sgd_params;
+
 // Success.
 #define TERAIO_OK 0
 
@@ -624,6 +665,43 @@ teraio_status teraio_executor_finish(teraio_executor *executor);
 // Free an executor handle without `finish` (migrations in flight complete; the store keeps
 // its copies until the tensors are freed or the engine closes).
 teraio_status teraio_executor_free(teraio_executor *executor);
+
+// One AdamW (or Adam) step in place over `len` float32 elements: exactly
+// `torch.optim.AdamW`'s single-tensor CPU update (bitwise for the states; the parameter can
+// differ where PyTorch's float32 `sqrt` is not correctly rounded, docs/C_ABI.md). `step` is
+// the step number counting this one (1 first). `param`, `exp_avg`, `exp_avg_sq` (zeros before
+// the first step) and, with `amsgrad`, `max_exp_avg_sq` are written; `grad` is read; without
+// amsgrad `max_exp_avg_sq` may be NULL (and is ignored). Errors (`TERAIO_ERR_INVALID_ARGUMENT`,
+// nothing written): `params` NULL, a hyperparameter out of range or a flag not 0/1 (the
+// message names it and its value), `step` 0, a NULL or misaligned (not 4-byte) pointer with
+// `len` > 0, `len` above `PTRDIFF_MAX / 4`, two buffers that overlap.
+//
+// # Safety
+// `params` is valid for a read; each pointer is valid for `len` floats (reads, and writes
+// for those written) for the call, and no other thread uses that memory meanwhile.
+teraio_status teraio_adamw_step(const teraio_adamw_params *params,
+                                uint64_t step,
+                                float *param,
+                                const float *grad,
+                                float *exp_avg,
+                                float *exp_avg_sq,
+                                float *max_exp_avg_sq,
+                                size_t len);
+
+// One SGD step in place over `len` float32 elements: exactly `torch.optim.SGD`'s
+// single-tensor CPU update (bitwise). With momentum, `momentum_buffer` is required and
+// written; `fresh_buffer` = 1 on its first step (PyTorch's `momentum_buffer` is None: it is
+// set to the gradient, its contents unread), 0 after. Without momentum `momentum_buffer` may be
+// NULL (and is ignored). Errors as [`teraio_adamw_step`].
+//
+// # Safety
+// As [`teraio_adamw_step`].
+teraio_status teraio_sgd_step(const teraio_sgd_params *params,
+                              float *param,
+                              const float *grad,
+                              float *momentum_buffer,
+                              int32_t fresh_buffer,
+                              size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"

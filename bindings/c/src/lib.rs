@@ -17,9 +17,11 @@
 
 mod executor;
 mod ffi;
+mod optim;
 mod registry;
 
 pub use executor::*;
+pub use optim::*;
 
 use std::ffi::{c_char, c_void};
 use std::path::Path;

@@ -1,5 +1,5 @@
 //! A seeded random fuzzer over the C ABI's argument space, in-process through the `extern "C"`
-//! functions: every one of the 57 exported functions, called in random order with live, stale
+//! functions: every one of the 59 exported functions, called in random order with live, stale
 //! (closed, freed), wrong-kind, NULL and made-up handles; NULL, valid and misaligned pointers;
 //! lengths from 0 to `SIZE_MAX`; valid and mangled configurations, traces, plans, hardware and
 //! policy names. The contract it checks: every call returns a known status and never
@@ -34,6 +34,9 @@ const SCRATCH: usize = 1 << 20;
 /// The engines' host buffer bound: lengths above it (and above `SCRATCH`) are refused before
 /// any memory is touched.
 const HOST_BUFFERS: usize = 64 << 20;
+
+/// Floats of the memory the host optimizer's steps run over.
+const OPTIM_FLOATS: usize = 4096;
 
 /// xorshift64*: small, seeded, reproducible.
 struct Rng(u64);
@@ -94,6 +97,8 @@ struct Fuzz {
     dsts: Vec<Box<[u8]>>,
     /// Memory handed to executors (attach, the allocator): lives as long as the fuzzer.
     arena: &'static mut [u8],
+    /// The host optimizer's buffers (float32).
+    floats: Vec<f32>,
     stats: HashMap<&'static str, [u64; 3]>,
     calls: u64,
     /// Print every call before it is made (`TERAIO_ABI_FUZZ_VERBOSE=1`).
@@ -147,6 +152,7 @@ impl Fuzz {
             scratch: (0..SCRATCH).map(|i| i as u8).collect(),
             dsts: (0..4).map(|_| vec![0u8; SCRATCH].into_boxed_slice()).collect(),
             arena,
+            floats: vec![0.5; OPTIM_FLOATS],
             stats: HashMap::new(),
             calls: 0,
             verbose: std::env::var_os("TERAIO_ABI_FUZZ_VERBOSE").is_some(),
@@ -748,6 +754,7 @@ impl Fuzz {
             }
             42..=43 => self.executor_new(&mut slot),
             44..=47 => self.executor_episode(),
+            48..=49 => self.optim_call(),
             _ => self.executor_call(&mut slot),
         }
         // Misc. static functions now and then.
@@ -902,6 +909,109 @@ impl Fuzz {
         if s == TERAIO_OK {
             // SAFETY: written on success.
             self.executors.push(unsafe { out.read_unaligned() });
+        }
+    }
+
+    /// A hyperparameter: valid, an edge, or out of range.
+    fn hyper(&mut self, valid: f64, good: bool) -> f64 {
+        if good && self.rng.chance(90) {
+            return valid;
+        }
+        *self.rng.pick(&[
+            valid,
+            valid,
+            valid,
+            0.0,
+            -1.0,
+            1.0,
+            0.999_999,
+            f64::NAN,
+            f64::INFINITY,
+            -0.0,
+            1e300,
+        ])
+    }
+
+    /// A float pointer for `len` elements: inside the fuzzer's memory (at a random, possibly
+    /// overlapping, place), NULL, or one byte off (misaligned). Lengths past the memory are only
+    /// ever ones the library refuses untouched (above `PTRDIFF_MAX / 4`).
+    fn float_ptr(&mut self, len: usize) -> *mut f32 {
+        let base = self.floats.as_mut_ptr();
+        match self.rng.below(20) {
+            0 => null_mut(),
+            1 => base.cast::<u8>().wrapping_add(1).cast(),
+            _ if len > OPTIM_FLOATS => base,
+            _ => base.wrapping_add(self.rng.below((OPTIM_FLOATS - len + 1) as u64) as usize),
+        }
+    }
+
+    fn optim_call(&mut self) {
+        let len = match self.rng.below(10) {
+            0 => 0,
+            1 => usize::MAX - self.rng.below(16) as usize,
+            2 => isize::MAX as usize / 4 + 1 + self.rng.below(1 << 20) as usize,
+            3 => OPTIM_FLOATS,
+            _ => self.rng.below(OPTIM_FLOATS as u64 / 4 + 1) as usize,
+        };
+        // Half the calls are well formed (five disjoint buffers, flags 0 or 1), so steps run.
+        let good = self.rng.chance(50) && len <= OPTIM_FLOATS / 5;
+        let ptrs: Vec<*mut f32> = (0..5)
+            .map(|i| {
+                if good {
+                    self.floats.as_mut_ptr().wrapping_add(i * (OPTIM_FLOATS / 5))
+                } else {
+                    self.float_ptr(len)
+                }
+            })
+            .collect();
+        let flag = |f: &mut Self| if good { f.rng.below(2) as i32 } else { f.small_i32() };
+        let threads = *self.rng.pick(&[0u32, 1, 2, 3, u32::MAX]);
+        let mut slot = [0u8; 128];
+        let at = if self.rng.chance(10) { 1 } else { 8 - (slot.as_ptr() as usize % 8) };
+        let none = !good && self.rng.chance(5);
+        if self.rng.chance(50) {
+            let p = teraio_adamw_params {
+                lr: self.hyper(1e-3, good),
+                beta1: self.hyper(0.9, good),
+                beta2: self.hyper(0.999, good),
+                eps: self.hyper(1e-8, good),
+                weight_decay: self.hyper(0.01, good),
+                amsgrad: flag(self),
+                maximize: flag(self),
+                decoupled_weight_decay: flag(self),
+                threads,
+            };
+            let step = *self.rng.pick(&[0u64, 1, 2, 1000, u64::MAX]);
+            let pp: *mut teraio_adamw_params = slot.as_mut_ptr().wrapping_add(at).cast();
+            // SAFETY: 128 bytes hold the struct at offset <= 8 (written unaligned).
+            unsafe { pp.write_unaligned(p) };
+            self.begin(format!("adamw_step {p:?} step {step} len {len} {ptrs:?}"));
+            let pp = if none { std::ptr::null() } else { pp.cast_const() };
+            // SAFETY: the params are NULL or readable; every pointer is NULL, misaligned (refused
+            // unread) or valid for `len` floats in the fuzzer's memory, or `len` is refused.
+            let s = unsafe {
+                teraio_adamw_step(pp, step, ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], len)
+            };
+            self.end("adamw_step", s);
+        } else {
+            let p = teraio_sgd_params {
+                lr: self.hyper(0.1, good),
+                momentum: self.hyper(0.9, good),
+                dampening: self.hyper(0.0, good),
+                weight_decay: self.hyper(0.0, good),
+                nesterov: flag(self),
+                maximize: flag(self),
+                threads,
+            };
+            let fresh = flag(self);
+            let pp: *mut teraio_sgd_params = slot.as_mut_ptr().wrapping_add(at).cast();
+            // SAFETY: as above.
+            unsafe { pp.write_unaligned(p) };
+            self.begin(format!("sgd_step {p:?} fresh {fresh} len {len} {ptrs:?}"));
+            let pp = if none { std::ptr::null() } else { pp.cast_const() };
+            // SAFETY: as above.
+            let s = unsafe { teraio_sgd_step(pp, ptrs[0], ptrs[1], ptrs[2], fresh, len) };
+            self.end("sgd_step", s);
         }
     }
 

@@ -9,6 +9,7 @@
 //! - [`HostBuffer`]: engine host memory with a stable address that a foreign caller may hold
 //!   pointers into (numpy arrays, C pointers) while the store moves it without a copy.
 //! - [`Op`]: a pending offload, prefetch or free, whatever memory it moves.
+//! - [`optim`]: the host optimizer steps over caller memory, its checks shared.
 //! - [`sched`]: traces, hardware models, plans, simulations, policy comparisons, as JSON.
 #![forbid(unsafe_code)]
 
@@ -16,6 +17,7 @@ mod buffer;
 mod catch;
 mod error;
 mod op;
+pub mod optim;
 pub mod sched;
 
 use std::path::Path;

@@ -1058,6 +1058,140 @@ impl NativeExecutor {
     }
 }
 
+/// A float32 slice of caller memory that [`core::optim::check_spans`] accepted.
+///
+/// # Safety
+/// `s` passed `check_spans` together with every other span of the call, the object exporting
+/// it is held by the Python layer for the call, it is writable, and nothing else reads or
+/// writes it during the call.
+unsafe fn f32_mut<'a>(s: core::optim::F32Span) -> &'a mut [f32] {
+    if s.len == 0 {
+        return &mut [];
+    }
+    // SAFETY: non-null, aligned, at most isize::MAX bytes, disjoint from the call's other
+    // spans (check_spans), live and writable for the call (the caller's contract).
+    unsafe { std::slice::from_raw_parts_mut(s.addr as *mut f32, s.len) }
+}
+
+/// As [`f32_mut`], read only.
+///
+/// # Safety
+/// As [`f32_mut`], except that the memory is only read.
+unsafe fn f32_ref<'a>(s: core::optim::F32Span) -> &'a [f32] {
+    if s.len == 0 {
+        return &[];
+    }
+    // SAFETY: as in f32_mut; only read.
+    unsafe { std::slice::from_raw_parts(s.addr as *const f32, s.len) }
+}
+
+fn span(name: &'static str, (addr, len): (usize, usize)) -> core::optim::F32Span {
+    core::optim::F32Span { name, addr, len }
+}
+
+/// One Adam(W) step over caller float32 buffers, each `(address, elements)`: the Python layer
+/// (`teraio.adamw_step`) took them from C-contiguous float32 exports (writable where written)
+/// that it holds for the call. Runs with the GIL released.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // the Python signature, one argument per hyperparameter
+#[pyo3(signature = (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, threads))]
+fn adam_step(
+    py: Python<'_>,
+    param: (usize, usize),
+    grad: (usize, usize),
+    exp_avg: (usize, usize),
+    exp_avg_sq: (usize, usize),
+    max_exp_avg_sq: Option<(usize, usize)>,
+    step: u64,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+    threads: usize,
+) -> PyRes<()> {
+    let args = core::optim::AdamArgs {
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        decoupled_weight_decay,
+        threads,
+    };
+    let (p, g) = (span("param", param), span("grad", grad));
+    let (m, v) = (span("exp_avg", exp_avg), span("exp_avg_sq", exp_avg_sq));
+    let x = max_exp_avg_sq.map(|s| span("max_exp_avg_sq", s));
+    run(py, "teraio.adamw_step", move || {
+        let mut spans = vec![p, g, m, v];
+        spans.extend(x);
+        core::optim::check_spans(&spans)?;
+        // SAFETY: the spans passed check_spans together; the Python layer holds their objects
+        // for the call and checked that param and the states are writable.
+        let (p, g, m, v) = unsafe { (f32_mut(p), f32_ref(g), f32_mut(m), f32_mut(v)) };
+        // SAFETY: as above.
+        let x = x.map(|x| unsafe { f32_mut(x) });
+        core::optim::adam_step(&args, p, g, m, v, x)
+    })
+}
+
+/// One SGD step over caller float32 buffers (as [`adam_step`]).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // the Python signature, one argument per hyperparameter
+#[pyo3(signature = (param, grad, momentum_buffer, fresh_buffer, lr, momentum, dampening, weight_decay, nesterov, maximize, threads))]
+fn sgd_step(
+    py: Python<'_>,
+    param: (usize, usize),
+    grad: (usize, usize),
+    momentum_buffer: Option<(usize, usize)>,
+    fresh_buffer: bool,
+    lr: f64,
+    momentum: f64,
+    dampening: f64,
+    weight_decay: f64,
+    nesterov: bool,
+    maximize: bool,
+    threads: usize,
+) -> PyRes<()> {
+    let h = teraio_engine::optim::Sgd {
+        lr,
+        momentum,
+        dampening,
+        weight_decay,
+        nesterov,
+        maximize,
+        threads,
+    };
+    let (p, g) = (span("param", param), span("grad", grad));
+    let b = momentum_buffer.map(|s| span("momentum_buffer", s));
+    run(py, "teraio.sgd_step", move || {
+        let mut spans = vec![p, g];
+        spans.extend(b);
+        core::optim::check_spans(&spans)?;
+        // SAFETY: the spans passed check_spans together; the Python layer holds their objects
+        // for the call and checked that param and the buffer are writable.
+        let (p, g) = unsafe { (f32_mut(p), f32_ref(g)) };
+        // SAFETY: as above.
+        let b = b.map(|b| unsafe { f32_mut(b) });
+        core::optim::sgd_step(&h, p, g, b, fresh_buffer)
+    })
+}
+
+/// The instruction set the host optimizer runs with (`avx512`, `avx2`, `portable`), the
+/// threads it uses by default, and whether this is an unoptimized build (the dev profile's
+/// wheels: correct, but their loops are not vectorized; benchmarks want a release wheel).
+#[pyfunction]
+fn optim_info() -> (&'static str, usize, bool) {
+    let isa = teraio_engine::optim::isa().name();
+    (isa, teraio_engine::optim::default_threads(), cfg!(debug_assertions))
+}
+
 /// Panic inside a native call (for the tests: the panic must arrive as `teraio.InternalError`,
 /// with nothing printed).
 #[pyfunction]
@@ -1094,6 +1228,9 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeTrace>()?;
     m.add_class::<NativePlan>()?;
     m.add_class::<NativeExecutor>()?;
+    m.add_function(wrap_pyfunction!(adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
+    m.add_function(wrap_pyfunction!(optim_info, m)?)?;
     m.add_function(wrap_pyfunction!(hardware_json, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;

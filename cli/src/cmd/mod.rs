@@ -4,6 +4,7 @@ pub mod advise;
 pub mod analyze;
 pub mod bench;
 pub mod bench_gpu;
+pub mod bench_optim;
 pub mod bench_tensors;
 pub mod engine_args;
 pub mod gpu_check;

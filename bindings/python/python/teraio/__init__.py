@@ -13,6 +13,9 @@ memory, from Python.
 - :class:`PendingOp`: an operation in flight; ``wait()`` it.
 - the scheduler: :func:`load_trace`, :func:`generate_trace`, :func:`plan`, :func:`simulate`,
   :func:`compare_policies`, :func:`hardware`.
+- the host optimizer: :func:`adamw_step`, :func:`sgd_step` (PyTorch's AdamW/Adam/SGD update
+  on CPU float32 buffers; ``teraio.torch.HostAdamW`` wraps them as a ``torch.optim``
+  optimizer).
 - errors: :class:`TeraioError` and its subclasses (``teraio._errors``).
 
 The full API is in docs/PYTHON.md. All logic lives in the Rust engine; every call that blocks
@@ -1125,6 +1128,155 @@ def compare_policies(
     ]
 
 
+
+# -- the host optimizer
+
+
+def _f32_export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any]:
+    """(address, elements, keepalive) of a C-contiguous float32 buffer: a CPU ``torch.Tensor``
+    (through ``data_ptr``, without importing torch), a numpy array, or any buffer-protocol
+    object of format ``f``."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous") and hasattr(obj, "device"):
+        dev = getattr(obj.device, "type", str(obj.device))
+        if dev != "cpu":
+            raise InvalidArgumentError(
+                f"{what}: a tensor on {obj.device}; the host optimizer steps CPU tensors")
+        if str(obj.dtype) != "torch.float32":
+            raise InvalidArgumentError(f"{what}: a {obj.dtype} tensor; the host optimizer steps float32")
+        if getattr(obj, "is_sparse", False):
+            raise InvalidArgumentError(f"{what}: a sparse tensor; the host optimizer steps dense ones")
+        if not obj.is_contiguous():
+            raise InvalidArgumentError(
+                f"{what}: a non-contiguous tensor (shape {tuple(obj.shape)}, strides "
+                f"{tuple(obj.stride())}); pass a contiguous one")
+        return int(obj.data_ptr()), int(obj.numel()), obj
+    ai = None
+    if not isinstance(obj, (bytes, bytearray, memoryview, HostBuffer)):
+        try:
+            ai = getattr(obj, "__array_interface__", None)
+        except Exception as e:  # an object whose interface property fails
+            raise InvalidArgumentError(f"{what}: {e}") from e
+    if isinstance(ai, dict):
+        typestr = ai.get("typestr")
+        native = "<" if sys.byteorder == "little" else ">"
+        if typestr not in (native + "f4", "=f4"):
+            raise InvalidArgumentError(
+                f"{what}: an array of typestr {typestr!r}; the host optimizer steps float32 "
+                f"({native}f4): pass a.astype('float32') and copy the result back")
+    else:
+        try:
+            fmt = memoryview(obj).format
+        except (TypeError, ValueError):
+            fmt = None
+        if fmt is not None and fmt.lstrip("@=<") != "f":
+            raise InvalidArgumentError(
+                f"{what}: a buffer of format {fmt!r}; the host optimizer steps float32 (format 'f')")
+    addr, nbytes, keep, _ = _export(obj, writable, what)
+    return addr, nbytes // 4, keep
+
+
+def _threads(threads: Optional[int]) -> int:
+    if threads is None:
+        return 0
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"threads = {threads!r}: a thread count is an int >= 1 (None: all)")
+    return threads
+
+
+def _step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        try:  # a 0-dim tensor, a numpy scalar, an integral float (PyTorch keeps 'step' as a float)
+            f = float(step)
+        except (TypeError, ValueError):
+            f = math.nan
+        if not f.is_integer():
+            raise InvalidArgumentError(f"step = {step!r}: the step number is a whole number >= 1")
+        step = int(f)
+    if step < 1:
+        raise InvalidArgumentError(
+            f"step = {step}: steps count from 1 (the count after this update, PyTorch's state['step'])")
+    return step
+
+
+def adamw_step(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    *,
+    step: int,
+    lr: float,
+    weight_decay: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    amsgrad: bool = False,
+    max_exp_avg_sq: Any = None,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = True,
+    threads: Optional[int] = None,
+) -> None:
+    """One AdamW step in place, on the host: exactly ``torch.optim.AdamW``'s single-tensor CPU
+    update (``decoupled_weight_decay=False``: ``torch.optim.Adam``'s L2 weight decay).
+
+    ``param``, ``grad``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``, required with
+    ``amsgrad``) are C-contiguous float32 buffers of one length: CPU torch tensors, numpy
+    arrays, buffer-protocol objects; all but ``grad`` are written, none may overlap another.
+    ``step`` is the step number counting this one (1 first: PyTorch's ``state['step']`` after
+    its increment). ``threads``: at most this many threads (None: all cores; a small tensor
+    uses one). Runs with the GIL released; the buffers must not be resized meanwhile. A wrong
+    length, dtype, layout or hyperparameter raises :class:`InvalidArgumentError` naming it,
+    before anything is written."""
+    p = _f32_export(param, True, "param")
+    g = _f32_export(grad, False, "grad")
+    m = _f32_export(exp_avg, True, "exp_avg")
+    v = _f32_export(exp_avg_sq, True, "exp_avg_sq")
+    x = None if max_exp_avg_sq is None else _f32_export(max_exp_avg_sq, True, "max_exp_avg_sq")
+    _teraio.adam_step(
+        p[:2], g[:2], m[:2], v[:2], None if x is None else x[:2],
+        _step(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        bool(amsgrad), bool(maximize), bool(decoupled_weight_decay), _threads(threads),
+    )
+    del p, g, m, v, x
+
+
+def sgd_step(
+    param: Any,
+    grad: Any,
+    momentum_buffer: Any = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    fresh_buffer: bool = False,
+    threads: Optional[int] = None,
+) -> None:
+    """One SGD step in place, on the host: exactly ``torch.optim.SGD``'s single-tensor CPU
+    update. With ``momentum != 0``, ``momentum_buffer`` (param's length) is required;
+    ``fresh_buffer=True`` on its first step (PyTorch's ``state['momentum_buffer']`` is None)
+    sets it to the gradient instead of updating it. Buffers and threads as
+    :func:`adamw_step`."""
+    p = _f32_export(param, True, "param")
+    g = _f32_export(grad, False, "grad")
+    b = None if momentum_buffer is None else _f32_export(momentum_buffer, True, "momentum_buffer")
+    _teraio.sgd_step(
+        p[:2], g[:2], None if b is None else b[:2], bool(fresh_buffer), float(lr),
+        float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
+        _threads(threads),
+    )
+    del p, g, b
+
+
+def optimizer_info() -> Dict[str, Any]:
+    """What the host optimizer runs with here: ``{"isa": "avx512" | "avx2" | "portable",
+    "threads": default thread count, "debug_build": bool}`` (a debug build, such as a wheel of
+    maturin's dev profile, computes the same bits far more slowly: benchmark a release wheel)."""
+    isa, threads, debug = _teraio.optim_info()
+    return {"isa": isa, "threads": threads, "debug_build": debug}
+
 __all__ = [
     "DeviceMemory",
     "__version__",
@@ -1146,6 +1298,9 @@ __all__ = [
     "plan",
     "simulate",
     "compare_policies",
+    "adamw_step",
+    "sgd_step",
+    "optimizer_info",
     "TeraioWarning",
     "Notice",
     "notices",

@@ -279,3 +279,36 @@ def compare_policies(
     hardware: Hardware = ...,
     **overrides: Any,
 ) -> List[PolicyResult]: ...
+def adamw_step(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    *,
+    step: int,
+    lr: float,
+    weight_decay: float,
+    beta1: float = ...,
+    beta2: float = ...,
+    eps: float = ...,
+    amsgrad: bool = ...,
+    max_exp_avg_sq: Any = ...,
+    maximize: bool = ...,
+    decoupled_weight_decay: bool = ...,
+    threads: Optional[int] = ...,
+) -> None: ...
+def sgd_step(
+    param: Any,
+    grad: Any,
+    momentum_buffer: Any = ...,
+    *,
+    lr: float,
+    momentum: float = ...,
+    dampening: float = ...,
+    weight_decay: float = ...,
+    nesterov: bool = ...,
+    maximize: bool = ...,
+    fresh_buffer: bool = ...,
+    threads: Optional[int] = ...,
+) -> None: ...
+def optimizer_info() -> Dict[str, Any]: ...

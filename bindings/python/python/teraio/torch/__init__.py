@@ -7,10 +7,14 @@
   plan can fit.
 - :class:`Pager` and :class:`StorageMover` move storages through the engine without a plan;
   :class:`PlannedRun` drives the engine's plan executor.
+- :class:`HostAdamW`, :class:`HostAdam`, :class:`HostSGD`: ``torch.optim`` optimizers whose step
+  runs teraio's host kernels on CPU float32 parameters (state dicts interchangeable with
+  PyTorch's).
 - :func:`rank_engine` opens one engine per rank under ``torchrun`` (own files, own GPU).
 """
 
 from .distributed import rank_config, rank_engine
+from .host_optim import HostAdam, HostAdamW, HostSGD
 from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, check_working_sets, make_plannable, step_in_backward
 from .planned import Diverged, PlannedRun
 from .profiler import Profiler, memory_curve, peak_bytes
@@ -33,4 +37,7 @@ __all__ = [
     "StorageMover",
     "PlannedRun",
     "Diverged",
+    "HostAdamW",
+    "HostAdam",
+    "HostSGD",
 ]
