@@ -15,6 +15,8 @@
 //! - [`store`]: the tensor store (location table, checksums, persistent metadata).
 //! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
 //! - [`executor`]: executes a scheduler plan for a trainer that drives it (any front end).
+//! - [`probe`]: measures the machine under an engine (array, host copies, GPU copies) into the
+//!   scheduler's hardware model, cached per machine and array.
 //! - [`runtime`]: replays a training iteration under a scheduler plan on the real engine.
 
 pub mod array;
@@ -29,6 +31,7 @@ pub mod gpucrc;
 pub mod migrate;
 pub mod notice;
 pub mod pool;
+pub mod probe;
 pub mod replay;
 pub mod store;
 pub mod tier;
