@@ -7,6 +7,7 @@ pub mod bench_gpu;
 pub mod bench_tensors;
 pub mod engine_args;
 pub mod gpu_check;
+pub mod hw;
 pub mod hw_args;
 pub mod inspect;
 pub mod plan;
