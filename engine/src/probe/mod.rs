@@ -599,8 +599,8 @@ fn array_phases(
 }
 
 /// Bytes per second of copying `bytes` between two host buffers on `threads` threads (each a
-/// share): the best of the rounds that fit in `phase` (at least 3), after one untimed round
-/// (the first touch of fresh pages is not the memory's rate).
+/// share): the best of at most 16 rounds that fit in `phase` (at least 3), after one untimed
+/// round (the first touch of fresh pages is not the memory's rate).
 fn host_copy_rate(bytes: u64, threads: usize, phase: Duration) -> Result<f64> {
     let len = usize::try_from(bytes)
         .ok()
@@ -621,7 +621,7 @@ fn host_copy_rate(bytes: u64, threads: usize, phase: Duration) -> Result<f64> {
     round();
     let started = Instant::now();
     let mut best = Duration::MAX;
-    for i in 0..64 {
+    for i in 0..16 {
         best = best.min(round());
         if i >= 2 && started.elapsed() >= phase {
             break;
