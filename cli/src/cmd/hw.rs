@@ -179,7 +179,7 @@ fn print_text(m: &Measurement, output: Option<&std::path::Path>) {
     );
     outln!("             from the `dev` preset: {}", r.from_default.join(", "));
     match (m.source, &m.cache_path) {
-        (Source::Cache, Some(p)) => outln!("cached       {} ({})", p.display(), m.describe()),
+        (Source::Cache, Some(_)) => outln!("cached       {}", m.describe()),
         (_, Some(p)) => outln!(
             "measured     in {:.1} s; cached in {} (Session(hardware=None) on this array reads it)",
             r.seconds,
