@@ -120,7 +120,8 @@ def parse_args(argv=None):
                          "expandable_segments:True,garbage_collection_threshold:0.8; scripts/torch-gpu-eval.sh "
                          "runs with expandable_segments:True): the allocator's out-of-memory retries, each a "
                          "device synchronization, depend on them")
-    ap.add_argument("--hw", help="teraio: hardware model JSON of this machine (disk, PCIe) for the planner")
+    ap.add_argument("--hw", help="teraio: hardware model JSON for the planner (default: this machine's, measured "
+                    "through the engine on the first plan and cached: `teraio hw measure`)")
     ap.add_argument("--chunk-mib", type=float, default=None,
                     help="teraio: optimizer step chunk in MiB of parameters (0: one parameter at a "
                          "time; default: teraio.torch's, a 32nd of the GPU budget)")

@@ -46,6 +46,10 @@ enum Command {
     Advise(cmd::advise::Args),
     /// Print the superblock, the tensors and the free space of a teraio array.
     Inspect(cmd::inspect::Args),
+    /// This machine's hardware model: measure the array, host memory and GPU copies (cached
+    /// per machine and array, where teraio.torch's Session finds it).
+    #[command(subcommand)]
+    Hw(cmd::hw::Command),
     /// Device-side test of the GPU data paths (scripts/gpu-check.sh runs it on a GPU machine).
     #[command(hide = true)]
     GpuCheck(cmd::gpu_check::Args),
@@ -113,6 +117,7 @@ fn main() {
         Command::Simulate(a) => cmd::simulate::run(a),
         Command::Advise(a) => cmd::advise::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Hw(c) => cmd::hw::run(c),
         Command::GpuCheck(a) => cmd::gpu_check::run(a),
     };
     if let Err(e) = result {

@@ -734,6 +734,41 @@ impl Engine {
         self.gpu.as_ref().map(|g| g.description.as_str())
     }
 
+    /// What identifies the engine's GPU from one process to the next: its name and UUID on
+    /// CUDA ("NVIDIA H200 GPU-1a2b..."), "emulated:N" on the host emulation; `None` without a
+    /// GPU. (The hardware probe's cache is keyed by it.)
+    pub fn gpu_identity(&self) -> Option<String> {
+        let g = self.gpu.as_ref()?;
+        if g.emulated.is_some() {
+            return Some(format!("emulated:{}", g.runtime.ordinal()));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &g.cuda {
+            return Some(match d.uuid() {
+                Some(u) => format!("{} {u}", d.model_name()),
+                None => d.describe(),
+            });
+        }
+        Some(g.description.clone())
+    }
+
+    /// Memory of the engine's GPU, bytes: the device's total on CUDA, the budget of the host
+    /// emulation; `None` without a GPU (or where the driver does not say).
+    pub fn gpu_memory_bytes(&self) -> Option<u64> {
+        let g = self.gpu.as_ref()?;
+        if g.emulated.is_some() {
+            return Some(match self.config.gpu.budget_bytes.0 {
+                0 => 1 << 30,
+                n => n,
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &g.cuda {
+            return d.memory_info().ok().map(|(_, total)| total);
+        }
+        None
+    }
+
     fn gpu_or_err(&self) -> Result<&GpuTier> {
         self.gpu.as_ref().ok_or_else(|| {
             Error::InvalidArgument(

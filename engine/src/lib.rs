@@ -17,7 +17,9 @@
 //! - [`executor`]: executes a scheduler plan for a trainer that drives it (any front end).
 //! - [`optim`]: host-side optimizer steps (AdamW, Adam, SGD) over float32 buffers, with
 //!   PyTorch's semantics, SIMD and multi-threaded.
-//! - [`runtime`]: replays a training iteration under a scheduler plan on the real engine.
+//! - [`probe`]: measures the machine under an engine (array, host copies, GPU copies) into the
+//!   scheduler's hardware model, cached per machine and array.
+//! - [`replay`]: replays a training iteration under a scheduler plan on the real engine.
 
 pub mod array;
 pub mod backend;
@@ -32,6 +34,7 @@ pub mod migrate;
 pub mod notice;
 pub mod optim;
 pub mod pool;
+pub mod probe;
 pub mod replay;
 pub mod store;
 pub mod tier;

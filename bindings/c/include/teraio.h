@@ -41,6 +41,12 @@
 // Outcome of a finished free.
 #define TERAIO_OUTCOME_FREED 4
 
+// `teraio_engine_measure_hardware` flag: neither read nor write the cache.
+#define TERAIO_HW_NO_CACHE 1
+
+// `teraio_engine_measure_hardware` flag: measure even when a model is cached, and replace it.
+#define TERAIO_HW_FRESH 2
+
 // Version of this C ABI: bumped when a function's signature or meaning changes.
 #define TERAIO_ABI_VERSION 1
 
@@ -279,6 +285,21 @@ teraio_status teraio_engine_info(teraio_engine *engine, char **out_json);
 // # Safety
 // `out_json` is valid for a write of a pointer.
 teraio_status teraio_engine_stats(teraio_engine *engine, char **out_json);
+
+// This machine's hardware model, measured through the engine in a few seconds (the array's
+// write, read and both-at-once bandwidth through the store; host memory copies; with a GPU,
+// pinned host <-> GPU copies), or read from the cache of this machine and array
+// (`$TERAIO_CACHE_DIR`, else `$XDG_CACHE_HOME/teraio`, else `~/.cache/teraio`), as JSON:
+// `{"hardware", "report", "source" ("measured" or "cache"), "cache_path", "key",
+// "measured_unix_s", "summary"}`; `"hardware"` is a model `teraio_plan` takes. `flags`: 0, or
+// `TERAIO_HW_NO_CACHE` and/or `TERAIO_HW_FRESH`. A damaged cache file is measured again and
+// leaves a notice (`teraio_take_notice`). Free the string with `teraio_string_free`.
+//
+// # Safety
+// `out_json` is valid for a write of a pointer.
+teraio_status teraio_engine_measure_hardware(teraio_engine *engine,
+                                             uint32_t flags,
+                                             char **out_json);
 
 // Wait until every queued operation of the engine has finished.
 teraio_status teraio_engine_drain(teraio_engine *engine);

@@ -104,6 +104,11 @@ pub const TERAIO_OUTCOME_PREFETCHED: i32 = 3;
 /// Outcome of a finished free.
 pub const TERAIO_OUTCOME_FREED: i32 = 4;
 
+/// `teraio_engine_measure_hardware` flag: neither read nor write the cache.
+pub const TERAIO_HW_NO_CACHE: u32 = 1;
+/// `teraio_engine_measure_hardware` flag: measure even when a model is cached, and replace it.
+pub const TERAIO_HW_FRESH: u32 = 2;
+
 /// Version of this C ABI: bumped when a function's signature or meaning changes.
 pub const TERAIO_ABI_VERSION: u32 = 1;
 
@@ -423,6 +428,41 @@ pub unsafe extern "C" fn teraio_engine_stats(
     guard("teraio_engine_stats", || {
         need(out_json, "out_json")?;
         let text = with_engine(engine, |e| Ok(core::stats_json(e).to_string()))?;
+        // SAFETY: forwarded contract.
+        unsafe { put_string(out_json, "out_json", text) }?;
+        Ok(Status::Ok)
+    })
+}
+
+/// This machine's hardware model, measured through the engine in a few seconds (the array's
+/// write, read and both-at-once bandwidth through the store; host memory copies; with a GPU,
+/// pinned host <-> GPU copies), or read from the cache of this machine and array
+/// (`$TERAIO_CACHE_DIR`, else `$XDG_CACHE_HOME/teraio`, else `~/.cache/teraio`), as JSON:
+/// `{"hardware", "report", "source" ("measured" or "cache"), "cache_path", "key",
+/// "measured_unix_s", "summary"}`; `"hardware"` is a model `teraio_plan` takes. `flags`: 0, or
+/// `TERAIO_HW_NO_CACHE` and/or `TERAIO_HW_FRESH`. A damaged cache file is measured again and
+/// leaves a notice (`teraio_take_notice`). Free the string with `teraio_string_free`.
+///
+/// # Safety
+/// `out_json` is valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_engine_measure_hardware(
+    engine: *mut teraio_engine,
+    flags: u32,
+    out_json: *mut *mut c_char,
+) -> teraio_status {
+    guard("teraio_engine_measure_hardware", || {
+        need(out_json, "out_json")?;
+        let known = TERAIO_HW_NO_CACHE | TERAIO_HW_FRESH;
+        if flags & !known != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "flags {flags:#x}: only TERAIO_HW_NO_CACHE (1) and TERAIO_HW_FRESH (2) are known"
+            )));
+        }
+        let cache = flags & TERAIO_HW_NO_CACHE == 0;
+        let fresh = flags & TERAIO_HW_FRESH != 0;
+        let text =
+            with_engine(engine, |e| Ok(core::measure_hardware(e, cache, fresh, None).to_string()))?;
         // SAFETY: forwarded contract.
         unsafe { put_string(out_json, "out_json", text) }?;
         Ok(Status::Ok)

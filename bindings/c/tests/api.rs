@@ -787,3 +787,44 @@ fn device_pointers_offload_and_prefetch_in_stream_order_on_the_gpu_emulation() {
     assert!(last_error().contains("[gpu]"), "{}", last_error());
     assert_eq!(teraio_engine_close(e), TERAIO_OK);
 }
+
+#[test]
+fn the_engine_measures_this_machine_into_a_hardware_model_plan_takes() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = open(dir.path(), false);
+    let mut json = null_mut();
+    // SAFETY: valid out-pointer. (No cache: the test writes nothing outside its folder.)
+    let s = unsafe {
+        teraio_engine_measure_hardware(e, TERAIO_HW_NO_CACHE | TERAIO_HW_FRESH, &mut json)
+    };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    let m: serde_json::Value = serde_json::from_str(&take_string(json)).unwrap();
+    assert_eq!(m["source"], "measured");
+    assert!(m["cache_path"].is_null());
+    assert_eq!(m["hardware"]["ssd_count"], 2);
+    assert!(m["report"]["array"]["write_bytes_per_s"].as_f64().is_some_and(|r| r > 0.0), "{m}");
+    // The model is one teraio_plan takes.
+    let mut trace = null_mut();
+    // SAFETY: valid string and out-pointer.
+    let s = unsafe { teraio_trace_load(cs("preset:gpt2-small").as_ptr(), &mut trace) };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    let mut hw = m["hardware"].clone();
+    hw["gpu_memory_bytes"] = serde_json::json!(20_000_000_000u64);
+    hw["ssd_capacity_bytes"] = serde_json::Value::Null;
+    let mut plan = null_mut();
+    // SAFETY: valid strings and out-pointer.
+    let s = unsafe {
+        teraio_plan(trace, cs("teraio").as_ptr(), cs(&hw.to_string()).as_ptr(), &mut plan)
+    };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    take_string(plan);
+    assert_eq!(teraio_trace_free(trace), TERAIO_OK);
+    // Unknown flags are refused, naming them.
+    let mut json = null_mut();
+    // SAFETY: valid out-pointer.
+    let s = unsafe { teraio_engine_measure_hardware(e, 8, &mut json) };
+    assert_eq!(s, TERAIO_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("flags 0x8"), "{}", last_error());
+    assert!(json.is_null());
+    assert_eq!(teraio_engine_close(e), TERAIO_OK);
+}

@@ -11,6 +11,8 @@
 //! - [`Op`]: a pending offload, prefetch or free, whatever memory it moves.
 //! - [`optim`]: the host optimizer steps over caller memory, its checks shared.
 //! - [`sched`]: traces, hardware models, plans, simulations, policy comparisons, as JSON.
+//! - [`measure_hardware`]: this machine's hardware model, measured through an engine and
+//!   cached per machine and array.
 #![forbid(unsafe_code)]
 
 mod buffer;
@@ -147,6 +149,31 @@ pub fn engine_json(engine: &Engine) -> Value {
 /// The engine's migration statistics as JSON.
 pub fn stats_json(engine: &Engine) -> Value {
     serde_json::to_value(engine.store().stats()).unwrap_or(Value::Null)
+}
+
+/// This machine's hardware model, measured through `engine` ([`teraio_engine::probe`]), as
+/// JSON: `{"hardware", "report", "source" ("measured" or "cache"), "cache_path", "key",
+/// "measured_unix_s", "summary"}`. `cache`: read this machine and array's cached model when
+/// there is one and keep a new measurement (false: neither); `fresh`: measure even when one is
+/// cached (and replace it); `probe_bytes`: bytes through the array each way (None: the
+/// default, 256 MiB; 0: the array is not measured).
+pub fn measure_hardware(
+    engine: &Engine,
+    cache: bool,
+    fresh: bool,
+    probe_bytes: Option<u64>,
+) -> Value {
+    use teraio_engine::probe::{CacheMode, ProbeOptions, measure_cached};
+    let mut options = ProbeOptions::default();
+    if let Some(b) = probe_bytes {
+        options.array_bytes = b;
+    }
+    let mode = match (cache, fresh) {
+        (false, _) => CacheMode::Off,
+        (true, true) => CacheMode::Refresh,
+        (true, false) => CacheMode::Use,
+    };
+    measure_cached(engine, &options, mode).to_json()
 }
 
 /// The version of teraio these bindings were built from.

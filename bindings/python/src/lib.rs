@@ -183,6 +183,19 @@ impl NativeEngine {
         })
     }
 
+    /// This machine's hardware model measured through the engine (or read from the cache),
+    /// as JSON (`teraio_bindings_core::measure_hardware`).
+    #[pyo3(signature = (cache=true, fresh=false, probe_bytes=None))]
+    fn measure_hardware_json(
+        &self,
+        py: Python<'_>,
+        cache: bool,
+        fresh: bool,
+        probe_bytes: Option<u64>,
+    ) -> PyRes<String> {
+        self.with(py, |e| Ok(core::measure_hardware(e, cache, fresh, probe_bytes).to_string()))
+    }
+
     /// Persistent engines: write a checkpoint now.
     fn checkpoint(&self, py: Python<'_>) -> PyRes<()> {
         self.with(py, |e| Ok(e.store().checkpoint()?))

@@ -1,6 +1,22 @@
+import os
+
 import pytest
 
 import teraio
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hardware_cache_of_the_tests(tmp_path_factory):
+    """Hardware models measured by the tests (``Session(hardware=None)``,
+    ``Engine.measure_hardware``) are kept in a folder of this test session, never the user's
+    ``~/.cache/teraio``; subprocesses (examples, torchrun) inherit it."""
+    old = os.environ.get("TERAIO_CACHE_DIR")
+    os.environ["TERAIO_CACHE_DIR"] = str(tmp_path_factory.mktemp("teraio-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TERAIO_CACHE_DIR", None)
+    else:
+        os.environ["TERAIO_CACHE_DIR"] = old
 
 
 @pytest.fixture

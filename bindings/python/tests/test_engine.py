@@ -1,6 +1,7 @@
 """The engine from Python: round trips, threads, every bad input a clear exception."""
 
 import gc
+import os
 import threading
 
 import numpy as np
@@ -247,3 +248,40 @@ def test_the_exception_hierarchy_matches_the_stable_codes():
     assert issubclass(teraio.ChecksumMismatchError, teraio.CorruptionError)
     assert issubclass(teraio.IoError, OSError)
     assert issubclass(teraio.TraceError, ValueError)
+
+
+def test_the_engine_measures_this_machine_and_keeps_the_model_per_array(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TERAIO_CACHE_DIR", str(cache))
+    with teraio.Engine(dir=tmp_path / "a", files=2, file_size="64M", workers=2) as e:
+        m = e.measure_hardware(probe_bytes=8 << 20)
+        assert m["source"] == "measured" and "measured now" in m["summary"], m
+        a = m["report"]["array"]
+        assert a["devices"] == 2 and a["write_bytes_per_s"] > 0 and a["read_bytes_per_s"] > 0, a
+        assert m["report"]["gpu"]["kind"] == "none"
+        hw = m["hardware"]
+        assert hw == teraio.hardware(hw), "a model the planner takes as it is"
+        assert hw["ssd_count"] == 2 and hw["ssd_write_bytes_per_s"] == pytest.approx(a["write_bytes_per_s"] / 2)
+        path = m["cache_path"]
+        assert path.startswith(str(cache)) and os.path.isfile(path)
+        # read back at once; fresh=True measures again; cache=False touches nothing
+        again = e.measure_hardware()
+        assert again["source"] == "cache" and again["hardware"] == hw and again["cache_path"] == path
+        assert "from the cache" in again["summary"]
+        assert e.measure_hardware(fresh=True, probe_bytes=0)["source"] == "measured"
+        off = e.measure_hardware(cache=False, probe_bytes=0)
+        assert off["source"] == "measured" and off["cache_path"] is None
+        # a damaged file is measured again, with a warning naming it
+        with open(path, "w") as f:
+            f.write("{\"ssd_count\": ")
+        with pytest.warns(teraio.TeraioWarning, match="ignoring the hardware cache file .*not JSON"):
+            assert e.measure_hardware(probe_bytes=0)["source"] == "measured"
+        assert e.measure_hardware()["source"] == "cache"
+        with pytest.raises(teraio.InvalidArgumentError, match="probe_bytes"):
+            e.measure_hardware(probe_bytes=-1)
+    # another array: another model
+    with teraio.Engine(dir=tmp_path / "b", files=1, file_size="64M", workers=2) as e:
+        other = e.measure_hardware(probe_bytes=0)
+        assert other["source"] == "measured" and other["cache_path"] != path
+        assert other["key"]["devices"] == 1
+    assert len(os.listdir(cache)) == 2

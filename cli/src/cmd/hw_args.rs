@@ -9,7 +9,8 @@ use crate::{CliError, Result};
 #[derive(clap::Args, Debug, Clone)]
 pub struct HwArgs {
     /// Hardware preset (`paper`: 94 GB H100 NVL, 4 SSDs x 6.7/6.5 GB/s of 4 TB and 2,400 TBW
-    /// each, PCIe Gen5, 128 GB host tier; `dev`) or a JSON file of a `Hardware`.
+    /// each, PCIe Gen5, 128 GB host tier; `dev`) or a JSON file of a `Hardware` (this
+    /// machine's: `teraio hw measure -o hw.json`).
     #[arg(long, default_value = "paper")]
     pub hw: String,
     /// Override GPU memory, GB (10^9 bytes).

@@ -8,6 +8,7 @@ pub mod bench_optim;
 pub mod bench_tensors;
 pub mod engine_args;
 pub mod gpu_check;
+pub mod hw;
 pub mod hw_args;
 pub mod inspect;
 pub mod plan;

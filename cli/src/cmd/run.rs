@@ -15,7 +15,6 @@ use teraio_engine::replay::{
     BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay_adaptive,
 };
 use teraio_engine::store::OffloadOptions;
-use teraio_engine::tier::CopyWay;
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::units::ByteSize;
 use teraio_scheduler::{
@@ -290,96 +289,6 @@ fn make_plan(
     Ok(attempt.expect("at least one attempt"))
 }
 
-/// Pinned host <-> GPU copy bandwidth of 256 MiB copies (bytes/s: host-to-device alone,
-/// device-to-host alone, and both at once in total), for the hardware model of `--gpu`.
-fn measure_pcie(engine: &Engine) -> Result<Pcie> {
-    const BYTES: u64 = 256 << 20;
-    const COPIES: usize = 4;
-    let rt = engine.gpu_runtime().expect("called with a GPU");
-    // Two buffers each side: one pair per direction, so both directions can run at once.
-    let dev = [engine.alloc_gpu(BYTES)?, engine.alloc_gpu(BYTES)?];
-    let mut host = [engine.alloc_host(BYTES)?, engine.alloc_host(BYTES)?];
-    let mut ptrs = Vec::with_capacity(2);
-    for h in &mut host {
-        let h = h.host_mut().expect("engine buffers are host memory");
-        h.fill(1);
-        ptrs.push(h.as_mut_ptr());
-    }
-    let mut pinned = Vec::with_capacity(2);
-    let mut r = Ok(());
-    for &p in &ptrs {
-        // SAFETY: `host` stays alive (and mapped) until after unpin below.
-        r = unsafe { rt.pin_host(p, BYTES as usize) };
-        if r.is_err() {
-            break;
-        }
-        pinned.push(p);
-    }
-    let d = [0, 1].map(|i| dev[i].device().expect("GPU memory").device_ptr());
-    // `COPIES` copies host -> GPU and/or GPU -> host, each direction on the engine's queues
-    // for it (as prefetches and offloads go), timed together;
-    // returns the bytes per second of all of them.
-    let time = |h2d: bool, d2h: bool| -> teraio_engine::Result<f64> {
-        let (mut up, mut down) =
-            (rt.copy_queue_toward(CopyWay::ToDevice)?, rt.copy_queue_toward(CopyWay::ToHost)?);
-        let start = Instant::now();
-        let mut queue = || -> teraio_engine::Result<()> {
-            for _ in 0..COPIES {
-                // SAFETY: every range is a live allocation of BYTES bytes; pair 0 goes one way
-                // and pair 1 the other, and nobody else uses them until the copies finished
-                // (waited for below, on success and on failure).
-                unsafe {
-                    if h2d {
-                        up.host_to_device(ptrs[0], d[0], BYTES as usize)?;
-                    }
-                    if d2h {
-                        down.device_to_host(d[1], ptrs[1], BYTES as usize)?;
-                    }
-                }
-            }
-            up.fence()?.wait()?;
-            down.fence()?.wait()
-        };
-        if let Err(e) = queue() {
-            // What was queued finishes before the buffers are unpinned and freed.
-            let _ = (up.drain(), down.drain());
-            return Err(e);
-        }
-        let copies = COPIES * (usize::from(h2d) + usize::from(d2h));
-        Ok(copies as f64 * BYTES as f64 / start.elapsed().as_secs_f64())
-    };
-    // One untimed round first (the first copies into fresh memory pay its page faults: on the
-    // emulated GPU that made host -> GPU look 5x slower than the way back), then the best of
-    // two rounds of each (a copy slowed by another process is not the link's rate).
-    let best = |h2d: bool, d2h: bool| -> teraio_engine::Result<f64> {
-        Ok(time(h2d, d2h)?.max(time(h2d, d2h)?))
-    };
-    let measured = r.and_then(|()| {
-        time(true, true)?;
-        Ok(Pcie { h2d: best(true, false)?, d2h: best(false, true)?, both: best(true, true)? })
-    });
-    // Every buffer is unpinned, whatever fails; the first error is the one reported.
-    let mut unpinned = Ok(());
-    for p in pinned {
-        // SAFETY: pinned above; no copy uses it any more (`time` waits for every copy it
-        // queued, on failure too).
-        let r = unsafe { rt.unpin_host(p) };
-        if unpinned.is_ok() {
-            unpinned = r;
-        }
-    }
-    let pcie = measured?;
-    unpinned?;
-    Ok(pcie)
-}
-
-/// PCIe copy rates of pinned memory, bytes/s: each way alone, and in total both ways at once.
-struct Pcie {
-    h2d: f64,
-    d2h: f64,
-    both: f64,
-}
-
 /// Run `teraio run`.
 pub fn run(args: Args) -> Result<()> {
     if args.iterations == 0 {
@@ -499,7 +408,7 @@ pub fn run(args: Args) -> Result<()> {
     if gpu_what.is_some() {
         // Real GPU memory: the PCIe hop is measured; the measured array bandwidth above already
         // went GPU <-> SSD through the chosen path (the bounce pipeline overlaps PCIe and SSD).
-        let pcie = measure_pcie(&engine)?;
+        let pcie = teraio_engine::probe::measure_pcie(&engine, 256 << 20, 4)?;
         say(format!(
             "PCIe (pinned copies): host -> GPU {}, GPU -> host {}, both at once {} in total",
             gbps(pcie.h2d),

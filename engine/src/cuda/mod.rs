@@ -199,6 +199,28 @@ impl CudaDevice {
         )
     }
 
+    /// The device's model name ("NVIDIA H200").
+    pub fn model_name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device's UUID as `nvidia-smi -L` prints it ("GPU-1a2b3c4d-..."), when the driver
+    /// gives one: what tells two GPUs of the same model apart, across processes and reboots.
+    pub fn uuid(&self) -> Option<String> {
+        let id = cudarc::driver::result::device::get_uuid(self.device).ok()?;
+        let b: Vec<u8> = id.bytes.iter().map(|&c| c as u8).collect();
+        let hex =
+            |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
+        Some(format!(
+            "GPU-{}-{}-{}-{}-{}",
+            hex(0..4),
+            hex(4..6),
+            hex(6..8),
+            hex(8..10),
+            hex(10..16)
+        ))
+    }
+
     /// (free, total) device memory bytes.
     pub fn memory_info(&self) -> Result<(u64, u64)> {
         self.bind()?;

@@ -627,6 +627,27 @@ class Engine:
         """Persistent engines: write a metadata checkpoint now."""
         self._native.checkpoint()
 
+    def measure_hardware(self, cache: bool = True, *, fresh: bool = False,
+                         probe_bytes: Optional[int] = None) -> Dict[str, Any]:
+        """This machine's hardware model, measured through the engine in a few seconds: the
+        array's write, read and both-at-once bandwidth (through the store, O_DIRECT, striped),
+        host memory copies, and with a GPU the pinned host <-> GPU copies (on a CPU-only engine
+        the "GPU" is host memory). Returns ``{"hardware": {...}, "report": {...}, "source":
+        "measured" or "cache", "cache_path", "key", "measured_unix_s", "summary"}``;
+        ``["hardware"]`` is a model as :func:`hardware` returns it (``Session(hardware=...)``,
+        :func:`plan`). ``cache`` (default True): read this machine and array's model from the
+        cache when there is one, and keep a new measurement there (``$TERAIO_CACHE_DIR``, else
+        ``$XDG_CACHE_HOME/teraio``, else ``~/.cache/teraio``; a damaged file is measured again
+        with a :class:`TeraioWarning`); False: neither. ``fresh``: measure even when a model is
+        cached, and replace it. ``probe_bytes``: bytes through the array each way (default 256
+        MiB, at most a quarter of its free space; 0: the array is not measured)."""
+        if probe_bytes is not None and probe_bytes < 0:
+            raise InvalidArgumentError(f"probe_bytes must be >= 0, got {probe_bytes}")
+        try:
+            return json.loads(self._native.measure_hardware_json(bool(cache), bool(fresh), probe_bytes))
+        finally:
+            _warn_notices()
+
     # -- the engine
 
     def _info(self) -> Dict[str, Any]:

@@ -2,6 +2,7 @@
 
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -764,6 +765,87 @@ def test_session_arguments_are_checked_when_it_is_made(tmp_path):
     hw.write_text(__import__("json").dumps(teraio.hardware("dev")))
     s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware=str(hw))
     assert s.hardware == teraio.hardware("dev")
+
+
+def _planned_session(store, log, **kw):
+    """A Session on ``store`` trained until its first plan is made."""
+    model, opt = make()
+    s = tt.Session(model, opt, store=store, gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0, log=log, **kw)
+    for t in batches(3):
+        with s.step():
+            train_step(model, opt, t)
+    assert any("plan" in r and r["plan"].startswith("made") for r in s.steps), s.steps
+    return s
+
+
+def test_without_a_hardware_model_a_session_measures_this_machine_once_and_the_next_reads_it(tmp_path, monkeypatch):
+    teraio = pytest.importorskip("teraio")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TERAIO_CACHE_DIR", str(cache))
+    lines = []
+    eng = engine_store(tmp_path / "array")
+    s = _planned_session(eng, lines.append)
+    said = [ln for ln in lines if "hardware model" in ln]
+    assert len(said) == 1 and "measured now" in said[0] and str(cache) in said[0], lines
+    assert s.hardware_source in said[0] and s.report()["hardware"] == s.hardware_source
+    (kept,) = os.listdir(cache)
+    assert kept.startswith("hardware-") and kept.endswith(".json")
+    model = s._hardware_model
+    assert model["ssd_count"] == 2 and model == teraio.hardware(model)
+    s.close()
+    eng.close()
+    # a later Session on the same machine and array: the model from the cache, not measured again
+    measured = []
+    eng = engine_store(tmp_path / "array")
+    orig = eng.measure_hardware
+    eng.measure_hardware = lambda **kw: measured.append(kw) or orig(**kw)
+    lines = []
+    s = _planned_session(eng, lines.append)
+    said = [ln for ln in lines if "hardware model" in ln]
+    assert len(said) == 1 and "from the cache" in said[0] and kept in said[0], lines
+    assert measured == [{"cache": True, "fresh": False}]
+    assert s._hardware_model == model
+    s.close()
+    # hardware="measure": measured again now, and the cache replaced
+    lines = []
+    s = _planned_session(eng, lines.append, hardware="measure")
+    said = [ln for ln in lines if "hardware model" in ln]
+    assert len(said) == 1 and "measured now" in said[0], lines
+    assert measured[-1] == {"cache": True, "fresh": True}
+    assert os.listdir(cache) == [kept]
+    s.close()
+    # a model given is used as given, and the log says so
+    lines = []
+    s = _planned_session(eng, lines.append, hardware="dev")
+    assert [ln for ln in lines if "hardware model" in ln][0].endswith("hardware model: given (preset 'dev')")
+    assert len(measured) == 2
+    s.close()
+    eng.close()
+
+
+def test_a_store_that_cannot_measure_plans_for_the_paper_and_says_so():
+    lines = []
+    s = _planned_session(MemStore(), lines.append)
+    said = [ln for ln in lines if "hardware model" in ln]
+    assert len(said) == 1 and "the paper's machine" in said[0] and "hardware=" in said[0], lines
+    assert s._hardware_model == "paper"
+
+
+def test_a_bad_hardware_value_is_an_error_naming_the_argument(tmp_path):
+    model, opt = make()
+    kw = dict(store=MemStore(), gpu_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"Session\(hardware=42\): a int is not a hardware model; pass None .*\"measure\""):
+        tt.Session(model, opt, hardware=42, **kw)
+    with pytest.raises(ValueError, match=r"Session\(hardware='no-such-preset'\): .*unknown hardware preset.*pass None"):
+        tt.Session(model, opt, hardware="no-such-preset", **kw)
+    with pytest.raises(ValueError, match=r"Session\(hardware=\{'ssd_count': 'four'\}\)"):
+        tt.Session(model, opt, hardware={"ssd_count": "four"}, **kw)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"hardware='.*list\.json'\): the file holds a JSON list"):
+        tt.Session(model, opt, hardware=str(listed), **kw)
+    with pytest.raises(ValueError, match=r"Session\(hardware='measure'\): measuring this machine needs a teraio engine"):
+        tt.Session(model, opt, hardware="measure", **kw)
 
 
 def test_a_step_line_is_logged_by_default():

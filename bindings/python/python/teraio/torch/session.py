@@ -85,12 +85,24 @@ def _open_engine(engine: Any, device: torch.device) -> Any:
     return engine
 
 
+_HARDWARE_FORMS = ("None (this machine's model: measured on first use through the engine, and cached per machine "
+                   "and array), \"measure\" (measured again now), a preset name (\"paper\", \"dev\"), a dict of "
+                   "hardware fields (teraio.hardware()), or the path of a JSON hardware model (what `teraio simulate "
+                   "--hw` and `teraio hw measure -o` write)")
+
+
 def _hardware(hardware: Any) -> Any:
-    """``hardware=`` as the planner takes it: a preset name, a dict, or the path of a JSON
-    hardware model (what ``teraio simulate --hw`` reads), checked now rather than at the first
-    plan minutes later."""
+    """``hardware=`` as the planner takes it: None or ``"measure"`` (this machine's model,
+    measured when the first plan is made), a preset name, a dict, or the path of a JSON hardware
+    model (what ``teraio simulate --hw`` reads), checked now rather than at the first plan
+    minutes later."""
     import os
 
+    if hardware is None or hardware == "measure":
+        return hardware
+    if not isinstance(hardware, (str, os.PathLike, dict)):
+        raise ValueError(f"Session(hardware={hardware!r}): a {type(hardware).__name__} is not a hardware model; "
+                         f"pass {_HARDWARE_FORMS}")
     try:
         import teraio
     except ImportError:
@@ -105,14 +117,34 @@ def _hardware(hardware: Any) -> Any:
                 hardware = json.load(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"Session(hardware={path!r}): cannot read a JSON hardware model there ({e}); "
-                             "pass a preset name (\"paper\", \"dev\"), a dict, or a JSON file as "
-                             "`teraio simulate --hw` reads") from None
-    if hardware is not None and hasattr(teraio, "hardware"):
+                             f"pass {_HARDWARE_FORMS}") from None
+        if not isinstance(hardware, dict):
+            raise ValueError(f"Session(hardware={path!r}): the file holds a JSON {type(hardware).__name__}, not an "
+                             "object of hardware fields (what `teraio simulate --hw` reads)")
+    if hasattr(teraio, "hardware"):
         try:
             teraio.hardware(hardware)
         except Exception as e:
-            raise ValueError(f"Session(hardware=...): {e}") from None
+            raise ValueError(f"Session(hardware={_short(hardware)}): {e}; pass {_HARDWARE_FORMS}") from None
     return hardware
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short when long (a dict of every hardware field)."""
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _given(hardware: Any) -> str:
+    """How the step log names a hardware model the caller gave."""
+    import os
+
+    if isinstance(hardware, dict):
+        return "given (a dict of hardware fields)"
+    if isinstance(hardware, os.PathLike) or (isinstance(hardware, str) and (
+            os.sep in hardware or hardware.endswith(".json") or os.path.isfile(hardware))):
+        return f"given (the JSON file {os.fspath(hardware)})"
+    return f"given (preset {hardware!r})"
 
 
 class Session:
@@ -121,7 +153,17 @@ class Session:
     ``engine``: a ``teraio.Engine``, its configuration as a dict of keyword options, or a
     configuration file path (docs/PYTHON.md). ``gpu_budget_bytes``: the memory the iteration's
     tensors may use (None: no budget, nothing is paged). ``host_budget_bytes``: the host tier
-    the planner may use (0: SSD only). ``policy``/``hardware``: the planner's (``teraio plan``).
+    the planner may use (0: SSD only). ``policy``: the planner's (``teraio plan``). ``hardware``: the
+    model of the machine plans are made for. None (the default): this machine's, measured through
+    the engine when the first plan is made (its array's write and read bandwidth, host memory
+    copies, the GPU's pinned copies; a few seconds) and cached per machine and array, so a later
+    Session on the same machine and array reads it at once (``teraio.Engine.measure_hardware``;
+    ``$TERAIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/teraio``, else ``~/.cache/teraio``);
+    ``"measure"``: measured again now (and cached); a preset name (``"paper"``, ``"dev"``), a dict
+    of hardware fields, or the path of a JSON model (``teraio hw measure -o``, ``teraio simulate
+    --hw``): as given. The step that makes the first plan says in the log which model the plans
+    use (:attr:`hardware_source`). A Session given a store that cannot measure (tests) plans for
+    ``"paper"`` and says so.
     ``store`` (tests): any object with the engine's ``offload``/``prefetch``/``free``.
     ``page_min_bytes``: the pager leaves smaller storages in place; ``page_fraction``: on the
     GPU it pages down to this share of the budget (and plans keep it, and keep at least twice the
@@ -260,6 +302,10 @@ class Session:
         if planner is None:
             self.hardware = _hardware(hardware)
             _check_policy(policy)
+        self._hardware_given = hardware
+        # the model plans are made for, once known (the first plan), and what the log said of it
+        self._hardware_model: Any = None
+        self.hardware_source: str | None = None
         if _compiled(model):
             # (the dispatch mode sees the compiled graph's operators only eagerly: TorchDynamo
             # runs the model's Python under teraio's mode, which falls back to eager)
@@ -269,6 +315,10 @@ class Session:
         if store is None and gpu_budget_bytes is not None:
             store = self._engine = _open_engine(engine, self.device)
         self.store = store
+        if self.hardware == "measure" and planner is None and store is not None \
+                and not hasattr(store, "measure_hardware"):
+            raise ValueError("Session(hardware='measure'): measuring this machine needs a teraio engine "
+                             "(engine=...); the store given cannot measure: pass another hardware model")
         cuda = self.device.type == "cuda"
         if cuda and gpu_budget_bytes is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -692,7 +742,7 @@ class Session:
             entry["plan"] = self.planner(trace, self.planning_budget, self.host_budget)
             rec["plan_s"] = time.perf_counter() - t0
         elif teraio is not None and hasattr(teraio, "plan"):
-            hw = self.hardware if self.hardware is not None else "paper"
+            hw = self._plan_hardware(rec)
             over: dict[str, Any] = {"gpu_memory_bytes": self.planning_budget,
                                     "host_memory_cap_bytes": self.host_budget}
             capacity = getattr(self.store, "capacity_bytes", None)
@@ -723,6 +773,30 @@ class Session:
         if t.get("chosen") == "planned for slower transfers":
             rec["plan"] += (f", planned for slower transfers: {(t['modelled_moved_bytes'] - t['slower_transfers_moved_bytes']) / 1e9:.2f}"
                             f" GB less moved for {100 * (t['slower_transfers_s'] / t['modelled_s'] - 1):+.1f}% in the model")
+
+    def _plan_hardware(self, rec: dict[str, Any]) -> Any:
+        """The hardware model plans are made for: as given, or this machine's (measured, or read
+        from the cache) the first time a plan needs it; that first time ``rec`` (the step's
+        record) says which (``"hardware"``)."""
+        if self._hardware_model is None:
+            self._hardware_model, self.hardware_source = self._resolve_hardware()
+            rec["hardware"] = self.hardware_source
+        return self._hardware_model
+
+    def _resolve_hardware(self) -> tuple[Any, str]:
+        hw = self.hardware
+        if hw is not None and hw != "measure":
+            return hw, _given(self._hardware_given)
+        measure = getattr(self.store, "measure_hardware", None)
+        if measure is None:
+            return "paper", ("the paper's machine (preset \"paper\": 4 SSDs, PCIe 5), not this one: the Session's "
+                             "store cannot measure it; pass hardware=...")
+        try:
+            m = measure(cache=True, fresh=hw == "measure")
+        except _teraio_error() as e:
+            return "paper", (f"the paper's machine (preset \"paper\"), not this one: measuring it failed ({e}); "
+                             "pass hardware=...")
+        return m["hardware"], m["summary"]
 
     # ---- reporting ---------------------------------------------------------------------
 
@@ -767,6 +841,8 @@ class Session:
             s += f", held back {rec['ahead_wait_s']:.3f} s"
         if "plan" in rec:
             s += f", plan {rec['plan']}"
+        if rec.get("hardware"):
+            s += f", hardware model: {rec['hardware']}"
         if rec.get("top_stalls"):
             s += ", waited longest before " + ", ".join(
                 f"{k} {name} {t * 1e3:.1f} ms" for k, name, t in rec["top_stalls"][:3])
@@ -775,7 +851,8 @@ class Session:
     def report(self) -> dict[str, Any]:
         """Figures of every step so far, and totals."""
         steps = self.steps
-        out: dict[str, Any] = {"steps": steps, "budget_bytes": self.budget, "plans": len(self.plans)}
+        out: dict[str, Any] = {"steps": steps, "budget_bytes": self.budget, "plans": len(self.plans),
+                               "hardware": self.hardware_source}
         if self.pager is not None:
             out["evictions"] = self.pager.evictions
             out["fetches"] = self.pager.fetches
