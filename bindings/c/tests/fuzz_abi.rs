@@ -1,5 +1,5 @@
 //! A seeded random fuzzer over the C ABI's argument space, in-process through the `extern "C"`
-//! functions: every one of the 59 exported functions, called in random order with live, stale
+//! functions: every one of the 60 exported functions, called in random order with live, stale
 //! (closed, freed), wrong-kind, NULL and made-up handles; NULL, valid and misaligned pointers;
 //! lengths from 0 to `SIZE_MAX`; valid and mangled configurations, traces, plans, hardware and
 //! policy names. The contract it checks: every call returns a known status and never
@@ -468,8 +468,12 @@ impl Fuzz {
             }
             3..=6 => {
                 let e = self.handle(&self.engines.clone());
-                let which = self.rng.below(4);
-                self.begin(format!("engine_info/stats/tensors/lookup {which} {e:p}"));
+                let which = self.rng.below(5);
+                // (the hardware probe never touches the cache: nothing left on disk)
+                let flags = TERAIO_HW_NO_CACHE | if self.rng.chance(20) { 4 } else { 0 };
+                self.begin(format!(
+                    "engine_info/stats/tensors/lookup/measure {which} {e:p} {flags}"
+                ));
                 let out: *mut *mut c_char = self.out(&mut slot);
                 // SAFETY: out NULL or valid.
                 let (name, s) = unsafe {
@@ -477,6 +481,7 @@ impl Fuzz {
                         0 => ("engine_info", teraio_engine_info(e, out)),
                         1 => ("engine_stats", teraio_engine_stats(e, out)),
                         2 => ("list_tensors", teraio_list_tensors(e, out)),
+                        3 => ("measure_hardware", teraio_engine_measure_hardware(e, flags, out)),
                         _ => {
                             let n = self.string(&["t1", "t2"]);
                             let o: *mut u64 = self.out(&mut slot);
@@ -486,7 +491,7 @@ impl Fuzz {
                     }
                 };
                 self.end(name, s);
-                if s == TERAIO_OK && which < 3 {
+                if s == TERAIO_OK && which < 4 {
                     // SAFETY: written on success.
                     self.strings.push(unsafe { out.read_unaligned() });
                 }
