@@ -72,6 +72,9 @@ def main() -> int:
                          "under a longer shape's plan while it is profiled")
     ap.add_argument("--no-recompute", action="store_true",
                     help="plans move tensors only (Session(recompute=False)), never recompute them")
+    ap.add_argument("--hw", default=None,
+                    help="the hardware model the plans use: a preset (paper, dev), a JSON file "
+                         "(teraio hw measure -o), or this machine measured (default)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     ap.add_argument("--compare", nargs=2, metavar=("IDEAL", "TERAIO"), help="compare two results")
     args = ap.parse_args()
@@ -99,7 +102,7 @@ def main() -> int:
             engine["host_tier"] = host
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=int(args.cap_gib * 2**30),
                              host_budget_bytes=host, report_every=0, bounded_shapes=not args.no_bounded,
-                             recompute=not args.no_recompute)
+                             recompute=not args.no_recompute, hardware=args.hw)
     autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     steps = []
     t_all = time.perf_counter()
@@ -120,7 +123,8 @@ def main() -> int:
         if session is not None:
             r = session.steps[-1]
             rec["mode"] = r["mode"]
-            for k in ("plan", "decided_at", "diverged", "stall_s", "bounded_by"):
+            for k in ("plan", "decided_at", "diverged", "stall_s", "bounded_by", "recomputed",
+                      "recomputations_checked", "unstable_recompute"):
                 if k in r:
                     rec[k] = r[k]
         steps.append(rec)

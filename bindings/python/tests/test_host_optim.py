@@ -2,7 +2,7 @@
 update rule written out in numpy (bitwise: numpy's sqrt is correctly rounded, as teraio's is;
 a fused multiply-add is emulated in float64, exact for these products), and every bad buffer or
 hyperparameter a clear exception that names it. (Against PyTorch itself:
-tests/torch/test_host_optim.py.)"""
+tests/torch/test_torch_host_optim.py.)"""
 
 import numpy as np
 import pytest

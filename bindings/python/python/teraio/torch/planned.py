@@ -163,7 +163,7 @@ class PlannedRun:
                  device: torch.device, executor_factory: Callable[..., Any] | None = None,
                  device_memory: bool | None = None, gather: bool = True, max_ahead: int = 0,
                  time_gpu: bool = False, host_waits: bool = False,
-                 record: Callable[[Any, tuple, dict], Any] | None = None) -> None:
+                 record: Callable[[Any, tuple, dict], Any] | None = None, verify_remakes: bool = False) -> None:
         self.trace = entry["trace"]
         # ``record`` (a profiler's dispatch): the run is *bounded*: the plan is another, larger
         # shape's of the same iteration (every operator's tensors at most as large as the
@@ -234,6 +234,15 @@ class PlannedRun:
         self._left: dict[int, int] = {}
         self.recomputed = 0
         self.recomputed_in_place = 0  # of them, written by the operator's ``out=`` form
+        # ``verify_remakes``: in this run's first step, each tensor dropped for a recomputation
+        # is copied (to the host) first and its recomputation compared with it bitwise; one that
+        # differs (a kernel not bitwise reproducible on this device) gets its original bytes
+        # back, so the step's math stays plain training's, and its operator is named in
+        # ``unstable`` (the session then plans without recomputing it)
+        self._verify = verify_remakes and bool(self._remakes)
+        self._saved: dict[int, torch.Tensor] = {}
+        self.verified = 0
+        self.unstable: list[str] = []
         # an operator that runs out of memory within the budget (the caching allocator's blocks
         # rounded and scattered) is run again once the executor made room (``call``)
         self.budget = budget
@@ -321,6 +330,9 @@ class PlannedRun:
             return
         s = self.refs[tid]()
         if s is not None:
+            if self._verify and tid in self._producers:
+                # (a drop before a recomputation: its bytes, to compare the recomputation with)
+                self._saved[tid] = byte_view(s).to("cpu", copy=True)
             _resize(s, 0)
 
     def recompute(self, tid: int, mem: Any = None) -> None:
@@ -353,10 +365,31 @@ class PlannedRun:
                 byte_view(s).copy_(byte_view(src))
         if timed is not None:
             timed[1].record(self._stream)
+        saved = self._saved.pop(tid, None)
+        if saved is not None:
+            self._check_remake(func, s, saved, (shape, stride, offset, dtype))
         self.recomputed += 1
         self._left[tid] -= 1
         if self._left[tid] <= 0:  # the last recomputation: let its arguments go
             del self._producers[tid]
+
+    def _check_remake(self, func: Any, s: torch.UntypedStorage, saved: torch.Tensor, meta: tuple) -> None:
+        """Compare a recomputed tensor (its region of storage ``s``) with its bytes from before
+        the drop (``saved``, the whole storage on the host); where they differ, put the saved
+        bytes back and name the operator in ``unstable``."""
+        shape, stride, offset, dtype = meta
+
+        def region(storage: Any, device: Any) -> torch.Tensor:
+            t = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+            return t.contiguous().reshape(-1).view(torch.uint8)
+
+        self.verified += 1
+        now = region(s, s.device).cpu()
+        if not torch.equal(now, region(saved.untyped_storage(), "cpu")):
+            byte_view(s).copy_(saved.to(s.device))
+            name = op_name(func)
+            if name not in self.unstable:
+                self.unstable.append(name)
 
     # ---- one iteration -----------------------------------------------------------------
 
@@ -762,6 +795,8 @@ class PlannedRun:
                 self.diverged = Diverged(-1, str(e))
             rep = None
         keep_last(self.reports, rep)
+        self._verify = False  # (the first step checks its recomputations; see __init__)
+        self._saved.clear()
         if self.gather:
             self.gather_globals(self.budget if self.gather == "budget" else None)
         return rep

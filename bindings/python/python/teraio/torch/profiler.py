@@ -118,6 +118,9 @@ class Profiler:
     ) -> None:
         self.model = model
         self.producers = producers
+        # operators whose recomputation did not reproduce their bytes on this device (a
+        # session's check, ``PlannedRun.unstable``): their results get no producer
+        self.unstable_ops: set[str] = set()
         self.optimizer = optimizer
         if device is None:
             p = next(model.parameters(), None) if model is not None else None
@@ -356,7 +359,8 @@ class Profiler:
         for idx in created:
             self._storages[idx].phase = phase
         remake = None
-        if self.producers and created and phase == "fwd" and remakeable(func, args, kwargs):
+        if self.producers and created and phase == "fwd" and remakeable(func, args, kwargs) \
+                and op_name(func) not in self.unstable_ops:
             remake = [st for st in ins if st is not None]
         if pager is not None:
             outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == self.device) if s is not None]
@@ -501,8 +505,10 @@ class Profiler:
             if t["global"] or t["kind"] != "activation" or t["writes"] != [t["created_by"]]:
                 continue
             r = self.ops[t["created_by"]]
-            # an operator's result (not an input first seen there, such as a batch)
-            if r.remake_inputs is None or self._storages[idx].created_by != t["created_by"]:
+            # an operator's result (not an input first seen there, such as a batch), unless
+            # the operator's recomputation was found not to reproduce its bytes meanwhile
+            if r.remake_inputs is None or self._storages[idx].created_by != t["created_by"] \
+                    or r.name.split(".", 1)[1] in self.unstable_ops:
                 continue
             inputs: list[int] = []
             for st in r.remake_inputs:

@@ -210,6 +210,12 @@ class Session:
     that plan while it is profiled (its executor takes the trace's sizes as upper bounds: the
     budget holds), instead of paging; the new shape's own plan is made from that step's profile
     (the step's report says ``bounded``). False: a new shape's first step pages.
+    ``verify_recompute`` (default True): the first step of each plan (and each bounded step)
+    copies every tensor it drops for a recomputation to the host first and compares the
+    recomputation with it bitwise (the step's record counts them, ``recomputations_checked``);
+    an operator whose kernel does not reproduce its bytes on this device (e.g. one that picks
+    its algorithm by where its memory lies) gets the first bytes back, is never recomputed
+    again, and the plans recomputing it are made again (said once in the log). False: no copy.
     ``keep_steps`` (default 1000): :attr:`steps` keeps the records of at least this many latest
     steps (at most twice as many: older ones are dropped, the training may run for millions).
     ``executor_factory``
@@ -248,6 +254,7 @@ class Session:
         planner: Callable[[dict, int, int], Any] | None = None,
         keep_steps: int = 1000,
         bounded_shapes: bool = True,
+        verify_recompute: bool = True,
         log: Callable[[str], None] = print,
     ) -> None:
         if gpu_budget_bytes is not None and gpu_budget_bytes <= 0:
@@ -260,6 +267,7 @@ class Session:
             raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
         self.keep_steps = keep_steps
         self.bounded_shapes = bounded_shapes
+        self.verify_recompute = verify_recompute
         if not 0.0 <= plan_margin < 0.5:
             raise ValueError(f"plan_margin must be in [0, 0.5), got {plan_margin}")
         self.plan_margin = plan_margin
@@ -413,6 +421,13 @@ class Session:
             rec["top_stalls"] = run.top_stalls()
             if run.recomputed:
                 rec["recomputed"] = run.recomputed
+            if run.verified:
+                rec["recomputations_checked"] = run.verified
+            if run.unstable:
+                rec["unstable_recompute"] = list(run.unstable)
+                self._unstable(run.unstable)
+            elif not run.bounded and mode.key in self.plans:
+                self.plans[mode.key]["verified"] = True
             if run.oom_retries:
                 # operators that ran out of memory within the budget and ran again
                 rec["oom_retries"] = run.oom_retries
@@ -547,7 +562,8 @@ class Session:
                                           self.executor_factory or self._planned_executor,
                                           device_memory=self._device_memory(),
                                           gather=self.gather_between_steps, max_ahead=self.max_ahead,
-                                          time_gpu=self.time_gpu, host_waits=self.host_waits)
+                                          time_gpu=self.time_gpu, host_waits=self.host_waits,
+                                          verify_remakes=self.verify_recompute and not entry.get("verified"))
             except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry["run"] = False
                 entry["no_run"] = str(e)
@@ -586,7 +602,7 @@ class Session:
         return PlannedRun(self.plans[key], self.model, self.optimizer, self.plan_budget, self.device,
                           self._planned_executor, device_memory=self._device_memory(), gather=True,
                           max_ahead=self.max_ahead, time_gpu=self.time_gpu, host_waits=self.host_waits,
-                          record=self.profiler.dispatch)
+                          record=self.profiler.dispatch, verify_remakes=self.verify_recompute)
 
     def _end_bounded(self, mode: "_StepMode", record: bool = True) -> None:
         """A bounded step's end: its executor finished (every global tensor back), the pager
@@ -673,6 +689,23 @@ class Session:
         entry["diverged_n"] = entry.get("diverged_n", 0) + 1
         if entry["diverged_n"] >= 2:
             self._drop_plan(key)
+
+    def _unstable(self, ops: list[str]) -> None:
+        """Operators whose recomputation did not give back the bytes they made (the step kept
+        the first ones): from now on their results are not recomputed, and the plans that
+        recompute them are dropped (their shapes are profiled again)."""
+        new = [o for o in ops if o not in self.profiler.unstable_ops]
+        self.profiler.unstable_ops.update(ops)
+        for o in new:
+            self.log(f"teraio: recomputing {o} did not give back the bytes it made (its kernel is not bitwise "
+                     "reproducible here); the step kept the bytes made first, and from now on its results "
+                     "are moved, not recomputed (the plans recomputing them are made again)")
+        for key, e in list(self.plans.items()):
+            to_dict = getattr(e.get("plan"), "to_dict", None)
+            remade = to_dict().get("recomputations", []) if to_dict is not None else []
+            kernels, tensors = e["trace"]["kernels"], e["trace"]["tensors"]
+            if any(kernels[tensors[r["tensor"]]["created_by"]]["name"].split(".", 1)[-1] in ops for r in remade):
+                self._drop_plan(key)
 
     def _candidates(self, first: Any, n: int) -> tuple[list[Any], int]:
         """The plans a step whose first operator has signature ``first`` may run, and the
@@ -823,6 +856,8 @@ class Session:
             s += f", {rec['unwatched_ops']} of {rec['ops']} operators unwatched"
         if rec.get("recomputed"):
             s += f", recomputed {rec['recomputed']}"
+            if rec.get("recomputations_checked"):
+                s += f" ({rec['recomputations_checked']} checked bitwise)"
         if rec.get("oom_retries"):
             s += (f", {rec['oom_retries']} operators out of memory ran again after "
                   f"{rec['made_room_bytes'] / 1e9:.2f} GB moved out")
