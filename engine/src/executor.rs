@@ -443,6 +443,12 @@ impl Executor {
             v.sort_unstable();
             v.dedup();
         }
+        // A kernel's recomputations run inputs first: a producer's inputs were made before its
+        // result (a plan lists them by when they were dropped; a chain remade at one kernel
+        // must not read its input's memory before that input is made again).
+        for v in &mut remakes {
+            v.sort_by_key(|&t| (trace.tensors[t].created_by, t));
+        }
         let states = (0..trace.tensors.len()).map(|_| State::Absent).collect();
         let stayed = vec![false; trace.tensors.len()];
         let evicted = vec![false; trace.tensors.len()];

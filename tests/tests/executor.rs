@@ -550,9 +550,59 @@ fn recomputed_tensors_are_dropped_and_made_again_before_their_kernel() {
         assert_eq!(r.recomputations, p.recomputations.len() as u64);
         assert!(r.peak_bytes <= budget, "{} over {budget}", r.peak_bytes);
     }
-    // Each iteration remade every planned tensor, in plan order.
-    let planned: Vec<usize> = p.recomputations.iter().map(|r| r.tensor.index()).collect();
+    // Each iteration remade every planned tensor, kernel by kernel, each kernel's inputs first
+    // (in the order they were made).
+    let mut planned: Vec<(usize, Option<usize>, usize)> = p
+        .recomputations
+        .iter()
+        .map(|r| (r.before_kernel, trace.tensors[r.tensor.index()].created_by, r.tensor.index()))
+        .collect();
+    planned.sort_unstable();
+    let planned: Vec<usize> = planned.into_iter().map(|(_, _, t)| t).collect();
     assert_eq!(seen.remade, [&planned[..], &planned[..], &planned[..]].concat());
+}
+
+#[test]
+fn a_chain_remade_before_one_kernel_is_remade_inputs_first_whatever_the_plans_order() {
+    // Found on the H200 and then on the CPU (a bounded step under a recomputing plan): a plan
+    // lists a kernel's recomputations by when their tensors were dropped, so a result could be
+    // remade before its own input, reading memory the input had not been made in yet.
+    let (trace, mut p, budget) = squeezed_recomputing();
+    let chained = |p: &Plan| {
+        p.recomputations.iter().any(|r| {
+            let inputs = trace.tensors[r.tensor.index()].producer.as_ref().map(|q| &q.inputs);
+            p.recomputations.iter().any(|i| {
+                i.before_kernel == r.before_kernel && inputs.is_some_and(|v| v.contains(&i.tensor))
+            })
+        })
+    };
+    assert!(chained(&p), "the plan remakes a tensor and its input before one kernel");
+    // the worst order: every kernel's results before their inputs
+    p.recomputations.sort_by_key(|r| {
+        (r.before_kernel, std::cmp::Reverse(trace.tensors[r.tensor.index()].created_by))
+    });
+    let rig = rig(256 << 20);
+    let mut seen = Seen::default();
+    drive_remaking(&rig, &trace, &p, budget, 2, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    // kernel by kernel (the executor reaches them in order): each group inputs first
+    let mut kernels: Vec<usize> = p.recomputations.iter().map(|r| r.before_kernel).collect();
+    kernels.dedup();
+    let mut remade = seen.remade.iter();
+    for _ in 0..2 {
+        for &k in &kernels {
+            let n = p.recomputations.iter().filter(|r| r.before_kernel == k).count();
+            let group: Vec<usize> = remade.by_ref().take(n).copied().collect();
+            for (me, &t) in group.iter().enumerate() {
+                for i in trace.tensors[t].producer.iter().flat_map(|q| &q.inputs) {
+                    if let Some(inp) = group.iter().position(|&x| x == i.index()) {
+                        assert!(inp < me, "kernel {k}: t{t} remade before its input {i}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(remade.next().is_none());
 }
 
 #[test]

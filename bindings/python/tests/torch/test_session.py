@@ -504,6 +504,59 @@ def test_a_recomputation_that_does_not_reproduce_its_bytes_is_caught_and_never_p
     s.close()
 
 
+def test_chains_remade_under_a_longer_shapes_plan_are_bitwise_in_bf16(tmp_path):
+    """Found on the H200 (bf16 losses leaving plain training's after the first step under a
+    recomputing plan) and then here: a kernel's recomputations ran in the plan's order, so a
+    result (an RMSNorm's product) was remade before its input (the embedding) was, reading
+    memory the input had not been made in yet; the bitwise check of recomputations caught it
+    (``unstable_recompute``). A transformers Llama under bf16 autocast, four lengths, a slow
+    disk and PCIe in the hardware model (plans recompute chains)."""
+    transformers = pytest.importorskip("transformers")
+    import random
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                       tie_word_embeddings=False)
+        m = transformers.LlamaForCausalLM(cfg)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+
+    rng = random.Random(0)
+    lens = rng.sample([48, 64, 80, 96, 112, 128], 4)
+    order = [rng.choice(lens) for _ in range(14)]
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 1000, (4, n), generator=g) for n in order]
+
+    def train(m, opt, t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=t, labels=t).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    ref_m, ref_opt = build()
+    ref = [train(ref_m, ref_opt, t) for t in data]
+    m, opt = build()
+    budget = 3 * params_bytes(m)
+    s = tt.Session(m, opt, store=engine_store(tmp_path), gpu_budget_bytes=budget, page_min_bytes=0,
+                   hardware=dict(_SLOW, gpu_memory_bytes=1 << 30), log=lambda _: None)
+    got = []
+    for t in data:
+        with s.step():
+            got.append(train(m, opt, t))
+    modes = [r["mode"] for r in s.steps]
+    assert "bounded" in modes and "planned" in modes, modes
+    assert sum(r.get("recomputed", 0) for r in s.steps) > 0
+    assert sum(r.get("recomputations_checked", 0) for r in s.steps) > 0
+    assert [r.get("unstable_recompute") for r in s.steps if r.get("unstable_recompute")] == []
+    assert got == ref
+    for p, q in zip(ref_m.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+    s.close()
+
+
 def test_recompute_off_leaves_producers_out_and_plans_only_move(tmp_path):
     store = engine_store(tmp_path)
     model, opt = make(seq=64)
