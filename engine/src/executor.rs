@@ -122,7 +122,8 @@ pub trait TensorAllocator: Send {
     /// [`AllocFor::Recompute`]) by running its producer (`teraio_scheduler::Producer`) once
     /// more, ordered on the caller's stream before the kernel about to run. Called once the
     /// producer's inputs are resident (the caller's stream already waits for their prefetches),
-    /// in plan order when several tensors are remade before one kernel.
+    /// inputs first when several tensors are remade before one kernel (by the kernel that made
+    /// each: a producer's inputs were made before its result).
     fn recompute(&mut self, t: TensorId, mem: &mut TensorMem) -> Result<()> {
         let _ = mem;
         Err(Error::Unsupported(format!("this allocator cannot recompute tensor {t}")))
@@ -305,7 +306,7 @@ pub struct Executor {
     accesses: Vec<Vec<usize>>,
     /// Per boundary: tensors the plan drops there for recomputation.
     drops: Vec<Vec<usize>>,
-    /// Per kernel: tensors remade right before it, in plan order.
+    /// Per kernel: tensors remade right before it, inputs first (by the kernel that made each).
     remakes: Vec<Vec<usize>>,
     /// Per kernel: the tensors it needs resident, its accesses and the inputs of the
     /// recomputations before it (equal to `accesses` where nothing is remade).
@@ -826,7 +827,7 @@ impl Executor {
         while self.issued <= k {
             let b = self.issued;
             self.issue(b)?;
-            // Recomputed tensors get their memory first, in plan order, then the creations.
+            // Recomputed tensors get their memory first (inputs first), then the creations.
             for &t in &self.remakes[b] {
                 if matches!(self.states[t], State::Dropped) {
                     self.allocs.push_back(Alloc::Remake(t));

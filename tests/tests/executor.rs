@@ -517,9 +517,9 @@ proptest! {
         prop_assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
         if matches!(sim.outcome, Outcome::Completed) {
             run.unwrap();
-            let planned: Vec<usize> = p.recomputations.iter().map(|r| r.tensor.index()).collect();
+            let planned = remake_order(&trace, &p);
             let twice: Vec<usize> = planned.iter().chain(&planned).copied().collect();
-            prop_assert_eq!(&seen.remade, &twice, "each planned recomputation, in plan order");
+            prop_assert_eq!(&seen.remade, &twice, "each planned recomputation, inputs first");
             for r in &seen.reports {
                 prop_assert_eq!(r.recomputations, planned.len() as u64);
                 prop_assert!(r.peak_bytes <= hw.gpu_memory_bytes);
@@ -529,6 +529,18 @@ proptest! {
             prop_assert!(matches!(e, Error::NoSpace(_)), "{e}");
         }
     }
+}
+
+/// The order an iteration remakes the plan's tensors in: kernel by kernel, each kernel's in the
+/// order they were made (inputs first).
+fn remake_order(trace: &Trace, p: &Plan) -> Vec<usize> {
+    let mut v: Vec<(usize, Option<usize>, usize)> = p
+        .recomputations
+        .iter()
+        .map(|r| (r.before_kernel, trace.tensors[r.tensor.index()].created_by, r.tensor.index()))
+        .collect();
+    v.sort_unstable();
+    v.into_iter().map(|(_, _, t)| t).collect()
 }
 
 /// A small GPT whose activations can be recomputed, squeezed so that `auto` recomputes some.
@@ -550,15 +562,8 @@ fn recomputed_tensors_are_dropped_and_made_again_before_their_kernel() {
         assert_eq!(r.recomputations, p.recomputations.len() as u64);
         assert!(r.peak_bytes <= budget, "{} over {budget}", r.peak_bytes);
     }
-    // Each iteration remade every planned tensor, kernel by kernel, each kernel's inputs first
-    // (in the order they were made).
-    let mut planned: Vec<(usize, Option<usize>, usize)> = p
-        .recomputations
-        .iter()
-        .map(|r| (r.before_kernel, trace.tensors[r.tensor.index()].created_by, r.tensor.index()))
-        .collect();
-    planned.sort_unstable();
-    let planned: Vec<usize> = planned.into_iter().map(|(_, _, t)| t).collect();
+    // Each iteration remade every planned tensor, kernel by kernel, each kernel's inputs first.
+    let planned = remake_order(&trace, &p);
     assert_eq!(seen.remade, [&planned[..], &planned[..], &planned[..]].concat());
 }
 
