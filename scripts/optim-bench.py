@@ -8,7 +8,11 @@ once; every optimizer steps those same tensors (torch's and DeepSpeed's optimize
 them as their state), so each reads and writes the same 28 bytes a parameter. The optimizers
 take turns, one step each per round (so drift in the machine's speed hits all alike), after
 --warmup rounds; the script prints each one's median step time, its memory traffic in GB/s
-(28 B/param over the median), and its time against teraio's. Threads: --threads for teraio and
+(28 B/param over the median), and its time against teraio's. Two STREAM-like rows, in the same
+rotation, measure what the host's memory gives with the same threads: a copy (`b.copy_(c)`, 8 B an
+element) and a triad (`torch.add(b, c, alpha=3, out=a)`, 12 B an element) over arrays of the
+same length; the report gives each optimizer's traffic as a share of the faster of the two
+(`--no-stream` leaves them out). Threads: --threads for teraio and
 for torch (torch.set_num_threads); DeepSpeed uses OpenMP's (OMP_NUM_THREADS, set to --threads
 here when not set already).
 
@@ -38,6 +42,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every optimizer")
     ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--no-stream", action="store_true", help="leave out the memory-bandwidth rows")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
 
@@ -86,6 +91,15 @@ def main():
         print(f"optim-bench: DeepSpeed's CPUAdam is not available ({type(e).__name__}: {e}); "
               "skipped", file=sys.stderr)
 
+    traffic = {name: 28 * n for name in candidates}
+    if not a.no_stream:
+        sa, sb, sc = torch.empty(n), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        sa.zero_()
+        candidates["stream copy"] = lambda: sb.copy_(sc)
+        candidates["stream triad"] = lambda: torch.add(sb, sc, alpha=3.0, out=sa)
+        traffic["stream copy"] = 8 * n
+        traffic["stream triad"] = 12 * n
+
     times = {k: [] for k in candidates}
     with torch.no_grad():
         for r in range(a.warmup + a.steps):
@@ -96,24 +110,29 @@ def main():
                 if r >= a.warmup:
                     times[name].append(dt)
 
-    traffic = 28 * n
     base = statistics.median(times["teraio"])
+    stream = max((traffic[k] / statistics.median(times[k]) for k in ("stream copy", "stream triad")
+                  if k in times), default=None)
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows.append({"optimizer": name, "step_s_median": med, "step_s_min": min(ts),
-                     "bytes_per_s": traffic / med, "time_vs_teraio": med / base})
+        row = {"optimizer": name, "step_s_median": med, "step_s_min": min(ts),
+               "bytes_per_s": traffic[name] / med, "time_vs_teraio": med / base}
+        if stream:
+            row["of_stream"] = row["bytes_per_s"] / stream
+        rows.append(row)
     doc = {"params": n, "bytes_per_param": 28, "threads": a.threads, "steps": a.steps,
-           "teraio": info, "torch": torch.__version__, "results": rows}
+           "stream_bytes_per_s": stream, "teraio": info, "torch": torch.__version__, "results": rows}
     if a.json:
         print(json.dumps(doc, indent=2))
         return
-    print(f"AdamW over {n} parameters ({traffic / 1e9:.2f} GB of traffic a step), {a.threads} threads, "
+    print(f"AdamW over {n} parameters ({28 * n / 1e9:.2f} GB of traffic a step), {a.threads} threads, "
           f"median of {a.steps} alternating steps; teraio {info['isa']}, torch {torch.__version__}")
-    print(f"  {'optimizer':<22} {'step ms':>9} {'(min)':>9} {'GB/s':>8} {'time / teraio':>14}")
+    print(f"  {'optimizer':<22} {'step ms':>9} {'(min)':>9} {'GB/s':>8} {'time / teraio':>14} {'of stream':>10}")
     for r in rows:
+        share = f"{r['of_stream']:>9.0%}" if "of_stream" in r else f"{'-':>9}"
         print(f"  {r['optimizer']:<22} {r['step_s_median'] * 1e3:>9.2f} {r['step_s_min'] * 1e3:>9.2f} "
-              f"{r['bytes_per_s'] / 1e9:>8.1f} {r['time_vs_teraio']:>14.2f}")
+              f"{r['bytes_per_s'] / 1e9:>8.1f} {r['time_vs_teraio']:>14.2f} {share}")
 
 
 if __name__ == "__main__":
