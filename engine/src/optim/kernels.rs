@@ -13,6 +13,10 @@
 //!   `self + value * t1 * t2`);
 //! - `addcdiv(t1, t2, value)` is `self + (value * t1) / t2`; `mul`, `div`, `sqrt` as written.
 //!
+//! The division by the bias correction is computed without a divide ([`div_by`]: the same
+//! correctly rounded quotient from three multiply-adds; a divider is the scarcest unit of a
+//! core when 16 threads share 8 of them).
+//!
 //! Rust never contracts `a * b + c` on its own, so every fused operation is an explicit
 //! [`f32::mul_add`]: each operation is correctly rounded, the result does not depend on the
 //! instruction set, the vector width or where a thread's chunk starts, and the three builds
@@ -104,6 +108,8 @@ pub(crate) struct AdamScalars {
     pub one_minus_beta2: f32,
     /// `sqrt(1 - beta2^step)` (Python's `** 0.5`).
     pub bias_correction2_sqrt: f32,
+    /// `1 / bias_correction2_sqrt`, rounded to nearest (for [`div_by`]).
+    pub inv_bias_correction2_sqrt: f32,
     /// `eps`.
     pub eps: f32,
     /// `-lr / (1 - beta1^step)`.
@@ -198,6 +204,23 @@ fn maximum(a: f32, b: f32) -> f32 {
     if a > b || a.is_nan() { a } else { b }
 }
 
+/// `x / c` correctly rounded, for a normal `c` in (0, 1] and `y = RN(1 / c)`, without a
+/// division: `q = RN(x * y)` is within an ulp of the quotient, the remainder `x - q * c` is
+/// exact in one fused multiply-add, and `RN(q + remainder * y)` is the correctly rounded
+/// quotient (Markstein's theorem; Muller et al., *Handbook of Floating-Point Arithmetic*,
+/// 2nd ed., section 4.7). It needs no underflow, which holds here: `x` is a square root of a
+/// float32, so zero or at least 2^-74.5, and dividing by `c <= 1` makes it no smaller. Zeros,
+/// infinity and NaN pass through as the division passes them. A vector divide takes 8-16 cycles of a
+/// core's one divider; this is three pipelined multiply-adds (the tests check it against `/`).
+#[inline(always)]
+pub(crate) fn div_by(x: f32, c: f32, y: f32) -> f32 {
+    let q = x * y;
+    let r = (-q).mul_add(c, x);
+    let refined = r.mul_add(y, q);
+    // Zero (its sign), infinity and NaN: `q` is already the quotient.
+    if q.is_finite() && q != 0.0 { refined } else { q }
+}
+
 /// One Adam step over `b`. The slices are re-cut to `param`'s length so LLVM drops the bounds
 /// checks and vectorizes (mutable slices never alias, so no run-time overlap checks either).
 #[inline(always)]
@@ -239,7 +262,7 @@ fn adam_loop<const WD: u8, const MAXIMIZE: bool, const AMSGRAD: bool>(
             sq
         };
         // denom = (sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        let denom = sq.sqrt() / s.bias_correction2_sqrt + s.eps;
+        let denom = div_by(sq.sqrt(), s.bias_correction2_sqrt, s.inv_bias_correction2_sqrt) + s.eps;
         // param.addcdiv_(exp_avg, denom, value=-step_size)
         p[i] = param + (s.neg_step_size * avg) / denom;
     }

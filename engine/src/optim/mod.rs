@@ -317,6 +317,7 @@ fn adam_scalars(h: &Adam, step: u64) -> AdamScalars {
         beta2: beta2 as f32,
         one_minus_beta2: (1.0 - beta2) as f32,
         bias_correction2_sqrt: bias_correction2_sqrt as f32,
+        inv_bias_correction2_sqrt: 1.0 / bias_correction2_sqrt as f32,
         eps: h.eps as f32,
         neg_step_size: (-step_size) as f32,
     }

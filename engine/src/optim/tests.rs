@@ -361,3 +361,60 @@ fn an_instruction_set_this_cpu_lacks_is_unsupported() {
     assert!(isa().supported());
     assert!(Isa::Portable.supported());
 }
+
+/// Quotients for the tests of `div_by`: `x` a float32 square root (as Adam's `sqrt(v)` is) or an
+/// edge value, `c` a normal float32 in (0, 1].
+fn check_div_by(x: f32, c: f32) {
+    let y = 1.0 / c;
+    let got = kernels::div_by(x, c, y);
+    let want = x / c;
+    assert!(
+        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+        "div_by({x:e} = {:#010x}, {c:e} = {:#010x}) = {got:e}, x / c = {want:e}",
+        x.to_bits(),
+        c.to_bits()
+    );
+}
+
+#[test]
+fn the_division_without_a_divide_is_the_division() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    // Adam's own divisors: sqrt(1 - beta2^t) for common betas and steps, and random ones.
+    let mut divisors = vec![1.0f32, 0.5, f32::MIN_POSITIVE, 1.0 - f32::EPSILON / 2.0];
+    for beta2 in [0.95f64, 0.98, 0.99, 0.999, 0.9999, 0.5] {
+        for t in [1u32, 2, 3, 10, 100, 1000, 10_000] {
+            divisors.push((1.0 - beta2.powi(t as i32)).sqrt() as f32);
+        }
+    }
+    divisors.extend((0..200).map(|_| f32::from_bits(rng.gen_range(0x3000_0000u32..=0x3f80_0000))));
+    let specials = [0.0f32, -0.0, f32::INFINITY, f32::NAN, f32::MAX.sqrt(), f32::MAX];
+    for &c in &divisors {
+        assert!(c.is_normal() && c > 0.0 && c <= 1.0, "{c:e}");
+        for x in specials {
+            check_div_by(x, c);
+        }
+        // Square roots of every binade's floats, from the smallest subnormal up.
+        for _ in 0..20_000 {
+            let v = f32::from_bits(rng.gen_range(1u32..0x7f80_0000));
+            check_div_by(v.sqrt(), c);
+        }
+        // Quotients next to a tie: x = (k + 1/2) ulp * c, rounded, for random significands.
+        for _ in 0..2_000 {
+            let q = f32::from_bits(rng.gen_range(0x2000_0000u32..0x5f00_0000));
+            let x = ((q as f64 + q as f64 * f64::from(f32::EPSILON) / 4.0) * c as f64) as f32;
+            check_div_by(x, c);
+        }
+    }
+}
+
+/// Every float32 square root over a few divisors, in release builds only (~2^31 quotients a
+/// divisor): `cargo test --release -p teraio-engine exhaustive_division -- --ignored`.
+#[test]
+#[ignore = "minutes; run in release with --ignored"]
+fn exhaustive_division_by_adams_divisors() {
+    for c in [0.031_622_775f32, 0.044_710_03, 0.999_999_9, 0.7] {
+        for bits in 0..0x7f80_0000u32 {
+            check_div_by(f32::from_bits(bits).sqrt(), c);
+        }
+    }
+}
