@@ -10,10 +10,13 @@
 - :class:`HostAdamW`, :class:`HostAdam`, :class:`HostSGD`: ``torch.optim`` optimizers whose step
   runs teraio's host kernels on CPU float32 parameters (state dicts interchangeable with
   PyTorch's).
+- :func:`offload_optimizer`: a GPU model's optimizer (AdamW, Adam, SGD) updates on the host,
+  its states in page-locked host memory (``Session(optimizer_on="host")``).
 - :func:`rank_engine` opens one engine per rank under ``torchrun`` (own files, own GPU).
 """
 
 from .distributed import rank_config, rank_engine
+from .host_offload import offload_optimizer
 from .host_optim import HostAdam, HostAdamW, HostSGD
 from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, check_working_sets, make_plannable, step_in_backward
 from .planned import Diverged, PlannedRun
@@ -40,4 +43,5 @@ __all__ = [
     "HostAdamW",
     "HostAdam",
     "HostSGD",
+    "offload_optimizer",
 ]

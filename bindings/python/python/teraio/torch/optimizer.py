@@ -83,13 +83,15 @@ def make_plannable(optimizer: torch.optim.Optimizer, max_chunk_bytes: int = 0) -
                 loss = closure()
         groups = self.param_groups
         limit = self._teraio_chunked
+        # the class's step, or the host step of offload_optimizer (applied before or after)
+        step = getattr(self, "_teraio_raw_step", None) or raw
         try:
             for group in groups:
                 for chunk in _chunks(list(group["params"]), limit):
                     sub = dict(group)
                     sub["params"] = chunk
                     self.param_groups = [sub]
-                    raw(self)
+                    step(self)
                     # hyperparameters an optimizer writes back into its group (none of
                     # torch's do) are carried over
                     for k, v in sub.items():
@@ -125,7 +127,7 @@ def step_in_backward(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         sub["params"] = [p]
         optimizer.param_groups = [sub]
         try:
-            raw(optimizer)
+            (getattr(optimizer, "_teraio_raw_step", None) or raw)(optimizer)
         finally:
             optimizer.param_groups = groups
         p.grad = None

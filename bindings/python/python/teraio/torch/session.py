@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._storages import covers, flat_args, signature, storage_of
+from .host_offload import offload_optimizer
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun, Results, keep_last
 from .profiler import Profiler, peak_bytes
@@ -194,6 +195,13 @@ class Session:
     states then take an eighth), no split without a budget. Each chunk is one more call of the
     optimizer's step, tens of microseconds of host time: one parameter at a time costs a bf16
     step on a fast GPU several percent.
+    ``optimizer_on`` (default ``"gpu"``): where the optimizer's update runs. ``"gpu"``: where the
+    parameters are, its states moved by the plan like any tensor. ``"host"`` (a model on a GPU;
+    AdamW, Adam or SGD over float32 parameters): the states and a float32 master copy of each
+    parameter stay in page-locked host memory and the update runs there in teraio's kernels
+    (:func:`offload_optimizer`): each step moves the gradient down and the parameter up, 8 bytes a
+    parameter, and never the states; the host's memory bandwidth sets the update's time. The
+    optimizer object, its groups, schedulers, clipping and ``state_dict()`` work as before.
     ``plan_margin`` (default 0): plans are made for this fraction less than the executor's
     budget. On a GPU the host runs ahead of the device, so the executor sees an offload's memory
     freed later than the plan's timing does; the margin is the slack that keeps the host from
@@ -235,6 +243,7 @@ class Session:
         policy: str = "auto",
         hardware: Any = None,
         optimizer_chunk_bytes: int | None = None,
+        optimizer_on: str = "gpu",
         profile_steps: int = 1,
         warmup_steps: int = 0,
         report_every: int = 1,
@@ -273,6 +282,19 @@ class Session:
         self.plan_margin = plan_margin
 
         self.model = model
+        if optimizer_on not in ("gpu", "host"):
+            raise ValueError(f"optimizer_on must be 'gpu' (the step runs where the parameters are; the plan "
+                             f"moves the optimizer's states) or 'host' (the states stay in host memory and the "
+                             f"step runs there), got {optimizer_on!r}")
+        self.optimizer_on = optimizer_on
+        if optimizer_on == "host":
+            first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+            where = torch.device(device) if device is not None else (first.device if first is not None else None)
+            if where is None or where.type != "cuda":
+                raise ValueError(f"optimizer_on='host' moves the optimizer's step off the GPU; this model is on "
+                                 f"{where}: leave optimizer_on='gpu' (on the CPU, teraio.torch.HostAdamW runs "
+                                 "teraio's host kernels)")
+            offload_optimizer(optimizer)
         if optimizer_chunk_bytes is None:
             optimizer_chunk_bytes = auto_chunk_bytes(gpu_budget_bytes)
         self.optimizer = make_plannable(optimizer, optimizer_chunk_bytes)

@@ -1,0 +1,217 @@
+"""The optimizer step on the host for a model on the GPU (``Session(optimizer_on="host")``).
+
+AdamW keeps 16 bytes a parameter in float32 (the parameter, its gradient and two states); a
+plan that steps on the GPU brings all of them to the GPU and back when they do not fit beside
+the activations. With :func:`offload_optimizer` the states never touch the GPU: they live in
+page-locked host memory with a float32 master copy of each parameter, and each step copies the
+gradient down (4 bytes a parameter), updates on the host with teraio's kernels
+(``teraio.adamw_step`` / ``teraio.sgd_step``: SIMD, every core, the GIL released) and copies the
+parameter back (4 bytes): 8 bytes over PCIe a parameter instead of up to 32, at the cost of the
+host's memory bandwidth (about 28 bytes a parameter of host traffic).
+
+The optimizer object stays the user's: its ``param_groups`` (read at every step, so LR
+schedulers and per-group settings work), step hooks, ``state_dict()`` / ``load_state_dict()``
+(the states are in ``optimizer.state`` under PyTorch's keys, as host tensors; a loaded state
+that PyTorch put on the GPU is moved back to the host at the next step). Gradients are read when
+``step()`` runs, so clipping by the global norm and gradient accumulation before it work as
+ever. A parameter written between steps (a checkpoint loaded into the model, an EMA swap) is
+seen through its version counter and its master copy is read again.
+
+The update is PyTorch's single-tensor rule (``foreach=False``), every operation correctly
+rounded (docs/TORCH.md, "Host optimizer"). Supported: ``torch.optim.AdamW``, ``Adam`` and
+``SGD`` (and teraio's ``HostAdamW``/``HostAdam``/``HostSGD``) over float32 parameters, dense
+gradients, without ``capturable`` or ``differentiable``.
+
+The pipeline per step: every gradient's copy to the host is queued on the current stream at
+once; the host then updates parameter after parameter as its gradient arrives, queuing each
+parameter's copy back right after its update, so copies in both directions overlap the host's
+work. The current stream, not the host, waits for the last copy: the next operators on the
+GPU are ordered after it.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+import teraio
+
+from .host_optim import _check_threads, _grad, _scalar_dtype, _written
+
+__all__ = ["offload_optimizer", "HostOffload"]
+
+
+@dataclass
+class _Host:
+    """One parameter's host side: its float32 master copy and the buffer its gradient arrives in."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    # the parameter's version counter after the master was last written to it (None: never)
+    version: Optional[int] = None
+    # the gradient's arrival (CUDA event; None on the CPU)
+    arrived: Any = None
+    # the parameter's copy back from the master (CUDA event): the master is not written again
+    # before it is done
+    sent: Any = None
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    raise TypeError(
+        f"optimizer_on='host' supports torch.optim.AdamW, Adam and SGD; got {type(optimizer).__name__}: "
+        "keep optimizer_on='gpu' for it")
+
+
+def _pinned(like: torch.Tensor) -> torch.Tensor:
+    pin = torch.cuda.is_available()
+    return torch.empty(like.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+
+
+class HostOffload:
+    """The raw step (over the optimizer's current ``param_groups``) that runs on the host; made
+    by :func:`offload_optimizer`, called by the optimizer's ``step`` (and by
+    :func:`teraio.torch.make_plannable` per chunk)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: Optional[int] = None) -> None:
+        self.kind = _kind(optimizer)
+        self.threads = _check_threads(threads)
+        for group in optimizer.param_groups:
+            for opt in ("capturable", "differentiable"):
+                if group.get(opt):
+                    raise ValueError(f"optimizer_on='host': the optimizer's {opt}=True cannot step on the "
+                                     f"host; make it with {opt}=False")
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise TypeError(
+                        f"optimizer_on='host' steps float32 parameters; a parameter of shape "
+                        f"{tuple(p.shape)} is {p.dtype}: keep optimizer_on='gpu' for this model")
+        self.hosts: dict[int, _Host] = {}
+
+    def _host(self, p: torch.Tensor) -> _Host:
+        h = self.hosts.get(id(p))
+        if h is None:
+            h = self.hosts[id(p)] = _Host(master=_pinned(p), grad=_pinned(p))
+        return h
+
+    def _state_to_host(self, state: dict[str, Any]) -> None:
+        """States PyTorch put beside the parameter (a loaded ``state_dict``) back to the host."""
+        for k, v in list(state.items()):
+            if isinstance(v, torch.Tensor) and k != "step" and v.device.type != "cpu":
+                host = _pinned(v)
+                host.copy_(v)
+                state[k] = host
+
+    @torch.no_grad()
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        todo = [(g, p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not todo:
+            return
+        cuda = todo[0][1].is_cuda
+        stream = torch.cuda.current_stream(todo[0][1].device) if cuda else None
+        # every gradient on its way down at once (the copies queue on the current stream, after
+        # the backward that made them)
+        for _, p in todo:
+            h = self._host(p)
+            h.grad.copy_(_grad(p, "optimizer_on='host'"), non_blocking=cuda)
+            if cuda:
+                h.arrived = torch.cuda.Event()
+                h.arrived.record(stream)
+        for group, p in todo:
+            h = self.hosts[id(p)]
+            if h.sent is not None:
+                h.sent.synchronize()  # the last step's copy back is done with the master
+            if h.version != p._version:
+                # first step, or the parameter was written since our last copy: read it again
+                h.master.copy_(p.detach())
+            if cuda:
+                h.arrived.synchronize()
+            self._update(optimizer, group, p, h)
+            p.detach().copy_(h.master, non_blocking=cuda)
+            h.version = p._version
+            if cuda:
+                h.sent = torch.cuda.Event()
+                h.sent.record(stream)
+
+    def _update(self, optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, h: _Host) -> None:
+        state = optimizer.state[p]
+        if self.kind == "sgd":
+            momentum = float(group["momentum"])
+            buf = None
+            fresh = False
+            if momentum != 0:
+                buf = state.get("momentum_buffer")
+                if buf is not None and buf.device.type != "cpu":
+                    self._state_to_host(state)
+                    buf = state["momentum_buffer"]
+                if buf is None:
+                    fresh = True
+                    buf = _pinned(p)
+            teraio.sgd_step(
+                h.master, h.grad, buf, lr=float(group["lr"]), momentum=momentum,
+                dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
+                nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]),
+                fresh_buffer=fresh, threads=self.threads,
+            )
+            if fresh:
+                state["momentum_buffer"] = buf
+            _written(buf)
+            return
+        amsgrad = bool(group["amsgrad"])
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            state["exp_avg"] = _pinned(p).zero_()
+            state["exp_avg_sq"] = _pinned(p).zero_()
+        else:
+            self._state_to_host(state)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = _pinned(p).zero_()
+        decoupled = True if self.kind == "adamw" else bool(group.get("decoupled_weight_decay", False))
+        beta1, beta2 = group["betas"]
+        step_t = state["step"]
+        step = float(step_t) + 1
+        max_sq = state["max_exp_avg_sq"] if amsgrad else None
+        teraio.adamw_step(
+            h.master, h.grad, state["exp_avg"], state["exp_avg_sq"],
+            step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            amsgrad=amsgrad, max_exp_avg_sq=max_sq, maximize=bool(group["maximize"]),
+            decoupled_weight_decay=decoupled, threads=self.threads,
+        )
+        if torch.is_tensor(step_t) and step_t.device.type == "cpu":
+            step_t += 1
+        else:
+            state["step"] = torch.tensor(step, dtype=_scalar_dtype())
+        _written(state["exp_avg"], state["exp_avg_sq"], max_sq)
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, threads: Optional[int] = None) -> torch.optim.Optimizer:
+    """Make ``optimizer.step()`` update on the host (see the module). Returns the same object;
+    its step hooks still run once per step. ``threads``: at most this many threads per tensor
+    (None: every core). Calling it again changes only ``threads``."""
+    raw = getattr(optimizer, "_teraio_raw_step", None)
+    if isinstance(raw, HostOffload):
+        raw.threads = _check_threads(threads)
+        return optimizer
+    host = HostOffload(optimizer, threads)
+
+    def step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            host(self)
+        return loss
+
+    optimizer._teraio_raw_step = host  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)  # type: ignore[method-assign]
+    return optimizer
