@@ -34,6 +34,11 @@ def build(args):
         cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                           tie_word_embeddings=False)
+    elif args.size == "1b":
+        # TinyLlama-1.1B's shape: 1.1 B parameters
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                          num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096,
+                          tie_word_embeddings=False)
     else:
         cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                           num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
@@ -66,6 +71,12 @@ def main() -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="a tiny model (CPU)")
+    ap.add_argument("--size", choices=["200m", "1b"], default="200m",
+                    help="the model: 200m (hidden 1024, 12 layers) or 1b (TinyLlama-1.1B's shape: hidden 2048, "
+                         "22 layers, 32/4 heads)")
+    ap.add_argument("--optimizer-on", choices=["gpu", "host"], default="gpu",
+                    help="teraio mode: where AdamW steps (Session(optimizer_on=...)); ideal mode: host "
+                         "offloads the optimizer without a Session (teraio.torch.offload_optimizer)")
     ap.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     ap.add_argument("--no-bounded", action="store_true",
                     help="a new shape's first step pages (Session(bounded_shapes=False)) instead of running "
@@ -102,7 +113,12 @@ def main() -> int:
             engine["host_tier"] = host
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=int(args.cap_gib * 2**30),
                              host_budget_bytes=host, report_every=0, bounded_shapes=not args.no_bounded,
-                             recompute=not args.no_recompute, hardware=args.hw)
+                             recompute=not args.no_recompute, hardware=args.hw,
+                             optimizer_on=args.optimizer_on)
+    elif args.optimizer_on == "host":
+        import teraio.torch as tt
+
+        tt.offload_optimizer(opt)
     autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     steps = []
     t_all = time.perf_counter()
@@ -130,7 +146,8 @@ def main() -> int:
         steps.append(rec)
         print(json.dumps(rec), file=sys.stderr, flush=True)
     total = time.perf_counter() - t_all
-    out = {"mode": args.mode, "dtype": args.dtype, "steps": steps, "total_s": total, "lengths": lens,
+    out = {"mode": args.mode, "dtype": args.dtype, "size": "small" if args.small else args.size,
+           "optimizer_on": args.optimizer_on, "steps": steps, "total_s": total, "lengths": lens,
            "cap_gib": args.cap_gib if session else None, "device": args.device}
     if session is not None:
         planned = [s["time_s"] for s in steps if s.get("mode") == "planned"]
@@ -145,6 +162,10 @@ def main() -> int:
         session.close()
     else:
         out["mean_step_s"] = statistics.mean(s["time_s"] for s in steps[3:]) if len(steps) > 3 else None
+    if args.device.startswith("cuda"):
+        out["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    if len(steps) > 3:
+        out["median_step_s"] = statistics.median(s["time_s"] for s in steps[3:])
     text = json.dumps(out)
     if args.out:
         with open(args.out, "w") as f:
