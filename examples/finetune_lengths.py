@@ -77,6 +77,9 @@ def main() -> int:
     ap.add_argument("--optimizer-on", choices=["gpu", "host"], default="gpu",
                     help="teraio mode: where AdamW steps (Session(optimizer_on=...)); ideal mode: host "
                          "offloads the optimizer without a Session (teraio.torch.offload_optimizer)")
+    ap.add_argument("--update-in-backward", action="store_true",
+                    help="with --optimizer-on host: each parameter's update runs on the host during backward "
+                         "(offload_optimizer(update_in_backward=True))")
     ap.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     ap.add_argument("--no-bounded", action="store_true",
                     help="a new shape's first step pages (Session(bounded_shapes=False)) instead of running "
@@ -103,6 +106,10 @@ def main() -> int:
     order = [rng.choice(lens) for _ in range(args.steps)]
     g = torch.Generator().manual_seed(args.seed + 2)
     session = None
+    if args.optimizer_on == "host" and args.update_in_backward:
+        import teraio.torch as tt
+
+        tt.offload_optimizer(opt, update_in_backward=True)
     if args.mode == "teraio":
         import teraio.torch as tt
 
@@ -147,7 +154,7 @@ def main() -> int:
         print(json.dumps(rec), file=sys.stderr, flush=True)
     total = time.perf_counter() - t_all
     out = {"mode": args.mode, "dtype": args.dtype, "size": "small" if args.small else args.size,
-           "optimizer_on": args.optimizer_on, "steps": steps, "total_s": total, "lengths": lens,
+           "optimizer_on": args.optimizer_on, "update_in_backward": args.update_in_backward, "steps": steps, "total_s": total, "lengths": lens,
            "cap_gib": args.cap_gib if session else None, "device": args.device}
     if session is not None:
         planned = [s["time_s"] for s in steps if s.get("mode") == "planned"]

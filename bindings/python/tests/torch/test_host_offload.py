@@ -213,3 +213,65 @@ def test_what_cannot_step_on_the_host_is_refused_by_name():
         Session(model, torch.optim.AdamW(model.parameters()), optimizer_on="cuda", planner=lambda *a: None)
     with pytest.raises(ValueError, match="optimizer_on='host'.*on cpu.*HostAdamW"):
         Session(model, torch.optim.AdamW(model.parameters()), optimizer_on="host", planner=lambda *a: None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_updates_in_backward_are_the_same_updates(device, kind):
+    rng = random.Random(11)
+    hp = hyper(kind, rng)
+    data = batches(11, 5, device)
+    ref = model_for(11, "cpu")
+    ours = model_for(11, device)
+    ref_opt = HOST[kind](groups(ref, True), **hp)
+    opt = offload_optimizer(TORCH[kind](groups(ours, True), **hp), update_in_backward=True)
+    sched_ref = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.7)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)
+    kw = dict(clip=False, accumulate=1, write_at=2)
+    want = train(ref, ref_opt, [(x.cpu(), y.cpu()) for x, y in data], sched=sched_ref, **kw)
+    got = train(ours, opt, data, sched=sched, **kw)
+    if device == "cpu":
+        for a, b in zip(want, got):
+            assert_same(a, b, "loss")
+        assert_states_same(ref_opt, opt, ref, ours)
+
+
+def test_updates_in_backward_refuse_a_changed_or_accumulated_gradient():
+    model = model_for(2, "cpu")
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters()), update_in_backward=True)
+    (x, y), (x2, y2) = batches(2, 2, "cpu")
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="gradient changed between backward and optimizer.step"):
+        opt.step()
+    opt.zero_grad()
+    # accumulation: a second backward before the step
+    model = model_for(2, "cpu")
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters()), update_in_backward=True)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
+        torch.nn.functional.mse_loss(model(x2), y2).backward()
+    # and the default (update at step) takes both
+    model = model_for(2, "cpu")
+    opt = offload_optimizer(torch.optim.AdamW(model.parameters()))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.functional.mse_loss(model(x2), y2).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    opt.step()
+
+
+def test_a_gradient_changed_after_backward_is_copied_again():
+    """Gradients go to the host during backward; one changed later (here: replaced and scaled
+    by hand) is copied again at step(), so the update uses the gradient step() sees."""
+    a, b = model_for(4, "cpu"), model_for(4, "cpu")
+    opt_a = offload_optimizer(torch.optim.AdamW(a.parameters(), lr=1e-2))
+    opt_b = HostAdamW(b.parameters(), lr=1e-2)
+    for m, o in ((a, opt_a), (b, opt_b)):
+        for x, y in batches(4, 3, "cpu"):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            ps = list(m.parameters())
+            ps[0].grad.mul_(3.0)                      # in place: a new version
+            ps[1].grad = ps[1].grad * 0.5             # another tensor
+            o.step()
+            o.zero_grad()
+    assert_states_same(opt_b, opt_a, b, a)

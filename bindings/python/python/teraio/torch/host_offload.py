@@ -32,6 +32,8 @@ GPU are ordered after it.
 from __future__ import annotations
 
 import types
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -57,6 +59,12 @@ class _Host:
     # the parameter's copy back from the master (CUDA event): the master is not written again
     # before it is done
     sent: Any = None
+    # the gradient copied in backward (a weak reference) and its version then: the copy holds
+    # for the step only while the parameter's gradient is still that tensor at that version
+    source: Any = None
+    source_version: int = -1
+    # update_in_backward: the update made in backward (a future), or None
+    updated: Any = None
 
 
 def _kind(optimizer: torch.optim.Optimizer) -> str:
@@ -95,6 +103,65 @@ class HostOffload:
                         f"optimizer_on='host' steps float32 parameters; a parameter of shape "
                         f"{tuple(p.shape)} is {p.dtype}: keep optimizer_on='gpu' for this model")
         self.hosts: dict[int, _Host] = {}
+        self.update_in_backward = False
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._optimizer = weakref.ref(optimizer)
+        # every gradient starts down as soon as backward has accumulated it
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
+                       for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def remove(self) -> None:
+        """Remove the backward hooks (the optimizer keeps stepping on the host, copying each
+        gradient when ``step()`` runs)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _fresh(self, p: torch.Tensor, h: _Host) -> bool:
+        """Whether the gradient copied in backward is still ``p.grad`` as it is now."""
+        src = h.source() if h.source is not None else None
+        return src is not None and src is p.grad and p.grad._version == h.source_version
+
+    @torch.no_grad()
+    def _accumulated(self, p: torch.Tensor) -> None:
+        """Backward finished ``p``'s gradient: queue its copy to the host (on the current
+        stream, after the kernel that made it) and, with ``update_in_backward``, its update."""
+        if p.grad is None or p.grad.is_sparse:
+            return
+        h = self._host(p)
+        if self.update_in_backward and h.updated is not None:
+            raise RuntimeError(
+                f"offload_optimizer(update_in_backward=True): a parameter of shape {tuple(p.shape)} got a "
+                "second gradient before optimizer.step(): with gradient accumulation, update at step() "
+                "(update_in_backward=False)")
+        cuda = p.grad.is_cuda
+        h.grad.copy_(p.grad, non_blocking=cuda)
+        if cuda:
+            h.arrived = torch.cuda.Event()
+            h.arrived.record(torch.cuda.current_stream(p.device))
+        h.source = weakref.ref(p.grad)
+        h.source_version = p.grad._version
+        if self.update_in_backward:
+            opt = self._optimizer()
+            group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+            if h.version != p._version:
+                h.master.copy_(p.detach())
+                h.version = p._version
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="teraio-host-optimizer")
+            h.updated = self._worker.submit(self._update_when_arrived, opt, group, p, h)
+
+    def _update_when_arrived(self, optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,
+                             h: _Host) -> None:
+        if h.sent is not None:
+            h.sent.synchronize()
+        if h.arrived is not None:
+            h.arrived.synchronize()
+        with torch.no_grad():
+            self._update(optimizer, group, p, h)
 
     def _host(self, p: torch.Tensor) -> _Host:
         h = self.hosts.get(id(p))
@@ -117,24 +184,40 @@ class HostOffload:
             return
         cuda = todo[0][1].is_cuda
         stream = torch.cuda.current_stream(todo[0][1].device) if cuda else None
-        # every gradient on its way down at once (the copies queue on the current stream, after
-        # the backward that made them)
+        # every gradient not copied in backward (or changed since: clipped, accumulated, set by
+        # hand) on its way down at once (the copies queue on the current stream)
         for _, p in todo:
             h = self._host(p)
-            h.grad.copy_(_grad(p, "optimizer_on='host'"), non_blocking=cuda)
-            if cuda:
-                h.arrived = torch.cuda.Event()
-                h.arrived.record(stream)
+            if h.updated is not None:
+                if not self._fresh(p, h):
+                    h.updated.result()
+                    h.updated = None
+                    raise RuntimeError(
+                        "offload_optimizer(update_in_backward=True): a gradient changed between backward "
+                        "and optimizer.step() (clipping, scaling or accumulation): the update already ran "
+                        "with the gradient backward made; use update_in_backward=False")
+                continue
+            if not self._fresh(p, h):
+                h.grad.copy_(_grad(p, "optimizer_on='host'"), non_blocking=cuda)
+                if cuda:
+                    h.arrived = torch.cuda.Event()
+                    h.arrived.record(stream)
+            h.source = None
         for group, p in todo:
             h = self.hosts[id(p)]
-            if h.sent is not None:
-                h.sent.synchronize()  # the last step's copy back is done with the master
-            if h.version != p._version:
-                # first step, or the parameter was written since our last copy: read it again
-                h.master.copy_(p.detach())
-            if cuda:
-                h.arrived.synchronize()
-            self._update(optimizer, group, p, h)
+            if h.updated is not None:
+                h.updated.result()  # made in backward (raises what the update raised)
+                h.updated = None
+                h.source = None
+            else:
+                if h.sent is not None:
+                    h.sent.synchronize()  # the last step's copy back is done with the master
+                if h.version != p._version:
+                    # first step, or the parameter was written since our last copy: read it again
+                    h.master.copy_(p.detach())
+                if cuda:
+                    h.arrived.synchronize()
+                self._update(optimizer, group, p, h)
             p.detach().copy_(h.master, non_blocking=cuda)
             h.version = p._version
             if cuda:
@@ -193,15 +276,30 @@ class HostOffload:
         _written(state["exp_avg"], state["exp_avg_sq"], max_sq)
 
 
-def offload_optimizer(optimizer: torch.optim.Optimizer, threads: Optional[int] = None) -> torch.optim.Optimizer:
+def offload_optimizer(optimizer: torch.optim.Optimizer, threads: Optional[int] = None, *,
+                      update_in_backward: Optional[bool] = None) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` update on the host (see the module). Returns the same object;
     its step hooks still run once per step. ``threads``: at most this many threads per tensor
-    (None: every core). Calling it again changes only ``threads``."""
+    (None: every core).
+
+    Each gradient is copied to the host as soon as backward has accumulated it (a hook on the
+    parameter); ``step()`` copies again any gradient changed since (clipping, accumulation).
+    ``update_in_backward=True`` also runs each parameter's update on a host thread as soon as its
+    gradient has arrived, overlapping the host's work with the rest of backward; ``step()``
+    then only copies the parameters back. It is for loops that step after every backward and
+    do not change gradients in between (no clipping, no accumulation): ``step()`` raises if a
+    gradient changed, a second backward before ``step()`` raises.
+
+    Calling it again on the same optimizer changes ``threads`` and, when given,
+    ``update_in_backward``."""
     raw = getattr(optimizer, "_teraio_raw_step", None)
     if isinstance(raw, HostOffload):
         raw.threads = _check_threads(threads)
+        if update_in_backward is not None:
+            raw.update_in_backward = bool(update_in_backward)
         return optimizer
     host = HostOffload(optimizer, threads)
+    host.update_in_backward = bool(update_in_backward)
 
     def step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
