@@ -81,7 +81,7 @@ use serde::Serialize;
 use teraio_scheduler::{Op, Plan, TensorId, Tier, Trace};
 
 use crate::migrate::{Handle, Priority, StoreStats};
-use crate::store::{Destination, OffloadOptions, OffloadOutcome, TensorStore};
+use crate::store::{Destination, OffloadOptions, OffloadOutcome, TensorKey, TensorStore};
 use crate::tier::{MemoryTier, TensorMem};
 use crate::{Error, Result};
 
@@ -426,6 +426,11 @@ fn stored(outcome: OffloadOutcome) -> bool {
     matches!(outcome, OffloadOutcome::OnSsd | OffloadOutcome::InHost)
 }
 
+/// Trace tensor `t`'s key in the store (the executor's key space: see [`TensorKey`]).
+fn key(t: usize) -> TensorKey {
+    TensorKey::of_trace(TensorId(t as u32))
+}
+
 fn destination(tier: Tier) -> Destination {
     match tier {
         Tier::Ssd => Destination::Ssd,
@@ -749,7 +754,7 @@ impl Executor {
                 // The write failed: the tensor stays (the plan's prefetch of it is a no-op);
                 // the budget check below says whether memory allows it.
                 Err(e) => {
-                    let mem = self.store.take_held(t as u64).ok_or_else(|| Error::InvalidState {
+                    let mem = self.store.take_held(key(t)).ok_or_else(|| Error::InvalidState {
                         tensor: format!("t{t}"),
                         detail: format!(
                             "its first offload failed ({e}) and the store did not hand its memory back"
@@ -1076,7 +1081,7 @@ impl Executor {
                 }
                 Err(e) => {
                     // The write failed: the store holds the memory; the tensor stays.
-                    let Some(mem) = self.store.take_held(t as u64) else {
+                    let Some(mem) = self.store.take_held(key(t)) else {
                         return Err(Error::InvalidState {
                             tensor: id.to_string(),
                             detail: format!(
@@ -1156,9 +1161,9 @@ impl Executor {
                     let mem = self.alloc.alloc(id, self.slots[t].size, AllocFor::Prefetch)?;
                     let h = match (self.cfg.stream, mem.device().is_some()) {
                         (Some(stream), true) => {
-                            self.store.prefetch_after_stream(t as u64, mem, priority, stream)?
+                            self.store.prefetch_after_stream(key(t), mem, priority, stream)?
                         }
-                        _ => self.store.prefetch(t as u64, mem, priority)?,
+                        _ => self.store.prefetch(key(t), mem, priority)?,
                     };
                     self.flying.push(t);
                     self.slots[t].state = State::Prefetching(h);
@@ -1260,9 +1265,9 @@ impl Executor {
                 // A stream-ordered allocator takes memory back with its copies still queued:
                 // then the copies to the host tier are queued on the device, no worker waits.
                 let on_device = self.alloc.stream_ordered();
-                self.store.offload_keep_after_stream(t as u64, mem, opts, stream, on_device)
+                self.store.offload_keep_after_stream(key(t), mem, opts, stream, on_device)
             }
-            _ => self.store.offload_keep(t as u64, mem, opts),
+            _ => self.store.offload_keep(key(t), mem, opts),
         }
     }
 
@@ -1326,7 +1331,7 @@ impl Executor {
 
     /// Whether tensor `t` can leave the GPU without a write, its current copy being in `tier`.
     fn is_clean_in(&self, t: usize, tier: Tier) -> bool {
-        self.slots[t].current && self.store.has_current_copy_in(t as u64, destination(tier))
+        self.slots[t].current && self.store.has_current_copy_in(key(t), destination(tier))
     }
 
     /// Tensor `t`'s copy is stored: its memory goes back to the allocator and it is offloaded.
@@ -1432,8 +1437,8 @@ impl Executor {
     /// Whether the store holds a current copy of `t` (SSD, or a host-tier copy a retaining
     /// store keeps after a prefetch).
     fn has_copy(&self, t: usize) -> bool {
-        self.store.has_current_copy_in(t as u64, Destination::Ssd)
-            || self.store.has_current_copy_in(t as u64, Destination::Host)
+        self.store.has_current_copy_in(key(t), Destination::Ssd)
+            || self.store.has_current_copy_in(key(t), Destination::Host)
     }
 
     /// Nothing in flight will free the memory the first waiting allocation needs: move out the
@@ -1699,8 +1704,8 @@ impl Executor {
             {
                 self.give_back(TensorId(t as u32), mem);
             }
-            if self.store.info(t as u64).is_some()
-                && let Ok(h) = self.store.free(t as u64)
+            if self.store.info(key(t)).is_some()
+                && let Ok(h) = self.store.free(key(t))
             {
                 h.wait()?;
             }

@@ -393,7 +393,7 @@ fn run_model(ops: Vec<ModelOp>, persistent: bool) {
     }
     let s = store.unwrap();
     s.drain();
-    let mut ids: Vec<_> = s.tensors().iter().map(|t| t.id).collect();
+    let mut ids: Vec<_> = s.tensors().iter().map(|t| t.id.get()).collect();
     ids.sort_unstable();
     // After a reopen only tensors with content survive.
     let mut want: Vec<_> =

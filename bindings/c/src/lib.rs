@@ -526,7 +526,7 @@ pub unsafe extern "C" fn teraio_lookup(
         let name = unsafe { arg_str(name, "name") }?;
         need(out_id, "out_id")?;
         let id = with_engine(engine, |e| {
-            e.store().lookup(name).ok_or_else(|| {
+            e.store().lookup::<u64>(name).ok_or_else(|| {
                 ::teraio_engine::Error::UnknownTensor(format!("named {name:?}")).into()
             })
         })?;

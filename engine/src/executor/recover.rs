@@ -22,7 +22,7 @@ use std::time::Duration;
 use serde::Serialize;
 use teraio_scheduler::{Plan, TensorId, Tier, Trace};
 
-use super::{Alloc, Event, Executor, IterationReport, Phase, State, destination, stored};
+use super::{Alloc, Event, Executor, IterationReport, Phase, State, destination, key, stored};
 use crate::executor::AllocFor;
 use crate::migrate::Priority;
 use crate::store::{Destination, OffloadOptions};
@@ -115,7 +115,7 @@ impl Executor {
     /// declare the tensor lost.
     pub(super) fn prefetch_failed(&mut self, t: usize, e: Error) -> Result<()> {
         self.set_used(self.used - self.bytes(t));
-        let has_copy = self.store.info(t as u64).is_some();
+        let has_copy = self.store.info(key(t)).is_some();
         if has_copy && self.slots[t].attempts < MAX_PREFETCH_RETRIES {
             self.slots[t].attempts += 1;
             self.report.prefetch_retries += 1;
@@ -179,7 +179,7 @@ impl Executor {
             .find(|&a| a >= self.next_kernel)
             .or_else(|| tensor.accesses.first().copied())
             .unwrap_or(self.next_kernel);
-        let info = self.store.info(t as u64);
+        let info = self.store.info(key(t));
         let device = match e {
             Error::Io { device, .. } | Error::ShortTransfer { device, .. } => {
                 format!("device {device}")
@@ -210,8 +210,8 @@ impl Executor {
 
     /// Free the store's copy of tensor `t` (it died): its SSD extents go back to the array.
     pub(super) fn free_copy(&mut self, t: usize) {
-        let Some(info) = self.store.info(t as u64) else { return };
-        if let Ok(h) = self.store.free(t as u64) {
+        let Some(info) = self.store.info(key(t)) else { return };
+        if let Ok(h) = self.store.free(key(t)) {
             if info.stripe_map.is_some() || info.host_copy {
                 self.report.copies_freed += 1;
             }
@@ -354,7 +354,7 @@ impl Executor {
                     self.let_go(t, mem);
                 }
                 Err(e) => {
-                    let mem = self.store.take_held(t as u64).ok_or_else(|| Error::InvalidState {
+                    let mem = self.store.take_held(key(t)).ok_or_else(|| Error::InvalidState {
                         tensor: id.to_string(),
                         detail: format!(
                             "its offload failed ({e}) and the store did not hand its memory back"
@@ -378,9 +378,9 @@ impl Executor {
                 let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Prefetch)?;
                 let h = match (self.cfg.stream, mem.device().is_some()) {
                     (Some(stream), true) => {
-                        self.store.prefetch_after_stream(t as u64, mem, Priority::Urgent, stream)?
+                        self.store.prefetch_after_stream(key(t), mem, Priority::Urgent, stream)?
                     }
-                    _ => self.store.prefetch(t as u64, mem, Priority::Urgent)?,
+                    _ => self.store.prefetch(key(t), mem, Priority::Urgent)?,
                 };
                 match h.wait() {
                     Ok(mem) => {

@@ -33,6 +33,7 @@
 
 mod faults;
 mod gpu;
+mod key;
 mod persist;
 
 use std::collections::{HashMap, VecDeque};
@@ -53,10 +54,8 @@ use crate::tier::{DeviceFence, DeviceRuntime, MemoryTier, TensorMem};
 use crate::{Error, Result};
 
 pub use gpu::{GpuIoConfig, GpuPath, GpuPathInfo, GpuStats, PathStats, select_path};
+pub use key::TensorKey;
 pub use persist::{DeviceMeta, Persistence, StoreMeta, TensorMeta};
-
-/// A tensor's identifier, chosen by the caller.
-pub type TensorId = u64;
 
 /// Where an offload should put the tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
@@ -111,7 +110,7 @@ pub struct OffloadOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct TensorInfo {
     /// Id.
-    pub id: TensorId,
+    pub id: TensorKey,
     /// Name, when one was given.
     pub name: Option<String>,
     /// Size in bytes.
@@ -181,7 +180,7 @@ pub(crate) struct SsdCopy {
 }
 
 /// A fence recorded now on the caller's `stream`, on the device of `mem` (device memory only).
-fn device_fence(id: TensorId, mem: &TensorMem, stream: u64) -> Result<Box<dyn DeviceFence>> {
+fn device_fence(id: TensorKey, mem: &TensorMem, stream: u64) -> Result<Box<dyn DeviceFence>> {
     match mem.device() {
         Some(dev) => dev.runtime().record_on_stream(stream),
         None => Err(Error::InvalidArgument(format!(
@@ -445,7 +444,7 @@ struct Inner {
     array: Arc<DeviceArray>,
     host_tier: Option<Arc<dyn MemoryTier>>,
     checksums: bool,
-    table: Mutex<HashMap<TensorId, Entry>>,
+    table: Mutex<HashMap<TensorKey, Entry>>,
     alloc: Mutex<ArrayAllocator>,
     queues: Queues,
     inflight: Budget,
@@ -543,10 +542,11 @@ impl TensorStore {
     /// releases it. Offloading an id that has an SSD copy replaces that copy.
     pub fn offload(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
     ) -> Result<Handle<OffloadOutcome>> {
+        let id = id.into();
         let slot = Slot::new();
         self.enqueue_offload(id, src, options, None, Done::Offload(slot.clone()), false)?;
         Ok(Handle::new(slot))
@@ -558,11 +558,12 @@ impl TensorStore {
     /// the device is never synchronized as a whole.
     pub fn offload_after_stream(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
         stream: u64,
     ) -> Result<Handle<OffloadOutcome>> {
+        let id = id.into();
         let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
         self.enqueue_offload(id, src, options, Some(fence), Done::Offload(slot.clone()), false)?;
@@ -586,10 +587,11 @@ impl TensorStore {
     /// A queued `offload_keep` is never cancelled by a prefetch.
     pub fn offload_keep(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
+        let id = id.into();
         let slot = Slot::new();
         self.enqueue_offload(id, src, options, None, Done::OffloadKeep(slot.clone()), false)?;
         Ok(Handle::new(slot))
@@ -598,7 +600,7 @@ impl TensorStore {
     /// Queue an offload; `queued`: see [`OpKind::Offload`].
     fn enqueue_offload(
         &self,
-        id: TensorId,
+        id: TensorKey,
         src: TensorMem,
         options: OffloadOptions,
         after: Option<Box<dyn DeviceFence>>,
@@ -634,10 +636,11 @@ impl TensorStore {
     /// filled and verified.
     pub fn prefetch(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         dst: TensorMem,
         priority: Priority,
     ) -> Result<Handle<TensorMem>> {
+        let id = id.into();
         self.enqueue_prefetch(id, dst, priority, None)
     }
 
@@ -649,11 +652,12 @@ impl TensorStore {
     /// ([`TensorMem::wait_ready_on_stream`]).
     pub fn prefetch_after_stream(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         dst: TensorMem,
         priority: Priority,
         stream: u64,
     ) -> Result<Handle<TensorMem>> {
+        let id = id.into();
         let fence = device_fence(id, &dst, stream)?;
         self.enqueue_prefetch(id, dst, priority, Some(fence))
     }
@@ -672,12 +676,13 @@ impl TensorStore {
     /// [`DeviceMemory::ready`]: crate::tier::DeviceMemory::ready
     pub fn offload_keep_after_stream(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
         stream: u64,
         on_device: bool,
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
+        let id = id.into();
         let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
         let done = Done::OffloadKeep(slot.clone());
@@ -687,7 +692,7 @@ impl TensorStore {
 
     fn enqueue_prefetch(
         &self,
-        id: TensorId,
+        id: TensorKey,
         mut dst: TensorMem,
         priority: Priority,
         after: Option<Box<dyn DeviceFence>>,
@@ -780,7 +785,8 @@ impl TensorStore {
 
     /// Free tensor `id`: after the operations issued before it, release its SSD extents and
     /// host copy and forget it.
-    pub fn free(&self, id: TensorId) -> Result<Handle<()>> {
+    pub fn free(&self, id: impl Into<TensorKey>) -> Result<Handle<()>> {
+        let id = id.into();
         self.inner.queued.acquire(1);
         let mut table = self.inner.table.lock();
         let Some(entry) = table.get_mut(&id) else {
@@ -802,20 +808,23 @@ impl TensorStore {
     /// Offload and wait.
     pub fn offload_sync(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
     ) -> Result<OffloadOutcome> {
+        let id = id.into();
         self.offload(id, src, options)?.wait()
     }
 
     /// Prefetch and wait.
-    pub fn prefetch_sync(&self, id: TensorId, dst: TensorMem) -> Result<TensorMem> {
+    pub fn prefetch_sync(&self, id: impl Into<TensorKey>, dst: TensorMem) -> Result<TensorMem> {
+        let id = id.into();
         self.prefetch(id, dst, Priority::Urgent)?.wait()
     }
 
     /// Take back the memory of a tensor held by the store after a failed offload.
-    pub fn take_held(&self, id: TensorId) -> Option<TensorMem> {
+    pub fn take_held(&self, id: impl Into<TensorKey>) -> Option<TensorMem> {
+        let id = id.into();
         self.inner
             .table
             .lock()
@@ -831,7 +840,8 @@ impl TensorStore {
     /// Whether tensor `id` has a copy in `tier` (the SSD array, or the host tier) and no
     /// operation queued or running: a caller that did not modify it may release its memory
     /// without writing, the tensor then being offloaded to that tier.
-    pub fn has_current_copy_in(&self, id: TensorId, tier: Destination) -> bool {
+    pub fn has_current_copy_in(&self, id: impl Into<TensorKey>, tier: Destination) -> bool {
+        let id = id.into();
         self.inner.table.lock().get(&id).is_some_and(|e| {
             // A held source is newer than any copy (its offload failed).
             e.queue.is_empty()
@@ -844,18 +854,20 @@ impl TensorStore {
     }
 
     /// What the store knows of tensor `id`.
-    pub fn info(&self, id: TensorId) -> Option<TensorInfo> {
+    pub fn info(&self, id: impl Into<TensorKey>) -> Option<TensorInfo> {
+        let id = id.into();
         self.inner.table.lock().get(&id).map(|e| info(id, e))
     }
 
-    /// The id of the tensor named `name`.
-    pub fn lookup(&self, name: &str) -> Option<TensorId> {
+    /// The key of the tensor named `name`: a [`TensorKey`], or (at a binding's boundary) the
+    /// `u64` it holds.
+    pub fn lookup<K: From<TensorKey>>(&self, name: &str) -> Option<K> {
         self.inner
             .table
             .lock()
             .iter()
             .find(|(_, e)| e.name.as_deref() == Some(name))
-            .map(|(id, _)| *id)
+            .map(|(id, _)| K::from(*id))
     }
 
     /// Every tensor, sorted by id.
@@ -912,7 +924,7 @@ impl Drop for TensorStore {
     }
 }
 
-fn info(id: TensorId, e: &Entry) -> TensorInfo {
+fn info(id: TensorKey, e: &Entry) -> TensorInfo {
     TensorInfo {
         id,
         name: e.name.clone(),
@@ -938,23 +950,23 @@ enum Outcome {
 }
 
 impl Inner {
-    fn enqueue(&self, id: TensorId, entry: &mut Entry, op: Op) {
+    fn enqueue(&self, id: TensorKey, entry: &mut Entry, op: Op) {
         let priority = op.priority;
         entry.queue.push_back(op);
         if entry.active == Active::Idle {
             entry.active = Active::Dispatched;
-            self.queues.push(priority, id);
+            self.queues.push(priority, id.get());
         }
     }
 
     fn worker(self: Arc<Self>) {
         while let Some(id) = self.queues.pop() {
-            self.run_one(id);
+            self.run_one(TensorKey(id));
         }
     }
 
     /// Run the head operation of tensor `id`, if it is dispatched.
-    fn run_one(&self, id: TensorId) {
+    fn run_one(&self, id: TensorKey) {
         let (kind, priority, enqueued, ssd, host, held, no_copy) = {
             let mut table = self.table.lock();
             let Some(entry) = table.get_mut(&id) else { return };
@@ -1059,7 +1071,7 @@ impl Inner {
             let op = entry.queue.pop_front().expect("the running op is at the head");
             if let Some(next) = entry.queue.front() {
                 entry.active = Active::Dispatched;
-                self.queues.push(next.priority, id);
+                self.queues.push(next.priority, id.get());
             } else {
                 entry.active = Active::Idle;
                 if !entry.has_copy() && matches!(outcome, Outcome::Free(Ok(()))) {
@@ -1099,7 +1111,7 @@ impl Inner {
     /// free into a failure that keeps the tensor.
     fn commit(
         &self,
-        id: TensorId,
+        id: TensorKey,
         outcome: Outcome,
         update: Update,
     ) -> (Outcome, Update, Option<RwLockReadGuard<'_, ()>>) {
@@ -1111,7 +1123,7 @@ impl Inner {
                     .or_else(|| self.table.lock().get(&id).and_then(|e| e.name.clone()));
                 Persistence::put_record(id, name.as_deref(), copy)
             }
-            Update::Freed(Some(_)) => RecordBody::DeleteTensor { id },
+            Update::Freed(Some(_)) => RecordBody::DeleteTensor { id: id.get() },
             // No copy of the tensor is known to be durable, so there is nothing to delete;
             // but after a failed metadata write the record of its failed offload may have
             // reached the disk all the same (a journal write that failed at its sync), and a
@@ -1330,7 +1342,7 @@ impl Inner {
     /// Without room in the host tier (or when queuing fails) it runs as a blocking offload.
     fn run_offload_queued(
         &self,
-        id: TensorId,
+        id: TensorKey,
         size: u64,
         mut src: TensorMem,
         name: Option<String>,
@@ -1373,7 +1385,7 @@ impl Inner {
 
     fn run_offload(
         &self,
-        id: TensorId,
+        id: TensorKey,
         size: u64,
         src: TensorMem,
         destination: Destination,
@@ -1459,7 +1471,7 @@ impl Inner {
     /// Allocate, checksum, write (and journal). On failure the source comes back.
     fn write_to_ssd(
         &self,
-        id: TensorId,
+        id: TensorKey,
         size: u64,
         src: TensorMem,
     ) -> std::result::Result<(SsdCopy, TensorMem), Box<(Error, TensorMem)>> {
@@ -1549,7 +1561,7 @@ impl Inner {
 
     fn run_prefetch(
         &self,
-        id: TensorId,
+        id: TensorKey,
         mut dst: TensorMem,
         ssd: Option<SsdCopy>,
         host: Option<HostCopy>,
@@ -1606,7 +1618,7 @@ impl Inner {
         (Outcome::Prefetch(r), update)
     }
 
-    fn read_from_ssd(&self, id: TensorId, dst: TensorMem, copy: &SsdCopy) -> Result<TensorMem> {
+    fn read_from_ssd(&self, id: TensorKey, dst: TensorMem, copy: &SsdCopy) -> Result<TensorMem> {
         let size = copy.map.size_bytes();
         let padded = copy.map.padded_bytes() as usize;
         if let TensorMem::Device(mut dev) = dst {
@@ -1647,7 +1659,7 @@ impl Inner {
         }
     }
 
-    fn verify(&self, id: TensorId, bytes: &[u8], copy: &SsdCopy) -> Result<()> {
+    fn verify(&self, id: TensorKey, bytes: &[u8], copy: &SsdCopy) -> Result<()> {
         let chunks = bytes.chunks(copy.chunk_bytes as usize);
         if chunks.len() != copy.checksums.len() {
             return Err(Error::Corruption(format!(
