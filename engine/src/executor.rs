@@ -78,9 +78,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use teraio_scheduler::{Op, Plan, TensorId, Tier, Trace};
+use teraio_scheduler::{Move, Plan, TensorId, Tier, Trace};
 
-use crate::migrate::{Handle, Priority, StoreStats};
+use crate::queue::{Handle, Priority, StoreStats};
 use crate::store::{Destination, OffloadOptions, OffloadOutcome, TensorKey, TensorStore};
 use crate::tier::{MemoryTier, TensorMem};
 use crate::{Error, Result};
@@ -999,7 +999,7 @@ impl Executor {
             let t = ins.tensor.index();
             let priority = if ins.urgent { Priority::Urgent } else { Priority::Normal };
             match ins.op {
-                Op::Offload { dest } => {
+                Move::Offload { dest } => {
                     let clean = ins.is_clean_drop() && self.is_clean_in(t, dest);
                     if std::mem::take(&mut self.slots[t].evicted)
                         && !matches!(self.slots[t].state, State::Resident(_) | State::Reserved)
@@ -1028,7 +1028,7 @@ impl Executor {
                         }
                     }
                 }
-                Op::Prefetch => {
+                Move::Prefetch => {
                     self.report.prefetches += 1;
                     let slot = &mut self.slots[t];
                     match &mut slot.state {
@@ -1724,7 +1724,7 @@ fn copy_pending(r: Option<&Result<(OffloadOutcome, TensorMem)>>) -> bool {
 
 /// The difference of two snapshots of store statistics.
 pub fn diff_stats(before: &StoreStats, after: &StoreStats) -> StoreStats {
-    let d = |a: &crate::migrate::DirectionStats, b: &crate::migrate::DirectionStats| {
+    let d = |a: &crate::queue::DirectionStats, b: &crate::queue::DirectionStats| {
         let mut x = b.clone();
         x.ops -= a.ops;
         x.bytes -= a.bytes;

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use store_common::*;
 use teraio_engine::Error;
 use teraio_engine::backend::sim::{SimFault, SimOp};
-use teraio_engine::migrate::Priority;
+use teraio_engine::queue::Priority;
 use teraio_engine::store::{
     Destination, Location, OffloadOptions, OffloadOutcome, StoreConfig, TensorStore,
 };

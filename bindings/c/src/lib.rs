@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::teraio_engine::Engine;
-use ::teraio_engine::migrate::Priority;
+use ::teraio_engine::queue::Priority;
 use ::teraio_engine::store::{Destination, OffloadOptions, OffloadOutcome};
 use parking_lot::{Mutex, RwLock};
 use teraio_bindings_core::{self as core, ConfigSource, Error, HostBuffer, Op, Outcome, Status};

@@ -9,8 +9,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use teraio_engine::Engine;
 use teraio_engine::backend::sim::{SimDisk, SimFault};
-use teraio_engine::migrate::Priority;
 use teraio_engine::pool::BufferPool;
+use teraio_engine::queue::Priority;
 use teraio_engine::replay::{
     BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay_adaptive,
 };

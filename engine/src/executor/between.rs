@@ -29,7 +29,7 @@ use serde::Serialize;
 use teraio_scheduler::{TensorId, Tier};
 
 use super::{Alloc, Executor, Phase, State};
-use crate::migrate::Priority;
+use crate::queue::Priority;
 use crate::tier::TensorMem;
 use crate::{Error, Result};
 

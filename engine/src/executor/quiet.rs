@@ -22,7 +22,7 @@
 //! [`ExecutorConfig::allocate_created`](super::ExecutorConfig::allocate_created) no kernel is
 //! quiet (the executor allocates every created tensor).
 
-use teraio_scheduler::Op;
+use teraio_scheduler::Move;
 
 use super::{Executor, Phase, State};
 use crate::Result;
@@ -60,7 +60,7 @@ impl Quiet {
         let mut movable = vec![false; ex.slots.len()];
         let mut issues = vec![false; n + 1];
         for ins in &plan.instructions {
-            if matches!(ins.op, Op::Offload { .. } | Op::Prefetch) {
+            if matches!(ins.op, Move::Offload { .. } | Move::Prefetch) {
                 movable[ins.tensor.index()] = true;
             }
             issues[ins.issue_before_kernel.min(n)] = true;

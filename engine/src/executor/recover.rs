@@ -24,7 +24,7 @@ use teraio_scheduler::{Plan, TensorId, Tier, Trace};
 
 use super::{Alloc, Event, Executor, IterationReport, Phase, State, destination, key, stored};
 use crate::executor::AllocFor;
-use crate::migrate::Priority;
+use crate::queue::Priority;
 use crate::store::{Destination, OffloadOptions};
 use crate::tier::TensorMem;
 use crate::{Error, Result};

@@ -48,8 +48,8 @@ use teraio_layout::StripeMap;
 use teraio_layout::format::RecordBody;
 
 use crate::array::DeviceArray;
-use crate::migrate::{Budget, Handle, Priority, Queues, Slot, StoreStats};
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
+use crate::queue::{Budget, Handle, Priority, Queues, Slot, StoreStats};
 use crate::tier::{DeviceFence, DeviceRuntime, MemoryTier, TensorMem};
 use crate::{Error, Result};
 
@@ -189,7 +189,8 @@ fn device_fence(id: TensorKey, mem: &TensorMem, stream: u64) -> Result<Box<dyn D
     }
 }
 
-enum OpKind {
+/// What a request queued on one tensor does.
+enum RequestKind {
     Offload {
         src: Option<TensorMem>,
         destination: Destination,
@@ -218,12 +219,14 @@ enum Done {
     OffloadKeep(Arc<Slot<(OffloadOutcome, TensorMem)>>),
     Prefetch(Arc<Slot<TensorMem>>),
     Free(Arc<Slot<()>>),
-    /// Nobody waits for it (a [`OpKind::Discard`]).
+    /// Nobody waits for it (a [`RequestKind::Discard`]).
     Discard,
 }
 
-struct Op {
-    kind: OpKind,
+/// One request on a tensor's queue (an offload, a prefetch, a free, a discard): the store's
+/// workers run a tensor's requests in issue order.
+struct Request {
+    kind: RequestKind,
     priority: Priority,
     enqueued: Instant,
     done: Done,
@@ -383,7 +386,7 @@ struct Entry {
     ssd_superseded: bool,
     host: Option<HostCopy>,
     held: Option<TensorMem>,
-    queue: VecDeque<Op>,
+    queue: VecDeque<Request>,
     active: Active,
 }
 
@@ -403,10 +406,10 @@ impl Entry {
 
     fn location(&self) -> Location {
         match self.queue.front().map(|o| &o.kind) {
-            Some(OpKind::Offload { .. }) => Location::Offloading,
-            Some(OpKind::Prefetch { .. }) => Location::Prefetching,
+            Some(RequestKind::Offload { .. }) => Location::Offloading,
+            Some(RequestKind::Prefetch { .. }) => Location::Prefetching,
             // The copies left are older than the version a prefetch took: about to go.
-            Some(OpKind::Discard) => Location::Caller,
+            Some(RequestKind::Discard) => Location::Caller,
             _ if self.held.is_some() => Location::Held,
             _ if self.host.is_some() => Location::InHost,
             _ if self.readable_ssd().is_some() => Location::OnSsd,
@@ -597,7 +600,7 @@ impl TensorStore {
         Ok(Handle::new(slot))
     }
 
-    /// Queue an offload; `queued`: see [`OpKind::Offload`].
+    /// Queue an offload; `queued`: see [`RequestKind::Offload`].
     fn enqueue_offload(
         &self,
         id: TensorKey,
@@ -616,8 +619,8 @@ impl TensorStore {
         let mut table = self.inner.table.lock();
         let entry = table.entry(id).or_insert_with(|| Entry::new(src.len()));
         entry.size = src.len();
-        let op = Op {
-            kind: OpKind::Offload {
+        let op = Request {
+            kind: RequestKind::Offload {
                 src: Some(src),
                 destination: options.destination,
                 name: options.name,
@@ -713,13 +716,15 @@ impl TensorStore {
         let tail_is_queued_offload = !self.inner.retain
             && matches!(
                 entry.queue.back(),
-                Some(Op { kind: OpKind::Offload { .. }, done: Done::Offload(_), .. })
+                Some(Request { kind: RequestKind::Offload { .. }, done: Done::Offload(_), .. })
             )
             && !(entry.queue.len() == 1 && entry.active == Active::Running);
         if tail_is_queued_offload {
             let op = entry.queue.pop_back().expect("checked");
-            let (OpKind::Offload { src: Some(src), after: src_after, .. }, Done::Offload(slot)) =
-                (op.kind, op.done)
+            let (
+                RequestKind::Offload { src: Some(src), after: src_after, .. },
+                Done::Offload(slot),
+            ) = (op.kind, op.done)
             else {
                 unreachable!("a queued offload owns its source")
             };
@@ -738,8 +743,8 @@ impl TensorStore {
             } else {
                 // Behind the operations still queued or running; it takes over the cancelled
                 // offload's place in the queued-operations budget.
-                let op = Op {
-                    kind: OpKind::Discard,
+                let op = Request {
+                    kind: RequestKind::Discard,
                     priority: op.priority,
                     enqueued: Instant::now(),
                     done: Done::Discard,
@@ -773,8 +778,8 @@ impl TensorStore {
         let mut table = self.inner.table.lock();
         let entry = table.get_mut(&id).ok_or_else(|| Error::UnknownTensor(id.to_string()))?;
         let slot = Slot::new();
-        let op = Op {
-            kind: OpKind::Prefetch { dst: Some(dst), after },
+        let op = Request {
+            kind: RequestKind::Prefetch { dst: Some(dst), after },
             priority,
             enqueued: Instant::now(),
             done: Done::Prefetch(slot.clone()),
@@ -795,8 +800,8 @@ impl TensorStore {
             return Err(Error::UnknownTensor(id.to_string()));
         };
         let slot = Slot::new();
-        let op = Op {
-            kind: OpKind::Free,
+        let op = Request {
+            kind: RequestKind::Free,
             priority: Priority::Background,
             enqueued: Instant::now(),
             done: Done::Free(slot.clone()),
@@ -950,7 +955,7 @@ enum Outcome {
 }
 
 impl Inner {
-    fn enqueue(&self, id: TensorKey, entry: &mut Entry, op: Op) {
+    fn enqueue(&self, id: TensorKey, entry: &mut Entry, op: Request) {
         let priority = op.priority;
         entry.queue.push_back(op);
         if entry.active == Active::Idle {
@@ -978,36 +983,38 @@ impl Inner {
                 return;
             };
             entry.active = Active::Running;
-            let kind = std::mem::replace(&mut op.kind, OpKind::Free);
+            let kind = std::mem::replace(&mut op.kind, RequestKind::Free);
             // Put a marker back so location() still says what runs.
             op.kind = match &kind {
-                OpKind::Offload { destination, .. } => OpKind::Offload {
+                RequestKind::Offload { destination, .. } => RequestKind::Offload {
                     src: None,
                     destination: *destination,
                     name: None,
                     after: None,
                     queued: false,
                 },
-                OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None, after: None },
-                OpKind::Free => OpKind::Free,
-                OpKind::Discard => OpKind::Discard,
+                RequestKind::Prefetch { .. } => RequestKind::Prefetch { dst: None, after: None },
+                RequestKind::Free => RequestKind::Free,
+                RequestKind::Discard => RequestKind::Discard,
             };
             let (priority, enqueued) = (op.priority, op.enqueued);
             let (ssd, host, held) = match &kind {
                 // A prefetch reads from whatever copy exists; take the memory copies out of the
                 // table while the worker uses them (they go back unless consumed).
                 // (An SSD copy older than the newest version is never read.)
-                OpKind::Prefetch { .. } => {
+                RequestKind::Prefetch { .. } => {
                     (entry.readable_ssd().cloned(), entry.host.take(), entry.held.take())
                 }
-                OpKind::Free | OpKind::Discard => {
+                RequestKind::Free | RequestKind::Discard => {
                     (entry.ssd.take(), entry.host.take(), entry.held.take())
                 }
-                OpKind::Offload { .. } => (None, None, entry.held.take()),
+                RequestKind::Offload { .. } => (None, None, entry.held.take()),
             };
             // What a prefetch that finds nothing says (the entry knows why).
             let no_copy = match &kind {
-                OpKind::Prefetch { .. } if ssd.is_none() && host.is_none() && held.is_none() => {
+                RequestKind::Prefetch { .. }
+                    if ssd.is_none() && host.is_none() && held.is_none() =>
+                {
                     Some(entry.no_copy_detail())
                 }
                 _ => None,
@@ -1016,7 +1023,7 @@ impl Inner {
         };
         self.stats.lock().queue_wait[priority as usize].record(enqueued.elapsed());
         let (outcome, update) = match kind {
-            OpKind::Offload { src, destination, name, after, queued } => {
+            RequestKind::Offload { src, destination, name, after, queued } => {
                 drop(held); // a newer version replaces the memory of a failed offload
                 let src = src.expect("a dispatched offload owns its source");
                 // The entry's size is that of the newest offload issued; this one has its own.
@@ -1034,7 +1041,7 @@ impl Inner {
                     },
                 }
             }
-            OpKind::Prefetch { dst, after } => {
+            RequestKind::Prefetch { dst, after } => {
                 let mut dst = dst.expect("a dispatched prefetch owns its destination");
                 // Device memory: what is copied into it waits for the caller's queued work on the
                 // device (its ready fence), not in this worker.
@@ -1056,8 +1063,8 @@ impl Inner {
                     Err(e) => (Outcome::Prefetch(Err(e)), Update::Restore { host, held }),
                 }
             }
-            OpKind::Free => self.run_free(ssd, host, held),
-            OpKind::Discard => {
+            RequestKind::Free => self.run_free(ssd, host, held),
+            RequestKind::Discard => {
                 drop((host, held));
                 (Outcome::Discard, Update::Discarded(ssd))
             }

@@ -655,7 +655,7 @@ fn delay_prefetches_until_feasible(
                 (a, b) => a.or(b).copied(),
             };
             let movable =
-                ins.op == crate::plan::Op::Prefetch && at <= k && next.is_some_and(|u| u > k);
+                ins.op == crate::plan::Move::Prefetch && at <= k && next.is_some_and(|u| u > k);
             if movable {
                 moved.push(Instruction { issue_before_kernel: k + 1, ..*ins });
             }

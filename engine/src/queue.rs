@@ -1,5 +1,7 @@
-//! The migration engine's moving parts: priorities, completion handles, the priority queues
-//! that feed worker threads, the in-flight byte budget, and statistics.
+//! The queues of the store's migration engine and what goes with them: priorities, completion
+//! handles, the priority queues that feed worker threads, the in-flight byte budget, and
+//! statistics. The migration engine itself (the workers running each tensor's requests) is
+//! the store's (`store::Inner::run_one`).
 //!
 //! The tensor store ([`crate::store`]) keeps one ordered queue of operations per tensor; only the
 //! head of a tensor's queue may run, so operations on one tensor apply in issue order. When a
