@@ -80,7 +80,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use teraio_scheduler::{Move, Plan, TensorId, Tier, Trace};
 
-use crate::queue::{Handle, Priority, StoreStats};
+use crate::queue::{Handle, Priority};
+use crate::store::StoreStats;
+pub use crate::store::diff_stats;
 use crate::store::{Destination, OffloadOptions, OffloadOutcome, TensorKey, TensorStore};
 use crate::tier::{MemoryTier, TensorMem};
 use crate::{Error, Result};
@@ -1720,27 +1722,4 @@ fn copy_pending(r: Option<&Result<(OffloadOutcome, TensorMem)>>) -> bool {
         Some(Ok((_, TensorMem::Device(d)))) => d.ready().is_some_and(|f| !f.is_done()),
         _ => false,
     }
-}
-
-/// The difference of two snapshots of store statistics.
-pub fn diff_stats(before: &StoreStats, after: &StoreStats) -> StoreStats {
-    let d = |a: &crate::queue::DirectionStats, b: &crate::queue::DirectionStats| {
-        let mut x = b.clone();
-        x.ops -= a.ops;
-        x.bytes -= a.bytes;
-        x.errors -= a.errors;
-        x.op_time_ns -= a.op_time_ns;
-        x.busy_ns -= a.busy_ns;
-        x
-    };
-    let mut s = after.clone();
-    s.ssd_write = d(&before.ssd_write, &after.ssd_write);
-    s.ssd_read = d(&before.ssd_read, &after.ssd_read);
-    s.host_write = d(&before.host_write, &after.host_write);
-    s.host_read = d(&before.host_read, &after.host_read);
-    s.chunks_verified -= before.chunks_verified;
-    s.offloads_cancelled -= before.offloads_cancelled;
-    s.host_fallbacks -= before.host_fallbacks;
-    s.host_writes_queued -= before.host_writes_queued;
-    s
 }

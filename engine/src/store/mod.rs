@@ -35,6 +35,7 @@ mod faults;
 mod gpu;
 mod key;
 mod persist;
+mod stats;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -49,13 +50,14 @@ use teraio_layout::format::RecordBody;
 
 use crate::array::DeviceArray;
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
-use crate::queue::{Budget, Handle, Priority, Queues, Slot, StoreStats};
+use crate::queue::{Budget, Handle, Priority, Queues, Slot};
 use crate::tier::{DeviceFence, DeviceRuntime, MemoryTier, TensorMem};
 use crate::{Error, Result};
 
 pub use gpu::{GpuIoConfig, GpuPath, GpuPathInfo, GpuStats, PathStats, select_path};
 pub use key::TensorKey;
 pub use persist::{DeviceMeta, Persistence, StoreMeta, TensorMeta};
+pub use stats::{DirectionStats, QueueWaitStats, StoreStats, diff_stats};
 
 /// Where an offload should put the tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
