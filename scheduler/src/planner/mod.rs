@@ -1,11 +1,12 @@
 //! Planners: from a trace and a hardware model to a [`Plan`].
 //!
-//! All bandwidth-aware policies (`teraio`, `g10`) share one planning state (`planner/state.rs`): the memory curve
-//! as an `ExcessTree` (`planner/tree.rs`) over kernels (bytes above GPU capacity), a
-//! per-kernel-slot bandwidth budget for every [`Resource`] (bytes each slot can still carry,
-//! with skip lists over exhausted slots), and the host-tier occupancy as a second tree. SSD
-//! transfers draw on both their direction's budget and [`Resource::SsdDuplex`]'s, so reads and
-//! writes planned in the same slots share a combined SSD limit when the hardware has one.
+//! All bandwidth-aware policies (`teraio`, `g10`) share one planning state (`planner/state.rs`):
+//! the memory curve as an `ExcessTree` (`planner/tree.rs`) over kernels (bytes above GPU
+//! capacity), a per-kernel-slot bandwidth budget for every [`Resource`] (bytes each slot can
+//! still carry, with skip lists over exhausted slots), and the host-tier occupancy as a second
+//! tree. SSD transfers draw on both their direction's budget and [`Resource::SsdDuplex`]'s, so
+//! reads and writes planned in the same slots share a combined SSD limit when the hardware has
+//! one.
 //!
 //! Clean drops: an interval whose tensor already has an SSD copy from an earlier chosen
 //! interval of the same epoch (no write since, see [`InactiveInterval::last_write`]) costs no
