@@ -37,7 +37,7 @@ use crate::backend::psync::PsyncBackend;
 use crate::backend::sim::{SimBackend, SimDisk};
 use crate::backend::spdk_config::{self, SpdkOptions};
 use crate::backend::uring::{self, UringBackend};
-use crate::backend::{Backend, IoFailure, IoRequest, IoVec, OpKind};
+use crate::backend::{Backend, IoDirection, IoFailure, IoRequest, IoVec};
 use crate::device::{self, DEFAULT_MAX_IO_BYTES, PROBE_BYTES};
 use crate::pool::{IoBuf, PageBacking, Registration};
 use crate::{Error, Result};
@@ -252,7 +252,7 @@ fn read_head_via(backend: &dyn Backend, slot: &Slot) -> Result<Vec<u8>> {
         let _ = tx.send((buf, r));
     });
     // SAFETY: the iovec names `buf`, owned by the completion until it runs.
-    let req = unsafe { IoRequest::new(OpKind::Read, slot.index as usize, 0, iov, done) };
+    let req = unsafe { IoRequest::new(IoDirection::Read, slot.index as usize, 0, iov, done) };
     backend.submit(req);
     let (buf, r) = rx.recv().map_err(|_| Error::Closed("spdk backend"))?;
     r.map_err(|e| Error::Io {
@@ -744,7 +744,7 @@ impl DeviceArray {
 
     fn submit_map(
         &self,
-        kind: OpKind,
+        kind: IoDirection,
         map: &StripeMap,
         range: Range<u64>,
         buf: IoBuf,
@@ -756,7 +756,7 @@ impl DeviceArray {
     /// buffer is still in `holder`.
     fn submit_map_keep(
         &self,
-        kind: OpKind,
+        kind: IoDirection,
         map: &StripeMap,
         range: Range<u64>,
         holder: &mut Option<IoBuf>,
@@ -810,7 +810,7 @@ impl DeviceArray {
 
     fn submit_one(
         &self,
-        kind: OpKind,
+        kind: IoDirection,
         offset: u64,
         iovecs: Vec<IoVec>,
         state: &Arc<TicketState>,
@@ -840,16 +840,22 @@ impl DeviceArray {
     /// [`submit_write`](Self::submit_write) that never loses the buffer: a request that fails
     /// validation comes back as a completed ticket carrying the error and the buffer.
     pub fn write_tensor(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> IoTicket {
-        self.transfer(OpKind::Write, map, range, buf)
+        self.transfer(IoDirection::Write, map, range, buf)
     }
 
     /// [`submit_read`](Self::submit_read) that never loses the buffer (see
     /// [`write_tensor`](Self::write_tensor)).
     pub fn read_tensor(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> IoTicket {
-        self.transfer(OpKind::Read, map, range, buf)
+        self.transfer(IoDirection::Read, map, range, buf)
     }
 
-    fn transfer(&self, kind: OpKind, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> IoTicket {
+    fn transfer(
+        &self,
+        kind: IoDirection,
+        map: &StripeMap,
+        range: Range<u64>,
+        buf: IoBuf,
+    ) -> IoTicket {
         let mut holder = Some(buf);
         match self.submit_map_keep(kind, map, range, &mut holder) {
             Ok(t) => t,
@@ -866,18 +872,18 @@ impl DeviceArray {
     /// on every device is issued at once. Alignment and buffer size are checked before anything
     /// is submitted.
     pub fn submit_write(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> Result<IoTicket> {
-        self.submit_map(OpKind::Write, map, range, buf)
+        self.submit_map(IoDirection::Write, map, range, buf)
     }
 
     /// Read `range` of a tensor into `buf` (offset 0 of `buf` is `range.start`); the padded tail
     /// of the last block is read too. Same rules as [`submit_write`](Self::submit_write).
     pub fn submit_read(&self, map: &StripeMap, range: Range<u64>, buf: IoBuf) -> Result<IoTicket> {
-        self.submit_map(OpKind::Read, map, range, buf)
+        self.submit_map(IoDirection::Read, map, range, buf)
     }
 
     fn submit_raw(
         &self,
-        kind: OpKind,
+        kind: IoDirection,
         device: u32,
         offset: u64,
         mut buf: IoBuf,
@@ -907,13 +913,13 @@ impl DeviceArray {
     /// Write all of `buf` (`len()` a multiple of the block size) at a block-aligned offset of
     /// one device; for metadata. Split into [`max_io_bytes`](Self::max_io_bytes) requests.
     pub fn write_at(&self, device: u32, offset: u64, buf: IoBuf) -> Result<IoTicket> {
-        self.submit_raw(OpKind::Write, device, offset, buf)
+        self.submit_raw(IoDirection::Write, device, offset, buf)
     }
 
     /// Read `buf.len()` bytes (a multiple of the block size) at a block-aligned offset of one
     /// device.
     pub fn read_at(&self, device: u32, offset: u64, buf: IoBuf) -> Result<IoTicket> {
-        self.submit_raw(OpKind::Read, device, offset, buf)
+        self.submit_raw(IoDirection::Read, device, offset, buf)
     }
 
     /// Durability barrier on every device: every write whose ticket completed before this call

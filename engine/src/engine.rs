@@ -900,7 +900,7 @@ pub fn parse_size(text: &str) -> Result<u64> {
 mod tests {
     use super::*;
     use crate::backend::sim::SimDisk;
-    use crate::store::OffloadOptions;
+    use crate::store::{OffloadOptions, TensorKey};
 
     #[test]
     fn a_toml_file_names_only_what_differs_from_the_defaults() {
@@ -1181,7 +1181,8 @@ mod tests {
         let meta = Engine::inspect(&cfg).unwrap();
         assert_eq!(meta.tensors.len(), 1);
         let engine = Engine::open(cfg).unwrap();
-        let id = engine.store().lookup("layer0.w").expect("found by name after reopen");
+        let id =
+            engine.store().lookup::<TensorKey>("layer0.w").expect("found by name after reopen");
         let back = engine.store().prefetch_sync(id, engine.alloc_host(3 << 20).unwrap()).unwrap();
         assert!(back.host().unwrap().iter().all(|&b| b == 0x3c));
     }

@@ -78,10 +78,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use teraio_scheduler::{Op, Plan, TensorId, Tier, Trace};
+use teraio_scheduler::{Move, Plan, TensorId, Tier, Trace};
 
-use crate::migrate::{Handle, Priority, StoreStats};
-use crate::store::{Destination, OffloadOptions, OffloadOutcome, TensorStore};
+use crate::queue::{Handle, Priority};
+use crate::store::StoreStats;
+pub use crate::store::diff_stats;
+use crate::store::{Destination, OffloadOptions, OffloadOutcome, TensorKey, TensorStore};
 use crate::tier::{MemoryTier, TensorMem};
 use crate::{Error, Result};
 
@@ -268,6 +270,60 @@ impl State {
     fn is_resident(&self) -> bool {
         matches!(self, State::Reserved | State::Resident(_))
     }
+
+    /// Whether the tensor counts against the GPU budget in this state: memory granted (or
+    /// reserved for the caller's), or a migration in flight that still holds it.
+    fn holds_budget(&self) -> bool {
+        matches!(
+            self,
+            State::Reserved
+                | State::Resident(_)
+                | State::Offloading { .. }
+                | State::Prefetching(_)
+                | State::Remaking(_)
+        )
+    }
+}
+
+/// What the executor knows of one tensor of the trace: where it is and the flags the plan's
+/// later instructions and the recovery paths consult.
+struct Slot {
+    /// Where the tensor is (its memory, or the migration in flight).
+    state: State,
+    /// Its last offload failed (it is still resident): the plan's prefetch of it is a no-op.
+    stayed: bool,
+    /// The executor evicted it on its own (see [`IterationReport::evictions`]): the plan's next
+    /// offload of it is a no-op; a kernel that needs it reads it back on demand.
+    evicted: bool,
+    /// The store's copy equals its GPU memory (set when an offload is stored or a prefetch
+    /// arrives; cleared when a kernel creates or writes it): only then is a drop clean.
+    current: bool,
+    /// Prefetch attempts since it last arrived.
+    attempts: u8,
+    /// Its failed SSD write went to the host tier (tried once per failure).
+    host_retried: bool,
+    /// `gather_globals` kept it or read it back (a global tensor): boundary 0 puts it back
+    /// where the plan starts it.
+    regather: bool,
+    /// Its size as last attached (the trace's until then): what a prefetch or a recomputation
+    /// allocates. Budgets account the trace's sizes.
+    size: u64,
+}
+
+impl Slot {
+    /// A tensor of `size` bytes the executor has not seen yet.
+    fn new(size: u64) -> Self {
+        Slot {
+            state: State::Absent,
+            stayed: false,
+            evicted: false,
+            current: false,
+            attempts: 0,
+            host_retried: false,
+            regather: false,
+            size,
+        }
+    }
 }
 
 enum Alloc {
@@ -311,10 +367,15 @@ pub struct Executor {
     /// Per kernel: the tensors it needs resident, its accesses and the inputs of the
     /// recomputations before it (equal to `accesses` where nothing is remade).
     needs: Vec<Vec<usize>>,
-    states: Vec<State>,
+    /// One record per tensor of the trace, indexed by its trace index.
+    slots: Vec<Slot>,
     allocs: VecDeque<Alloc>,
     events: VecDeque<Event>,
     used: u64,
+    /// `used` when the iteration began: a gather or a write that failed may leave more than the
+    /// budget resident; allocations then wait until `used` is back within the budget, so no
+    /// kernel of the iteration runs above the larger of the two (a debug assertion).
+    used_at_start: u64,
     /// The tensors whose offload or prefetch is in flight (`Offloading` or `Prefetching`):
     /// what a poll looks at, instead of every tensor of the trace before every kernel.
     flying: Vec<usize>,
@@ -328,23 +389,10 @@ pub struct Executor {
     next_instr: usize,
     /// Safe mode since a divergence.
     safe: Option<Divergence>,
-    /// Tensors whose last offload failed (still resident): the plan's prefetch of them is a
-    /// no-op.
-    stayed: Vec<bool>,
-    /// Tensors the executor evicted on its own (see [`IterationReport::evictions`]): the plan's
-    /// next offload of one is a no-op; a kernel that needs one reads it back on demand.
-    evicted: Vec<bool>,
-    /// The store's copy of the tensor equals its GPU memory (set when an offload is stored or a
-    /// prefetch arrives; cleared when a kernel creates or writes it): only then is a drop clean.
-    current: Vec<bool>,
     iteration: usize,
     report: IterationReport,
     iteration_start: Instant,
     stats_before: StoreStats,
-    /// Prefetch attempts of each tensor since it last arrived.
-    attempts: Vec<u8>,
-    /// Tensors whose failed SSD write went to the host tier (tried once per failure).
-    host_retried: Vec<bool>,
     /// The tensor lost in this iteration: the iteration stopped.
     failed: Option<LostTensor>,
     /// Frees of dead tensors' copies not known to be done.
@@ -353,9 +401,6 @@ pub struct Executor {
     replanned: bool,
     /// The last failed write (for the message when memory runs out because of them).
     last_write_error: Option<String>,
-    /// Global tensors `gather_globals` kept or read back: boundary 0 puts them back where the
-    /// plan starts them.
-    regather: Vec<bool>,
     /// `gather_globals` is reading global tensors back: allocations may reach this many bytes
     /// (past the budget; `u64::MAX` for a full gather).
     gather_cap: Option<u64>,
@@ -363,9 +408,6 @@ pub struct Executor {
     quiet: quiet::Quiet,
     /// The trace's sizes are upper bounds ([`Executor::set_sizes_at_most`]).
     sizes_at_most: bool,
-    /// Each tensor's size as last attached (the trace's until then): what a prefetch or a
-    /// recomputation allocates. Budgets account the trace's sizes.
-    sizes: Vec<u64>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -384,6 +426,11 @@ impl std::fmt::Debug for Executor {
 /// Whether an offload left a copy equal to the memory (not one a later prefetch took over).
 fn stored(outcome: OffloadOutcome) -> bool {
     matches!(outcome, OffloadOutcome::OnSsd | OffloadOutcome::InHost)
+}
+
+/// Trace tensor `t`'s key in the store (the executor's key space: see [`TensorKey`]).
+fn key(t: usize) -> TensorKey {
+    TensorKey::of_trace(TensorId(t as u32))
 }
 
 fn destination(tier: Tier) -> Destination {
@@ -450,13 +497,8 @@ impl Executor {
         for v in &mut remakes {
             v.sort_by_key(|&t| (trace.tensors[t].created_by, t));
         }
-        let states = (0..trace.tensors.len()).map(|_| State::Absent).collect();
-        let stayed = vec![false; trace.tensors.len()];
-        let evicted = vec![false; trace.tensors.len()];
-        let current = vec![false; trace.tensors.len()];
+        let slots = trace.tensors.iter().map(|t| Slot::new(t.bytes)).collect();
         let stats_before = store.stats();
-        let trace_len = trace.tensors.len();
-        let sizes = trace.tensors.iter().map(|t| t.bytes).collect();
         let mut ex = Executor {
             trace,
             plan,
@@ -470,10 +512,11 @@ impl Executor {
             drops,
             remakes,
             needs,
-            states,
+            slots,
             allocs: VecDeque::new(),
             events: VecDeque::new(),
             used: 0,
+            used_at_start: 0,
             flying: Vec::new(),
             phase: Phase::Setup,
             next_kernel: 0,
@@ -481,23 +524,16 @@ impl Executor {
             issued: 0,
             next_instr: 0,
             safe: None,
-            stayed,
-            evicted,
-            current,
             iteration: 0,
             iteration_start: Instant::now(),
             stats_before,
-            attempts: vec![0; trace_len],
-            host_retried: vec![false; trace_len],
             failed: None,
             frees: Vec::new(),
             replanned: false,
             last_write_error: None,
-            regather: vec![false; trace_len],
             gather_cap: None,
             quiet: quiet::Quiet::none(),
             sizes_at_most: false,
-            sizes,
         };
         ex.quiet = quiet::Quiet::new(&ex);
         Ok(ex)
@@ -540,7 +576,7 @@ impl Executor {
 
     /// The memory of tensor `t` while resident with memory attached.
     pub fn resident(&self, t: TensorId) -> Option<&TensorMem> {
-        match self.states.get(t.index()) {
+        match self.slots.get(t.index()).map(|s| &s.state) {
             Some(State::Resident(m)) => Some(m),
             _ => None,
         }
@@ -548,7 +584,7 @@ impl Executor {
 
     /// Mutable access to the memory of a resident tensor.
     pub fn resident_mut(&mut self, t: TensorId) -> Option<&mut TensorMem> {
-        match self.states.get_mut(t.index()) {
+        match self.slots.get_mut(t.index()).map(|s| &mut s.state) {
             Some(State::Resident(m)) => Some(m),
             _ => None,
         }
@@ -572,7 +608,7 @@ impl Executor {
 
     /// Whether tensor `t` is resident (memory granted).
     pub fn is_resident(&self, t: TensorId) -> bool {
-        self.states.get(t.index()).is_some_and(State::is_resident)
+        self.slots.get(t.index()).is_some_and(|s| s.state.is_resident())
     }
 
     fn bytes(&self, t: usize) -> u64 {
@@ -588,12 +624,12 @@ impl Executor {
 
     fn tensor_index(&self, t: TensorId) -> Result<usize> {
         let i = t.index();
-        if i < self.states.len() {
+        if i < self.slots.len() {
             Ok(i)
         } else {
             Err(Error::InvalidArgument(format!(
                 "tensor {t} is not in the trace ({} tensors)",
-                self.states.len()
+                self.slots.len()
             )))
         }
     }
@@ -607,11 +643,11 @@ impl Executor {
             self.report.diverged = Some(d.clone());
             self.safe = Some(d);
             // Allocations queued are granted whatever the budget; tensors offloaded come back.
-            for t in 0..self.states.len() {
-                match &mut self.states[t] {
+            for t in 0..self.slots.len() {
+                match &mut self.slots[t].state {
                     State::Offloading { keep, .. } => *keep = true,
                     State::Offloaded => {
-                        self.states[t] = State::QueuedPrefetch;
+                        self.slots[t].state = State::QueuedPrefetch;
                         self.allocs.push_back(Alloc::Prefetch(t, Priority::Urgent));
                     }
                     // Dropped for recomputation: made again as soon as its inputs are back.
@@ -650,16 +686,16 @@ impl Executor {
             self.give_back(t, mem);
             return Err(self.diverge(self.next_kernel, detail));
         }
-        match (&self.states[i], tensor.global) {
+        match (&self.slots[i].state, tensor.global) {
             (State::Absent, true) if self.phase == Phase::Setup => {
                 self.used += tensor.bytes;
-                self.sizes[i] = mem.len();
-                self.states[i] = State::Resident(mem);
+                self.slots[i].size = mem.len();
+                self.slots[i].state = State::Resident(mem);
                 Ok(())
             }
             (State::Reserved, false) => {
-                self.sizes[i] = mem.len();
-                self.states[i] = State::Resident(mem);
+                self.slots[i].size = mem.len();
+                self.slots[i].state = State::Resident(mem);
                 Ok(())
             }
             (State::Resident(_), _) => Err(Error::InvalidState {
@@ -692,7 +728,7 @@ impl Executor {
             .tensors
             .iter()
             .enumerate()
-            .find(|(i, t)| t.global && !matches!(self.states[*i], State::Resident(_)))
+            .find(|(i, t)| t.global && !matches!(self.slots[*i].state, State::Resident(_)))
         {
             return Err(Error::InvalidState {
                 tensor: format!("t{i}"),
@@ -702,7 +738,8 @@ impl Executor {
         let mut setup = Vec::new();
         for p in &self.plan.initially_offloaded {
             let t = p.tensor.index();
-            let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
+            let State::Resident(mem) = std::mem::replace(&mut self.slots[t].state, State::Absent)
+            else {
                 unreachable!("every global is resident here (checked above)")
             };
             let opts = OffloadOptions { destination: destination(p.tier), ..Default::default() };
@@ -711,15 +748,15 @@ impl Executor {
         for (t, h) in setup {
             match h.wait() {
                 Ok((outcome, mem)) => {
-                    self.current[t] = stored(outcome);
+                    self.slots[t].current = stored(outcome);
                     self.give_back(TensorId(t as u32), mem);
                     self.used -= self.bytes(t);
-                    self.states[t] = State::Offloaded;
+                    self.slots[t].state = State::Offloaded;
                 }
                 // The write failed: the tensor stays (the plan's prefetch of it is a no-op);
                 // the budget check below says whether memory allows it.
                 Err(e) => {
-                    let mem = self.store.take_held(t as u64).ok_or_else(|| Error::InvalidState {
+                    let mem = self.store.take_held(key(t)).ok_or_else(|| Error::InvalidState {
                         tensor: format!("t{t}"),
                         detail: format!(
                             "its first offload failed ({e}) and the store did not hand its memory back"
@@ -727,13 +764,13 @@ impl Executor {
                     })?;
                     self.last_write_error = Some(e.to_string());
                     self.report.failed_offloads += 1;
-                    self.stayed[t] = true;
-                    self.states[t] = State::Resident(mem);
+                    self.slots[t].stayed = true;
+                    self.slots[t].state = State::Resident(mem);
                 }
             }
         }
         if self.used > self.cfg.gpu_budget_bytes {
-            let failed = self.stayed.iter().filter(|&&s| s).count();
+            let failed = self.slots.iter().filter(|s| s.stayed).count();
             return Err(Error::NoSpace(format!(
                 "the resident global tensors need {} bytes, the GPU budget is {}{}",
                 self.used,
@@ -747,8 +784,46 @@ impl Executor {
                 }
             )));
         }
+        self.debug_check_accounting();
         self.phase = Phase::Idle;
         Ok(())
+    }
+
+    /// Debug builds: `used` is the sum of the trace sizes of the tensors that hold budget
+    /// (memory granted, attached or reserved, or a migration in flight). O(tensors): checked
+    /// once per iteration.
+    fn debug_check_accounting(&self) {
+        if cfg!(debug_assertions) {
+            let held: u64 = self
+                .slots
+                .iter()
+                .zip(&self.trace.tensors)
+                .filter(|(s, _)| s.state.holds_budget())
+                .map(|(_, t)| t.bytes)
+                .sum();
+            debug_assert_eq!(self.used, held, "GPU bytes accounted vs the tensors holding them");
+        }
+    }
+
+    /// Debug builds: kernel `k` is about to run under the plan, so its tensors (accessed,
+    /// created, inputs of its recomputations) are resident, and the memory accounted is within
+    /// the budget (or within what the iteration started with, when a gather or a failed write
+    /// left more: allocations wait for the budget, so that only shrinks).
+    fn debug_check_kernel_runs(&self, k: usize) {
+        if cfg!(debug_assertions) && self.safe.is_none() {
+            for &t in self.needs[k].iter().chain(&self.creations[k]) {
+                debug_assert!(
+                    self.slots[t].state.is_resident(),
+                    "kernel {k} runs without tensor {t} resident"
+                );
+            }
+            let limit = self.cfg.gpu_budget_bytes.max(self.used_at_start);
+            debug_assert!(
+                self.used <= limit,
+                "kernel {k} runs with {} GPU bytes accounted, over {limit}",
+                self.used
+            );
+        }
     }
 
     fn begin_iteration(&mut self) {
@@ -759,6 +834,7 @@ impl Executor {
         self.next_instr = 0;
         self.iteration_start = Instant::now();
         self.stats_before = self.store.stats();
+        self.used_at_start = self.used;
         self.report = IterationReport {
             iteration: self.iteration,
             budget_bytes: self.cfg.gpu_budget_bytes,
@@ -829,7 +905,7 @@ impl Executor {
             self.issue(b)?;
             // Recomputed tensors get their memory first (inputs first), then the creations.
             for &t in &self.remakes[b] {
-                if matches!(self.states[t], State::Dropped) {
+                if matches!(self.slots[t].state, State::Dropped) {
                     self.allocs.push_back(Alloc::Remake(t));
                 }
             }
@@ -848,10 +924,10 @@ impl Executor {
             let t = self.drops[b][i];
             // Only a resident tensor is dropped (an evicted one is already off the GPU; its
             // read-back makes it resident for the kernel that needs it).
-            if !matches!(self.states[t], State::Resident(_)) {
+            if !matches!(self.slots[t].state, State::Resident(_)) {
                 continue;
             }
-            let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Dropped)
+            let State::Resident(mem) = std::mem::replace(&mut self.slots[t].state, State::Dropped)
             else {
                 unreachable!("checked above")
             };
@@ -863,8 +939,8 @@ impl Executor {
     /// mode): the allocator runs each producer on the caller's stream.
     fn remake(&mut self, k: usize) -> Result<()> {
         let list: Vec<usize> = if self.safe.is_some() {
-            let mut v: Vec<usize> = (0..self.states.len())
-                .filter(|&t| matches!(self.states[t], State::Remaking(_)))
+            let mut v: Vec<usize> = (0..self.slots.len())
+                .filter(|&t| matches!(self.slots[t].state, State::Remaking(_)))
                 .collect();
             v.sort_by_key(|&t| self.trace.tensors[t].created_by);
             v
@@ -872,12 +948,13 @@ impl Executor {
             self.remakes[k].clone()
         };
         for t in list {
-            if let State::Remaking(mut mem) = std::mem::replace(&mut self.states[t], State::Absent)
+            if let State::Remaking(mut mem) =
+                std::mem::replace(&mut self.slots[t].state, State::Absent)
             {
                 if let Err(e) = self.alloc.recompute(TensorId(t as u32), &mut mem) {
                     return Err(self.recompute_failed(t, mem, e));
                 }
-                self.states[t] = State::Resident(mem);
+                self.slots[t].state = State::Resident(mem);
                 self.report.recomputations += 1;
             }
         }
@@ -924,20 +1001,20 @@ impl Executor {
             let t = ins.tensor.index();
             let priority = if ins.urgent { Priority::Urgent } else { Priority::Normal };
             match ins.op {
-                Op::Offload { dest } => {
+                Move::Offload { dest } => {
                     let clean = ins.is_clean_drop() && self.is_clean_in(t, dest);
-                    if std::mem::take(&mut self.evicted[t])
-                        && !matches!(self.states[t], State::Resident(_) | State::Reserved)
+                    if std::mem::take(&mut self.slots[t].evicted)
+                        && !matches!(self.slots[t].state, State::Resident(_) | State::Reserved)
                     {
                         // The executor moved it out already.
                         continue;
                     }
-                    match std::mem::replace(&mut self.states[t], State::Absent) {
+                    match std::mem::replace(&mut self.slots[t].state, State::Absent) {
                         State::Resident(mem) => {
                             self.offload_or_drop(t, mem, dest, priority, clean)?
                         }
                         State::Reserved => {
-                            self.states[t] = State::Reserved;
+                            self.slots[t].state = State::Reserved;
                             return Err(Error::InvalidState {
                                 tensor: ins.tensor.to_string(),
                                 detail: format!(
@@ -946,33 +1023,34 @@ impl Executor {
                             });
                         }
                         other => {
-                            self.states[t] = other;
+                            self.slots[t].state = other;
                             return Err(Error::InvalidArgument(format!(
                                 "plan offloads tensor {t} at boundary {boundary} while it is not resident"
                             )));
                         }
                     }
                 }
-                Op::Prefetch => {
+                Move::Prefetch => {
                     self.report.prefetches += 1;
-                    match &mut self.states[t] {
+                    let slot = &mut self.slots[t];
+                    match &mut slot.state {
                         State::Offloading { keep, .. } => {
                             *keep = true;
                             self.report.kept_copies += 1;
                         }
                         State::Offloaded => {
-                            self.evicted[t] = false;
-                            self.states[t] = State::QueuedPrefetch;
+                            slot.evicted = false;
+                            slot.state = State::QueuedPrefetch;
                             self.allocs.push_back(Alloc::Prefetch(t, priority));
                         }
                         // Read back on demand already, after an eviction.
                         State::QueuedPrefetch | State::Prefetching(_) | State::Resident(_)
-                            if self.evicted[t] =>
+                            if slot.evicted =>
                         {
-                            self.evicted[t] = false;
+                            slot.evicted = false;
                         }
                         // Its offload failed earlier: it never left.
-                        State::Resident(_) if self.stayed[t] => self.stayed[t] = false,
+                        State::Resident(_) if slot.stayed => slot.stayed = false,
                         _ => {
                             return Err(Error::InvalidArgument(format!(
                                 "plan prefetches tensor {t} at boundary {boundary} while it is not offloaded"
@@ -991,21 +1069,21 @@ impl Executor {
     /// paths).
     fn collect(&mut self, t: usize) -> Result<()> {
         let id = TensorId(t as u32);
-        match std::mem::replace(&mut self.states[t], State::Absent) {
+        match std::mem::replace(&mut self.slots[t].state, State::Absent) {
             State::Offloading { handle, keep } => match handle.wait() {
                 Ok((outcome, mem)) if keep => {
-                    self.host_retried[t] = false;
-                    self.current[t] = stored(outcome);
-                    self.states[t] = State::Resident(mem);
+                    self.slots[t].host_retried = false;
+                    self.slots[t].current = stored(outcome);
+                    self.slots[t].state = State::Resident(mem);
                 }
                 Ok((outcome, mem)) => {
-                    self.host_retried[t] = false;
-                    self.current[t] = stored(outcome);
+                    self.slots[t].host_retried = false;
+                    self.slots[t].current = stored(outcome);
                     self.let_go(t, mem);
                 }
                 Err(e) => {
                     // The write failed: the store holds the memory; the tensor stays.
-                    let Some(mem) = self.store.take_held(t as u64) else {
+                    let Some(mem) = self.store.take_held(key(t)) else {
                         return Err(Error::InvalidState {
                             tensor: id.to_string(),
                             detail: format!(
@@ -1018,12 +1096,12 @@ impl Executor {
             },
             State::Prefetching(h) => match h.wait() {
                 Ok(mem) => {
-                    self.attempts[t] = 0;
-                    self.states[t] = State::Resident(mem);
+                    self.slots[t].attempts = 0;
+                    self.slots[t].state = State::Resident(mem);
                     self.events.push_back(Event::Arrived(id));
                     // Read from the SSD array: that copy is current (a host-tier copy is
                     // not kept).
-                    self.current[t] = self.has_copy(t);
+                    self.slots[t].current = self.has_copy(t);
                 }
                 Err(e) => self.prefetch_failed(t, e)?,
             },
@@ -1042,7 +1120,7 @@ impl Executor {
         let mut flying = std::mem::take(&mut self.flying);
         flying.sort_unstable();
         let (landed, still): (Vec<usize>, Vec<usize>) =
-            flying.into_iter().partition(|&t| match &self.states[t] {
+            flying.into_iter().partition(|&t| match &self.slots[t].state {
                 // An offload whose copy is queued on the device is done when the copy is.
                 State::Offloading { handle, .. } => handle.is_done() && !handle.peek(copy_pending),
                 State::Prefetching(h) => h.is_done(),
@@ -1069,28 +1147,28 @@ impl Executor {
             changed = true;
             let id = TensorId(t as u32);
             if matches!(a, Alloc::Create(_)) {
-                self.current[t] = false;
+                self.slots[t].current = false;
             }
             match a {
                 Alloc::Create(_) if self.cfg.allocate_created => {
                     let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Create)?;
-                    self.states[t] = State::Resident(mem);
+                    self.slots[t].state = State::Resident(mem);
                 }
-                Alloc::Create(_) => self.states[t] = State::Reserved,
+                Alloc::Create(_) => self.slots[t].state = State::Reserved,
                 Alloc::Remake(_) => {
-                    let mem = self.alloc.alloc(id, self.sizes[t], AllocFor::Recompute)?;
-                    self.states[t] = State::Remaking(mem);
+                    let mem = self.alloc.alloc(id, self.slots[t].size, AllocFor::Recompute)?;
+                    self.slots[t].state = State::Remaking(mem);
                 }
                 Alloc::Prefetch(_, priority) => {
-                    let mem = self.alloc.alloc(id, self.sizes[t], AllocFor::Prefetch)?;
+                    let mem = self.alloc.alloc(id, self.slots[t].size, AllocFor::Prefetch)?;
                     let h = match (self.cfg.stream, mem.device().is_some()) {
                         (Some(stream), true) => {
-                            self.store.prefetch_after_stream(t as u64, mem, priority, stream)?
+                            self.store.prefetch_after_stream(key(t), mem, priority, stream)?
                         }
-                        _ => self.store.prefetch(t as u64, mem, priority)?,
+                        _ => self.store.prefetch(key(t), mem, priority)?,
                     };
                     self.flying.push(t);
-                    self.states[t] = State::Prefetching(h);
+                    self.slots[t].state = State::Prefetching(h);
                 }
             }
             self.set_used(self.used + self.bytes(t));
@@ -1101,20 +1179,20 @@ impl Executor {
     fn ready(&self, k: usize) -> bool {
         if self.safe.is_some() {
             return self.allocs.is_empty()
-                && !self.states.iter().any(|s| {
+                && !self.slots.iter().any(|s| {
                     matches!(
-                        s,
+                        s.state,
                         State::Prefetching(_) | State::QueuedPrefetch | State::Offloading { .. }
                     )
                 });
         }
         // A tensor remade before `k` counts once its memory is granted: `remake` runs its
         // producer (after the inputs, remade earlier in the list or resident).
-        let ok = |t: usize| match &self.states[t] {
+        let ok = |t: usize| match &self.slots[t].state {
             State::Remaking(_) => self.remakes[k].contains(&t),
             s => s.is_resident(),
         };
-        self.creations[k].iter().all(|&t| self.states[t].is_resident())
+        self.creations[k].iter().all(|&t| self.slots[t].state.is_resident())
             && self.needs[k].iter().all(|&t| ok(t))
             && self.remakes[k].iter().all(|&t| ok(t))
     }
@@ -1134,9 +1212,9 @@ impl Executor {
         if self.safe.is_none() {
             for i in 0..self.needs[k].len() {
                 let t = self.needs[k][i];
-                if matches!(self.states[t], State::Offloaded) && self.evicted[t] {
+                if matches!(self.slots[t].state, State::Offloaded) && self.slots[t].evicted {
                     self.report.demand_fetches += 1;
-                    self.states[t] = State::QueuedPrefetch;
+                    self.slots[t].state = State::QueuedPrefetch;
                     self.allocs.push_front(Alloc::Prefetch(t, Priority::Urgent));
                 }
             }
@@ -1146,6 +1224,7 @@ impl Executor {
         if ready {
             self.order_caller_stream(k)?;
             self.remake(k)?;
+            self.debug_check_kernel_runs(k);
         }
         if ready && self.safe.is_none() {
             self.next_kernel = k + 1;
@@ -1160,13 +1239,13 @@ impl Executor {
         let Some(stream) = self.cfg.stream else { return Ok(()) };
         let all: Vec<usize>;
         let tensors: &[usize] = if self.safe.is_some() {
-            all = (0..self.states.len()).collect();
+            all = (0..self.slots.len()).collect();
             &all
         } else {
             &self.needs[k]
         };
         for &t in tensors {
-            if let State::Resident(TensorMem::Device(m)) = &mut self.states[t]
+            if let State::Resident(TensorMem::Device(m)) = &mut self.slots[t].state
                 && let Some(f) = m.ready()
             {
                 f.wait_on_stream(stream)?;
@@ -1188,9 +1267,9 @@ impl Executor {
                 // A stream-ordered allocator takes memory back with its copies still queued:
                 // then the copies to the host tier are queued on the device, no worker waits.
                 let on_device = self.alloc.stream_ordered();
-                self.store.offload_keep_after_stream(t as u64, mem, opts, stream, on_device)
+                self.store.offload_keep_after_stream(key(t), mem, opts, stream, on_device)
             }
-            _ => self.store.offload_keep(t as u64, mem, opts),
+            _ => self.store.offload_keep(key(t), mem, opts),
         }
     }
 
@@ -1209,7 +1288,7 @@ impl Executor {
                     .iter()
                     .chain(&self.creations[k])
                     .copied()
-                    .filter(|&t| !self.states[t].is_resident())
+                    .filter(|&t| !self.slots[t].state.is_resident())
                     .collect();
                 return Err(Error::InvalidState {
                     tensor: format!("{waiting:?}"),
@@ -1254,13 +1333,13 @@ impl Executor {
 
     /// Whether tensor `t` can leave the GPU without a write, its current copy being in `tier`.
     fn is_clean_in(&self, t: usize, tier: Tier) -> bool {
-        self.current[t] && self.store.has_current_copy_in(t as u64, destination(tier))
+        self.slots[t].current && self.store.has_current_copy_in(key(t), destination(tier))
     }
 
     /// Tensor `t`'s copy is stored: its memory goes back to the allocator and it is offloaded.
     fn let_go(&mut self, t: usize, mem: TensorMem) {
         self.hand_back(t, mem);
-        self.states[t] = State::Offloaded;
+        self.slots[t].state = State::Offloaded;
     }
 
     /// Memory goes back to the allocator once no engine copy uses it any more: device memory
@@ -1311,7 +1390,7 @@ impl Executor {
             if self.used - freed + need <= self.cfg.gpu_budget_bytes {
                 break;
             }
-            if !matches!(&self.states[t], State::Offloading { handle, keep: false } if handle.is_done())
+            if !matches!(&self.slots[t].state, State::Offloading { handle, keep: false } if handle.is_done())
             {
                 continue;
             }
@@ -1353,15 +1432,15 @@ impl Executor {
         let handle = self.offload_keep(t, mem, opts)?;
         self.flying.push(t);
         self.report.offloads += 1;
-        self.states[t] = State::Offloading { handle, keep: false };
+        self.slots[t].state = State::Offloading { handle, keep: false };
         Ok(())
     }
 
     /// Whether the store holds a current copy of `t` (SSD, or a host-tier copy a retaining
     /// store keeps after a prefetch).
     fn has_copy(&self, t: usize) -> bool {
-        self.store.has_current_copy_in(t as u64, Destination::Ssd)
-            || self.store.has_current_copy_in(t as u64, Destination::Host)
+        self.store.has_current_copy_in(key(t), Destination::Ssd)
+            || self.store.has_current_copy_in(key(t), Destination::Host)
     }
 
     /// Nothing in flight will free the memory the first waiting allocation needs: move out the
@@ -1377,11 +1456,12 @@ impl Executor {
     /// offloaded urgently to `destination` (the tensor comes back on demand before its next
     /// use). Returns whether an offload started.
     fn evict_tensor(&mut self, t: usize, destination: Destination) -> Result<bool> {
-        let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
+        let State::Resident(mem) = std::mem::replace(&mut self.slots[t].state, State::Absent)
+        else {
             unreachable!("an evicted tensor is resident")
         };
         self.report.evictions += 1;
-        self.evicted[t] = true;
+        self.slots[t].evicted = true;
         if self.is_clean(t) {
             self.let_go(t, mem);
             return Ok(false);
@@ -1389,7 +1469,7 @@ impl Executor {
         let opts = OffloadOptions { destination, priority: Priority::Urgent, name: None };
         let handle = self.offload_keep(t, mem, opts)?;
         self.flying.push(t);
-        self.states[t] = State::Offloading { handle, keep: false };
+        self.slots[t].state = State::Offloading { handle, keep: false };
         Ok(true)
     }
 
@@ -1432,7 +1512,7 @@ impl Executor {
     /// stored the tensor (a failed one keeps it, as a poll then says).
     fn settle_offload(&mut self, t: usize) -> bool {
         let State::Offloading { handle, keep } =
-            std::mem::replace(&mut self.states[t], State::Absent)
+            std::mem::replace(&mut self.slots[t].state, State::Absent)
         else {
             unreachable!("an offload is settled while it is in flight")
         };
@@ -1441,7 +1521,7 @@ impl Executor {
             self.settle(mem);
         }
         let stored = r.is_ok();
-        self.states[t] = State::Offloading { handle: Handle::ready(r), keep };
+        self.slots[t].state = State::Offloading { handle: Handle::ready(r), keep };
         stored
     }
 
@@ -1457,9 +1537,11 @@ impl Executor {
                 None => acc.first().map_or(n, |&a| a + n - k),
             }
         };
-        (0..self.states.len())
+        (0..self.slots.len())
             .filter(|&t| {
-                matches!(self.states[t], State::Resident(_)) && !needed(t) && !self.stayed[t]
+                matches!(self.slots[t].state, State::Resident(_))
+                    && !needed(t)
+                    && !self.slots[t].stayed
             })
             .max_by_key(|&t| next_use(t))
     }
@@ -1494,7 +1576,7 @@ impl Executor {
         self.after_next = k + 1;
         for &t in &self.accesses[k] {
             if self.trace.tensors[t].writes_at(k) {
-                self.current[t] = false;
+                self.slots[t].current = false;
             }
         }
         for i in 0..self.deaths[k].len() {
@@ -1506,7 +1588,7 @@ impl Executor {
 
     fn release(&mut self, t: usize) -> Result<()> {
         let id = TensorId(t as u32);
-        match std::mem::replace(&mut self.states[t], State::Absent) {
+        match std::mem::replace(&mut self.slots[t].state, State::Absent) {
             State::Resident(mem) => self.hand_back(t, mem),
             State::Reserved => self.set_used(self.used - self.bytes(t)),
             State::Remaking(mem) => {
@@ -1536,7 +1618,7 @@ impl Executor {
                 self.set_used(self.used - self.bytes(t));
             }
         }
-        self.evicted[t] = false;
+        self.slots[t].evicted = false;
         if !self.trace.tensors[t].global {
             self.free_copy(t);
         }
@@ -1584,6 +1666,7 @@ impl Executor {
             self.issue(n)?;
         }
         self.poll()?;
+        self.debug_check_accounting();
         Ok(self.finish_iteration())
     }
 
@@ -1617,14 +1700,14 @@ impl Executor {
         for h in std::mem::take(&mut self.frees) {
             h.wait()?;
         }
-        for t in 0..self.states.len() {
+        for t in 0..self.slots.len() {
             if let State::Resident(mem) | State::Remaking(mem) =
-                std::mem::replace(&mut self.states[t], State::Absent)
+                std::mem::replace(&mut self.slots[t].state, State::Absent)
             {
                 self.give_back(TensorId(t as u32), mem);
             }
-            if self.store.info(t as u64).is_some()
-                && let Ok(h) = self.store.free(t as u64)
+            if self.store.info(key(t)).is_some()
+                && let Ok(h) = self.store.free(key(t))
             {
                 h.wait()?;
             }
@@ -1639,27 +1722,4 @@ fn copy_pending(r: Option<&Result<(OffloadOutcome, TensorMem)>>) -> bool {
         Some(Ok((_, TensorMem::Device(d)))) => d.ready().is_some_and(|f| !f.is_done()),
         _ => false,
     }
-}
-
-/// The difference of two snapshots of store statistics.
-pub fn diff_stats(before: &StoreStats, after: &StoreStats) -> StoreStats {
-    let d = |a: &crate::migrate::DirectionStats, b: &crate::migrate::DirectionStats| {
-        let mut x = b.clone();
-        x.ops -= a.ops;
-        x.bytes -= a.bytes;
-        x.errors -= a.errors;
-        x.op_time_ns -= a.op_time_ns;
-        x.busy_ns -= a.busy_ns;
-        x
-    };
-    let mut s = after.clone();
-    s.ssd_write = d(&before.ssd_write, &after.ssd_write);
-    s.ssd_read = d(&before.ssd_read, &after.ssd_read);
-    s.host_write = d(&before.host_write, &after.host_write);
-    s.host_read = d(&before.host_read, &after.host_read);
-    s.chunks_verified -= before.chunks_verified;
-    s.offloads_cancelled -= before.offloads_cancelled;
-    s.host_fallbacks -= before.host_fallbacks;
-    s.host_writes_queued -= before.host_writes_queued;
-    s
 }

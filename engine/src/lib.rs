@@ -12,8 +12,11 @@
 //!   emulation for tests) with the traits the GPU data paths need.
 //! - `cuda` (feature `cuda`, on by default; libraries loaded at run time): the CUDA tier, the
 //!   GPU crc32c kernel and GPUDirect Storage (cuFile).
-//! - [`store`]: the tensor store (location table, checksums, persistent metadata).
-//! - [`migrate`]: the asynchronous migration engine executing offloads and prefetches.
+//! - [`store`]: the tensor store (location table, checksums, persistent metadata) and its
+//!   migration engine (the worker threads that run each tensor's queued requests:
+//!   `store::Inner::run_one`).
+//! - [`queue`]: what the store's workers are fed by and hand back: priorities, the priority
+//!   queues, the in-flight byte budget, completion [`queue::Handle`]s, statistics types.
 //! - [`executor`]: executes a scheduler plan for a trainer that drives it (any front end).
 //! - [`optim`]: host-side optimizer steps (AdamW, Adam, SGD) over float32 buffers, with
 //!   PyTorch's semantics, SIMD and multi-threaded.
@@ -30,11 +33,11 @@ mod engine;
 mod error;
 pub mod executor;
 pub mod gpucrc;
-pub mod migrate;
 pub mod notice;
 pub mod optim;
 pub mod pool;
 pub mod probe;
+pub mod queue;
 pub mod replay;
 pub mod store;
 pub mod tier;

@@ -20,7 +20,7 @@ use serde::Serialize;
 use teraio_scheduler::{Plan, TensorId, Trace};
 
 use crate::executor::{AllocFor, Event, Executor, ExecutorConfig, LostTensor, TensorAllocator};
-use crate::migrate::StoreStats;
+use crate::store::StoreStats;
 use crate::store::TensorStore;
 use crate::tier::{MemoryTier, TensorMem};
 use crate::{Error, Result};

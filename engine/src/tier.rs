@@ -10,13 +10,15 @@
 //! Storage.
 
 pub(crate) mod device;
+mod host_device;
 
 use std::sync::Arc;
 
 pub use device::{
     CopyQueue, CopyWay, DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage,
-    HostDevice, HostDeviceTier, RuntimePinner,
+    RuntimePinner,
 };
+pub use host_device::{HostDevice, HostDeviceTier};
 
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
 use crate::{Error, Result};

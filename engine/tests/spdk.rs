@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, ExistingData, Target};
 use teraio_engine::backend::spdk;
-use teraio_engine::store::OffloadOptions;
+use teraio_engine::store::{OffloadOptions, TensorKey};
 use teraio_engine::units::ByteSize;
 use teraio_engine::{BackendName, Engine, EngineConfig, Error};
 
@@ -142,12 +142,12 @@ fn a_persistent_engine_on_spdk_reopens_with_its_tensors() {
     uring.backend = BackendName::Uring;
     {
         let engine = Engine::open(uring).unwrap();
-        let id = engine.store().lookup("layer0.w").expect("found by name (uring)");
+        let id = engine.store().lookup::<TensorKey>("layer0.w").expect("found by name (uring)");
         let back = engine.store().prefetch_sync(id, engine.alloc_host(3 << 20).unwrap()).unwrap();
         assert!(back.host().unwrap().iter().all(|&b| b == 0x5a));
     }
     let engine = Engine::open(cfg).unwrap();
-    let id = engine.store().lookup("layer0.w").expect("found by name after reopen");
+    let id = engine.store().lookup::<TensorKey>("layer0.w").expect("found by name after reopen");
     let back = engine.store().prefetch_sync(id, engine.alloc_host(3 << 20).unwrap()).unwrap();
     assert!(back.host().unwrap().iter().all(|&b| b == 0x5a));
 }
@@ -244,7 +244,7 @@ fn a_persistent_store_on_spdk_keeps_every_acknowledged_tensor_when_killed() {
         let engine = Engine::open(crash_config(dir.path()))
             .unwrap_or_else(|e| panic!("round {round}: reopening after the kill failed: {e}"));
         for (&id, &v) in &acked {
-            let found = engine.store().lookup(&format!("t{id}"));
+            let found = engine.store().lookup::<TensorKey>(&format!("t{id}"));
             let id2 = found.unwrap_or_else(|| panic!("round {round}: t{id} (version {v}) lost"));
             let len = engine.store().info(id2).unwrap().size_bytes;
             let back = engine.store().prefetch_sync(id2, engine.alloc_host(len).unwrap()).unwrap();

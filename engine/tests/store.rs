@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use store_common::*;
 use teraio_engine::Error;
 use teraio_engine::backend::sim::{SimFault, SimOp};
-use teraio_engine::migrate::Priority;
+use teraio_engine::queue::Priority;
 use teraio_engine::store::{
     Destination, Location, OffloadOptions, OffloadOutcome, StoreConfig, TensorStore,
 };
@@ -393,7 +393,7 @@ fn run_model(ops: Vec<ModelOp>, persistent: bool) {
     }
     let s = store.unwrap();
     s.drain();
-    let mut ids: Vec<_> = s.tensors().iter().map(|t| t.id).collect();
+    let mut ids: Vec<_> = s.tensors().iter().map(|t| t.id.get()).collect();
     ids.sort_unstable();
     // After a reopen only tensors with content survive.
     let mut want: Vec<_> =

@@ -120,7 +120,7 @@ fn verify(disks: &[Arc<SimDisk>], before: &State, after: &State, what: &str) {
     }
     for t in store.tensors() {
         assert!(
-            before.contains_key(&t.id) || after.contains_key(&t.id),
+            before.contains_key(&t.id.get()) || after.contains_key(&t.id.get()),
             "{what}: unknown tensor {} appeared",
             t.id
         );

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use teraio_engine::array::{ArrayConfig, BackendKind, DeviceArray, Target};
-use teraio_engine::migrate::Priority;
 use teraio_engine::pool::{BufferPool, PoolConfig};
+use teraio_engine::queue::Priority;
 use teraio_engine::store::{OffloadOptions, StoreConfig, TensorStore};
 use teraio_engine::tier::TensorMem;
 

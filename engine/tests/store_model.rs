@@ -37,8 +37,8 @@ use store_common::{MIB, bytes_of, host_zeroed, pool};
 use teraio_engine::Error;
 use teraio_engine::array::{ArrayConfig, DeviceArray, ExistingData, Target};
 use teraio_engine::backend::sim::{SimDisk, SimFault, SimOp};
-use teraio_engine::migrate::{Handle, Priority};
 use teraio_engine::pool::BufferPool;
+use teraio_engine::queue::{Handle, Priority};
 use teraio_engine::store::{
     Destination, Location, OffloadOptions, OffloadOutcome, StoreConfig, TensorStore,
 };

@@ -43,7 +43,7 @@ pub use bound::{Bound, BoundWindow, lower_bound, lower_bound_for, lower_bound_wi
 pub use error::{Error, Result};
 pub use hardware::{Hardware, Resource, Tier};
 pub use model::{Dtype, Gpu, ModelConfig, generate};
-pub use plan::{HostKernel, InitialPlacement, Instruction, Op, Plan, PlanStats, Recompute};
+pub use plan::{HostKernel, InitialPlacement, Instruction, Move, Plan, PlanStats, Recompute};
 pub use planner::{Checked, PlanOptions, Policy, plan, plan_checked, plan_with};
 pub use sim::{Outcome, SimOptions, SimReport, simulate};
 pub use trace::{

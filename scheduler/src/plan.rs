@@ -88,10 +88,12 @@ use crate::hardware::Tier;
 use crate::trace::{TensorId, Trace};
 use crate::{Error, Result};
 
-/// What an instruction does.
+/// What a plan instruction moves: a tensor out of GPU memory (offload, or a clean drop) or
+/// back in (prefetch). (The store's queued requests and the bindings' pending operations are
+/// other things: `engine::store`, `bindings/core`'s `Op`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
-pub enum Op {
+pub enum Move {
     /// Copy the tensor to `dest` and release its GPU memory once the copy is durable; with
     /// [`Instruction::clean`], release it without copying (a clean drop, see the module
     /// documentation).
@@ -113,7 +115,7 @@ pub struct Instruction {
     pub tensor: TensorId,
     /// Offload or prefetch.
     #[serde(flatten)]
-    pub op: Op,
+    pub op: Move,
     /// Must finish before the next kernel can run: executed ahead of non-urgent migrations.
     pub urgent: bool,
     /// Only on an offload to the SSD: a *clean drop*. The tensor's SSD copy is still valid
@@ -134,7 +136,7 @@ impl Instruction {
         Instruction {
             issue_before_kernel: at,
             tensor,
-            op: Op::Offload { dest },
+            op: Move::Offload { dest },
             urgent,
             clean: false,
         }
@@ -146,7 +148,7 @@ impl Instruction {
         Instruction {
             issue_before_kernel: at,
             tensor,
-            op: Op::Offload { dest: Tier::Ssd },
+            op: Move::Offload { dest: Tier::Ssd },
             urgent: false,
             clean: true,
         }
@@ -154,12 +156,12 @@ impl Instruction {
 
     /// A prefetch of `tensor` at boundary `at`.
     pub fn prefetch(at: usize, tensor: TensorId, urgent: bool) -> Self {
-        Instruction { issue_before_kernel: at, tensor, op: Op::Prefetch, urgent, clean: false }
+        Instruction { issue_before_kernel: at, tensor, op: Move::Prefetch, urgent, clean: false }
     }
 
     /// Whether this is a clean drop (an offload that writes nothing).
     pub fn is_clean_drop(&self) -> bool {
-        self.clean && matches!(self.op, Op::Offload { .. })
+        self.clean && matches!(self.op, Move::Offload { .. })
     }
 }
 
@@ -388,7 +390,7 @@ impl Plan {
             if ins.tensor.index() >= trace.tensors.len() {
                 return Err(Error::plan(path, format!("no tensor {}", ins.tensor)));
             }
-            if ins.clean && ins.op != (Op::Offload { dest: Tier::Ssd }) {
+            if ins.clean && ins.op != (Move::Offload { dest: Tier::Ssd }) {
                 return Err(Error::plan(
                     format!("{path}.clean"),
                     "only an offload to the ssd can be a clean drop (host copies do not \
@@ -672,7 +674,7 @@ impl TensorWalk<'_> {
                 ));
             }
             match ins.op {
-                Op::Offload { dest } => {
+                Move::Offload { dest } => {
                     if state.is_some() {
                         return Err(Error::plan(path, format!("{tid} offloaded twice")));
                     }
@@ -720,7 +722,7 @@ impl TensorWalk<'_> {
                     }
                     state = Some(dest);
                 }
-                Op::Prefetch => {
+                Move::Prefetch => {
                     if state.is_none() {
                         return Err(Error::plan(path, format!("{tid} prefetched while resident")));
                     }

@@ -39,7 +39,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::hardware::{Hardware, Resource, Tier};
-use crate::plan::{HostKernel, Op, Plan};
+use crate::plan::{HostKernel, Move, Plan};
 use crate::trace::{TensorId, Trace};
 use crate::{Error, Result};
 
@@ -470,14 +470,14 @@ impl<'a> Sim<'a> {
             let bytes = self.trace.tensor(ins.tensor).bytes;
             match (ins.op, self.state[ti]) {
                 // A clean drop: the SSD copy is valid, release the memory without writing.
-                (Op::Offload { dest }, TState::Resident) if ins.clean => {
+                (Move::Offload { dest }, TState::Resident) if ins.clean => {
                     self.state[ti] = TState::Offloaded(dest);
                     self.set_used(self.used - bytes);
                     if self.measuring {
                         self.clean_drops += 1;
                     }
                 }
-                (Op::Offload { dest }, TState::Resident) => {
+                (Move::Offload { dest }, TState::Resident) => {
                     self.state[ti] = TState::Offloading { dest, keep: false };
                     if dest == Tier::Host {
                         self.set_host(self.host_used + bytes);
@@ -491,10 +491,10 @@ impl<'a> Sim<'a> {
                     }
                     self.start_transfer(ins.tensor, Some(dest), dest, ins.urgent);
                 }
-                (Op::Prefetch, TState::Offloading { dest, .. }) => {
+                (Move::Prefetch, TState::Offloading { dest, .. }) => {
                     self.state[ti] = TState::Offloading { dest, keep: true };
                 }
-                (Op::Prefetch, TState::Offloaded(src)) => {
+                (Move::Prefetch, TState::Offloaded(src)) => {
                     self.state[ti] = TState::Queued(src);
                     self.queue.push_back(Alloc::Prefetch(ins.tensor));
                     // Urgency travels with the tensor through the queue.

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use teraio_scheduler::{
-    Hardware, Kernel, ModelConfig, Op, Outcome, Plan, Policy, SimOptions, Tensor, TensorId,
+    Hardware, Kernel, ModelConfig, Move, Outcome, Plan, Policy, SimOptions, Tensor, TensorId,
     TensorKind, Tier, Trace, generate, plan, simulate,
 };
 
@@ -22,7 +22,7 @@ fn check_plan(trace: &Trace, p: &Plan) {
         for k in 0..=n {
             while let Some(i) = ins.next_if(|i| i.issue_before_kernel == k) {
                 match i.op {
-                    Op::Offload { .. } => {
+                    Move::Offload { .. } => {
                         assert!(!offloaded, "{} offloaded twice", t.id);
                         assert!(
                             !t.accesses.contains(&k) || on_host(k),
@@ -31,7 +31,7 @@ fn check_plan(trace: &Trace, p: &Plan) {
                         );
                         offloaded = true;
                     }
-                    Op::Prefetch => {
+                    Move::Prefetch => {
                         assert!(offloaded, "{} prefetched before any offload", t.id);
                         offloaded = false;
                     }
@@ -66,8 +66,8 @@ fn check_drops(trace: &Trace, p: &Plan) {
         for k in 0..=n {
             while let Some(i) = ins.next_if(|i| i.issue_before_kernel == k) {
                 evs.push(match i.op {
-                    Op::Offload { dest } => Ev::Off(dest, i.clean),
-                    Op::Prefetch => Ev::Pre,
+                    Move::Offload { dest } => Ev::Off(dest, i.clean),
+                    Move::Prefetch => Ev::Pre,
                 });
             }
             if k < n && t.accesses.contains(&k) {
@@ -393,7 +393,7 @@ fn plan_json_round_trip_and_rejects_bad_plans() {
     assert_eq!(back, p);
     // Drop the first prefetch: the tensor is then accessed while offloaded.
     let mut bad = p.clone();
-    let i = bad.instructions.iter().position(|i| i.op == Op::Prefetch).unwrap();
+    let i = bad.instructions.iter().position(|i| i.op == Move::Prefetch).unwrap();
     bad.instructions.remove(i);
     let e = bad.validate(&trace).unwrap_err().to_string();
     assert!(e.contains("invalid plan"), "{e}");

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use teraio_scheduler::{
-    Hardware, HostKernel, InitialPlacement, Instruction, Kernel, ModelConfig, Op, Outcome, Plan,
+    Hardware, HostKernel, InitialPlacement, Instruction, Kernel, ModelConfig, Move, Outcome, Plan,
     Policy, Resource, SimOptions, Tensor, TensorId, TensorKind, Tier, Trace, generate, plan,
     simulate,
 };
@@ -54,7 +54,7 @@ fn one_ssd(duplex: Option<f64>) -> Hardware {
     }
 }
 
-fn ins(at: usize, t: u32, op: Op, urgent: bool) -> Instruction {
+fn ins(at: usize, t: u32, op: Move, urgent: bool) -> Instruction {
     Instruction { issue_before_kernel: at, tensor: TensorId(t), op, urgent, clean: false }
 }
 
@@ -66,7 +66,7 @@ fn overlap_case(urgent_prefetch: bool) -> (Trace, Plan) {
     t.kernels = kernels(&[1000.0, 1.0, 1000.0, 1.0]);
     t.tensors.push(weight(0, GB, TensorKind::Weight, vec![0]));
     t.tensors.push(weight(1, GB, TensorKind::Weight, vec![2]));
-    let ssd = Op::Offload { dest: Tier::Ssd };
+    let ssd = Move::Offload { dest: Tier::Ssd };
     let p = Plan {
         policy: "hand".into(),
         kernel_count: 4,
@@ -75,9 +75,9 @@ fn overlap_case(urgent_prefetch: bool) -> (Trace, Plan) {
         initially_offloaded: vec![InitialPlacement { tensor: TensorId(1), tier: Tier::Ssd }],
         instructions: vec![
             ins(1, 0, ssd, false),
-            ins(1, 1, Op::Prefetch, urgent_prefetch),
+            ins(1, 1, Move::Prefetch, urgent_prefetch),
             ins(3, 1, ssd, false),
-            ins(3, 0, Op::Prefetch, false),
+            ins(3, 0, Move::Prefetch, false),
         ],
         host_kernels: Vec::new(),
         recomputations: Vec::new(),
@@ -200,8 +200,8 @@ fn host_case() -> (Trace, Plan) {
         unlimited_memory: false,
         initially_offloaded: vec![InitialPlacement { tensor: TensorId(1), tier: Tier::Ssd }],
         instructions: vec![
-            ins(1, 0, Op::Offload { dest: Tier::Ssd }, false),
-            ins(2, 0, Op::Prefetch, false),
+            ins(1, 0, Move::Offload { dest: Tier::Ssd }, false),
+            ins(2, 0, Move::Prefetch, false),
         ],
         host_kernels: vec![HostKernel {
             kernel: 1,
@@ -410,7 +410,7 @@ fn dirty_drops_are_rejected() {
     // Only offloads to the SSD can be drops.
     let (t, _) = drop_case();
     let mut host = p.clone();
-    host.instructions[0].op = Op::Offload { dest: Tier::Host };
+    host.instructions[0].op = Move::Offload { dest: Tier::Host };
     host.instructions[0].clean = true;
     let e = host.validate(&t).unwrap_err().to_string();
     assert!(e.contains("instructions[0].clean") && e.contains("ssd"), "{e}");
@@ -433,10 +433,10 @@ fn drop_of_an_unused_prefetch_is_rejected() {
         unlimited_memory: false,
         initially_offloaded: Vec::new(),
         instructions: vec![
-            ins(1, 0, Op::Offload { dest: Tier::Ssd }, false),
-            ins(2, 0, Op::Prefetch, false),
+            ins(1, 0, Move::Offload { dest: Tier::Ssd }, false),
+            ins(2, 0, Move::Prefetch, false),
             Instruction::drop_clean(3, TensorId(0)),
-            ins(3, 0, Op::Prefetch, false),
+            ins(3, 0, Move::Prefetch, false),
         ],
         host_kernels: Vec::new(),
         recomputations: Vec::new(),
@@ -462,7 +462,7 @@ fn zero_infinity_drops_its_parameters() {
     let p = plan(&t, &hw, Policy::ZeroInfinity).unwrap();
     let mut on_ssd = HashMap::new();
     for i in &p.instructions {
-        let Op::Offload { dest } = i.op else { continue };
+        let Move::Offload { dest } = i.op else { continue };
         let x = t.tensor(i.tensor);
         match x.kind {
             TensorKind::Weight if dest == Tier::Ssd => {
@@ -491,7 +491,7 @@ fn zero_infinity_drops_its_parameters() {
         let prefetches = p
             .instructions
             .iter()
-            .filter(|i| i.tensor == id && matches!(i.op, Op::Prefetch))
+            .filter(|i| i.tensor == id && matches!(i.op, Move::Prefetch))
             .count();
         assert_eq!(prefetches, reads, "{}", x.name);
     }

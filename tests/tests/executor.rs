@@ -16,7 +16,7 @@ use teraio_engine::store::TensorStore;
 use teraio_engine::tier::{HostDeviceTier, HostTier, MemoryTier, TensorMem};
 use teraio_engine::{Error, Result};
 use teraio_scheduler::{
-    Hardware, Kernel, Op, Outcome, Plan, PlanOptions, Policy, SimOptions, Tensor, TensorId,
+    Hardware, Kernel, Move, Outcome, Plan, PlanOptions, Policy, SimOptions, Tensor, TensorId,
     TensorKind, Tier, Trace, plan, plan_with, simulate,
 };
 use teraio_tests::{sim_store, small_gpt};
@@ -384,8 +384,8 @@ fn check_nothing_away(ex: &Executor, trace: &Trace, k: usize, seen: &mut Seen) {
 }
 
 fn plan_counts(p: &Plan) -> (u64, u64) {
-    let offloads = p.instructions.iter().filter(|i| matches!(i.op, Op::Offload { .. })).count();
-    let prefetches = p.instructions.iter().filter(|i| matches!(i.op, Op::Prefetch)).count();
+    let offloads = p.instructions.iter().filter(|i| matches!(i.op, Move::Offload { .. })).count();
+    let prefetches = p.instructions.iter().filter(|i| matches!(i.op, Move::Prefetch)).count();
     (offloads as u64, prefetches as u64)
 }
 
@@ -1086,7 +1086,7 @@ fn offloads_queued_on_the_device_hand_memory_back_ordered_after_their_copies() {
     let to_host = p
         .instructions
         .iter()
-        .filter(|i| i.op == Op::Offload { dest: Tier::Host } && !i.clean)
+        .filter(|i| i.op == Move::Offload { dest: Tier::Host } && !i.clean)
         .count();
     assert!(to_host > 2, "the plan offloads to the host tier");
     for ordered in [true, false] {

@@ -427,7 +427,7 @@ fn ssd_use_per_iteration(r: &Rig, iterations: usize) -> Vec<(u64, Vec<u64>)> {
             ex.poll().unwrap();
         }
         r.store.drain();
-        let ids = r.store.tensors().into_iter().map(|t| t.id).collect();
+        let ids = r.store.tensors().into_iter().map(|t| t.id.get()).collect();
         out.push((r.store.space().total.used_bytes, ids));
     }
     ex.finish().unwrap();

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::teraio_engine::Engine;
-use ::teraio_engine::migrate::Priority;
+use ::teraio_engine::queue::Priority;
 use ::teraio_engine::store::{Destination, OffloadOptions, OffloadOutcome};
 use parking_lot::{Mutex, RwLock};
 use teraio_bindings_core::{self as core, ConfigSource, Error, HostBuffer, Op, Outcome, Status};
@@ -526,7 +526,7 @@ pub unsafe extern "C" fn teraio_lookup(
         let name = unsafe { arg_str(name, "name") }?;
         need(out_id, "out_id")?;
         let id = with_engine(engine, |e| {
-            e.store().lookup(name).ok_or_else(|| {
+            e.store().lookup::<u64>(name).ok_or_else(|| {
                 ::teraio_engine::Error::UnknownTensor(format!("named {name:?}")).into()
             })
         })?;

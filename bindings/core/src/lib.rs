@@ -25,7 +25,7 @@ pub mod sched;
 use std::path::Path;
 
 use serde_json::Value;
-use teraio_engine::migrate::Priority;
+use teraio_engine::queue::Priority;
 use teraio_engine::store::{Destination, Location, TensorInfo};
 use teraio_engine::{Engine, EngineConfig};
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use teraio_engine::Engine;
-use teraio_engine::migrate::{Handle, Priority};
+use teraio_engine::queue::{Handle, Priority};
 use teraio_engine::store::{OffloadOptions, OffloadOutcome};
 use teraio_engine::tier::TensorMem;
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use teraio_engine::migrate::{Handle, Priority};
+use teraio_engine::queue::{Handle, Priority};
 use teraio_engine::store::{OffloadOptions, OffloadOutcome};
 use teraio_engine::tier::TensorMem;
 use teraio_engine::units::ByteSize;

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use teraio_scheduler::{Op, PlanOptions, Policy, Resource, lower_bound_for, plan_checked};
+use teraio_scheduler::{Move, PlanOptions, Policy, Resource, lower_bound_for, plan_checked};
 
 use crate::cmd::hw_args::{HwArgs, explain};
 use crate::output::outln;
@@ -98,7 +98,7 @@ pub fn run(args: Args) -> Result<()> {
         outln!("{text}");
         return Ok(());
     }
-    let offloads = p.instructions.iter().filter(|i| matches!(i.op, Op::Offload { .. })).count();
+    let offloads = p.instructions.iter().filter(|i| matches!(i.op, Move::Offload { .. })).count();
     let drops = p.instructions.iter().filter(|i| i.is_clean_drop()).count();
     let urgent = p.instructions.iter().filter(|i| i.urgent).count();
     outln!(

@@ -9,12 +9,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use teraio_engine::Engine;
 use teraio_engine::backend::sim::{SimDisk, SimFault};
-use teraio_engine::migrate::Priority;
 use teraio_engine::pool::BufferPool;
+use teraio_engine::queue::Priority;
 use teraio_engine::replay::{
     BandwidthWatch, IterationSummary, ReplayConfig, ReplayReport, replay_adaptive,
 };
-use teraio_engine::store::OffloadOptions;
+use teraio_engine::store::{GpuPathInfo, OffloadOptions};
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::units::ByteSize;
 use teraio_scheduler::{
@@ -294,15 +294,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.iterations == 0 {
         return Err(CliError::Usage("--iterations must be at least 1".into()));
     }
-    let mut trace = load_trace(&args)?;
-    if args.time_scale != 1.0 {
-        trace.scale_durations(args.time_scale)?;
-    }
-    // The emulated trainer cannot run producers (the executor's allocator here cannot
-    // recompute): plans here move tensors only.
-    for t in &mut trace.tensors {
-        t.producer = None;
-    }
+    let trace = prepare_trace(&args)?;
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap_or(0);
     let capacity = args.gpu_memory.unwrap_or(peak * 6 / 10);
     let policy: Policy = args.policy.parse()?;
@@ -320,40 +312,7 @@ pub fn run(args: Args) -> Result<()> {
         gb(capacity as f64)
     ));
 
-    let mut ecfg = args.array.engine_config()?;
-    let sim_disks: Vec<std::sync::Arc<SimDisk>> = if args.sim {
-        let disks: Vec<_> = (0..ecfg.files.max(1))
-            .map(|i| SimDisk::new(ecfg.file_size_bytes.0, 4096, u64::from(i)))
-            .collect();
-        if args.sim_bandwidth > 0 {
-            for d in &disks {
-                d.inject(SimFault::Throughput { bytes_per_s: args.sim_bandwidth });
-            }
-        }
-        ecfg.sim_disks = disks.clone();
-        disks
-    } else {
-        Vec::new()
-    };
-    let mut injector = Injector::new(sim_disks, args.sim_bandwidth, &args.faults)?;
-    ecfg.host_tier_bytes = ByteSize(args.host_memory);
-    ecfg.checksums = !args.no_verify;
-    // Copies stay valid after a prefetch, so the plan's clean drops write nothing.
-    ecfg.retain_on_prefetch = true;
-    // The probe's buffers: two sets of probe tensors in flight at once.
-    let probe_buffers = (2 * probe_tensors(args.probe_size) + 2) * PROBE_TENSOR_BYTES;
-    ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers + (256 << 20)));
-    // Every tensor keeps its own buffer between uses (see `engine::replay`): the tier holds
-    // them all; the cap the plan runs under is the runtime's exact-byte accounting.
-    let backing: u64 =
-        trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
-    if let Some(n) = args.gpu {
-        ecfg.gpu.device = Some(n);
-        ecfg.gpu.path = args.gpu_path.into();
-        ecfg.gpu.emulated = args.gpu_emulated;
-        ecfg.gpu.budget_bytes = ByteSize(backing.max(probe_buffers) + (512 << 20));
-    }
-    let engine = Engine::open(ecfg)?;
+    let (engine, mut injector, backing) = open_engine(&args, &trace)?;
     let gpu_what = match engine.gpu_description() {
         Some(d) => {
             let info = engine.gpu_path()?;
@@ -366,7 +325,6 @@ pub fn run(args: Args) -> Result<()> {
             None
         }
     };
-    let array = engine.array().clone();
     let array_what = engine.describe();
     check_room(
         "measuring it",
@@ -376,7 +334,6 @@ pub fn run(args: Args) -> Result<()> {
     )?;
     say(format!("array: {array_what}; measuring it with {} ...", gb(args.probe_size as f64)));
     let m = measure(&engine, args.probe_size)?;
-    let (write_bw, read_bw) = (m.write, m.read);
     say(format!(
         "array: write {}, read {}, both at once {} in total",
         gbps(m.write),
@@ -384,43 +341,7 @@ pub fn run(args: Args) -> Result<()> {
         gbps(m.mixed)
     ));
 
-    let n = f64::from(array.device_count());
-    let mut hw = Hardware::dev();
-    hw.gpu_memory_bytes = capacity;
-    hw.ssd_count = array.device_count();
-    hw.ssd_write_bytes_per_s = write_bw / n;
-    hw.ssd_read_bytes_per_s = read_bw / n;
-    // The emulated GPU memory is host memory: there is no PCIe hop, and I/O goes to it
-    // directly. Reads and writes compete for the same drives: the measured two-way figure is
-    // the array's combined limit.
-    hw.ssd_duplex_bytes_per_s = Some(m.mixed / n);
-    hw.pcie_h2d_bytes_per_s = 50e9;
-    hw.pcie_d2h_bytes_per_s = 50e9;
-    hw.host_memory_bytes_per_s = 50e9;
-    hw.host_memory_cap_bytes = args.host_memory;
-    hw.gpudirect = true;
-    // Plans keep their copies within the array (less a block per tensor and device of slack
-    // for the padding of stripe tails).
-    let devices = u64::from(array.device_count());
-    let slack =
-        trace.tensors.len() as u64 * u64::from(array.geometry().block_bytes) * (devices + 1);
-    hw.ssd_capacity_bytes = Some((engine.capacity_bytes().saturating_sub(slack) / devices).max(1));
-    if gpu_what.is_some() {
-        // Real GPU memory: the PCIe hop is measured; the measured array bandwidth above already
-        // went GPU <-> SSD through the chosen path (the bounce pipeline overlaps PCIe and SSD).
-        let pcie = teraio_engine::probe::measure_pcie(&engine, 256 << 20, 4)?;
-        say(format!(
-            "PCIe (pinned copies): host -> GPU {}, GPU -> host {}, both at once {} in total",
-            gbps(pcie.h2d),
-            gbps(pcie.d2h),
-            gbps(pcie.both)
-        ));
-        hw.pcie_h2d_bytes_per_s = pcie.h2d;
-        hw.pcie_d2h_bytes_per_s = pcie.d2h;
-        // A link that moves more both ways at once than the two alone add up to does not limit
-        // them together.
-        hw.pcie_duplex_bytes_per_s = (pcie.both < pcie.h2d + pcie.d2h).then_some(pcie.both);
-    }
+    let hw = hardware_model(&engine, &trace, capacity, &args, &m, gpu_what.is_some(), &say)?;
 
     // The plan is checked in the simulator before it runs.
     let started = Instant::now();
@@ -565,75 +486,253 @@ pub fn run(args: Args) -> Result<()> {
         plot(path, &trace, &sim, &report, capacity)?;
         say(format!("plot written to {}", path.display()));
     }
+    let done = Finished {
+        trace: &trace,
+        plan: &p,
+        sim: &sim,
+        report: &report,
+        hw: &hw,
+        engine: &engine,
+        measured: &m,
+        gpu_what: gpu_what.as_ref(),
+        peak,
+        capacity,
+        plan_s,
+        headroom_percent,
+    };
+    if args.json {
+        print_json(&done, &array_what, replans, notes)?;
+    } else {
+        print_text(&done);
+    }
+    stopped(&report)
+}
+
+/// The trace `teraio run` replays: loaded, its kernels' durations scaled, without producers
+/// (the emulated trainer cannot run them: the executor's allocator here cannot recompute, so
+/// plans here move tensors only).
+fn prepare_trace(args: &Args) -> Result<Trace> {
+    let mut trace = load_trace(args)?;
+    if args.time_scale != 1.0 {
+        trace.scale_durations(args.time_scale)?;
+    }
+    for t in &mut trace.tensors {
+        t.producer = None;
+    }
+    Ok(trace)
+}
+
+/// The engine the replay runs on (simulated disks with `--sim`, the faults to inject, a host
+/// tier, a GPU with `--gpu`), with the injector of `--fault` and the bytes of the buffers every
+/// tensor keeps between uses (`backing`).
+fn open_engine(args: &Args, trace: &Trace) -> Result<(Engine, Injector, u64)> {
+    let mut ecfg = args.array.engine_config()?;
+    let sim_disks: Vec<std::sync::Arc<SimDisk>> = if args.sim {
+        let disks: Vec<_> = (0..ecfg.files.max(1))
+            .map(|i| SimDisk::new(ecfg.file_size_bytes.0, 4096, u64::from(i)))
+            .collect();
+        if args.sim_bandwidth > 0 {
+            for d in &disks {
+                d.inject(SimFault::Throughput { bytes_per_s: args.sim_bandwidth });
+            }
+        }
+        ecfg.sim_disks = disks.clone();
+        disks
+    } else {
+        Vec::new()
+    };
+    let injector = Injector::new(sim_disks, args.sim_bandwidth, &args.faults)?;
+    ecfg.host_tier_bytes = ByteSize(args.host_memory);
+    ecfg.checksums = !args.no_verify;
+    // Copies stay valid after a prefetch, so the plan's clean drops write nothing.
+    ecfg.retain_on_prefetch = true;
+    // The probe's buffers: two sets of probe tensors in flight at once.
+    let probe_buffers = (2 * probe_tensors(args.probe_size) + 2) * PROBE_TENSOR_BYTES;
+    ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers + (256 << 20)));
+    // Every tensor keeps its own buffer between uses (see `engine::replay`): the tier holds
+    // them all; the cap the plan runs under is the runtime's exact-byte accounting.
+    let backing: u64 =
+        trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
+    if let Some(n) = args.gpu {
+        ecfg.gpu.device = Some(n);
+        ecfg.gpu.path = args.gpu_path.into();
+        ecfg.gpu.emulated = args.gpu_emulated;
+        ecfg.gpu.budget_bytes = ByteSize(backing.max(probe_buffers) + (512 << 20));
+    }
+    let engine = Engine::open(ecfg)?;
+    Ok((engine, injector, backing))
+}
+
+/// The hardware model the plan is made for: the array as measured (`m`), the emulated or real
+/// GPU's memory (`capacity`), the host tier, and with a real GPU (`real_gpu`) its PCIe copies
+/// measured.
+fn hardware_model(
+    engine: &Engine,
+    trace: &Trace,
+    capacity: u64,
+    args: &Args,
+    m: &Measured,
+    real_gpu: bool,
+    say: &dyn Fn(String),
+) -> Result<Hardware> {
+    let array = engine.array();
+    let (write_bw, read_bw) = (m.write, m.read);
+    let n = f64::from(array.device_count());
+    let mut hw = Hardware::dev();
+    hw.gpu_memory_bytes = capacity;
+    hw.ssd_count = array.device_count();
+    hw.ssd_write_bytes_per_s = write_bw / n;
+    hw.ssd_read_bytes_per_s = read_bw / n;
+    // The emulated GPU memory is host memory: there is no PCIe hop, and I/O goes to it
+    // directly. Reads and writes compete for the same drives: the measured two-way figure is
+    // the array's combined limit.
+    hw.ssd_duplex_bytes_per_s = Some(m.mixed / n);
+    hw.pcie_h2d_bytes_per_s = 50e9;
+    hw.pcie_d2h_bytes_per_s = 50e9;
+    hw.host_memory_bytes_per_s = 50e9;
+    hw.host_memory_cap_bytes = args.host_memory;
+    hw.gpudirect = true;
+    // Plans keep their copies within the array (less a block per tensor and device of slack
+    // for the padding of stripe tails).
+    let devices = u64::from(array.device_count());
+    let slack =
+        trace.tensors.len() as u64 * u64::from(array.geometry().block_bytes) * (devices + 1);
+    hw.ssd_capacity_bytes = Some((engine.capacity_bytes().saturating_sub(slack) / devices).max(1));
+    if real_gpu {
+        // Real GPU memory: the PCIe hop is measured; the measured array bandwidth above already
+        // went GPU <-> SSD through the chosen path (the bounce pipeline overlaps PCIe and SSD).
+        let pcie = teraio_engine::probe::measure_pcie(engine, 256 << 20, 4)?;
+        say(format!(
+            "PCIe (pinned copies): host -> GPU {}, GPU -> host {}, both at once {} in total",
+            gbps(pcie.h2d),
+            gbps(pcie.d2h),
+            gbps(pcie.both)
+        ));
+        hw.pcie_h2d_bytes_per_s = pcie.h2d;
+        hw.pcie_d2h_bytes_per_s = pcie.d2h;
+        // A link that moves more both ways at once than the two alone add up to does not limit
+        // them together.
+        hw.pcie_duplex_bytes_per_s = (pcie.both < pcie.h2d + pcie.d2h).then_some(pcie.both);
+    }
+
+    Ok(hw)
+}
+
+/// What a finished `teraio run` reports.
+struct Finished<'a> {
+    trace: &'a Trace,
+    plan: &'a Plan,
+    sim: &'a SimReport,
+    report: &'a ReplayReport,
+    hw: &'a Hardware,
+    engine: &'a Engine,
+    measured: &'a Measured,
+    gpu_what: Option<&'a (String, GpuPathInfo)>,
+    peak: u64,
+    capacity: u64,
+    plan_s: f64,
+    headroom_percent: u64,
+}
+
+/// `teraio run --json`: the run's report as one JSON object on stdout.
+fn print_json(
+    d: &Finished<'_>,
+    array_what: &str,
+    replans: Vec<serde_json::Value>,
+    notes: Vec<String>,
+) -> Result<()> {
+    let Finished {
+        trace,
+        plan: p,
+        sim,
+        report,
+        hw,
+        engine,
+        measured: m,
+        gpu_what,
+        peak,
+        capacity,
+        plan_s,
+        headroom_percent,
+    } = *d;
+    let array = engine.array();
+    let (write_bw, read_bw) = (m.write, m.read);
     let ideal_s = sim.ideal_time_us * 1e-6;
     let sim_s = sim.iteration_time_us * 1e-6;
     let real_s = report.iteration_time_s;
     let sim_stall_s = sim.stall_us * 1e-6;
-    if args.json {
-        let out = json!({
-            "trace": trace.name,
-            "kernels": trace.kernels.len(),
-            "tensors": trace.tensors.len(),
-            "policy": p.policy,
-            "peak_resident_bytes": peak,
-            "gpu_capacity_bytes": capacity,
-            "gpu": gpu_what.as_ref().map(|(d, info)| json!({
-                "device": d,
-                "path": info.path,
-                "reason": info.reason,
-                "cufile_mode": info.direct_mode.map(|m| m.describe()),
-                "pcie_h2d_bytes_per_s": hw.pcie_h2d_bytes_per_s,
-                "pcie_d2h_bytes_per_s": hw.pcie_d2h_bytes_per_s,
-                "pcie_duplex_bytes_per_s": hw.pcie_duplex_bytes_per_s,
-                "stats": engine.store().gpu_stats(),
-            })),
-            "array": {
-                "what": array_what,
-                "devices": array.device_count(),
-                "write_bytes_per_s": write_bw,
-                "read_bytes_per_s": read_bw,
-                "mixed_bytes_per_s": m.mixed,
-            },
-            "plan": {
-                "migrations": p.instructions.len(),
-                "plan_time_s": plan_s,
-                "headroom_percent": headroom_percent,
-            },
-            "ideal_time_s": ideal_s,
-            "simulated": {
-                "iteration_time_s": sim_s,
-                "stall_s": sim_stall_s,
-                "percent_of_ideal": sim.percent_of_ideal,
-                "peak_gpu_bytes": sim.peak_gpu_bytes,
-                "bytes_moved": sim.bytes_moved,
-            },
-            "replay": {
-                "iteration_time_s": real_s,
-                "iteration_times_s": report.iteration_times_s,
-                "stall_s": report.stall_s,
-                "overrun_s": report.overrun_s,
-                "percent_of_ideal": 100.0 * ideal_s / real_s,
-                "peak_gpu_bytes": report.peak_gpu_bytes,
-                "offloads": report.offloads,
-                "clean_drops": report.clean_drops,
-                "prefetches": report.prefetches,
-                "kept_copies": report.kept_copies,
-                "verified_tensors": report.verified_tensors,
-                "verified_bytes": report.verified_bytes,
-                "store": report.store,
-                "iterations": report.iterations,
-                "stopped_iterations": report.stopped_iterations,
-                "replans": replans,
-            },
-            "notes": notes,
-            "agreement": {
-                "iteration_time_ratio": real_s / sim_s,
-                "stall_difference_s": report.stall_s - sim_stall_s,
-            },
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return stopped(&report);
-    }
+    let out = json!({
+        "trace": trace.name,
+        "kernels": trace.kernels.len(),
+        "tensors": trace.tensors.len(),
+        "policy": p.policy,
+        "peak_resident_bytes": peak,
+        "gpu_capacity_bytes": capacity,
+        "gpu": gpu_what.as_ref().map(|(d, info)| json!({
+            "device": d,
+            "path": info.path,
+            "reason": info.reason,
+            "cufile_mode": info.direct_mode.map(|m| m.describe()),
+            "pcie_h2d_bytes_per_s": hw.pcie_h2d_bytes_per_s,
+            "pcie_d2h_bytes_per_s": hw.pcie_d2h_bytes_per_s,
+            "pcie_duplex_bytes_per_s": hw.pcie_duplex_bytes_per_s,
+            "stats": engine.store().gpu_stats(),
+        })),
+        "array": {
+            "what": array_what,
+            "devices": array.device_count(),
+            "write_bytes_per_s": write_bw,
+            "read_bytes_per_s": read_bw,
+            "mixed_bytes_per_s": m.mixed,
+        },
+        "plan": {
+            "migrations": p.instructions.len(),
+            "plan_time_s": plan_s,
+            "headroom_percent": headroom_percent,
+        },
+        "ideal_time_s": ideal_s,
+        "simulated": {
+            "iteration_time_s": sim_s,
+            "stall_s": sim_stall_s,
+            "percent_of_ideal": sim.percent_of_ideal,
+            "peak_gpu_bytes": sim.peak_gpu_bytes,
+            "bytes_moved": sim.bytes_moved,
+        },
+        "replay": {
+            "iteration_time_s": real_s,
+            "iteration_times_s": report.iteration_times_s,
+            "stall_s": report.stall_s,
+            "overrun_s": report.overrun_s,
+            "percent_of_ideal": 100.0 * ideal_s / real_s,
+            "peak_gpu_bytes": report.peak_gpu_bytes,
+            "offloads": report.offloads,
+            "clean_drops": report.clean_drops,
+            "prefetches": report.prefetches,
+            "kept_copies": report.kept_copies,
+            "verified_tensors": report.verified_tensors,
+            "verified_bytes": report.verified_bytes,
+            "store": report.store,
+            "iterations": report.iterations,
+            "stopped_iterations": report.stopped_iterations,
+            "replans": replans,
+        },
+        "notes": notes,
+        "agreement": {
+            "iteration_time_ratio": real_s / sim_s,
+            "stall_difference_s": report.stall_s - sim_stall_s,
+        },
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+/// `teraio run`: the run's report as tables on stdout.
+fn print_text(d: &Finished<'_>) {
+    let Finished { sim, report, engine, gpu_what, peak, capacity, .. } = *d;
+    let ideal_s = sim.ideal_time_us * 1e-6;
+    let sim_s = sim.iteration_time_us * 1e-6;
+    let real_s = report.iteration_time_s;
+    let sim_stall_s = sim.stall_us * 1e-6;
     let st = &report.store;
     println!();
     println!("{:<24} {:>12} {:>12} {:>12}", "", "replayed", "simulated", "ideal");
@@ -704,8 +803,7 @@ pub fn run(args: Args) -> Result<()> {
         real_s / sim_s,
         report.stall_s - sim_stall_s
     );
-    print_iterations(&report);
-    stopped(&report)
+    print_iterations(report);
 }
 
 /// Every iteration: time, stall, SSD bandwidth, the plan it ran, what went wrong.

@@ -28,19 +28,19 @@ use crate::pool::Registration;
 
 /// Direction of a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum OpKind {
+pub enum IoDirection {
     /// Device to memory.
     Read,
     /// Memory to device.
     Write,
 }
 
-impl OpKind {
+impl IoDirection {
     /// "read" or "write".
     pub fn name(self) -> &'static str {
         match self {
-            OpKind::Read => "read",
-            OpKind::Write => "write",
+            IoDirection::Read => "read",
+            IoDirection::Write => "write",
         }
     }
 }
@@ -83,7 +83,7 @@ pub struct IoVec {
 
 /// One device-contiguous transfer gathered from (or scattered to) memory pieces.
 pub struct IoRequest {
-    kind: OpKind,
+    kind: IoDirection,
     device: usize,
     offset: u64,
     iovecs: Vec<IoVec>,
@@ -115,7 +115,7 @@ impl IoRequest {
     /// (writes: nobody else writes), until `completion` has been called or dropped. The usual
     /// way: `completion` owns the buffer (directly or through an `Arc`).
     pub unsafe fn new(
-        kind: OpKind,
+        kind: IoDirection,
         device: usize,
         offset: u64,
         iovecs: Vec<IoVec>,
@@ -139,7 +139,7 @@ impl IoRequest {
     }
 
     /// Direction.
-    pub fn kind(&self) -> OpKind {
+    pub fn kind(&self) -> IoDirection {
         self.kind
     }
 

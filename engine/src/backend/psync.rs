@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 
-use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, advance_iovecs, bad_device};
+use super::{Backend, IoDirection, IoFailure, IoRequest, IoVec, advance_iovecs, bad_device};
 
 /// Largest iovec count one `preadv`/`pwritev` call takes (Linux IOV_MAX).
 const IOV_MAX: usize = 1024;
@@ -72,8 +72,8 @@ fn run_request(files: &[Arc<OwnedFd>], req: IoRequest) {
         // IoRequest::new); `raw` lives across the call.
         let rc = unsafe {
             match req.kind() {
-                OpKind::Read => libc::preadv(fd, raw.as_ptr(), n_iov as i32, off),
-                OpKind::Write => libc::pwritev(fd, raw.as_ptr(), n_iov as i32, off),
+                IoDirection::Read => libc::preadv(fd, raw.as_ptr(), n_iov as i32, off),
+                IoDirection::Write => libc::pwritev(fd, raw.as_ptr(), n_iov as i32, off),
             }
         };
         if rc < 0 {

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, advance_iovecs, bad_device};
+use super::{Backend, IoDirection, IoFailure, IoRequest, IoVec, advance_iovecs, bad_device};
 
 const CHUNK_BYTES: usize = 1 << 20;
 
@@ -32,10 +32,10 @@ pub enum SimOp {
 }
 
 impl SimOp {
-    fn matches(self, kind: OpKind) -> bool {
+    fn matches(self, kind: IoDirection) -> bool {
         matches!(
             (self, kind),
-            (SimOp::Any, _) | (SimOp::Read, OpKind::Read) | (SimOp::Write, OpKind::Write)
+            (SimOp::Any, _) | (SimOp::Read, IoDirection::Read) | (SimOp::Write, IoDirection::Write)
         )
     }
 }
@@ -244,7 +244,7 @@ impl SimDisk {
         }
     }
 
-    fn decide(&self, st: &mut SimState, kind: OpKind, offset: u64, len: usize) -> Decision {
+    fn decide(&self, st: &mut SimState, kind: IoDirection, offset: u64, len: usize) -> Decision {
         let mut latency = Duration::ZERO;
         let mut error = None;
         let mut allowed = len;
@@ -265,7 +265,7 @@ impl SimDisk {
                         error.get_or_insert(libc::EIO);
                     }
                 }
-                SimFault::Enospc { after_ops } if kind == OpKind::Write => {
+                SimFault::Enospc { after_ops } if kind == IoDirection::Write => {
                     f.seen += 1;
                     if f.seen > after_ops {
                         error.get_or_insert(libc::ENOSPC);
@@ -282,8 +282,8 @@ impl SimDisk {
             }
         }
         match kind {
-            OpKind::Read => st.stats.reads += 1,
-            OpKind::Write => st.stats.writes += 1,
+            IoDirection::Read => st.stats.reads += 1,
+            IoDirection::Write => st.stats.writes += 1,
         }
         if let Some(errno) = error {
             st.stats.injected_errors += 1;
@@ -294,8 +294,8 @@ impl SimDisk {
         }
         if offset >= self.capacity_bytes {
             let result = match kind {
-                OpKind::Read => Ok(0),
-                OpKind::Write => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
+                IoDirection::Read => Ok(0),
+                IoDirection::Write => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
             };
             return Decision { result, latency };
         }
@@ -309,7 +309,7 @@ impl SimDisk {
     /// The iovecs must name valid memory (writable for reads) for the duration of the call.
     unsafe fn transfer(
         &self,
-        kind: OpKind,
+        kind: IoDirection,
         offset: u64,
         iovecs: &[IoVec],
     ) -> (io::Result<usize>, Duration) {
@@ -335,7 +335,7 @@ impl SimDisk {
                 // SAFETY: the caller guarantees the piece is valid for `v.len >= done + k` bytes.
                 let mem = unsafe { v.ptr.add(done) };
                 match kind {
-                    OpKind::Read => {
+                    IoDirection::Read => {
                         // SAFETY: as above; the piece is writable for reads.
                         let dst = unsafe { std::slice::from_raw_parts_mut(mem, k) };
                         match &st.chunks[c] {
@@ -343,7 +343,7 @@ impl SimDisk {
                             None => dst.fill(0),
                         }
                     }
-                    OpKind::Write => {
+                    IoDirection::Write => {
                         // SAFETY: as above; the piece is readable.
                         let src = unsafe { std::slice::from_raw_parts(mem, k) };
                         let SimState { chunks, preimages, .. } = &mut *st;
@@ -483,7 +483,7 @@ mod tests {
         let mut a = vec![2u8; 4096];
         let v = [IoVec { ptr: a.as_mut_ptr(), len: 4096 }];
         // SAFETY: `a` outlives the call.
-        let (r, _) = unsafe { d.transfer(OpKind::Write, 0, &v) };
+        let (r, _) = unsafe { d.transfer(IoDirection::Write, 0, &v) };
         assert_eq!(r.unwrap(), 4096);
         let mut out = vec![0u8; 4096];
         d.peek(0, &mut out);
@@ -492,7 +492,7 @@ mod tests {
         d.peek(0, &mut out);
         assert_eq!(out, vec![1; 4096], "the unflushed write is lost");
         // SAFETY: as above.
-        let _ = unsafe { d.transfer(OpKind::Write, 2 << 20, &v) };
+        let _ = unsafe { d.transfer(IoDirection::Write, 2 << 20, &v) };
         d.flush();
         d.crash();
         d.peek(2 << 20, &mut out);
@@ -507,17 +507,17 @@ mod tests {
         let v = [IoVec { ptr: a.as_mut_ptr(), len: 4096 }];
         // SAFETY: `a` outlives the calls.
         unsafe {
-            assert!(d.transfer(OpKind::Read, 0, &v).0.is_ok());
+            assert!(d.transfer(IoDirection::Read, 0, &v).0.is_ok());
             assert_eq!(
-                d.transfer(OpKind::Read, 0, &v).0.unwrap_err().raw_os_error(),
+                d.transfer(IoDirection::Read, 0, &v).0.unwrap_err().raw_os_error(),
                 Some(libc::EIO)
             );
-            assert!(d.transfer(OpKind::Write, 0, &v).0.is_ok(), "a read fault spares writes");
+            assert!(d.transfer(IoDirection::Write, 0, &v).0.is_ok(), "a read fault spares writes");
         }
         d.clear_faults();
         d.inject(SimFault::ShortTransfer { op: SimOp::Any, after_ops: 0 });
         // SAFETY: as above.
-        assert_eq!(unsafe { d.transfer(OpKind::Read, 0, &v) }.0.unwrap(), 2048);
+        assert_eq!(unsafe { d.transfer(IoDirection::Read, 0, &v) }.0.unwrap(), 2048);
         assert_eq!(d.stats().short_transfers, 1);
     }
 
@@ -529,14 +529,14 @@ mod tests {
         d.inject(base);
         d.inject(slow);
         let mut st = d.state.lock();
-        let t = d.decide(&mut st, OpKind::Write, 0, 1 << 20).latency;
+        let t = d.decide(&mut st, IoDirection::Write, 0, 1 << 20).latency;
         drop(st);
         let expected = 10.0 * (1 << 20) as f64 / (1u64 << 30) as f64;
         assert!((t.as_secs_f64() - expected).abs() < 1e-6, "{t:?} vs {expected}");
         assert!(d.remove_fault(slow));
         assert!(!d.remove_fault(slow), "removed once");
         let mut st = d.state.lock();
-        let t = d.decide(&mut st, OpKind::Read, 0, 1 << 20).latency;
+        let t = d.decide(&mut st, IoDirection::Read, 0, 1 << 20).latency;
         assert!((t.as_secs_f64() - expected / 10.0).abs() < 1e-6, "{t:?}");
     }
 }

@@ -40,7 +40,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{IoUring, opcode, squeue, types};
 
 use super::psync::fdatasync;
-use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, advance_iovecs, bad_device};
+use super::{Backend, IoDirection, IoFailure, IoRequest, IoVec, advance_iovecs, bad_device};
 use crate::pool::{REGISTRATION_SLOTS, registration_live, registration_releases};
 
 /// Largest iovec count one READV/WRITEV takes (Linux IOV_MAX).
@@ -454,14 +454,18 @@ impl RingThread {
             let v = first;
             let len = v.len.min(u32::MAX as usize & !4095) as u32;
             match (f.req.kind(), buf_index) {
-                (OpKind::Read, Some(b)) => {
+                (IoDirection::Read, Some(b)) => {
                     opcode::ReadFixed::new(fixed, v.ptr, len, b).offset(off).build()
                 }
-                (OpKind::Write, Some(b)) => {
+                (IoDirection::Write, Some(b)) => {
                     opcode::WriteFixed::new(fixed, v.ptr, len, b).offset(off).build()
                 }
-                (OpKind::Read, None) => opcode::Read::new(fixed, v.ptr, len).offset(off).build(),
-                (OpKind::Write, None) => opcode::Write::new(fixed, v.ptr, len).offset(off).build(),
+                (IoDirection::Read, None) => {
+                    opcode::Read::new(fixed, v.ptr, len).offset(off).build()
+                }
+                (IoDirection::Write, None) => {
+                    opcode::Write::new(fixed, v.ptr, len).offset(off).build()
+                }
             }
         } else {
             f.raw.clear();
@@ -473,8 +477,8 @@ impl RingThread {
             );
             let (p, n) = (f.raw.as_ptr(), f.raw.len() as u32);
             match f.req.kind() {
-                OpKind::Read => opcode::Readv::new(fixed, p, n).offset(off).build(),
-                OpKind::Write => opcode::Writev::new(fixed, p, n).offset(off).build(),
+                IoDirection::Read => opcode::Readv::new(fixed, p, n).offset(off).build(),
+                IoDirection::Write => opcode::Writev::new(fixed, p, n).offset(off).build(),
             }
         };
         self.push(entry.user_data(i as u64));
@@ -606,7 +610,7 @@ mod tests {
     use super::*;
     use crate::pool::{BufferPool, IoBuf, PoolConfig};
 
-    fn submit(b: &UringBackend, kind: OpKind, offset: u64, mut buf: IoBuf) -> (IoBuf, bool) {
+    fn submit(b: &UringBackend, kind: IoDirection, offset: u64, mut buf: IoBuf) -> (IoBuf, bool) {
         let (tx, rx) = mpsc::channel();
         let iov = vec![IoVec { ptr: buf.as_mut_ptr(), len: buf.len() }];
         let reg = buf.registration();
@@ -638,11 +642,11 @@ mod tests {
             let mut buf = pool.alloc(1 << 20).unwrap();
             buf.fill(round + 1);
             let before = b.fixed_buffer_ops();
-            let (buf, ok) = submit(&b, OpKind::Write, 0, buf);
+            let (buf, ok) = submit(&b, IoDirection::Write, 0, buf);
             assert!(ok);
             let mut buf = buf;
             buf.fill(0);
-            let (buf, ok) = submit(&b, OpKind::Read, 0, buf);
+            let (buf, ok) = submit(&b, IoDirection::Read, 0, buf);
             assert!(ok);
             assert!(buf.iter().all(|&x| x == round + 1), "round {round}: data came back");
             if std::env::var("TERAIO_FIXED_BUFFERS").as_deref() != Ok("0") {

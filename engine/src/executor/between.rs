@@ -29,7 +29,7 @@ use serde::Serialize;
 use teraio_scheduler::{TensorId, Tier};
 
 use super::{Alloc, Executor, Phase, State};
-use crate::migrate::Priority;
+use crate::queue::Priority;
 use crate::tier::TensorMem;
 use crate::{Error, Result};
 
@@ -76,7 +76,7 @@ impl Executor {
         // (in the order the iteration first uses them: what the next one needs first comes
         // back first when not all fit)
         let mut globals: Vec<usize> =
-            (0..self.states.len()).filter(|&t| self.trace.tensors[t].global).collect();
+            (0..self.slots.len()).filter(|&t| self.trace.tensors[t].global).collect();
         globals.sort_by_key(|&t| {
             self.trace.tensors[t].accesses.first().copied().unwrap_or(usize::MAX)
         });
@@ -85,11 +85,11 @@ impl Executor {
         let limit = if planned { limit } else { u64::MAX };
         // Offloads still being written keep their memory (accounted already); reads come after.
         for &t in &globals {
-            if let State::Offloading { keep, .. } = &mut self.states[t]
+            if let State::Offloading { keep, .. } = &mut self.slots[t].state
                 && !*keep
             {
                 *keep = true;
-                self.regather[t] = planned;
+                self.slots[t].regather = planned;
                 rep.kept_in_flight += 1;
             }
         }
@@ -99,7 +99,7 @@ impl Executor {
         let mut will_use = self.used;
         let mut queued = Vec::new();
         for &t in &globals {
-            if !matches!(self.states[t], State::Offloaded) {
+            if !matches!(self.slots[t].state, State::Offloaded) {
                 continue;
             }
             let bytes = self.trace.tensors[t].bytes;
@@ -107,8 +107,8 @@ impl Executor {
                 continue;
             }
             will_use += bytes;
-            self.states[t] = State::QueuedPrefetch;
-            self.regather[t] = planned;
+            self.slots[t].state = State::QueuedPrefetch;
+            self.slots[t].regather = planned;
             queued.push(t);
             rep.read_back += 1;
             rep.read_back_bytes += bytes;
@@ -129,7 +129,7 @@ impl Executor {
         self.gather_cap = None;
         waited?;
         for &t in &globals {
-            if matches!(self.states[t], State::Offloaded | State::QueuedPrefetch) {
+            if matches!(self.slots[t].state, State::Offloaded | State::QueuedPrefetch) {
                 rep.left_off += 1;
                 rep.left_off_bytes += self.trace.tensors[t].bytes;
             }
@@ -137,7 +137,7 @@ impl Executor {
         // On a GPU the caller's stream waits for the reads, as for a kernel.
         if let Some(stream) = self.cfg.stream {
             for &t in &globals {
-                if let State::Resident(TensorMem::Device(m)) = &mut self.states[t]
+                if let State::Resident(TensorMem::Device(m)) = &mut self.slots[t].state
                     && let Some(f) = m.ready()
                 {
                     f.wait_on_stream(stream)?;
@@ -158,7 +158,7 @@ impl Executor {
     ) -> Result<()> {
         loop {
             let changed = self.poll()?;
-            let waiting = globals.iter().any(|&t| waits(t, &self.states[t]));
+            let waiting = globals.iter().any(|&t| waits(t, &self.slots[t].state));
             if !waiting {
                 return Ok(());
             }
@@ -187,12 +187,12 @@ impl Executor {
                 "modified() inside an iteration: the trace says which kernels write".into(),
             ));
         }
-        while matches!(self.states[i], State::Offloading { .. }) {
+        while matches!(self.slots[i].state, State::Offloading { .. }) {
             if !self.poll()? {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
-        if !self.states[i].is_resident() {
+        if !self.slots[i].state.is_resident() {
             return Err(Error::InvalidState {
                 tensor: t.to_string(),
                 detail: format!(
@@ -201,34 +201,34 @@ impl Executor {
                 ),
             });
         }
-        self.current[i] = false;
+        self.slots[i].current = false;
         Ok(())
     }
 
     /// Boundary 0: put the tensors [`gather_globals`](Self::gather_globals) kept or read back
     /// where the plan starts them.
     pub(super) fn scatter_gathered(&mut self) -> Result<()> {
-        if !self.regather.contains(&true) {
+        if !self.slots.iter().any(|s| s.regather) {
             return Ok(());
         }
         let initial: Vec<(usize, Tier)> =
             self.plan.initially_offloaded.iter().map(|p| (p.tensor.index(), p.tier)).collect();
         for (t, tier) in initial {
-            if !std::mem::take(&mut self.regather[t]) {
+            if !std::mem::take(&mut self.slots[t].regather) {
                 continue;
             }
-            match std::mem::replace(&mut self.states[t], State::Absent) {
+            match std::mem::replace(&mut self.slots[t].state, State::Absent) {
                 State::Offloading { handle, .. } => {
-                    self.states[t] = State::Offloading { handle, keep: false };
+                    self.slots[t].state = State::Offloading { handle, keep: false };
                 }
                 State::Resident(mem) => {
                     let clean = self.is_clean_in(t, tier);
                     self.offload_or_drop(t, mem, tier, Priority::Normal, clean)?;
                 }
-                other => self.states[t] = other,
+                other => self.slots[t].state = other,
             }
         }
-        self.regather.fill(false);
+        self.slots.iter_mut().for_each(|s| s.regather = false);
         Ok(())
     }
 }

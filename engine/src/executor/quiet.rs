@@ -22,7 +22,7 @@
 //! [`ExecutorConfig::allocate_created`](super::ExecutorConfig::allocate_created) no kernel is
 //! quiet (the executor allocates every created tensor).
 
-use teraio_scheduler::Op;
+use teraio_scheduler::Move;
 
 use super::{Executor, Phase, State};
 use crate::Result;
@@ -57,10 +57,10 @@ impl Quiet {
     pub(super) fn new(ex: &Executor) -> Quiet {
         let plan = &ex.plan;
         let n = ex.creations.len();
-        let mut movable = vec![false; ex.states.len()];
+        let mut movable = vec![false; ex.slots.len()];
         let mut issues = vec![false; n + 1];
         for ins in &plan.instructions {
-            if matches!(ins.op, Op::Offload { .. } | Op::Prefetch) {
+            if matches!(ins.op, Move::Offload { .. } | Move::Prefetch) {
                 movable[ins.tensor.index()] = true;
             }
             issues[ins.issue_before_kernel.min(n)] = true;
@@ -127,7 +127,8 @@ impl Executor {
         // when memory ran short; the call before its kernel reads it back. Tensors the skipped
         // kernels create are there when their readers run.)
         let there = |t: usize| {
-            self.states[t].is_resident() || self.trace.tensors[t].created_by.is_some_and(|c| c > k)
+            self.slots[t].state.is_resident()
+                || self.trace.tensors[t].created_by.is_some_and(|c| c > k)
         };
         while j < limit && q.quiet[j] && self.needs[j].iter().all(|&t| there(t)) {
             net += i128::from(q.create_bytes[j]);
@@ -151,7 +152,7 @@ impl Executor {
         self.flying.is_empty()
             && self.allocs.is_empty()
             && self.quiet.moved.iter().all(|&t| {
-                matches!(self.states[t], State::Absent | State::Reserved | State::Resident(_))
+                matches!(self.slots[t].state, State::Absent | State::Reserved | State::Resident(_))
             })
     }
 
@@ -172,8 +173,8 @@ impl Executor {
             self.issued = j + 1;
             for i in 0..self.creations[j].len() {
                 let t = self.creations[j][i];
-                self.current[t] = false;
-                self.states[t] = State::Reserved;
+                self.slots[t].current = false;
+                self.slots[t].state = State::Reserved;
                 self.set_used(self.used + self.trace.tensors[t].bytes);
             }
             self.next_kernel = j + 1;

@@ -22,9 +22,9 @@ use std::time::Duration;
 use serde::Serialize;
 use teraio_scheduler::{Plan, TensorId, Tier, Trace};
 
-use super::{Alloc, Event, Executor, IterationReport, Phase, State, destination, stored};
+use super::{Alloc, Event, Executor, IterationReport, Phase, State, destination, key, stored};
 use crate::executor::AllocFor;
-use crate::migrate::Priority;
+use crate::queue::Priority;
 use crate::store::{Destination, OffloadOptions};
 use crate::tier::TensorMem;
 use crate::{Error, Result};
@@ -90,8 +90,9 @@ impl Executor {
         e: &Error,
     ) -> Result<()> {
         self.last_write_error = Some(e.to_string());
-        if !keep && self.safe.is_none() && self.store.has_host_tier() && !self.host_retried[t] {
-            self.host_retried[t] = true;
+        if !keep && self.safe.is_none() && self.store.has_host_tier() && !self.slots[t].host_retried
+        {
+            self.slots[t].host_retried = true;
             self.report.host_retries += 1;
             let opts = OffloadOptions {
                 destination: Destination::Host,
@@ -100,13 +101,13 @@ impl Executor {
             };
             let handle = self.offload_keep(t, mem, opts)?;
             self.flying.push(t);
-            self.states[t] = State::Offloading { handle, keep: false };
+            self.slots[t].state = State::Offloading { handle, keep: false };
             return Ok(());
         }
-        self.host_retried[t] = false;
+        self.slots[t].host_retried = false;
         self.report.failed_offloads += 1;
-        self.stayed[t] = true;
-        self.states[t] = State::Resident(mem);
+        self.slots[t].stayed = true;
+        self.slots[t].state = State::Resident(mem);
         Ok(())
     }
 
@@ -114,19 +115,19 @@ impl Executor {
     /// declare the tensor lost.
     pub(super) fn prefetch_failed(&mut self, t: usize, e: Error) -> Result<()> {
         self.set_used(self.used - self.bytes(t));
-        let has_copy = self.store.info(t as u64).is_some();
-        if has_copy && self.attempts[t] < MAX_PREFETCH_RETRIES {
-            self.attempts[t] += 1;
+        let has_copy = self.store.info(key(t)).is_some();
+        if has_copy && self.slots[t].attempts < MAX_PREFETCH_RETRIES {
+            self.slots[t].attempts += 1;
             self.report.prefetch_retries += 1;
-            self.states[t] = State::QueuedPrefetch;
+            self.slots[t].state = State::QueuedPrefetch;
             self.allocs.push_front(Alloc::Prefetch(t, Priority::Urgent));
             return Ok(());
         }
-        self.attempts[t] = 0;
-        self.evicted[t] = false;
+        self.slots[t].attempts = 0;
+        self.slots[t].evicted = false;
         // What is left of the copy stays in the store: a later attempt (abort_iteration for a
         // global tensor) may read it if the fault was transient.
-        self.states[t] = if has_copy { State::Offloaded } else { State::Absent };
+        self.slots[t].state = if has_copy { State::Offloaded } else { State::Absent };
         let lost = self.lost_tensor(t, &e);
         if self.report.lost.is_none() {
             self.report.lost = Some(lost.clone());
@@ -141,7 +142,7 @@ impl Executor {
     pub(super) fn recompute_failed(&mut self, t: usize, mem: TensorMem, e: Error) -> Error {
         self.give_back(TensorId(t as u32), mem);
         self.set_used(self.used - self.bytes(t));
-        self.states[t] = State::Dropped;
+        self.slots[t].state = State::Dropped;
         let mut lost = self.lost_tensor(t, &e);
         lost.device = "no tier (the plan dropped it to recompute it, and that failed)".into();
         if self.report.lost.is_none() {
@@ -155,10 +156,9 @@ impl Executor {
     /// For an out-of-memory message: how many tensors stayed because their writes failed.
     pub(super) fn stayed_note(&self) -> String {
         let stayed: u64 = self
-            .states
+            .slots
             .iter()
-            .zip(&self.stayed)
-            .filter(|(s, stayed)| **stayed && matches!(s, State::Resident(_)))
+            .filter(|s| s.stayed && matches!(s.state, State::Resident(_)))
             .map(|_| 1)
             .sum();
         match (&self.last_write_error, stayed) {
@@ -179,7 +179,7 @@ impl Executor {
             .find(|&a| a >= self.next_kernel)
             .or_else(|| tensor.accesses.first().copied())
             .unwrap_or(self.next_kernel);
-        let info = self.store.info(t as u64);
+        let info = self.store.info(key(t));
         let device = match e {
             Error::Io { device, .. } | Error::ShortTransfer { device, .. } => {
                 format!("device {device}")
@@ -210,14 +210,14 @@ impl Executor {
 
     /// Free the store's copy of tensor `t` (it died): its SSD extents go back to the array.
     pub(super) fn free_copy(&mut self, t: usize) {
-        let Some(info) = self.store.info(t as u64) else { return };
-        if let Ok(h) = self.store.free(t as u64) {
+        let Some(info) = self.store.info(key(t)) else { return };
+        if let Ok(h) = self.store.free(key(t)) {
             if info.stripe_map.is_some() || info.host_copy {
                 self.report.copies_freed += 1;
             }
             self.frees.push(h);
         }
-        self.current[t] = false;
+        self.slots[t].current = false;
     }
 
     /// Let everything in flight complete, starting nothing new: queued prefetches go back to
@@ -226,7 +226,7 @@ impl Executor {
         loop {
             for a in std::mem::take(&mut self.allocs) {
                 if let Alloc::Prefetch(t, _) = a {
-                    self.states[t] = State::Offloaded;
+                    self.slots[t].state = State::Offloaded;
                 }
             }
             if self.flying.is_empty() {
@@ -256,13 +256,13 @@ impl Executor {
             ));
         }
         let drained = self.drain();
-        for t in 0..self.states.len() {
+        for t in 0..self.slots.len() {
             if !self.trace.tensors[t].global {
                 // Reserved memory the caller never attached is dropped with the reservation.
                 self.release(t)?;
-                self.stayed[t] = false;
-                self.attempts[t] = 0;
-                self.host_retried[t] = false;
+                self.slots[t].stayed = false;
+                self.slots[t].attempts = 0;
+                self.slots[t].host_retried = false;
             }
         }
         let settled = match drained {
@@ -306,10 +306,10 @@ impl Executor {
         self.failed = None;
         self.plan = plan;
         self.quiet = super::quiet::Quiet::new(self);
-        for t in 0..self.states.len() {
-            self.stayed[t] = false;
-            self.evicted[t] = false;
-            self.attempts[t] = 0;
+        for t in 0..self.slots.len() {
+            self.slots[t].stayed = false;
+            self.slots[t].evicted = false;
+            self.slots[t].attempts = 0;
         }
         self.replanned = true;
         self.settle_globals()
@@ -318,20 +318,21 @@ impl Executor {
     /// Nothing in flight: write out the global tensors the plan starts offloaded and read back
     /// the others, waiting for both.
     fn settle_globals(&mut self) -> Result<()> {
-        let mut want: Vec<Option<Tier>> = vec![None; self.states.len()];
+        let mut want: Vec<Option<Tier>> = vec![None; self.slots.len()];
         for p in &self.plan.initially_offloaded {
             want[p.tensor.index()] = Some(p.tier);
         }
         let globals: Vec<usize> =
-            (0..self.states.len()).filter(|&t| self.trace.tensors[t].global).collect();
+            (0..self.slots.len()).filter(|&t| self.trace.tensors[t].global).collect();
         let mut writes = Vec::new();
         for &t in &globals {
-            self.evicted[t] = false;
+            self.slots[t].evicted = false;
             let Some(tier) = want[t] else { continue };
-            if !matches!(self.states[t], State::Resident(_)) {
+            if !matches!(self.slots[t].state, State::Resident(_)) {
                 continue;
             }
-            let State::Resident(mem) = std::mem::replace(&mut self.states[t], State::Absent) else {
+            let State::Resident(mem) = std::mem::replace(&mut self.slots[t].state, State::Absent)
+            else {
                 unreachable!("checked above")
             };
             if self.is_clean_in(t, tier) {
@@ -349,11 +350,11 @@ impl Executor {
             let id = TensorId(t as u32);
             match h.wait() {
                 Ok((outcome, mem)) => {
-                    self.current[t] = stored(outcome);
+                    self.slots[t].current = stored(outcome);
                     self.let_go(t, mem);
                 }
                 Err(e) => {
-                    let mem = self.store.take_held(t as u64).ok_or_else(|| Error::InvalidState {
+                    let mem = self.store.take_held(key(t)).ok_or_else(|| Error::InvalidState {
                         tensor: id.to_string(),
                         detail: format!(
                             "its offload failed ({e}) and the store did not hand its memory back"
@@ -362,13 +363,13 @@ impl Executor {
                     // It stays: the plan's prefetch of it is a no-op.
                     self.last_write_error = Some(e.to_string());
                     self.report.failed_offloads += 1;
-                    self.stayed[t] = true;
-                    self.states[t] = State::Resident(mem);
+                    self.slots[t].stayed = true;
+                    self.slots[t].state = State::Resident(mem);
                 }
             }
         }
         for &t in &globals {
-            if want[t].is_some() || !matches!(self.states[t], State::Offloaded) {
+            if want[t].is_some() || !matches!(self.slots[t].state, State::Offloaded) {
                 continue;
             }
             let id = TensorId(t as u32);
@@ -377,15 +378,15 @@ impl Executor {
                 let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Prefetch)?;
                 let h = match (self.cfg.stream, mem.device().is_some()) {
                     (Some(stream), true) => {
-                        self.store.prefetch_after_stream(t as u64, mem, Priority::Urgent, stream)?
+                        self.store.prefetch_after_stream(key(t), mem, Priority::Urgent, stream)?
                     }
-                    _ => self.store.prefetch(t as u64, mem, Priority::Urgent)?,
+                    _ => self.store.prefetch(key(t), mem, Priority::Urgent)?,
                 };
                 match h.wait() {
                     Ok(mem) => {
                         self.set_used(self.used + self.bytes(t));
-                        self.current[t] = self.has_copy(t);
-                        self.states[t] = State::Resident(mem);
+                        self.slots[t].current = self.has_copy(t);
+                        self.slots[t].state = State::Resident(mem);
                         self.events.push_back(Event::Arrived(id));
                         last = None;
                         break;

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde::{Deserialize, Serialize};
 use teraio_scheduler::Hardware;
 
-use crate::migrate::{Handle, Priority};
+use crate::queue::{Handle, Priority};
 use crate::store::OffloadOptions;
 use crate::tier::{CopyWay, TensorMem};
 use crate::{Engine, Error, Result};

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{TensorId, TensorStore};
+use super::{TensorKey, TensorStore};
 use crate::backend::sim::SimDisk;
 
 impl TensorStore {
@@ -11,7 +11,12 @@ impl TensorStore {
     /// this store's array, in array order), as silent corruption on a drive would: the next
     /// read of the copy fails its checksum. Returns the device corrupted, or `None` when the
     /// tensor has no SSD copy.
-    pub fn corrupt_ssd_copy(&self, disks: &[Arc<SimDisk>], id: TensorId) -> Option<u32> {
+    pub fn corrupt_ssd_copy(
+        &self,
+        disks: &[Arc<SimDisk>],
+        id: impl Into<TensorKey>,
+    ) -> Option<u32> {
+        let id = id.into();
         let map = self.info(id)?.stripe_map?;
         let (device, extent) = map.extents().next()?;
         let disk = disks.get(device as usize)?;

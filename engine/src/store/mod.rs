@@ -33,7 +33,9 @@
 
 mod faults;
 mod gpu;
+mod key;
 mod persist;
+mod stats;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -47,16 +49,15 @@ use teraio_layout::StripeMap;
 use teraio_layout::format::RecordBody;
 
 use crate::array::DeviceArray;
-use crate::migrate::{Budget, Handle, Priority, Queues, Slot, StoreStats};
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
+use crate::queue::{Budget, Handle, Priority, Queues, Slot};
 use crate::tier::{DeviceFence, DeviceRuntime, MemoryTier, TensorMem};
 use crate::{Error, Result};
 
 pub use gpu::{GpuIoConfig, GpuPath, GpuPathInfo, GpuStats, PathStats, select_path};
+pub use key::TensorKey;
 pub use persist::{DeviceMeta, Persistence, StoreMeta, TensorMeta};
-
-/// A tensor's identifier, chosen by the caller.
-pub type TensorId = u64;
+pub use stats::{DirectionStats, QueueWaitStats, StoreStats, diff_stats};
 
 /// Where an offload should put the tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
@@ -111,7 +112,7 @@ pub struct OffloadOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct TensorInfo {
     /// Id.
-    pub id: TensorId,
+    pub id: TensorKey,
     /// Name, when one was given.
     pub name: Option<String>,
     /// Size in bytes.
@@ -181,7 +182,7 @@ pub(crate) struct SsdCopy {
 }
 
 /// A fence recorded now on the caller's `stream`, on the device of `mem` (device memory only).
-fn device_fence(id: TensorId, mem: &TensorMem, stream: u64) -> Result<Box<dyn DeviceFence>> {
+fn device_fence(id: TensorKey, mem: &TensorMem, stream: u64) -> Result<Box<dyn DeviceFence>> {
     match mem.device() {
         Some(dev) => dev.runtime().record_on_stream(stream),
         None => Err(Error::InvalidArgument(format!(
@@ -190,7 +191,8 @@ fn device_fence(id: TensorId, mem: &TensorMem, stream: u64) -> Result<Box<dyn De
     }
 }
 
-enum OpKind {
+/// What a request queued on one tensor does.
+enum RequestKind {
     Offload {
         src: Option<TensorMem>,
         destination: Destination,
@@ -219,12 +221,14 @@ enum Done {
     OffloadKeep(Arc<Slot<(OffloadOutcome, TensorMem)>>),
     Prefetch(Arc<Slot<TensorMem>>),
     Free(Arc<Slot<()>>),
-    /// Nobody waits for it (a [`OpKind::Discard`]).
+    /// Nobody waits for it (a [`RequestKind::Discard`]).
     Discard,
 }
 
-struct Op {
-    kind: OpKind,
+/// One request on a tensor's queue (an offload, a prefetch, a free, a discard): the store's
+/// workers run a tensor's requests in issue order.
+struct Request {
+    kind: RequestKind,
     priority: Priority,
     enqueued: Instant,
     done: Done,
@@ -384,7 +388,7 @@ struct Entry {
     ssd_superseded: bool,
     host: Option<HostCopy>,
     held: Option<TensorMem>,
-    queue: VecDeque<Op>,
+    queue: VecDeque<Request>,
     active: Active,
 }
 
@@ -404,10 +408,10 @@ impl Entry {
 
     fn location(&self) -> Location {
         match self.queue.front().map(|o| &o.kind) {
-            Some(OpKind::Offload { .. }) => Location::Offloading,
-            Some(OpKind::Prefetch { .. }) => Location::Prefetching,
+            Some(RequestKind::Offload { .. }) => Location::Offloading,
+            Some(RequestKind::Prefetch { .. }) => Location::Prefetching,
             // The copies left are older than the version a prefetch took: about to go.
-            Some(OpKind::Discard) => Location::Caller,
+            Some(RequestKind::Discard) => Location::Caller,
             _ if self.held.is_some() => Location::Held,
             _ if self.host.is_some() => Location::InHost,
             _ if self.readable_ssd().is_some() => Location::OnSsd,
@@ -445,7 +449,7 @@ struct Inner {
     array: Arc<DeviceArray>,
     host_tier: Option<Arc<dyn MemoryTier>>,
     checksums: bool,
-    table: Mutex<HashMap<TensorId, Entry>>,
+    table: Mutex<HashMap<TensorKey, Entry>>,
     alloc: Mutex<ArrayAllocator>,
     queues: Queues,
     inflight: Budget,
@@ -543,10 +547,11 @@ impl TensorStore {
     /// releases it. Offloading an id that has an SSD copy replaces that copy.
     pub fn offload(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
     ) -> Result<Handle<OffloadOutcome>> {
+        let id = id.into();
         let slot = Slot::new();
         self.enqueue_offload(id, src, options, None, Done::Offload(slot.clone()), false)?;
         Ok(Handle::new(slot))
@@ -558,11 +563,12 @@ impl TensorStore {
     /// the device is never synchronized as a whole.
     pub fn offload_after_stream(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
         stream: u64,
     ) -> Result<Handle<OffloadOutcome>> {
+        let id = id.into();
         let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
         self.enqueue_offload(id, src, options, Some(fence), Done::Offload(slot.clone()), false)?;
@@ -586,19 +592,20 @@ impl TensorStore {
     /// A queued `offload_keep` is never cancelled by a prefetch.
     pub fn offload_keep(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
+        let id = id.into();
         let slot = Slot::new();
         self.enqueue_offload(id, src, options, None, Done::OffloadKeep(slot.clone()), false)?;
         Ok(Handle::new(slot))
     }
 
-    /// Queue an offload; `queued`: see [`OpKind::Offload`].
+    /// Queue an offload; `queued`: see [`RequestKind::Offload`].
     fn enqueue_offload(
         &self,
-        id: TensorId,
+        id: TensorKey,
         src: TensorMem,
         options: OffloadOptions,
         after: Option<Box<dyn DeviceFence>>,
@@ -614,8 +621,8 @@ impl TensorStore {
         let mut table = self.inner.table.lock();
         let entry = table.entry(id).or_insert_with(|| Entry::new(src.len()));
         entry.size = src.len();
-        let op = Op {
-            kind: OpKind::Offload {
+        let op = Request {
+            kind: RequestKind::Offload {
                 src: Some(src),
                 destination: options.destination,
                 name: options.name,
@@ -634,10 +641,11 @@ impl TensorStore {
     /// filled and verified.
     pub fn prefetch(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         dst: TensorMem,
         priority: Priority,
     ) -> Result<Handle<TensorMem>> {
+        let id = id.into();
         self.enqueue_prefetch(id, dst, priority, None)
     }
 
@@ -649,11 +657,12 @@ impl TensorStore {
     /// ([`TensorMem::wait_ready_on_stream`]).
     pub fn prefetch_after_stream(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         dst: TensorMem,
         priority: Priority,
         stream: u64,
     ) -> Result<Handle<TensorMem>> {
+        let id = id.into();
         let fence = device_fence(id, &dst, stream)?;
         self.enqueue_prefetch(id, dst, priority, Some(fence))
     }
@@ -672,12 +681,13 @@ impl TensorStore {
     /// [`DeviceMemory::ready`]: crate::tier::DeviceMemory::ready
     pub fn offload_keep_after_stream(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
         stream: u64,
         on_device: bool,
     ) -> Result<Handle<(OffloadOutcome, TensorMem)>> {
+        let id = id.into();
         let fence = device_fence(id, &src, stream)?;
         let slot = Slot::new();
         let done = Done::OffloadKeep(slot.clone());
@@ -687,7 +697,7 @@ impl TensorStore {
 
     fn enqueue_prefetch(
         &self,
-        id: TensorId,
+        id: TensorKey,
         mut dst: TensorMem,
         priority: Priority,
         after: Option<Box<dyn DeviceFence>>,
@@ -708,13 +718,15 @@ impl TensorStore {
         let tail_is_queued_offload = !self.inner.retain
             && matches!(
                 entry.queue.back(),
-                Some(Op { kind: OpKind::Offload { .. }, done: Done::Offload(_), .. })
+                Some(Request { kind: RequestKind::Offload { .. }, done: Done::Offload(_), .. })
             )
             && !(entry.queue.len() == 1 && entry.active == Active::Running);
         if tail_is_queued_offload {
             let op = entry.queue.pop_back().expect("checked");
-            let (OpKind::Offload { src: Some(src), after: src_after, .. }, Done::Offload(slot)) =
-                (op.kind, op.done)
+            let (
+                RequestKind::Offload { src: Some(src), after: src_after, .. },
+                Done::Offload(slot),
+            ) = (op.kind, op.done)
             else {
                 unreachable!("a queued offload owns its source")
             };
@@ -733,8 +745,8 @@ impl TensorStore {
             } else {
                 // Behind the operations still queued or running; it takes over the cancelled
                 // offload's place in the queued-operations budget.
-                let op = Op {
-                    kind: OpKind::Discard,
+                let op = Request {
+                    kind: RequestKind::Discard,
                     priority: op.priority,
                     enqueued: Instant::now(),
                     done: Done::Discard,
@@ -768,8 +780,8 @@ impl TensorStore {
         let mut table = self.inner.table.lock();
         let entry = table.get_mut(&id).ok_or_else(|| Error::UnknownTensor(id.to_string()))?;
         let slot = Slot::new();
-        let op = Op {
-            kind: OpKind::Prefetch { dst: Some(dst), after },
+        let op = Request {
+            kind: RequestKind::Prefetch { dst: Some(dst), after },
             priority,
             enqueued: Instant::now(),
             done: Done::Prefetch(slot.clone()),
@@ -780,7 +792,8 @@ impl TensorStore {
 
     /// Free tensor `id`: after the operations issued before it, release its SSD extents and
     /// host copy and forget it.
-    pub fn free(&self, id: TensorId) -> Result<Handle<()>> {
+    pub fn free(&self, id: impl Into<TensorKey>) -> Result<Handle<()>> {
+        let id = id.into();
         self.inner.queued.acquire(1);
         let mut table = self.inner.table.lock();
         let Some(entry) = table.get_mut(&id) else {
@@ -789,8 +802,8 @@ impl TensorStore {
             return Err(Error::UnknownTensor(id.to_string()));
         };
         let slot = Slot::new();
-        let op = Op {
-            kind: OpKind::Free,
+        let op = Request {
+            kind: RequestKind::Free,
             priority: Priority::Background,
             enqueued: Instant::now(),
             done: Done::Free(slot.clone()),
@@ -802,20 +815,23 @@ impl TensorStore {
     /// Offload and wait.
     pub fn offload_sync(
         &self,
-        id: TensorId,
+        id: impl Into<TensorKey>,
         src: TensorMem,
         options: OffloadOptions,
     ) -> Result<OffloadOutcome> {
+        let id = id.into();
         self.offload(id, src, options)?.wait()
     }
 
     /// Prefetch and wait.
-    pub fn prefetch_sync(&self, id: TensorId, dst: TensorMem) -> Result<TensorMem> {
+    pub fn prefetch_sync(&self, id: impl Into<TensorKey>, dst: TensorMem) -> Result<TensorMem> {
+        let id = id.into();
         self.prefetch(id, dst, Priority::Urgent)?.wait()
     }
 
     /// Take back the memory of a tensor held by the store after a failed offload.
-    pub fn take_held(&self, id: TensorId) -> Option<TensorMem> {
+    pub fn take_held(&self, id: impl Into<TensorKey>) -> Option<TensorMem> {
+        let id = id.into();
         self.inner
             .table
             .lock()
@@ -831,7 +847,8 @@ impl TensorStore {
     /// Whether tensor `id` has a copy in `tier` (the SSD array, or the host tier) and no
     /// operation queued or running: a caller that did not modify it may release its memory
     /// without writing, the tensor then being offloaded to that tier.
-    pub fn has_current_copy_in(&self, id: TensorId, tier: Destination) -> bool {
+    pub fn has_current_copy_in(&self, id: impl Into<TensorKey>, tier: Destination) -> bool {
+        let id = id.into();
         self.inner.table.lock().get(&id).is_some_and(|e| {
             // A held source is newer than any copy (its offload failed).
             e.queue.is_empty()
@@ -844,18 +861,20 @@ impl TensorStore {
     }
 
     /// What the store knows of tensor `id`.
-    pub fn info(&self, id: TensorId) -> Option<TensorInfo> {
+    pub fn info(&self, id: impl Into<TensorKey>) -> Option<TensorInfo> {
+        let id = id.into();
         self.inner.table.lock().get(&id).map(|e| info(id, e))
     }
 
-    /// The id of the tensor named `name`.
-    pub fn lookup(&self, name: &str) -> Option<TensorId> {
+    /// The key of the tensor named `name`: a [`TensorKey`], or (at a binding's boundary) the
+    /// `u64` it holds.
+    pub fn lookup<K: From<TensorKey>>(&self, name: &str) -> Option<K> {
         self.inner
             .table
             .lock()
             .iter()
             .find(|(_, e)| e.name.as_deref() == Some(name))
-            .map(|(id, _)| *id)
+            .map(|(id, _)| K::from(*id))
     }
 
     /// Every tensor, sorted by id.
@@ -912,7 +931,7 @@ impl Drop for TensorStore {
     }
 }
 
-fn info(id: TensorId, e: &Entry) -> TensorInfo {
+fn info(id: TensorKey, e: &Entry) -> TensorInfo {
     TensorInfo {
         id,
         name: e.name.clone(),
@@ -938,23 +957,23 @@ enum Outcome {
 }
 
 impl Inner {
-    fn enqueue(&self, id: TensorId, entry: &mut Entry, op: Op) {
+    fn enqueue(&self, id: TensorKey, entry: &mut Entry, op: Request) {
         let priority = op.priority;
         entry.queue.push_back(op);
         if entry.active == Active::Idle {
             entry.active = Active::Dispatched;
-            self.queues.push(priority, id);
+            self.queues.push(priority, id.get());
         }
     }
 
     fn worker(self: Arc<Self>) {
         while let Some(id) = self.queues.pop() {
-            self.run_one(id);
+            self.run_one(TensorKey(id));
         }
     }
 
     /// Run the head operation of tensor `id`, if it is dispatched.
-    fn run_one(&self, id: TensorId) {
+    fn run_one(&self, id: TensorKey) {
         let (kind, priority, enqueued, ssd, host, held, no_copy) = {
             let mut table = self.table.lock();
             let Some(entry) = table.get_mut(&id) else { return };
@@ -966,36 +985,38 @@ impl Inner {
                 return;
             };
             entry.active = Active::Running;
-            let kind = std::mem::replace(&mut op.kind, OpKind::Free);
+            let kind = std::mem::replace(&mut op.kind, RequestKind::Free);
             // Put a marker back so location() still says what runs.
             op.kind = match &kind {
-                OpKind::Offload { destination, .. } => OpKind::Offload {
+                RequestKind::Offload { destination, .. } => RequestKind::Offload {
                     src: None,
                     destination: *destination,
                     name: None,
                     after: None,
                     queued: false,
                 },
-                OpKind::Prefetch { .. } => OpKind::Prefetch { dst: None, after: None },
-                OpKind::Free => OpKind::Free,
-                OpKind::Discard => OpKind::Discard,
+                RequestKind::Prefetch { .. } => RequestKind::Prefetch { dst: None, after: None },
+                RequestKind::Free => RequestKind::Free,
+                RequestKind::Discard => RequestKind::Discard,
             };
             let (priority, enqueued) = (op.priority, op.enqueued);
             let (ssd, host, held) = match &kind {
                 // A prefetch reads from whatever copy exists; take the memory copies out of the
                 // table while the worker uses them (they go back unless consumed).
                 // (An SSD copy older than the newest version is never read.)
-                OpKind::Prefetch { .. } => {
+                RequestKind::Prefetch { .. } => {
                     (entry.readable_ssd().cloned(), entry.host.take(), entry.held.take())
                 }
-                OpKind::Free | OpKind::Discard => {
+                RequestKind::Free | RequestKind::Discard => {
                     (entry.ssd.take(), entry.host.take(), entry.held.take())
                 }
-                OpKind::Offload { .. } => (None, None, entry.held.take()),
+                RequestKind::Offload { .. } => (None, None, entry.held.take()),
             };
             // What a prefetch that finds nothing says (the entry knows why).
             let no_copy = match &kind {
-                OpKind::Prefetch { .. } if ssd.is_none() && host.is_none() && held.is_none() => {
+                RequestKind::Prefetch { .. }
+                    if ssd.is_none() && host.is_none() && held.is_none() =>
+                {
                     Some(entry.no_copy_detail())
                 }
                 _ => None,
@@ -1004,7 +1025,7 @@ impl Inner {
         };
         self.stats.lock().queue_wait[priority as usize].record(enqueued.elapsed());
         let (outcome, update) = match kind {
-            OpKind::Offload { src, destination, name, after, queued } => {
+            RequestKind::Offload { src, destination, name, after, queued } => {
                 drop(held); // a newer version replaces the memory of a failed offload
                 let src = src.expect("a dispatched offload owns its source");
                 // The entry's size is that of the newest offload issued; this one has its own.
@@ -1022,7 +1043,7 @@ impl Inner {
                     },
                 }
             }
-            OpKind::Prefetch { dst, after } => {
+            RequestKind::Prefetch { dst, after } => {
                 let mut dst = dst.expect("a dispatched prefetch owns its destination");
                 // Device memory: what is copied into it waits for the caller's queued work on the
                 // device (its ready fence), not in this worker.
@@ -1044,8 +1065,8 @@ impl Inner {
                     Err(e) => (Outcome::Prefetch(Err(e)), Update::Restore { host, held }),
                 }
             }
-            OpKind::Free => self.run_free(ssd, host, held),
-            OpKind::Discard => {
+            RequestKind::Free => self.run_free(ssd, host, held),
+            RequestKind::Discard => {
                 drop((host, held));
                 (Outcome::Discard, Update::Discarded(ssd))
             }
@@ -1059,7 +1080,7 @@ impl Inner {
             let op = entry.queue.pop_front().expect("the running op is at the head");
             if let Some(next) = entry.queue.front() {
                 entry.active = Active::Dispatched;
-                self.queues.push(next.priority, id);
+                self.queues.push(next.priority, id.get());
             } else {
                 entry.active = Active::Idle;
                 if !entry.has_copy() && matches!(outcome, Outcome::Free(Ok(()))) {
@@ -1099,7 +1120,7 @@ impl Inner {
     /// free into a failure that keeps the tensor.
     fn commit(
         &self,
-        id: TensorId,
+        id: TensorKey,
         outcome: Outcome,
         update: Update,
     ) -> (Outcome, Update, Option<RwLockReadGuard<'_, ()>>) {
@@ -1111,7 +1132,7 @@ impl Inner {
                     .or_else(|| self.table.lock().get(&id).and_then(|e| e.name.clone()));
                 Persistence::put_record(id, name.as_deref(), copy)
             }
-            Update::Freed(Some(_)) => RecordBody::DeleteTensor { id },
+            Update::Freed(Some(_)) => RecordBody::DeleteTensor { id: id.get() },
             // No copy of the tensor is known to be durable, so there is nothing to delete;
             // but after a failed metadata write the record of its failed offload may have
             // reached the disk all the same (a journal write that failed at its sync), and a
@@ -1330,7 +1351,7 @@ impl Inner {
     /// Without room in the host tier (or when queuing fails) it runs as a blocking offload.
     fn run_offload_queued(
         &self,
-        id: TensorId,
+        id: TensorKey,
         size: u64,
         mut src: TensorMem,
         name: Option<String>,
@@ -1373,7 +1394,7 @@ impl Inner {
 
     fn run_offload(
         &self,
-        id: TensorId,
+        id: TensorKey,
         size: u64,
         src: TensorMem,
         destination: Destination,
@@ -1459,7 +1480,7 @@ impl Inner {
     /// Allocate, checksum, write (and journal). On failure the source comes back.
     fn write_to_ssd(
         &self,
-        id: TensorId,
+        id: TensorKey,
         size: u64,
         src: TensorMem,
     ) -> std::result::Result<(SsdCopy, TensorMem), Box<(Error, TensorMem)>> {
@@ -1549,7 +1570,7 @@ impl Inner {
 
     fn run_prefetch(
         &self,
-        id: TensorId,
+        id: TensorKey,
         mut dst: TensorMem,
         ssd: Option<SsdCopy>,
         host: Option<HostCopy>,
@@ -1606,7 +1627,7 @@ impl Inner {
         (Outcome::Prefetch(r), update)
     }
 
-    fn read_from_ssd(&self, id: TensorId, dst: TensorMem, copy: &SsdCopy) -> Result<TensorMem> {
+    fn read_from_ssd(&self, id: TensorKey, dst: TensorMem, copy: &SsdCopy) -> Result<TensorMem> {
         let size = copy.map.size_bytes();
         let padded = copy.map.padded_bytes() as usize;
         if let TensorMem::Device(mut dev) = dst {
@@ -1647,7 +1668,7 @@ impl Inner {
         }
     }
 
-    fn verify(&self, id: TensorId, bytes: &[u8], copy: &SsdCopy) -> Result<()> {
+    fn verify(&self, id: TensorKey, bytes: &[u8], copy: &SsdCopy) -> Result<()> {
         let chunks = bytes.chunks(copy.chunk_bytes as usize);
         if chunks.len() != copy.checksums.len() {
             return Err(Error::Corruption(format!(

@@ -23,7 +23,7 @@ use teraio_layout::format::{
     encode_journal_batch, pick_checkpoint, pick_superblock, scan_journal,
 };
 
-use super::{SsdCopy, TensorId};
+use super::{SsdCopy, TensorKey};
 use crate::array::DeviceArray;
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
 use crate::{Error, Result};
@@ -59,7 +59,7 @@ impl Persistence {
 type SuperblockAndNote = (Superblock, Option<String>);
 
 /// A tensor recovered from the array: id, name, copy.
-pub(crate) type Recovered = (TensorId, Option<String>, SsdCopy);
+pub(crate) type Recovered = (TensorKey, Option<String>, SsdCopy);
 
 struct JournalState {
     /// Set when a metadata write failed: what is durable is then unknown, so nothing more is
@@ -137,7 +137,7 @@ pub struct DeviceMeta {
 #[derive(Debug, Clone, Serialize)]
 pub struct TensorMeta {
     /// Id.
-    pub id: TensorId,
+    pub id: TensorKey,
     /// Name.
     pub name: String,
     /// Size in bytes.
@@ -150,9 +150,9 @@ pub struct TensorMeta {
     pub checksums: usize,
 }
 
-fn record_of(id: TensorId, name: Option<&str>, c: &SsdCopy) -> TensorRecord {
+fn record_of(id: TensorKey, name: Option<&str>, c: &SsdCopy) -> TensorRecord {
     TensorRecord {
-        id,
+        id: id.get(),
         name: name.unwrap_or_default().to_owned(),
         size_bytes: c.map.size_bytes(),
         stripe: c.map.clone(),
@@ -165,7 +165,7 @@ fn copy_of(r: TensorRecord) -> Recovered {
     let name = (!r.name.is_empty()).then_some(r.name);
     let chunk =
         if r.checksum_chunk_bytes == 0 { r.stripe.unit_bytes() } else { r.checksum_chunk_bytes };
-    (r.id, name, SsdCopy { map: r.stripe, chunk_bytes: chunk, checksums: r.checksums })
+    (TensorKey(r.id), name, SsdCopy { map: r.stripe, chunk_bytes: chunk, checksums: r.checksums })
 }
 
 fn hex(b: &[u8]) -> String {
@@ -177,7 +177,7 @@ struct Loaded {
     superblocks: Vec<SuperblockAndNote>,
     checkpoint: Checkpoint,
     bitmaps: Vec<Option<Checkpoint>>,
-    table: BTreeMap<TensorId, TensorRecord>,
+    table: BTreeMap<u64, TensorRecord>,
     records: usize,
     journal_used: u64,
     next_seq: u64,
@@ -317,7 +317,7 @@ impl Persistence {
             }
         }
         let checkpoint = cp0.expect("device 0 checked above");
-        let mut table: BTreeMap<TensorId, TensorRecord> =
+        let mut table: BTreeMap<u64, TensorRecord> =
             checkpoint.tensors.iter().cloned().map(|t| (t.id, t)).collect();
         let jl = superblocks[0].0.layout.journal;
         let bytes = Self::read(array, pool, JOURNAL_DEVICE, jl.offset, jl.len)?;
@@ -525,7 +525,7 @@ impl Persistence {
                 .table
                 .values()
                 .map(|t| TensorMeta {
-                    id: t.id,
+                    id: TensorKey(t.id),
                     name: t.name.clone(),
                     size_bytes: t.size_bytes,
                     extents: t.stripe.extents().count(),
@@ -565,7 +565,7 @@ impl Persistence {
     }
 
     /// The record of a put.
-    pub(crate) fn put_record(id: TensorId, name: Option<&str>, copy: &SsdCopy) -> RecordBody {
+    pub(crate) fn put_record(id: TensorKey, name: Option<&str>, copy: &SsdCopy) -> RecordBody {
         RecordBody::PutTensor(record_of(id, name, copy))
     }
 

@@ -23,7 +23,7 @@
 use std::collections::BTreeSet;
 
 use crate::hardware::{Hardware, Tier};
-use crate::plan::{InitialPlacement, Instruction, Op, Plan, PlanStats};
+use crate::plan::{InitialPlacement, Instruction, Move, Plan, PlanStats};
 use crate::trace::{Tensor, TensorId, Trace};
 
 #[derive(Clone)]
@@ -236,7 +236,7 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
     }
     let moved: u64 = instructions
         .iter()
-        .filter(|i| matches!(i.op, Op::Offload { .. }))
+        .filter(|i| matches!(i.op, Move::Offload { .. }))
         .map(|i| trace.tensor(i.tensor).bytes)
         .sum();
     let (ssd, host) = if tier == Tier::Ssd { (moved, 0) } else { (0, moved) };
@@ -294,7 +294,7 @@ mod tests {
 
     fn bytes_at(trace: &Trace, p: &Plan, k: usize, prefetch: bool) -> u64 {
         let at = p.instructions.iter().filter(|i| i.issue_before_kernel == k);
-        at.filter(|i| (i.op == Op::Prefetch) == prefetch)
+        at.filter(|i| (i.op == Move::Prefetch) == prefetch)
             .map(|i| trace.tensor(i.tensor).bytes)
             .sum()
     }

@@ -58,7 +58,7 @@
 use std::collections::HashMap;
 
 use super::tree::ExcessTree;
-use super::{Move, plan_from_moves};
+use super::{Migration, plan_from_moves};
 use crate::hardware::{Hardware, Tier};
 use crate::plan::{HostKernel, InitialPlacement, Plan, PlanStats};
 use crate::trace::{TensorId, TensorKind, Trace};
@@ -284,7 +284,13 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware, pipelined: bool) -> Plan {
             for &h in &hosted {
                 tier_at.insert((h % n, t.id), tier);
             }
-            moves.push(Move { tensor: t.id, offload_at: a + 1, prefetch_at, tier, urgent: false });
+            moves.push(Migration {
+                tensor: t.id,
+                offload_at: a + 1,
+                prefetch_at,
+                tier,
+                urgent: false,
+            });
         }
     }
 

@@ -44,7 +44,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use super::spdk_config::{
     FileBdev, SpdkOptions, SpdkTarget, check_interrupt_support, check_pci_binding, parse_target,
 };
-use super::{Backend, IoFailure, IoRequest, IoVec, OpKind, bad_device};
+use super::{Backend, IoDirection, IoFailure, IoRequest, IoVec, bad_device};
 use crate::device::{self, DEFAULT_MAX_IO_BYTES};
 use crate::{Error, Result};
 
@@ -582,7 +582,7 @@ fn finish(ctx: Box<Ctx>, ok: std::result::Result<(), String>) {
     if !bounce.is_null() {
         if ok.is_ok()
             && let Work::Io(req) = &work
-            && req.kind() == OpKind::Read
+            && req.kind() == IoDirection::Read
         {
             let mut off = 0usize;
             for v in &iov {
@@ -709,7 +709,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
             (Io::Bdev { desc, ch, block, .. }, Some(k)) => {
                 let (ob, nb) = (offset / block, len / block);
                 match (k, bounce.is_null()) {
-                    (OpKind::Read, true) => ffi::spdk_bdev_readv_blocks(
+                    (IoDirection::Read, true) => ffi::spdk_bdev_readv_blocks(
                         *desc,
                         *ch,
                         iov,
@@ -719,7 +719,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
                         Some(bdev_done),
                         arg,
                     ),
-                    (OpKind::Write, true) => ffi::spdk_bdev_writev_blocks(
+                    (IoDirection::Write, true) => ffi::spdk_bdev_writev_blocks(
                         *desc,
                         *ch,
                         iov,
@@ -729,10 +729,10 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
                         Some(bdev_done),
                         arg,
                     ),
-                    (OpKind::Read, false) => {
+                    (IoDirection::Read, false) => {
                         ffi::spdk_bdev_read_blocks(*desc, *ch, bounce, ob, nb, Some(bdev_done), arg)
                     }
-                    (OpKind::Write, false) => ffi::spdk_bdev_write_blocks(
+                    (IoDirection::Write, false) => ffi::spdk_bdev_write_blocks(
                         *desc,
                         *ch,
                         bounce,
@@ -750,7 +750,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
                 let (lba, count) = (offset / sector, (len / sector) as u32);
                 let contiguous = if bounce.is_null() { single.flatten() } else { Some(bounce) };
                 match (k, contiguous) {
-                    (OpKind::Read, Some(buf)) => ffi::spdk_nvme_ns_cmd_read(
+                    (IoDirection::Read, Some(buf)) => ffi::spdk_nvme_ns_cmd_read(
                         *ns,
                         *qpair,
                         buf,
@@ -760,7 +760,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
                         arg,
                         0,
                     ),
-                    (OpKind::Write, Some(buf)) => ffi::spdk_nvme_ns_cmd_write(
+                    (IoDirection::Write, Some(buf)) => ffi::spdk_nvme_ns_cmd_write(
                         *ns,
                         *qpair,
                         buf,
@@ -770,7 +770,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
                         arg,
                         0,
                     ),
-                    (OpKind::Read, None) => ffi::spdk_nvme_ns_cmd_readv(
+                    (IoDirection::Read, None) => ffi::spdk_nvme_ns_cmd_readv(
                         *ns,
                         *qpair,
                         lba,
@@ -781,7 +781,7 @@ fn submit(io: &Io, ctx: Box<Ctx>) -> Option<Box<Ctx>> {
                         Some(sgl_reset),
                         Some(sgl_next),
                     ),
-                    (OpKind::Write, None) => ffi::spdk_nvme_ns_cmd_writev(
+                    (IoDirection::Write, None) => ffi::spdk_nvme_ns_cmd_writev(
                         *ns,
                         *qpair,
                         lba,
@@ -957,7 +957,7 @@ fn reactor_main(
                         );
                     }
                     ctx.bounce = b.cast();
-                    if kind == OpKind::Write {
+                    if kind == IoDirection::Write {
                         let mut off = 0usize;
                         for v in &ctx.iov {
                             // SAFETY: the bounce buffer holds `len` bytes; the iovecs name
