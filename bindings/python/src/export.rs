@@ -314,33 +314,29 @@ fn typestr_itemsize(t: Option<&Bound<'_, PyAny>>, what: &str) -> Result<Option<u
     Ok(if kind == 'U' { n.and_then(|n| n.checked_mul(4)) } else { n })
 }
 
-/// Whether a structured dtype's `descr` has an object field anywhere.
-fn descr_has_objects(descr: &Bound<'_, PyAny>) -> bool {
-    let items: Vec<Bound<'_, PyAny>> = if let Ok(l) = descr.cast::<PyList>() {
-        l.iter().collect()
-    } else if let Ok(t) = descr.cast::<PyTuple>() {
-        t.iter().collect()
+/// The items of a list or a tuple (subclasses included); None for anything else.
+fn list_or_tuple<'py>(o: &Bound<'py, PyAny>) -> Option<Vec<Bound<'py, PyAny>>> {
+    if let Ok(l) = o.cast::<PyList>() {
+        Some(l.iter().collect())
     } else {
-        return false;
-    };
-    items.iter().any(|field| {
-        let parts: Vec<Bound<'_, PyAny>> = if let Ok(l) = field.cast::<PyList>() {
-            l.iter().collect()
-        } else if let Ok(t) = field.cast::<PyTuple>() {
-            t.iter().collect()
-        } else {
+        o.cast::<PyTuple>().ok().map(|t| t.iter().collect())
+    }
+}
+
+/// Whether a structured dtype's `descr` (`[(name, typestr or descr[, shape]), ...]`) has an
+/// object field anywhere.
+fn descr_has_objects(descr: &Bound<'_, PyAny>) -> bool {
+    let Some(fields) = list_or_tuple(descr) else { return false };
+    fields.iter().any(|field| {
+        let Some(t) = list_or_tuple(field).and_then(|parts| parts.into_iter().nth(1)) else {
             return false;
         };
-        if parts.len() < 2 {
-            return false;
-        }
-        let t = &parts[1];
         let object = t
             .cast::<PyString>()
             .ok()
             .and_then(|s| s.to_cow().ok().map(|s| s.chars().nth(1) == Some('O')))
             .unwrap_or(false);
-        object || descr_has_objects(t)
+        object || descr_has_objects(&t)
     })
 }
 
@@ -419,13 +415,8 @@ pub fn interface_span(
     }
     let (address, nbytes) = (address.unwrap_or(0) as usize, nbytes.unwrap_or(0) as usize);
     if let Some(strides) = get("strides")?.filter(|s| !s.is_none()) {
-        let list = if strides.is_instance_of::<PyTuple>() || strides.is_instance_of::<PyList>() {
-            items(&strides).ok()
-        } else {
-            None
-        };
-        let Some(list) =
-            list.filter(|l| l.len() == dims.len() && l.iter().all(|x| x.is_instance_of::<PyInt>()))
+        let Some(list) = list_or_tuple(&strides)
+            .filter(|l| l.len() == dims.len() && l.iter().all(|x| x.is_instance_of::<PyInt>()))
         else {
             return Err(Error::InvalidArgument(format!(
                 "{what}: the array interface's strides {} do not match its shape",
