@@ -2,10 +2,10 @@
 //! nothing else; the public API (`teraio.Engine`, buffers, exceptions, dataclasses) is the pure
 //! Python layer in `python/teraio/__init__.py`, documented in docs/PYTHON.md.
 //!
-//! Caller memory arrives as an address and a length that the Python layer took from the
-//! buffer protocol (or numpy's array interface) and keeps alive: the extension is built for
-//! the stable ABI of CPython 3.9 (abi3), where the buffer protocol is not part of the limited
-//! API. Every call that blocks or copies releases the GIL.
+//! Caller memory arrives as the Python object itself; its address, length and layout are read
+//! here (export.rs: the buffer protocol, `__array_interface__`, `__cuda_array_interface__`,
+//! `teraio.DeviceMemory`), never through a call back into the `teraio` package. Every call that
+//! blocks or copies releases the GIL.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use std::time::Duration;
 use parking_lot::{Mutex, RwLock};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::types::{PyDict, PyType};
 use teraio_bindings_core::{self as core, ConfigSource, Error, HostBuffer as CoreBuffer, Op};
 use teraio_engine::Engine as CoreEngine;
 use teraio_engine::executor::{AllocFor, Event, Executor, ExecutorConfig, TensorAllocator};
@@ -22,16 +22,39 @@ use teraio_engine::store::OffloadOptions;
 use teraio_engine::tier::TensorMem;
 use teraio_scheduler::TensorId;
 
+mod export;
+
+/// The package's exception classes by name (`teraio._errors`), handed down by the package when
+/// it is imported (`set_error_classes`): the native module never imports the package above it.
+static ERROR_CLASSES: Mutex<Option<Py<PyDict>>> = Mutex::new(None);
+
 /// Raise `e` as the `teraio` exception of its status (`teraio._errors`).
-fn to_py(py: Python<'_>, e: &Error) -> PyErr {
+pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
     let class = e.status().python_class();
-    match py.import("teraio._errors").and_then(|m| m.getattr(class)) {
-        Ok(cls) => match cls.cast_into::<PyType>() {
-            Ok(t) => PyErr::from_type(t, e.to_string()),
-            Err(_) => pyo3::exceptions::PyRuntimeError::new_err(e.to_string()),
-        },
-        Err(import) => import,
+    let cls = ERROR_CLASSES.lock().as_ref().and_then(|d| d.bind(py).get_item(class).ok().flatten());
+    match cls.map(|c| c.cast_into::<PyType>()) {
+        Some(Ok(t)) => PyErr::from_type(t, e.to_string()),
+        _ => pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "{e} (teraio.{class}: the package's exception classes were not handed to the native \
+             module; import teraio, not teraio._teraio alone)"
+        )),
     }
+}
+
+/// The package's exception classes, `{class name: class}` for every name of `status_codes()`
+/// (`teraio/__init__.py` calls this once when imported).
+#[pyfunction]
+fn set_error_classes(classes: Bound<'_, PyDict>) -> PyRes<()> {
+    for (name, _) in status_codes() {
+        let ok = classes.get_item(name)?.is_some_and(|c| c.is_instance_of::<PyType>());
+        if !ok {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "set_error_classes: no exception class {name:?}"
+            )));
+        }
+    }
+    *ERROR_CLASSES.lock() = Some(classes.unbind());
+    Ok(())
 }
 
 fn err(e: Error) -> PyErr {
@@ -78,17 +101,16 @@ impl NativeEngine {
     }
 }
 
-/// Caller memory of `nbytes` at `address`: no object is larger than `isize::MAX` bytes or
-/// wraps around the address space.
-fn caller_span(address: usize, nbytes: usize) -> core::Result<()> {
-    if nbytes > isize::MAX as usize || address.checked_add(nbytes).is_none() {
-        return Err(Error::InvalidArgument(format!(
-            "a buffer of {nbytes} bytes at {address:#x} is larger than any memory object (at \
-             most {} bytes that do not wrap around the address space)",
-            isize::MAX
-        )));
-    }
-    Ok(())
+/// (device address, bytes) of the device memory an `*_device` call (`call`: `offload` or
+/// `prefetch`) was given, or a clear error.
+fn device_arg(mem: &Bound<'_, PyAny>, call: &str) -> core::Result<(u64, u64)> {
+    export::device(mem, "mem")?.ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "mem: device memory (DeviceMemory or a CUDA array) is required, not {}; host buffers \
+             go through {call}()",
+            mem.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })
 }
 
 fn options(
@@ -201,136 +223,104 @@ impl NativeEngine {
         self.with(py, |e| Ok(e.store().checkpoint()?))
     }
 
-    /// Offload `nbytes` at `address` (copied before this returns; the caller keeps the memory
-    /// alive for the call).
-    #[allow(clippy::too_many_arguments)] // the Python signature, one argument per option
-    #[pyo3(signature = (tensor_id, address, nbytes, name, destination, priority))]
-    fn offload_address(
+    /// Offload `data`: the whole of an engine buffer (or a view covering one) without a copy,
+    /// other memory copied before this returns (`data` may be reused at once).
+    fn offload(
         &self,
         py: Python<'_>,
         tensor_id: u64,
-        address: usize,
-        nbytes: usize,
+        data: Bound<'_, PyAny>,
         name: Option<String>,
         destination: &str,
         priority: &str,
     ) -> PyRes<NativeOp> {
+        let src = export::host(&data, false, "data").map_err(err)?;
         let opts = options(name, destination, priority).map_err(err)?;
-        if address == 0 && nbytes > 0 {
-            return Err(err(Error::InvalidArgument("a buffer at address 0".into())));
+        if let Some(buf) = src.engine {
+            let op = self.with(py, |e| Op::offload_buffer(e, tensor_id, &buf, opts))?;
+            return Ok(NativeOp::new(op, None, Some(src.keep)));
         }
-        caller_span(address, nbytes).map_err(err)?;
+        let (addr, len) = (src.addr, src.len);
         let op = self.with(py, |e| {
-            let data: &[u8] = if nbytes == 0 {
+            let data: &[u8] = if len == 0 {
                 &[]
             } else {
-                // SAFETY: the Python layer took `address`/`nbytes` from a live buffer export
-                // (or a numpy array) that it holds for the duration of this call; the bytes
-                // are copied before the call returns.
-                unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) }
+                // SAFETY: [addr, addr + len) is the object's memory as its buffer export or
+                // array interface gives it (export::host), held by `src.keep` until this call
+                // returns; the bytes are copied before then.
+                unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
             };
             Op::offload_copy(e, tensor_id, data, opts)
         })?;
+        drop(src.keep);
         Ok(NativeOp::new(op, None, None))
     }
 
-    /// Offload the whole of an engine buffer without a copy.
-    fn offload_buffer(
+    /// Prefetch into `out` (writable, exactly the tensor's size): an engine buffer (or a view
+    /// covering one) is filled without a copy; other memory when the op is collected, the op
+    /// keeping `out`'s export until then.
+    fn prefetch(
         &self,
         py: Python<'_>,
         tensor_id: u64,
-        buffer: Bound<'_, NativeBuffer>,
-        name: Option<String>,
-        destination: &str,
+        out: Bound<'_, PyAny>,
         priority: &str,
     ) -> PyRes<NativeOp> {
-        let opts = options(name, destination, priority).map_err(err)?;
-        let buf = buffer.get().buf.clone();
-        let op = self.with(py, |e| Op::offload_buffer(e, tensor_id, &buf, opts))?;
-        Ok(NativeOp::new(op, None, Some(buffer.into_any().unbind())))
-    }
-
-    /// Prefetch into `nbytes` at `address`; the op keeps `keepalive` (the destination) until
-    /// it has copied the bytes there.
-    fn prefetch_address(
-        &self,
-        py: Python<'_>,
-        tensor_id: u64,
-        address: usize,
-        nbytes: usize,
-        priority: &str,
-        keepalive: Py<PyAny>,
-    ) -> PyRes<NativeOp> {
+        let dst = export::host(&out, true, "out").map_err(err)?;
         let prio = core::parse_priority(priority).map_err(err)?;
-        if address == 0 {
-            return Err(err(Error::InvalidArgument("a buffer at address 0".into())));
+        if let Some(buf) = dst.engine {
+            let op = self.with(py, |e| Op::prefetch_buffer(e, tensor_id, &buf, prio))?;
+            return Ok(NativeOp::new(op, None, Some(dst.keep)));
         }
-        caller_span(address, nbytes).map_err(err)?;
-        let op = self.with(py, |e| Op::prefetch_copy(e, tensor_id, nbytes as u64, prio))?;
-        Ok(NativeOp::new(op, Some((address, nbytes)), Some(keepalive)))
+        let len = dst.len;
+        let op = self.with(py, |e| Op::prefetch_copy(e, tensor_id, len as u64, prio))?;
+        Ok(NativeOp::new(op, Some((dst.addr, len)), Some(dst.keep)))
     }
 
-    /// Prefetch into the whole of an engine buffer without a copy.
-    fn prefetch_buffer(
-        &self,
-        py: Python<'_>,
-        tensor_id: u64,
-        buffer: Bound<'_, NativeBuffer>,
-        priority: &str,
-    ) -> PyRes<NativeOp> {
-        let prio = core::parse_priority(priority).map_err(err)?;
-        let buf = buffer.get().buf.clone();
-        let op = self.with(py, |e| Op::prefetch_buffer(e, tensor_id, &buf, prio))?;
-        Ok(NativeOp::new(op, None, Some(buffer.into_any().unbind())))
-    }
-
-    /// Offload `nbytes` of the caller's GPU memory at device address `ptr` after the work
-    /// queued on CUDA stream `stream`; the op keeps `keepalive` (the tensor) until it finished.
+    /// Offload the caller's GPU memory `mem` (`teraio.DeviceMemory` or a CUDA array) after the
+    /// work queued on CUDA stream `stream`; the op keeps `mem` until it finished.
     #[allow(clippy::too_many_arguments)] // the Python signature, one argument per option
-    #[pyo3(signature = (tensor_id, ptr, nbytes, stream, name, destination, priority, keepalive))]
+    #[pyo3(signature = (tensor_id, mem, stream, name, destination, priority))]
     fn offload_device(
         &self,
         py: Python<'_>,
         tensor_id: u64,
-        ptr: u64,
-        nbytes: u64,
+        mem: Bound<'_, PyAny>,
         stream: u64,
         name: Option<String>,
         destination: &str,
         priority: &str,
-        keepalive: Py<PyAny>,
     ) -> PyRes<NativeOp> {
+        let (ptr, nbytes) = device_arg(&mem, "offload").map_err(err)?;
         let opts = options(name, destination, priority).map_err(err)?;
         let op = self.with(py, |e| {
-            // SAFETY: the Python layer took `ptr`/`nbytes` from a live device array (or, on
-            // the host emulation, a host buffer) that the op keeps alive until it finished.
-            let mem = unsafe { e.wrap_caller_gpu(ptr, nbytes) }?;
-            Op::offload_device(e, tensor_id, mem, stream, opts)
+            // SAFETY: `ptr`/`nbytes` are `mem`'s device memory (export::device), which the op
+            // keeps alive until it finished.
+            let m = unsafe { e.wrap_caller_gpu(ptr, nbytes) }?;
+            Op::offload_device(e, tensor_id, m, stream, opts)
         })?;
-        Ok(NativeOp::new(op, None, Some(keepalive)))
+        Ok(NativeOp::new(op, None, Some(mem.unbind())))
     }
 
-    /// Prefetch into `nbytes` of the caller's GPU memory at `ptr`, written after the work
-    /// queued on `stream`; work queued on `stream` after the op finished sees the data.
-    #[allow(clippy::too_many_arguments)] // the Python signature, one argument per option
+    /// Prefetch into the caller's GPU memory `mem`, written after the work queued on `stream`;
+    /// work queued on `stream` after the op finished sees the data.
     fn prefetch_device(
         &self,
         py: Python<'_>,
         tensor_id: u64,
-        ptr: u64,
-        nbytes: u64,
+        mem: Bound<'_, PyAny>,
         stream: u64,
         priority: &str,
-        keepalive: Py<PyAny>,
     ) -> PyRes<NativeOp> {
+        let (ptr, nbytes) = device_arg(&mem, "prefetch").map_err(err)?;
         let prio = core::parse_priority(priority).map_err(err)?;
         let op = self.with(py, |e| {
             // SAFETY: as in offload_device; nobody else writes the memory meanwhile (the
             // caller's contract, docs/PYTHON.md).
-            let mem = unsafe { e.wrap_caller_gpu(ptr, nbytes) }?;
-            Op::prefetch_device(e, tensor_id, mem, stream, prio)
+            let m = unsafe { e.wrap_caller_gpu(ptr, nbytes) }?;
+            Op::prefetch_device(e, tensor_id, m, stream, prio)
         })?;
-        Ok(NativeOp::new(op, None, Some(keepalive)))
+        Ok(NativeOp::new(op, None, Some(mem.unbind())))
     }
 
     /// Free a tensor.
@@ -370,8 +360,9 @@ impl NativeOp {
                     bytes.len()
                 )));
             }
-            // SAFETY: the Python layer took (addr, len) from a writable buffer export that this
-            // op keeps alive (`keepalive`) until now; nothing else writes it meanwhile.
+            // SAFETY: (addr, len) is a writable buffer export (or array interface) that
+            // export::host read and this op keeps alive (`keepalive`) until now; nothing else
+            // writes it meanwhile.
             let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
             out.copy_from_slice(bytes);
             Ok(())
@@ -461,10 +452,17 @@ fn wait_timeout(seconds: Option<f64>) -> core::Result<Option<Duration>> {
     }
 }
 
-/// Engine host memory with a stable address (wrapped by `teraio.HostBuffer`).
+/// Engine host memory with a stable address (wrapped by `teraio.HostBuffer`). While it lives,
+/// a view covering the whole of it moves without a copy (export.rs keeps them by address).
 #[pyclass(frozen, subclass, module = "teraio._teraio")]
 struct NativeBuffer {
     buf: Arc<CoreBuffer>,
+}
+
+impl Drop for NativeBuffer {
+    fn drop(&mut self) {
+        export::unregister(&self.buf);
+    }
 }
 
 #[pymethods]
@@ -472,6 +470,7 @@ impl NativeBuffer {
     #[new]
     fn new(py: Python<'_>, nbytes: u64) -> PyRes<Self> {
         let buf = run(py, "teraio.HostBuffer", || CoreBuffer::new(nbytes))?;
+        export::register(&buf);
         Ok(NativeBuffer { buf })
     }
 
@@ -660,33 +659,24 @@ fn compare_policies(
 /// tensor -> the Python object holding its memory now (attached or allocated).
 type Table = Arc<Mutex<HashMap<u32, Py<PyAny>>>>;
 
-/// Export `obj` (writable, C-contiguous) through the Python layer's `teraio._export`.
-fn export(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyRes<(usize, usize, Py<PyAny>)> {
-    let r = py.import("teraio")?.getattr("_export")?.call1((obj, true, what))?;
-    let (addr, nbytes, keep, _buf): (usize, usize, Py<PyAny>, Py<PyAny>) = r.extract()?;
-    let keep = (keep, obj.clone().unbind()).into_pyobject(py)?.into_any().unbind();
-    Ok((addr, nbytes, keep))
-}
-
-/// `obj` as the executor's memory: device memory when the Python layer's
-/// `teraio._device_export` says it is (a `teraio.DeviceMemory`, an object with
-/// `__cuda_array_interface__`), else a writable host buffer.
+/// `obj` as the executor's memory: device memory when it is (a `teraio.DeviceMemory`, an
+/// object with `__cuda_array_interface__`; `bytes`, when given, is its size), else a writable
+/// host buffer (of `bytes` bytes, when given).
 fn any_mem(
     py: Python<'_>,
     engine: &Py<NativeEngine>,
     obj: &Bound<'_, PyAny>,
-    bytes: u64,
+    bytes: Option<u64>,
     what: &str,
 ) -> PyRes<TensorMem> {
-    let dev = py.import("teraio")?.getattr("_device_export")?.call1((obj, what))?;
-    if dev.is_none() {
-        return py_mem(py, obj, bytes, what);
-    }
-    let (ptr, len): (u64, u64) = dev.extract()?;
-    if len != bytes {
+    let Some((ptr, len)) = export::device(obj, what).map_err(|e| to_py(py, &e))? else {
+        return host_mem(py, obj, bytes, what);
+    };
+    if bytes.is_some_and(|b| b != len) {
+        let b = bytes.unwrap_or(len);
         return Err(to_py(
             py,
-            &Error::InvalidArgument(format!("{what}: device memory of {len} bytes for {bytes}")),
+            &Error::InvalidArgument(format!("{what}: device memory of {len} bytes for {b}")),
         ));
     }
     engine.get().with(py, move |e| {
@@ -697,17 +687,25 @@ fn any_mem(
     })
 }
 
-fn py_mem(py: Python<'_>, obj: &Bound<'_, PyAny>, bytes: u64, what: &str) -> PyRes<TensorMem> {
-    let (addr, len, keep) = export(py, obj, what)?;
-    if len as u64 != bytes || addr == 0 {
+/// `obj`'s writable host memory (of `bytes` bytes, when given) as the executor's memory.
+fn host_mem(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    bytes: Option<u64>,
+    what: &str,
+) -> PyRes<TensorMem> {
+    let x = export::host(obj, true, what).map_err(|e| to_py(py, &e))?;
+    if bytes.is_some_and(|b| x.len as u64 != b || x.addr == 0) {
+        let b = bytes.unwrap_or(x.len as u64);
         return Err(to_py(
             py,
-            &Error::InvalidArgument(format!("{what}: a buffer of {len} bytes for {bytes}")),
+            &Error::InvalidArgument(format!("{what}: a buffer of {} bytes for {b}", x.len)),
         ));
     }
-    // SAFETY: [addr, addr + len) is a writable buffer export that `keep` holds until the
-    // executor drops the memory.
-    Ok(unsafe { TensorMem::caller(addr, len, Some(Box::new(keep))) })
+    let keep: Box<dyn Send> = Box::new(x.keep);
+    // SAFETY: [addr, addr + len) is a writable buffer export (or array interface) of `obj`
+    // that `keep` holds until the executor drops the memory (export::host).
+    Ok(unsafe { TensorMem::caller(x.addr, x.len, Some(keep)) })
 }
 
 /// The executor's memory from a Python object's `alloc(tensor_id, nbytes, why)` (a writable
@@ -739,7 +737,7 @@ impl TensorAllocator for PyAllocator {
         };
         Python::attach(|py| {
             let r = self.obj.bind(py).call_method1("alloc", (t.0, bytes, why))?;
-            let mem = any_mem(py, &self.engine, &r, bytes, "allocator.alloc(...)")?;
+            let mem = any_mem(py, &self.engine, &r, Some(bytes), "allocator.alloc(...)")?;
             self.table.lock().insert(t.0, r.unbind());
             Ok::<_, PyErr>(mem)
         })
@@ -869,19 +867,11 @@ impl NativeExecutor {
         Ok(NativeExecutor { ex: Mutex::new(Some(ex)), table, engine })
     }
 
-    /// Hand tensor `tensor`'s memory (`nbytes` at `address`, kept alive by `keep`; `obj` is
-    /// what `resident` returns and the allocator's `release` gets) to the executor.
+    /// Hand tensor `tensor`'s memory `obj` (device memory, or a writable host buffer, read
+    /// here: export.rs; `obj` is what `resident` returns and the allocator's `release` gets)
+    /// to the executor.
     fn attach(&self, py: Python<'_>, tensor: u32, obj: Py<PyAny>) -> PyRes<()> {
-        let bound = obj.bind(py);
-        let dev = py.import("teraio")?.getattr("_device_export")?.call1((bound, "mem"))?;
-        let mem = if dev.is_none() {
-            let (addr, len, keep) = export(py, bound, "mem")?;
-            // SAFETY: a writable buffer export of `len` bytes at `addr`, held by `keep`.
-            unsafe { TensorMem::caller(addr, len, Some(Box::new(keep))) }
-        } else {
-            let (_, len): (u64, u64) = dev.extract()?;
-            any_mem(py, &self.engine, bound, len, "mem")?
-        };
+        let mem = any_mem(py, &self.engine, obj.bind(py), None, "mem")?;
         self.table.lock().insert(tensor, obj.clone_ref(py));
         self.with(py, move |ex| ex.attach(TensorId(tensor), mem))
     }
@@ -1071,6 +1061,19 @@ impl NativeExecutor {
     }
 }
 
+/// `(address, nbytes, keep)` of a C-contiguous host buffer (writable when `writable`), read
+/// as `Engine.offload`/`prefetch` read it (export.rs); the memory is valid while `keep` lives.
+/// `what` names the argument in errors. (The host optimizer's buffers go through this.)
+#[pyfunction]
+fn export_host(
+    obj: &Bound<'_, PyAny>,
+    writable: bool,
+    what: &str,
+) -> PyRes<(usize, usize, Py<PyAny>)> {
+    let x = export::host(obj, writable, what).map_err(|e| to_py(obj.py(), &e))?;
+    Ok((x.addr, x.len, x.keep))
+}
+
 /// A float32 slice of caller memory that [`core::optim::check_spans`] accepted.
 ///
 /// # Safety
@@ -1241,6 +1244,8 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeTrace>()?;
     m.add_class::<NativePlan>()?;
     m.add_class::<NativeExecutor>()?;
+    m.add_class::<export::DeviceMemory>()?;
+    m.add_function(wrap_pyfunction!(export_host, m)?)?;
     m.add_function(wrap_pyfunction!(adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
     m.add_function(wrap_pyfunction!(optim_info, m)?)?;
@@ -1250,6 +1255,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(compare_policies, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(set_error_classes, m)?)?;
     m.add_function(wrap_pyfunction!(take_notices, m)?)?;
     Ok(())
 }

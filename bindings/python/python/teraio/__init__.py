@@ -29,9 +29,7 @@ import dataclasses
 import json
 import math
 import os
-import re
 import sys
-import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _teraio
@@ -57,6 +55,10 @@ from ._errors import (
     UnsupportedError,
 )
 
+# The exception classes the native module raises, handed down to it (it never imports this
+# package: no call goes from the native module back up into Python's teraio).
+_teraio.set_error_classes({name: getattr(_errors, name) for name, _ in _teraio.status_codes()})
+
 __version__: str = _teraio.__version__
 POLICIES: Tuple[str, ...] = tuple(_teraio.POLICIES)
 MODEL_PRESETS: Tuple[str, ...] = tuple(_teraio.MODEL_PRESETS)
@@ -71,9 +73,6 @@ def version() -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Buffers
-
-_BUFFERS: "weakref.WeakValueDictionary[int, HostBuffer]" = weakref.WeakValueDictionary()
-
 
 class HostBuffer(_teraio.NativeBuffer):
     """Engine host memory (4 KiB aligned; 2 MiB aligned from 2 MiB up) that offloads and
@@ -92,9 +91,7 @@ class HostBuffer(_teraio.NativeBuffer):
     def __new__(cls, nbytes: int) -> "HostBuffer":
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise InvalidArgumentError(f"a host buffer needs a positive int of bytes, not {nbytes!r}")
-        obj = super().__new__(cls, nbytes)
-        _BUFFERS[obj.address] = obj
-        return obj
+        return super().__new__(cls, nbytes)
 
     def _check(self) -> None:
         if self.released:
@@ -136,184 +133,9 @@ class HostBuffer(_teraio.NativeBuffer):
         return f"HostBuffer(nbytes={self.nbytes}, address={self.address:#x}, {state})"
 
 
-def _c_contiguous(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
-    expected = itemsize
-    for dim, stride in zip(reversed(shape), reversed(strides)):
-        if dim > 1 and stride != expected:
-            return False
-        expected *= dim
-    return True
-
-
-def _whole_buffer(addr: int, nbytes: int) -> Optional[HostBuffer]:
-    buf = _BUFFERS.get(addr)
-    if buf is not None and buf.nbytes == nbytes and not buf.released:
-        return buf
-    return None
-
-
-_TYPESTR = re.compile(r"([<>|=])([a-zA-Z])(\d*)(\[\w+\])?")
-
-
-def _typestr_itemsize(typestr: Any, what: str) -> int:
-    """Bytes per element of an array interface ``typestr`` (``<f4``, ``|S7``, ``<U10``,
-    ``<M8[ns]``, ``|V12``). Its number counts bytes, except for ``U`` (unicode: 4-byte code
-    points). Object arrays (``|O``) hold pointers to Python objects, not data: refused."""
-    m = _TYPESTR.fullmatch(typestr) if isinstance(typestr, str) else None
-    if m is not None and m.group(2) == "O":
-        raise InvalidArgumentError(
-            f"{what}: an array of Python objects (dtype object) holds pointers, not data; "
-            "convert it to a numeric, bytes or string dtype first (e.g. a.astype(float))")
-    if m is None or not m.group(3):
-        raise InvalidArgumentError(
-            f"{what}: the array interface's typestr {typestr!r} is not of the form <kind><bytes> "
-            "(e.g. '<f4')")
-    count = int(m.group(3))
-    return 4 * count if m.group(2) == "U" else count
-
-
-def _descr_has_objects(descr: Any) -> bool:
-    """Whether a structured dtype's ``descr`` (``[(name, typestr or descr[, shape]), ...]``)
-    has an object field anywhere."""
-    if not isinstance(descr, (list, tuple)):
-        return False
-    for field in descr:
-        if isinstance(field, (list, tuple)) and len(field) >= 2:
-            t = field[1]
-            if (isinstance(t, str) and t[1:2] == "O") or _descr_has_objects(t):
-                return True
-    return False
-
-
-def _interface_span(ai: Dict[str, Any], writable: bool, what: str, hint: str) -> Tuple[int, int]:
-    """(address, nbytes) of an ``__array_interface__`` / ``__cuda_array_interface__`` dict,
-    checked C-contiguous (and writable when asked). The item size comes from the typestr as
-    bytes (a ``U`` count is of 4-byte characters), never more than ``sys.maxsize`` bytes in
-    all; object arrays are refused."""
-    try:
-        addr, readonly = ai["data"]
-        shape = tuple(ai["shape"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"{what}: a malformed array interface ({e!r})") from e
-    if not isinstance(addr, int) or isinstance(addr, bool) or addr < 0:
-        raise InvalidArgumentError(f"{what}: the array interface's address {addr!r} is not an int >= 0")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise InvalidArgumentError(f"{what}: the array interface's shape {shape!r} is not of ints >= 0")
-    itemsize = _typestr_itemsize(ai.get("typestr"), what)
-    if _descr_has_objects(ai.get("descr")):
-        raise InvalidArgumentError(
-            f"{what}: a structured array with object fields holds pointers, not data")
-    nbytes = itemsize * math.prod(shape)
-    if nbytes > sys.maxsize or addr + nbytes > 2 * sys.maxsize + 1:
-        raise InvalidArgumentError(
-            f"{what}: the array claims {nbytes} bytes at {addr:#x}, more than any memory object "
-            f"(at most {sys.maxsize} bytes)")
-    strides = ai.get("strides")
-    if strides is not None:
-        if not (isinstance(strides, (tuple, list)) and len(strides) == len(shape)
-                and all(isinstance(x, int) for x in strides)):
-            raise InvalidArgumentError(f"{what}: the array interface's strides {strides!r} do not match its shape")
-        if not _c_contiguous(shape, strides, itemsize):
-            raise InvalidArgumentError(
-                f"{what}: a non-contiguous array (shape {shape}, strides {tuple(strides)}); {hint}")
-    if writable and readonly:
-        raise InvalidArgumentError(f"{what}: the array is read-only")
-    return addr, nbytes
-
-
-def _export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any, Optional[HostBuffer]]:
-    """(address, nbytes, keepalive, engine buffer or None) of a C-contiguous buffer."""
-    if isinstance(obj, HostBuffer):
-        obj._check()
-        return obj.address, obj.nbytes, obj, obj
-    ai = None
-    if not isinstance(obj, (bytes, bytearray, memoryview)):
-        try:
-            ai = getattr(obj, "__array_interface__", None)
-        except Exception as e:  # an object whose interface property fails
-            raise InvalidArgumentError(f"{what}: {e}") from e
-    if isinstance(ai, dict):
-        addr, nbytes = _interface_span(ai, writable, what, "pass a C-contiguous one (numpy.ascontiguousarray)")
-        return addr, nbytes, obj, _whole_buffer(addr, nbytes)
-    try:
-        mv = memoryview(obj)
-    except TypeError as e:
-        raise InvalidArgumentError(
-            f"{what}: a buffer (numpy array, bytes, bytearray, memoryview, HostBuffer) is "
-            f"required, not {type(obj).__name__}"
-        ) from e
-    except ValueError as e:  # e.g. a released memoryview
-        raise InvalidArgumentError(f"{what}: {e}") from e
-    if not mv.c_contiguous:
-        raise InvalidArgumentError(f"{what}: the buffer is not C-contiguous")
-    if "O" in mv.format:
-        raise InvalidArgumentError(
-            f"{what}: a buffer of Python objects (format {mv.format!r}) holds pointers, not data")
-    nbytes = mv.nbytes
-    if nbytes == 0:
-        return 0, 0, mv, None
-    if not mv.readonly:
-        anchor = ctypes.c_char.from_buffer(mv)
-        addr = ctypes.addressof(anchor)
-        return addr, nbytes, (mv, anchor), _whole_buffer(addr, nbytes)
-    if writable:
-        raise InvalidArgumentError(
-            f"{what}: a read-only buffer ({type(obj).__name__}); pass a writable one "
-            "(bytearray, numpy array, HostBuffer)"
-        )
-    data = obj if type(obj) is bytes else mv.tobytes()
-    addr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
-    return addr, nbytes, (mv, data), None
-
-
-class DeviceMemory:
-    """``nbytes`` of GPU memory at device address ``ptr`` that the caller owns (``owner``, e.g.
-    the PyTorch storage, is kept alive with it). Accepted wherever device memory is: the
-    executor's ``attach`` and its allocator's ``alloc``, :meth:`Engine.offload_device`,
-    :meth:`Engine.prefetch_device`. Objects with ``__cuda_array_interface__`` (a CUDA
-    ``torch.Tensor``, CuPy, Numba) are accepted too. On an engine whose GPU is the host-memory
-    emulation (``gpu={"device": 0, "emulated": True}``), ``ptr`` is host memory: the device data
-    paths run on any machine."""
-
-    __slots__ = ("ptr", "nbytes", "owner")
-
-    def __init__(self, ptr: int, nbytes: int, owner: Any = None) -> None:
-        if not isinstance(ptr, int) or ptr <= 0:
-            raise InvalidArgumentError(f"DeviceMemory: a device address > 0 is required, not {ptr!r}")
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise InvalidArgumentError(f"DeviceMemory: nbytes must be > 0, not {nbytes!r}")
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.owner = owner
-
-    def __repr__(self) -> str:
-        return f"DeviceMemory({self.nbytes} bytes at {self.ptr:#x})"
-
-
-def _device_export(obj: Any, what: str) -> Optional[Tuple[int, int]]:
-    """(device address, nbytes) of device memory, or None for anything else (host buffers)."""
-    if isinstance(obj, DeviceMemory):
-        return obj.ptr, obj.nbytes
-    try:
-        cai = getattr(obj, "__cuda_array_interface__", None)
-    except Exception as e:  # e.g. a tensor that requires grad
-        raise InvalidArgumentError(f"{what}: {e}") from e
-    if not isinstance(cai, dict):
-        return None
-    addr, nbytes = _interface_span(cai, True, what, "pass a contiguous one (.contiguous())")
-    if nbytes == 0 or not addr:
-        raise InvalidArgumentError(f"{what}: empty device memory")
-    return int(addr), int(nbytes)
-
-
-def _device_arg(mem: Any, host_call: str) -> Tuple[int, int]:
-    """(address, nbytes) of the device memory an ``*_device`` call was given, or a clear error."""
-    dev = _device_export(mem, "mem")
-    if dev is None:
-        raise InvalidArgumentError(
-            f"mem: device memory (DeviceMemory or a CUDA array) is required, not {type(mem).__name__}; "
-            f"host buffers go through {host_call}()")
-    return dev
+# ``nbytes`` of GPU memory at device address ``ptr`` that the caller owns (a native class, read by
+# the engine without calling back into Python; its docstring is the documentation).
+DeviceMemory = _teraio.DeviceMemory
 
 
 def _stream_handle(stream: Any) -> int:
@@ -511,25 +333,14 @@ class Engine:
         ``"background"``. ``name`` is recorded with the tensor (see :meth:`lookup`).
         """
         tid = _tensor_id(tensor_id)
-        addr, nbytes, keep, buf = _export(data, False, "data")
-        if buf is not None:
-            op = self._native.offload_buffer(tid, buf, name, destination, priority)
-            return PendingOp(op, None)
-        op = self._native.offload_address(tid, addr, nbytes, name, destination, priority)
-        del keep
-        return PendingOp(op, None)
+        return PendingOp(self._native.offload(tid, data, name, destination, priority), None)
 
     def prefetch(self, tensor_id: int, out: Any, *, priority: str = "normal") -> PendingOp:
         """Read tensor ``tensor_id`` into ``out`` (a writable C-contiguous buffer of exactly
         the tensor's size). The bytes are in ``out`` once ``wait()`` returned (it returns
         ``out``); a :class:`HostBuffer` destination is filled without a copy."""
         tid = _tensor_id(tensor_id)
-        addr, nbytes, keep, buf = _export(out, True, "out")
-        if buf is not None:
-            return PendingOp(self._native.prefetch_buffer(tid, buf, priority), out)
-        if nbytes == 0:
-            raise InvalidArgumentError(f"tensor {tid}: a prefetch destination of 0 bytes")
-        return PendingOp(self._native.prefetch_address(tid, addr, nbytes, priority, keep), out)
+        return PendingOp(self._native.prefetch(tid, out, priority), out)
 
     def offload_device(
         self,
@@ -547,9 +358,7 @@ class Engine:
         the default stream); the stream is not blocked. Keep the memory unwritten until the
         operation completed. Needs an engine with a GPU (``gpu={"device": 0}``)."""
         tid = _tensor_id(tensor_id)
-        dev = _device_arg(mem, "offload")
-        op = self._native.offload_device(tid, dev[0], dev[1], _stream_handle(stream), name, destination,
-                                         priority, mem)
+        op = self._native.offload_device(tid, mem, _stream_handle(stream), name, destination, priority)
         return PendingOp(op, None)
 
     def prefetch_device(self, tensor_id: int, mem: Any, *, stream: Any = None, priority: str = "normal") -> PendingOp:
@@ -558,8 +367,7 @@ class Engine:
         read by it). Once ``wait()`` returned (it returns ``mem``), work queued on ``stream``
         afterwards sees the data; the host never waits for the stream."""
         tid = _tensor_id(tensor_id)
-        dev = _device_arg(mem, "prefetch")
-        op = self._native.prefetch_device(tid, dev[0], dev[1], _stream_handle(stream), priority, mem)
+        op = self._native.prefetch_device(tid, mem, _stream_handle(stream), priority)
         return PendingOp(op, mem)
 
     def free(self, tensor_id: int) -> PendingOp:
@@ -1192,7 +1000,7 @@ def _f32_export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any]:
         if fmt is not None and fmt.lstrip("@=<") != "f":
             raise InvalidArgumentError(
                 f"{what}: a buffer of format {fmt!r}; the host optimizer steps float32 (format 'f')")
-    addr, nbytes, keep, _ = _export(obj, writable, what)
+    addr, nbytes, keep = _teraio.export_host(obj, writable, what)
     return addr, nbytes // 4, keep
 
 
