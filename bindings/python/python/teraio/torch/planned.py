@@ -42,7 +42,9 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
-from ._storages import byte_view, covers, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
+from ._storages import (byte_view, covers, flat_args, iter_tensors, local_tensor, op_name, run_op, signature,
+                        storage_key, storage_of)
+from .fsdp import named_parameters
 from .pager import host_view
 
 _DIRECT_RESIZE = ("cpu", "cuda")
@@ -125,7 +127,7 @@ def named_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
     out: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}
     if model is not None:
-        for n, p in model.named_parameters():
+        for n, p in named_parameters(model):
             names[id(p)] = n
             out[f"param:{n}"] = p
             if p.grad is not None:
@@ -142,9 +144,10 @@ def named_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
 
 
 def _version(t: torch.Tensor) -> int | None:
-    """The tensor's in-place write counter (shared with its views), None when it has none."""
+    """The tensor's in-place write counter (shared with its views), None when it has none (a
+    DTensor's: its local shard's, which every write of this rank's bytes bumps)."""
     try:
-        return t._version
+        return local_tensor(t)._version
     except (RuntimeError, AttributeError):  # inference tensors have no version counter
         return None
 
@@ -592,7 +595,7 @@ class PlannedRun:
                 self._diverge(k, e)
                 return self._invoke(func, args, kwargs)
             try:
-                return func(*args, **kwargs)
+                return run_op(func, args, kwargs)
             except torch.OutOfMemoryError:
                 pass  # the executor makes room: the operator runs again the planned way
         self.before(k, func, args, kwargs)
@@ -680,7 +683,7 @@ class PlannedRun:
 
     @staticmethod
     def _invoke(func: Any, args: tuple, kwargs: dict) -> Any:
-        return func(*args, **kwargs)
+        return run_op(func, args, kwargs)
 
     def _mark(self, events: list[Any], k: int) -> None:
         while len(events) <= k:

@@ -43,9 +43,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import covers, flat_args, signature, storage_of
+from ._storages import covers, flat_args, run_op, signature, storage_of
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun, Results, keep_last
+from .fsdp import claim as claim_fsdp
 from .profiler import Profiler, peak_bytes
 from .pager import Pager, StorageMover, Store
 
@@ -307,6 +308,11 @@ class Session:
         self.planner = planner
         self.profiler = Profiler(model, optimizer, device=device, producers=recompute)
         self.device = self.profiler.device
+        # under FSDP2 (teraio.torch.fsdp): FSDP's unsharded parameter storages are FSDP's, not
+        # traced nor moved; their peak, sampled in profiled steps, is kept out of plans' budget
+        self.fsdp = claim_fsdp(model)
+        if self.fsdp is not None:
+            self.profiler.after_op = self.fsdp.sample
         if planner is None:
             self.hardware = _hardware(hardware)
             _check_policy(policy)
@@ -634,6 +640,9 @@ class Session:
         b = int(self.budget * self._plan_fraction)
         if 0 < self._headroom < self.budget // 2:
             b = min(b, self.budget - self._headroom)
+        if self.fsdp is not None:
+            # (FSDP's unsharded parameters take this much beside the plan's tensors)
+            b = max(1, b - self.fsdp.peak_bytes)
         return b
 
     @property
@@ -891,6 +900,11 @@ class Session:
         if self.pager is not None:
             out["evictions"] = self.pager.evictions
             out["fetches"] = self.pager.fetches
+        if self.fsdp is not None:
+            # FSDP's unsharded parameters (not moved by teraio): their peak in profiled steps,
+            # and their bytes were every parameter unsharded at once
+            out["fsdp"] = {"unsharded_storages": len(self.fsdp), "unsharded_peak_bytes": self.fsdp.peak_bytes,
+                           "unsharded_full_bytes": self.fsdp.full_bytes}
         if steps:
             out["mode"] = steps[-1]["mode"]
             out["stall_s_per_step"] = steps[-1]["stall_s"]
@@ -909,6 +923,8 @@ class Session:
             self.pager.restore_all()
         if self._engine is not None and hasattr(self._engine, "close"):
             self._engine.close()
+        if self.fsdp is not None:
+            self.fsdp.release()
         self.closed = True
 
     def __enter__(self) -> "Session":
@@ -1212,7 +1228,7 @@ class _StepMode(TorchDispatchMode):
                 return self.run.op(k, func, args, kwargs)
             if self.paged_only:
                 return session.pager.dispatch(func, args, kwargs, k, session.device)
-            return func(*args, **kwargs)
+            return run_op(func, args, kwargs)
         if not self.cands:
             self.bounding = True
             return self._bounding_op(k, func, args, kwargs, sig)
