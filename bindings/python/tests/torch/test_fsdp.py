@@ -234,3 +234,29 @@ def test_dcp_checkpoint_saved_under_a_session_resumes_bitwise(tmp_path):
         assert sorted(a) == sorted(b)
         for k in a:
             assert torch.equal(a[k], b[k]), (rank, k)
+
+
+def test_fsdp_bench_tiny_runs_every_mode_with_equal_losses(tmp_path):
+    # scripts/fsdp-bench.py (the GPU comparison of issue 35) on the CPU: each mode its own
+    # process, one JSON line each; plain FSDP2, FSDP2's CPUOffloadPolicy and a teraio Session
+    # under its budget train to the same losses, the Session's planned steps moving bytes
+    pytest.importorskip("transformers")
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "scripts", "fsdp-bench.py")
+    p = subprocess.run([sys.executable, script, "--tiny", "--engine-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert [x["mode"] for x in lines] == ["plain", "cpu-offload", "teraio"]
+    by = {x["mode"]: x for x in lines}
+    for x in lines:
+        assert "error" not in x, x
+        assert len(x["losses"]) == x["steps"] == 5 and x["s_per_step"] > 0
+    assert by["teraio"]["losses"] == by["plain"]["losses"] == by["cpu-offload"]["losses"]
+    t = by["teraio"]
+    assert t["planned_steps"] >= 2, t["step_modes"]
+    assert all(b > 0 for m, b in zip(t["step_modes"], t["bytes_moved"]) if m == "planned"), t
+    assert 0 < t["fsdp"]["unsharded_peak_bytes"] < t["fsdp"]["unsharded_full_bytes"]
