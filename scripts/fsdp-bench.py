@@ -26,8 +26,15 @@ losses equal)::
 
     python scripts/fsdp-bench.py --cap 24G --host 64G --steps 12 --warmup 4 > fsdp.jsonl
 
-On the CPU (CI): ``python scripts/fsdp-bench.py --tiny`` (gloo, the cap is teraio's
-budget only: plain FSDP2 on the CPU has none to enforce).
+With ``--nproc N`` each mode runs N ranks (one GPU each, each rank its own shard, micro-batches
+and engine: ``--engine-dirs`` one folder per rank, e.g. each GPU's own NVMe array), rank 0's line
+carrying every rank's figures (``ranks``) and the slowest rank's s/step: the N-GPU evaluation::
+
+    python scripts/fsdp-bench.py --nproc 8 --cap 24G --host 64G \\
+        --engine-dirs /mnt/nvme0/t,/mnt/nvme1/t,/mnt/nvme2/t,/mnt/nvme3/t,/mnt/nvme4/t,/mnt/nvme5/t,/mnt/nvme6/t,/mnt/nvme7/t
+
+On the CPU (CI): ``python scripts/fsdp-bench.py --tiny`` (and ``--nproc 2``: two gloo ranks);
+there the cap is teraio's budget only (plain FSDP2 on the CPU has none to enforce).
 """
 
 from __future__ import annotations
@@ -67,8 +74,9 @@ def config(tiny: bool):
                        tie_word_embeddings=False)
 
 
-def run_mode(args) -> dict:
-    """One mode in this process (world size 1)."""
+def run_mode(args, rank: int = 0, world: int = 1) -> dict:
+    """One mode, this process being rank ``rank`` of ``world`` (each rank its own GPU, engine
+    folder and micro-batches)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -76,15 +84,17 @@ def run_mode(args) -> dict:
     from transformers import LlamaForCausalLM
 
     cuda = args.device.startswith("cuda")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(args.port))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    out: dict = {"mode": args.mode, "device": args.device, "tiny": args.tiny, "bf16": args.bf16,
-                 "cap_bytes": args.cap, "cap_enforced": cuda, "batch": args.batch, "seq": args.seq}
+    device = f"cuda:{rank}" if args.device == "cuda" and world > 1 else args.device
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    out: dict = {"mode": args.mode, "device": device, "rank": rank, "world": world, "tiny": args.tiny,
+                 "bf16": args.bf16, "cap_bytes": args.cap, "cap_enforced": cuda, "batch": args.batch, "seq": args.seq}
     try:
         if cuda:
-            torch.cuda.set_device(torch.device(args.device))
-            total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
             if args.cap > total:
                 raise SystemExit(f"--cap {args.cap} is above the GPU's memory ({total} bytes)")
             torch.cuda.set_per_process_memory_fraction(args.cap / total)
@@ -93,7 +103,7 @@ def run_mode(args) -> dict:
         # model to the mesh's device (CPUOffloadPolicy then keeps the shards on the CPU)
         torch.manual_seed(args.seed)
         model = LlamaForCausalLM(cfg)
-        mesh = init_device_mesh("cuda" if cuda else "cpu", (1,))
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
         kw = {"mesh": mesh}
         if args.bf16:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -107,21 +117,28 @@ def run_mode(args) -> dict:
         if args.mode == "teraio":
             import teraio.torch as tt
 
-            d = args.engine_dir or tempfile.mkdtemp(prefix="teraio-fsdp-")
-            engine = {"dir": d, "files": 4, "file_size": args.file_size}
+            # each rank its own engine: --engine-dir's rank{N} subfolder, or the rank's own
+            # folder of --engine-dirs (one SSD array per rank)
+            engine = {"files": 4, "file_size": args.file_size, "retain_on_prefetch": True}
+            if args.engine_dirs:
+                engine["dirs"] = args.engine_dirs.split(",")
+            else:
+                engine["dir"] = args.engine_dir or tempfile.mkdtemp(prefix="teraio-fsdp-")
             if args.host:
                 engine["host_tier"] = args.host
-            session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=args.cap,
+            if cuda:
+                engine["gpu"] = {}  # (the rank's GPU)
+            session = tt.Session(model, opt, engine=tt.rank_engine(engine), gpu_budget_bytes=args.cap,
                                  host_budget_bytes=args.host, log=lambda m: print(m, file=sys.stderr),
                                  **({"page_min_bytes": 0} if args.tiny else {}))
-        g = torch.Generator().manual_seed(args.seed + 1)
+        g = torch.Generator().manual_seed(args.seed + 1 + 1000 * rank)  # (each rank its own data)
         batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
                    for _ in range(args.steps)]
         losses, times, modes, moved = [], [], [], []
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         for tokens in batches:
-            tokens = tokens.to(args.device)
+            tokens = tokens.to(device)
             t0 = time.perf_counter()
             ctx = session.step() if session is not None else _Null()
             with ctx:
@@ -155,6 +172,30 @@ def run_mode(args) -> dict:
     return out
 
 
+def _rank(rank: int, args, world: int, results) -> None:
+    results[rank] = run_mode(args, rank, world)
+
+
+def run_ranks(args) -> dict:
+    """One mode over ``--nproc`` ranks (spawned): rank 0's line, with every rank's figures in
+    ``ranks`` and the step time of the slowest rank."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_rank, args=(args, args.nproc, results), nprocs=args.nproc, join=True)
+    ranks = [results[r] for r in range(args.nproc)]
+    out = dict(ranks[0])
+    out.pop("rank", None)
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        out["error"] = "; ".join(f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r)
+    else:
+        out["s_per_step"] = max(r["s_per_step"] for r in ranks)
+    out["ranks"] = [{k: r.get(k) for k in ("rank", "device", "s_per_step", "losses", "peak_bytes",
+                                           "planned_steps", "error") if k in r} for r in ranks]
+    return out
+
+
 class _Null:
     def __enter__(self):
         return self
@@ -178,7 +219,11 @@ def main() -> int:
     ap.add_argument("--cap", default=None, help="memory cap, e.g. 24G (default: 24G on a GPU, 2M with --tiny)")
     ap.add_argument("--host", default="0", help="teraio's host tier, e.g. 64G (default 0: SSD only)")
     ap.add_argument("--file-size", default=None, help="each of the engine's 4 files (default 16G, 64M with --tiny)")
-    ap.add_argument("--engine-dir", default=None)
+    ap.add_argument("--engine-dir", default=None, help="teraio's engine folder (a rank{N} subfolder per rank)")
+    ap.add_argument("--engine-dirs", default=None,
+                    help="one engine folder per rank, comma-separated (each rank its own SSD array)")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="ranks (one GPU each; gloo ranks on the CPU), each its own shard, engine and data")
     ap.add_argument("--steps", type=int, default=None, help="default 12 (5 with --tiny)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of s_per_step (default 4, 2 with --tiny)")
     ap.add_argument("--batch", type=int, default=None, help="default 2")
@@ -199,8 +244,15 @@ def main() -> int:
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 4)
     args.batch = args.batch or 2
     args.seq = args.seq or (32 if args.tiny else 2048)
+    if args.nproc < 1:
+        ap.error(f"--nproc {args.nproc}: at least 1 rank")
+    if args.engine_dirs and len(args.engine_dirs.split(",")) != args.nproc:
+        ap.error(f"--engine-dirs names {len(args.engine_dirs.split(','))} folders for --nproc {args.nproc}: "
+                 "one per rank")
+    if args.port == 0:
+        args.port = _free_port()
     if args.mode is not None:
-        print(json.dumps(run_mode(args)), flush=True)
+        print(json.dumps(run_ranks(args) if args.nproc > 1 else run_mode(args)), flush=True)
         return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -210,7 +262,8 @@ def main() -> int:
     for m in modes:
         # each mode its own process: its own allocator, cap and peak
         cmd = [sys.executable, os.path.abspath(__file__), "--mode", m, "--port", str(_free_port())]
-        for k in ("device", "engine_dir", "file_size", "steps", "warmup", "batch", "seq", "seed"):
+        for k in ("device", "engine_dir", "engine_dirs", "nproc", "file_size", "steps", "warmup", "batch", "seq",
+                  "seed"):
             v = getattr(args, k)
             if v is not None:
                 cmd += [f"--{k.replace('_', '-')}", str(v)]

@@ -260,3 +260,56 @@ def test_fsdp_bench_tiny_runs_every_mode_with_equal_losses(tmp_path):
     assert t["planned_steps"] >= 2, t["step_modes"]
     assert all(b > 0 for m, b in zip(t["step_modes"], t["bytes_moved"]) if m == "planned"), t
     assert 0 < t["fsdp"]["unsharded_peak_bytes"] < t["fsdp"]["unsharded_full_bytes"]
+
+
+def test_fsdp_bench_tiny_two_ranks_each_with_its_own_engine(tmp_path):
+    # the N-GPU command's path on two gloo ranks: each rank its own data and engine folder
+    # (--engine-dirs), every rank's losses equal to plain FSDP2's same rank
+    pytest.importorskip("transformers")
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "scripts", "fsdp-bench.py")
+    dirs = [tmp_path / "r0", tmp_path / "r1"]
+    p = subprocess.run([sys.executable, script, "--tiny", "--nproc", "2", "--modes", "plain,teraio",
+                        "--engine-dirs", ",".join(map(str, dirs))], stdout=subprocess.PIPE, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout
+    by = {x["mode"]: x for x in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{"))}
+    assert sorted(by) == ["plain", "teraio"] and "error" not in by["teraio"], by
+    plain, t = by["plain"]["ranks"], by["teraio"]["ranks"]
+    assert [r["rank"] for r in t] == [0, 1]
+    assert plain[0]["losses"] != plain[1]["losses"]  # each rank its own micro-batches
+    for r in (0, 1):
+        assert t[r]["losses"] == plain[r]["losses"], r
+        assert t[r]["planned_steps"] >= 2, t[r]
+        assert any(dirs[r].iterdir()), f"rank {r}'s engine folder is unused"
+
+
+def test_a_session_refuses_fsdp2_cpu_offload_naming_the_parameter(tmp_path):
+    # CPUOffloadPolicy moves the shards itself: a Session over the same shards is refused when
+    # it is made, not after steps of two owners moving the same bytes
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from models import make_llama
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, _ = make_llama(layers=1)
+        fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with pytest.raises(ValueError, match=r"parameter [\w.]+weight is sharded with CPUOffloadPolicy"):
+            tt.Session(model, opt, engine={"dir": str(tmp_path), "files": 1, "file_size": "16M"},
+                       gpu_budget_bytes=1 << 20)
+        # a Session claims FSDP's unsharded storages while it is open, and lets them go at close
+        from teraio.torch import _storages
+
+        model2, _ = make_llama(layers=1)
+        fully_shard(model2)
+        s = tt.Session(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2), log=lambda _: None)
+        n = len(list(model2.parameters()))
+        assert s.report()["fsdp"]["unsharded_storages"] == n and len(_storages._FOREIGN) == n
+        s.close()
+        assert not _storages._FOREIGN
+    finally:
+        dist.destroy_process_group()

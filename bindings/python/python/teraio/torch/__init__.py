@@ -10,7 +10,9 @@
 - :class:`HostAdamW`, :class:`HostAdam`, :class:`HostSGD`: ``torch.optim`` optimizers whose step
   runs teraio's host kernels on CPU float32 parameters (state dicts interchangeable with
   PyTorch's).
-- :func:`rank_engine` opens one engine per rank under ``torchrun`` (own files, own GPU).
+- :func:`rank_engine` opens one engine per rank under ``torchrun`` (own files, own GPU); under
+  FSDP2 (``fully_shard``) a Session moves the rank's shards and leaves FSDP's all-gathered
+  parameters to FSDP (:mod:`teraio.torch.fsdp`).
 """
 
 from .distributed import rank_config, rank_engine
