@@ -313,3 +313,69 @@ def test_a_session_refuses_fsdp2_cpu_offload_naming_the_parameter(tmp_path):
         assert not _storages._FOREIGN
     finally:
         dist.destroy_process_group()
+
+
+class _Stream:
+    """A stand-in for a CUDA stream: records what waits for what."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.device = name, log, torch.device("cpu")
+
+    def __eq__(self, other):
+        return isinstance(other, _Stream) and other.name == self.name
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+class _Work:
+    def __init__(self, log):
+        self.log = log
+
+    def wait(self):
+        self.log.append("collective waited")
+
+
+def test_operators_on_fsdp_streams_are_ordered_against_the_trainers(monkeypatch):
+    # under FSDP2 on a GPU, an operator FSDP runs on its own stream waits for the trainer's
+    # stream (what teraio brought back for it) and the trainer's stream then waits for it (an
+    # offload ordered after the trainer's stream reads what it wrote); a collective is waited
+    # for before anything after it; operators on the trainer's stream are left alone
+    from teraio.torch import _storages
+
+    log = []
+    trainer, side = _Stream("trainer", log), _Stream("all-gather", log)
+    current = [side]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+
+    def op(x):
+        log.append("op")
+        return x + 1
+
+    def collective(x):
+        log.append("collective")
+        return [x], _Work(log)
+
+    collective.namespace = "c10d"
+    _storages.set_trainer_stream(trainer)
+    try:
+        assert _storages.run_op(op, (torch.ones(1),), {}).item() == 2
+        assert log == ["all-gather waits for trainer", "op", "trainer waits for all-gather"]
+        log.clear()
+        _storages.run_op(collective, (torch.ones(1),), {})
+        assert log == ["all-gather waits for trainer", "collective", "collective waited",
+                       "trainer waits for all-gather"]
+        log.clear()
+        current[0] = trainer
+        _storages.run_op(op, (torch.ones(1),), {})
+        assert log == ["op"]
+    finally:
+        _storages.set_trainer_stream(None)
+    log.clear()
+    current[0] = side
+    _storages.run_op(op, (torch.ones(1),), {})  # (no trainer's stream: the CPU, or no FSDP)
+    assert log == ["op"]
+    log.clear()
+    # on the CPU (gloo writes from a worker thread) a collective is waited for at once
+    _storages.run_op(collective, (torch.ones(1),), {})
+    assert log == ["collective", "collective waited"]

@@ -20,7 +20,10 @@ on whose bytes it holds, so the two are kept apart:
   budget less its peak (:attr:`FsdpStorages.peak_bytes`).
 
 A collective on CPU tensors (gloo) is waited for right after its operator under a Session
-(:func:`teraio.torch._storages.run_op`): gloo writes its buffers from a worker thread.
+(:func:`teraio.torch._storages.run_op`): gloo writes its buffers from a worker thread. On a GPU
+the operators FSDP runs on its own streams are ordered against the trainer's stream (the one
+the executor orders its copies after): before them the trainer's stream, after them theirs
+(:func:`teraio.torch._storages.set_trainer_stream`).
 
 ::
 

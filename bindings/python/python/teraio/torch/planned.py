@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ._storages import (byte_view, covers, flat_args, iter_tensors, local_tensor, op_name, run_op, signature,
                         storage_key, storage_of)
+from . import _storages
 from .fsdp import named_parameters
 from .pager import host_view
 
@@ -483,8 +484,10 @@ class PlannedRun:
         operator left is quiet (a plan that moves nothing), the rest of the step, backward and
         optimizer included, runs unwatched. A hook other than the profiled one is a divergence
         (the mode re-entered, the executor told); the operators of a stretch are not checked
-        one by one."""
-        if self._nothing_away is None or not self._skips or not self._mark_at:
+        one by one. Under FSDP2 on a GPU every operator is watched (``run_op`` orders the ones
+        FSDP runs on its own streams against the trainer's)."""
+        if self._nothing_away is None or not self._skips or not self._mark_at \
+                or _storages._TRAINER_STREAM is not None:
             return []
         # the hooks before the first operator fired before these were installed
         self._t = bisect.bisect_right(self._mark_at, 0)

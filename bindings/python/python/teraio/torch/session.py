@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import covers, flat_args, run_op, signature, storage_of
+from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_of
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun, Results, keep_last
 from .fsdp import claim as claim_fsdp
@@ -311,6 +311,7 @@ class Session:
         # under FSDP2 (teraio.torch.fsdp): FSDP's unsharded parameter storages are FSDP's, not
         # traced nor moved; their peak, sampled in profiled steps, is kept out of plans' budget
         self.fsdp = claim_fsdp(model)
+        self._trainer_stream: Any = None
         if self.fsdp is not None:
             self.profiler.after_op = self.fsdp.sample
         if planner is None:
@@ -391,6 +392,10 @@ class Session:
             alloc0 = self._alloc_counts if self._alloc_counts is not None else _allocator_counts(self.device)
         moved0 = (self.mover.bytes_out + self.mover.bytes_in) if self.mover else 0
         wait0 = self.pager.wait_s if self.pager else 0.0
+        if cuda and self.fsdp is not None:
+            # (FSDP runs operators on its own streams: ordered against this one, see run_op)
+            self._trainer_stream = torch.cuda.current_stream(self.device)
+            set_trainer_stream(self._trainer_stream)
         t0 = time.perf_counter()
         mode = _StepMode(self, n)
         # the pager learns the global storages at the first operator, if the step is profiled
@@ -404,7 +409,10 @@ class Session:
             raise
         finally:
             # (a planned step may have left the mode for its last operators: unwatched)
-            mode.close()
+            try:
+                mode.close()
+            finally:
+                set_trainer_stream(None)
             if failed:
                 # the loop's own error surfaces as itself: the step is abandoned, nothing of it
                 # recorded, every tensor brought back, and the next step starts afresh
@@ -674,7 +682,9 @@ class Session:
                 f"the store ({type(self.store).__name__}) has no plan executor: steps page instead")
         stream = None
         if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            # (the step's stream: under FSDP2 the first operator may run on one of FSDP's)
+            s = self._trainer_stream or torch.cuda.current_stream(self.device)
+            stream = s.cuda_stream
         elif self._device_memory():
             stream = 0  # the emulation's fences
         # (a bounded run's trace is a larger shape's: its sizes are upper bounds)
