@@ -44,9 +44,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_of
+from .fsdp import claim as claim_fsdp
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun, Results, keep_last
-from .fsdp import claim as claim_fsdp
 from .profiler import Profiler, peak_bytes
 from .pager import Pager, StorageMover, Store
 
