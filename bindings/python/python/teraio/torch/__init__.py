@@ -12,7 +12,9 @@
   PyTorch's).
 - :func:`offload_optimizer`: a GPU model's optimizer (AdamW, Adam, SGD) updates on the host,
   its states in page-locked host memory (``Session(optimizer_on="host")``).
-- :func:`rank_engine` opens one engine per rank under ``torchrun`` (own files, own GPU).
+- :func:`rank_engine` opens one engine per rank under ``torchrun`` (own files, own GPU); under
+  FSDP2 (``fully_shard``) a Session moves the rank's shards and leaves FSDP's all-gathered
+  parameters to FSDP (:mod:`teraio.torch.fsdp`).
 """
 
 from .distributed import rank_config, rank_engine

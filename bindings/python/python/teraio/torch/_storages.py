@@ -48,15 +48,107 @@ def flat_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
+# tensor types whose storage is their own (a DTensor's is its local shard's, see storage_of)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# keys (storage_key) of storages another owner frees and refills with ``resize_`` while they
+# live (FSDP2's unsharded parameters, :mod:`teraio.torch.fsdp`): teraio neither traces nor
+# moves them (storage_of is None), so the two never disagree on who holds the bytes
+_FOREIGN: set[int] = set()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this rank: a ``DTensor``'s local shard
+    (FSDP2's sharded parameters, their gradients and optimizer states), else ``t``."""
+    if type(t) not in _PLAIN:
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            return local
+    return t
+
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The tensor's storage, or ``None`` for tensors that have none we can track (sparse,
-    nested, meta, tensor subclasses without real storage)."""
+    nested, meta, tensor subclasses without real storage, storages another owner resizes:
+    ``_FOREIGN``). A ``DTensor``'s storage is its local shard's."""
+    if type(t) not in _PLAIN:
+        t = local_tensor(t)
     if t.layout != torch.strided or t.device.type == "meta":
         return None
     try:
-        return t.untyped_storage()
+        s = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+    if _FOREIGN and s._cdata in _FOREIGN:
+        return None
+    return s
+
+
+def foreign(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage belongs to another owner that resizes it (see ``_FOREIGN``)."""
+    if not _FOREIGN or t.layout != torch.strided:
+        return False
+    try:
+        return local_tensor(t).untyped_storage()._cdata in _FOREIGN
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _on_cpu(args: tuple) -> bool:
+    """Whether an operator's first tensor argument is on the CPU (on a GPU the collectives are
+    ordered by streams, and waiting would take their overlap with compute away)."""
+    ts = iter_tensors(args)
+    return bool(ts) and ts[0].device.type == "cpu"
+
+
+# Under FSDP2 on a GPU (set by a Session for its steps, :func:`set_trainer_stream`): the stream
+# the training runs on. FSDP runs some operators on streams of its own (the all-gathers' copy-in
+# and collective in forward and before backward, the reduce-scatter and what follows it), while
+# teraio orders its copies (offloads, prefetches, the executor's fences) after the trainer's
+# stream: such an operator first waits for the trainer's stream (what teraio brought back for
+# it is there), and the trainer's stream then waits for it (an offload of what it wrote reads
+# it complete). None: nothing to order (the CPU, or no FSDP).
+_TRAINER_STREAM: Any = None
+
+
+def set_trainer_stream(stream: Any) -> None:
+    """Set (a ``torch.cuda.Stream``) or clear (None) the trainer's stream (see above)."""
+    global _TRAINER_STREAM
+    _TRAINER_STREAM = stream
+
+
+def _wait_works(out: Any) -> None:
+    """Wait for a collective's ``Work`` objects among an operator's results (with gloo: until its
+    buffers are written; with NCCL: the current stream waits for the collective)."""
+    for w in out if isinstance(out, (list, tuple)) else (out,):
+        if not isinstance(w, torch.Tensor) and callable(getattr(w, "wait", None)):
+            w.wait()
+
+
+def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run an operator. A collective (``c10d`` namespace) on CPU tensors is waited for before
+    this returns: with gloo a worker thread writes its buffers after the operator returned, and what
+    runs after an operator under teraio (paging, a plan's offloads) must see them complete.
+    (FSDP2's and ``torch.distributed``'s own ``wait()`` after it then returns at once.) Under
+    FSDP2 on a GPU (``_TRAINER_STREAM``) a collective is waited for too (on the device: the
+    current stream waits for it), and an operator on another stream than the trainer's is
+    ordered after the trainer's stream and the trainer's stream after it."""
+    trainer = _TRAINER_STREAM
+    if trainer is not None:
+        cur = torch.cuda.current_stream(trainer.device)
+        side = cur != trainer
+        if side:
+            cur.wait_stream(trainer)
+        out = func(*args, **kwargs)
+        if getattr(func, "namespace", None) == "c10d":
+            _wait_works(out)
+        if side:
+            trainer.wait_stream(cur)
+        return out
+    out = func(*args, **kwargs)
+    if getattr(func, "namespace", None) == "c10d" and _on_cpu(args):
+        _wait_works(out)
+    return out
 
 
 def storage_key(s: torch.UntypedStorage) -> int:

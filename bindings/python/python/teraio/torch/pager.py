@@ -35,7 +35,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._storages import iter_tensors, storage_key, storage_of
+from ._storages import iter_tensors, run_op, storage_key, storage_of
 
 _ids = itertools.count(1 << 40)
 
@@ -257,14 +257,14 @@ class Pager:
         called right before that second attempt (the profiler restarts the operator's clock
         there, so the paging is not timed as the operator's)."""
         try:
-            return func(*args, **kwargs)
+            return run_op(func, args, kwargs)
         except torch.cuda.OutOfMemoryError:
             if not self.make_room(keep, op):
                 raise
             torch.cuda.empty_cache()
             if again is not None:
                 again()
-            return func(*args, **kwargs)
+            return run_op(func, args, kwargs)
 
     def restore_all(self) -> None:
         """Bring every paged-out storage back (the end of a paged iteration)."""

@@ -42,7 +42,10 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
-from ._storages import byte_view, covers, flat_args, iter_tensors, op_name, signature, storage_key, storage_of
+from ._storages import (byte_view, covers, flat_args, iter_tensors, local_tensor, op_name, run_op, signature,
+                        storage_key, storage_of)
+from . import _storages
+from .fsdp import named_parameters
 from .pager import host_view
 
 _DIRECT_RESIZE = ("cpu", "cuda")
@@ -125,7 +128,7 @@ def named_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
     out: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}
     if model is not None:
-        for n, p in model.named_parameters():
+        for n, p in named_parameters(model):
             names[id(p)] = n
             out[f"param:{n}"] = p
             if p.grad is not None:
@@ -142,9 +145,10 @@ def named_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimize
 
 
 def _version(t: torch.Tensor) -> int | None:
-    """The tensor's in-place write counter (shared with its views), None when it has none."""
+    """The tensor's in-place write counter (shared with its views), None when it has none (a
+    DTensor's: its local shard's, which every write of this rank's bytes bumps)."""
     try:
-        return t._version
+        return local_tensor(t)._version
     except (RuntimeError, AttributeError):  # inference tensors have no version counter
         return None
 
@@ -480,8 +484,10 @@ class PlannedRun:
         operator left is quiet (a plan that moves nothing), the rest of the step, backward and
         optimizer included, runs unwatched. A hook other than the profiled one is a divergence
         (the mode re-entered, the executor told); the operators of a stretch are not checked
-        one by one."""
-        if self._nothing_away is None or not self._skips or not self._mark_at:
+        one by one. Under FSDP2 on a GPU every operator is watched (``run_op`` orders the ones
+        FSDP runs on its own streams against the trainer's)."""
+        if self._nothing_away is None or not self._skips or not self._mark_at \
+                or _storages._TRAINER_STREAM is not None:
             return []
         # the hooks before the first operator fired before these were installed
         self._t = bisect.bisect_right(self._mark_at, 0)
@@ -592,7 +598,7 @@ class PlannedRun:
                 self._diverge(k, e)
                 return self._invoke(func, args, kwargs)
             try:
-                return func(*args, **kwargs)
+                return run_op(func, args, kwargs)
             except torch.OutOfMemoryError:
                 pass  # the executor makes room: the operator runs again the planned way
         self.before(k, func, args, kwargs)
@@ -680,7 +686,7 @@ class PlannedRun:
 
     @staticmethod
     def _invoke(func: Any, args: tuple, kwargs: dict) -> Any:
-        return func(*args, **kwargs)
+        return run_op(func, args, kwargs)
 
     def _mark(self, events: list[Any], k: int) -> None:
         while len(events) <= k:

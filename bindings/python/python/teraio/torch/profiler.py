@@ -44,7 +44,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import iter_tensors, op_name, remakeable, signature, storage_key, storage_of, written_tensors
+from ._storages import (foreign, iter_tensors, op_name, remakeable, run_op, signature, storage_key, storage_of,
+                        written_tensors)
+from .fsdp import named_parameters
 
 TRACE_FORMAT = "teraio-trace"
 TRACE_VERSION = 1
@@ -130,6 +132,9 @@ class Profiler:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
         self.pager = pager
+        # called after each recorded operator (a Session under FSDP2 samples the memory of
+        # FSDP's unsharded parameters there: teraio.torch.fsdp)
+        self.after_op: Callable[[], None] | None = None
         # module id -> transformer layer, read from the model once
         self._layer_of: dict[int, int] | None = None
         self._reset()
@@ -223,7 +228,7 @@ class Profiler:
         """Parameters, gradients, buffers and optimizer states on the traced device."""
         ts: list[torch.Tensor] = []
         if self.model is not None:
-            for p in self.model.parameters():
+            for _, p in named_parameters(self.model):
                 ts.append(p)
                 if p.grad is not None:
                     ts.append(p.grad)
@@ -334,7 +339,7 @@ class Profiler:
             self._events.append(ev)
             # an operator the pager runs again after paging out: its clock restarts there
             out = pager.run_op(func, args, kwargs, stor, op, again=ev.record) if pager is not None \
-                else run() if run is not None else func(*args, **kwargs)
+                else run() if run is not None else run_op(func, args, kwargs)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._ends.append(end)
@@ -345,7 +350,7 @@ class Profiler:
                 t0[0] = time.perf_counter()
 
             out = pager.run_op(func, args, kwargs, stor, op, again=again) if pager is not None \
-                else run() if run is not None else func(*args, **kwargs)
+                else run() if run is not None else run_op(func, args, kwargs)
             self._times.append((time.perf_counter() - t0[0]) * 1e6)
         for t, st in zip(in_tensors, ins):
             if st is not None:
@@ -360,7 +365,9 @@ class Profiler:
             self._storages[idx].phase = phase
         remake = None
         if self.producers and created and phase == "fwd" and remakeable(func, args, kwargs) \
-                and op_name(func) not in self.unstable_ops:
+                and op_name(func) not in self.unstable_ops and not any(foreign(t) for t in in_tensors):
+            # (not an operator that reads FSDP's unsharded parameters: FSDP may have freed them
+            # by the time a recomputation would run)
             remake = [st for st in ins if st is not None]
         if pager is not None:
             outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == self.device) if s is not None]
@@ -377,6 +384,8 @@ class Profiler:
                 created_at=created_at,
             )
         )
+        if self.after_op is not None:
+            self.after_op()
         return out
 
     # ---- naming ------------------------------------------------------------------------
@@ -385,7 +394,7 @@ class Profiler:
         """Called when the optimizer step starts: the gradients are the ``.grad``s now."""
         if self.model is None:
             return
-        for n, p in self.model.named_parameters():
+        for n, p in named_parameters(self.model):
             if p.grad is not None:
                 self._label(p.grad, f"grad:{n}", "gradient")
 
@@ -400,7 +409,7 @@ class Profiler:
 
     def _label_globals(self) -> None:
         if self.model is not None:
-            for n, p in self.model.named_parameters():
+            for n, p in named_parameters(self.model):
                 self._label(p, f"param:{n}", "weight")
             for n, b in self.model.named_buffers():
                 self._label(b, f"buffer:{n}", "weight")
@@ -408,7 +417,7 @@ class Profiler:
         if self.optimizer is not None:
             names = {}
             if self.model is not None:
-                names = {id(p): n for n, p in self.model.named_parameters()}
+                names = {id(p): n for n, p in named_parameters(self.model)}
             for p, state in self.optimizer.state.items():
                 pn = names.get(id(p), f"p{id(p):x}")
                 for k, v in state.items():

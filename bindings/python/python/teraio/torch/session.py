@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import covers, flat_args, signature, storage_of
+from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_of
+from .fsdp import claim as claim_fsdp
 from .host_offload import offload_optimizer
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
 from .planned import Diverged, PlannedRun, Results, keep_last
@@ -329,6 +330,12 @@ class Session:
         self.planner = planner
         self.profiler = Profiler(model, optimizer, device=device, producers=recompute)
         self.device = self.profiler.device
+        # under FSDP2 (teraio.torch.fsdp): FSDP's unsharded parameter storages are FSDP's, not
+        # traced nor moved; their peak, sampled in profiled steps, is kept out of plans' budget
+        self.fsdp = claim_fsdp(model)
+        self._trainer_stream: Any = None
+        if self.fsdp is not None:
+            self.profiler.after_op = self.fsdp.sample
         if planner is None:
             self.hardware = _hardware(hardware)
             _check_policy(policy)
@@ -407,6 +414,10 @@ class Session:
             alloc0 = self._alloc_counts if self._alloc_counts is not None else _allocator_counts(self.device)
         moved0 = (self.mover.bytes_out + self.mover.bytes_in) if self.mover else 0
         wait0 = self.pager.wait_s if self.pager else 0.0
+        if cuda and self.fsdp is not None:
+            # (FSDP runs operators on its own streams: ordered against this one, see run_op)
+            self._trainer_stream = torch.cuda.current_stream(self.device)
+            set_trainer_stream(self._trainer_stream)
         t0 = time.perf_counter()
         mode = _StepMode(self, n)
         # the pager learns the global storages at the first operator, if the step is profiled
@@ -420,7 +431,10 @@ class Session:
             raise
         finally:
             # (a planned step may have left the mode for its last operators: unwatched)
-            mode.close()
+            try:
+                mode.close()
+            finally:
+                set_trainer_stream(None)
             if failed:
                 # the loop's own error surfaces as itself: the step is abandoned, nothing of it
                 # recorded, every tensor brought back, and the next step starts afresh
@@ -656,6 +670,9 @@ class Session:
         b = int(self.budget * self._plan_fraction)
         if 0 < self._headroom < self.budget // 2:
             b = min(b, self.budget - self._headroom)
+        if self.fsdp is not None:
+            # (FSDP's unsharded parameters take this much beside the plan's tensors)
+            b = max(1, b - self.fsdp.peak_bytes)
         return b
 
     @property
@@ -687,7 +704,9 @@ class Session:
                 f"the store ({type(self.store).__name__}) has no plan executor: steps page instead")
         stream = None
         if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            # (the step's stream: under FSDP2 the first operator may run on one of FSDP's)
+            s = self._trainer_stream or torch.cuda.current_stream(self.device)
+            stream = s.cuda_stream
         elif self._device_memory():
             stream = 0  # the emulation's fences
         # (a bounded run's trace is a larger shape's: its sizes are upper bounds)
@@ -913,6 +932,11 @@ class Session:
         if self.pager is not None:
             out["evictions"] = self.pager.evictions
             out["fetches"] = self.pager.fetches
+        if self.fsdp is not None:
+            # FSDP's unsharded parameters (not moved by teraio): their peak in profiled steps,
+            # and their bytes were every parameter unsharded at once
+            out["fsdp"] = {"unsharded_storages": len(self.fsdp), "unsharded_peak_bytes": self.fsdp.peak_bytes,
+                           "unsharded_full_bytes": self.fsdp.full_bytes}
         if steps:
             out["mode"] = steps[-1]["mode"]
             out["stall_s_per_step"] = steps[-1]["stall_s"]
@@ -931,6 +955,8 @@ class Session:
             self.pager.restore_all()
         if self._engine is not None and hasattr(self._engine, "close"):
             self._engine.close()
+        if self.fsdp is not None:
+            self.fsdp.release()
         self.closed = True
 
     def __enter__(self) -> "Session":
@@ -1234,7 +1260,7 @@ class _StepMode(TorchDispatchMode):
                 return self.run.op(k, func, args, kwargs)
             if self.paged_only:
                 return session.pager.dispatch(func, args, kwargs, k, session.device)
-            return func(*args, **kwargs)
+            return run_op(func, args, kwargs)
         if not self.cands:
             self.bounding = True
             return self._bounding_op(k, func, args, kwargs, sig)
