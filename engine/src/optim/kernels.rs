@@ -14,8 +14,8 @@
 //! - `addcdiv(t1, t2, value)` is `self + (value * t1) / t2`; `mul`, `div`, `sqrt` as written.
 //!
 //! The division by the bias correction is computed without a divide ([`div_by`]: the same
-//! correctly rounded quotient from three multiply-adds; a divider is the scarcest unit of a
-//! core when 16 threads share 8 of them).
+//! correctly rounded quotient from three multiply-adds; a vector divide is the slowest
+//! instruction of the loop).
 //!
 //! Rust never contracts `a * b + c` on its own, so every fused operation is an explicit
 //! [`f32::mul_add`]: each operation is correctly rounded, the result does not depend on the
