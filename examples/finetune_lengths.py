@@ -3,7 +3,10 @@
 A Llama-style model from Hugging Face transformers, built from a config (no download), trains
 on batches whose sequence length is one of ``--lengths`` distinct values, in a random order, for
 ``--steps`` steps. ``--mode ideal`` trains plainly (no cap), ``--mode teraio`` under a Session
-with a GPU budget and a host tier. Prints a JSON line with every step's loss, time and mode, and
+with a GPU budget and a host tier, ``--mode zero-offload`` (a peer) with DeepSpeed's ZeRO-Offload
+(ZeRO-2, AdamW on the CPU: DeepSpeed's CPUAdam, bf16 weights with ``--dtype bf16``) under the same
+cap (``torch.cuda.set_per_process_memory_fraction``); ``--checkpointing`` turns on the model's own
+activation checkpointing in any mode. Prints a JSON line with every step's loss, time and mode, and
 the totals a reader compares: the whole loop's time against ``steps x`` the mean planned step
 (issue 30's target: within 1.3x), how many steps were profiled, and how each shape's plan was
 obtained.
@@ -11,6 +14,7 @@ obtained.
     python examples/finetune_lengths.py --mode ideal  --out ideal.json
     python examples/finetune_lengths.py --mode teraio --out teraio.json --cap-gib 5.5
     python examples/finetune_lengths.py --compare ideal.json teraio.json
+    python examples/finetune_lengths.py --mode zero-offload --cap-gib 11.25 --checkpointing --out ds.json
 
 On a CPU it runs a small model (``--small``) in seconds: what CI would run.
 """
@@ -58,7 +62,9 @@ def lengths(args) -> list[int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["ideal", "teraio"], default="teraio")
+    ap.add_argument("--mode", choices=["ideal", "teraio", "zero-offload"], default="teraio",
+                    help="ideal: plain training, no cap; teraio: under a Session at --cap-gib; zero-offload: "
+                         "DeepSpeed ZeRO-2 with the optimizer on the CPU at --cap-gib (needs deepspeed)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lengths", type=int, default=16, help="distinct sequence lengths (default 16)")
     ap.add_argument("--min-len", type=int, default=256)
@@ -80,6 +86,8 @@ def main() -> int:
     ap.add_argument("--update-in-backward", action="store_true",
                     help="with --optimizer-on host: each parameter's update runs on the host during backward "
                          "(offload_optimizer(update_in_backward=True))")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="the model's own activation checkpointing (gradient_checkpointing_enable), any mode")
     ap.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     ap.add_argument("--no-bounded", action="store_true",
                     help="a new shape's first step pages (Session(bounded_shapes=False)) instead of running "
@@ -98,9 +106,17 @@ def main() -> int:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.mode == "zero-offload" and (args.optimizer_on != "gpu" or args.update_in_backward):
+        ap.error("--mode zero-offload puts the optimizer on the CPU itself (DeepSpeed's CPUAdam): "
+                 "leave out --optimizer-on and --update-in-backward")
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     model, opt, cfg = build(args)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ds = None
+    if args.mode == "zero-offload":
+        ds = zero_offload(args, model)
     lens = lengths(args)
     rng = random.Random(args.seed + 1)
     order = [rng.choice(lens) for _ in range(args.steps)]
@@ -133,12 +149,17 @@ def main() -> int:
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, n), generator=g).to(args.device)
         t0 = time.perf_counter()
         ctx = session.step() if session is not None else _null()
-        with ctx:
-            with autocast:
-                loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        if ds is not None:
+            loss = ds(input_ids=tokens, labels=tokens).loss
+            ds.backward(loss)
+            ds.step()
+        else:
+            with ctx:
+                with autocast:
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         lv = loss.item()
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -155,7 +176,8 @@ def main() -> int:
     total = time.perf_counter() - t_all
     out = {"mode": args.mode, "dtype": args.dtype, "size": "small" if args.small else args.size,
            "optimizer_on": args.optimizer_on, "update_in_backward": args.update_in_backward, "steps": steps, "total_s": total, "lengths": lens,
-           "cap_gib": args.cap_gib if session else None, "device": args.device}
+           "checkpointing": args.checkpointing,
+           "cap_gib": args.cap_gib if args.mode != "ideal" else None, "device": args.device}
     if session is not None:
         planned = [s["time_s"] for s in steps if s.get("mode") == "planned"]
         out["planned_steps"] = len(planned)
@@ -179,6 +201,31 @@ def main() -> int:
             f.write(text)
     print(json.dumps({k: v for k, v in out.items() if k != "steps"}))
     return 0
+
+
+def zero_offload(args, model):
+    """DeepSpeed ZeRO-2 with the optimizer on the CPU (ZeRO-Offload), one process, at the cap:
+    AdamW with the same hyperparameters as :func:`build`'s, DeepSpeed's CPUAdam."""
+    import os
+
+    import deepspeed
+    import torch
+
+    if args.device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0",
+                 "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    deepspeed.init_distributed(verbose=False)
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+           "bf16": {"enabled": args.dtype == "bf16"},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                 "overlap_comm": True, "contiguous_gradients": True},
+           "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
 
 
 class _null:

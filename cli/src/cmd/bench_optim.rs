@@ -1,5 +1,6 @@
 //! `teraio bench-optim`: throughput of the host optimizer step (`teraio_engine::optim`) over one
-//! large float32 tensor, per thread count.
+//! large float32 tensor (or `--tensors` pieces of it, stepped one after another as a model's
+//! parameters are), per thread count.
 //!
 //! The figure is memory traffic over time: AdamW reads the parameter, the gradient and both
 //! states and writes the parameter and both states, 28 bytes a parameter (36 with amsgrad);
@@ -46,6 +47,7 @@ pub enum IsaArg {
 Examples:
   teraio bench-optim                                   # AdamW, 256M parameters, all threads
   teraio bench-optim --params 64M --threads 1,2,4,8,16 --json
+  teraio bench-optim --params 1G --tensors 200           # a 1B model's 200 tensors, one by one
   teraio bench-optim --optimizer sgd --amsgrad         # (amsgrad is Adam's; ignored by SGD)")]
 pub struct Args {
     /// The optimizer.
@@ -54,6 +56,10 @@ pub struct Args {
     /// Parameters in the tensor (k, M, G suffixes are powers of 1024: 256M = 268,435,456).
     #[arg(long, default_value = "256M", value_parser = parse_size)]
     pub params: u64,
+    /// Step the parameters as this many tensors of (nearly) equal size, one after another, as an
+    /// optimizer steps a model's parameters: each call's start (its threads' dispatch) counts.
+    #[arg(long, default_value_t = 1)]
+    pub tensors: usize,
     /// Thread counts to run, comma-separated (default: the machine's available parallelism).
     #[arg(long, value_delimiter = ',')]
     pub threads: Vec<usize>,
@@ -94,11 +100,14 @@ pub fn bytes_per_param(opt: Optimizer, amsgrad: bool) -> u64 {
     }
 }
 
-/// Time `steps` steps (after `warmup`) of `opt` over `n` parameters for each thread count.
+/// Time `steps` steps (after `warmup`) of `opt` over `n` parameters, cut into `tensors` tensors
+/// stepped one after another, for each thread count.
+#[allow(clippy::too_many_arguments)]
 pub fn measure(
     opt: Optimizer,
     isa: Isa,
     n: usize,
+    tensors: usize,
     amsgrad: bool,
     threads: &[usize],
     warmup: u32,
@@ -118,6 +127,7 @@ pub fn measure(
     let mut s1: Vec<f32> = fill(0.01, 3);
     let mut s2: Vec<f32> = fill(1e-4, 4).into_iter().map(f32::abs).collect();
     let mut s3: Vec<f32> = if amsgrad { s2.clone() } else { Vec::new() };
+    let piece = n.div_ceil(tensors.max(1)).max(1);
     let mut rows = Vec::new();
     let mut step_no = 0u64;
     for &t in threads {
@@ -125,22 +135,9 @@ pub fn measure(
         for i in 0..warmup + steps {
             step_no += 1;
             let start = Instant::now();
-            let max = amsgrad.then_some(&mut s3[..]);
-            match opt {
-                Optimizer::Adamw => AdamW { amsgrad, threads: t, ..AdamW::default() }
-                    .step_on(isa, step_no, &mut param, &grad, &mut s1, &mut s2, max)?,
-                Optimizer::Adam => {
-                    Adam { amsgrad, threads: t, weight_decay: 0.01, ..Adam::default() }
-                        .step_on(isa, step_no, &mut param, &grad, &mut s1, &mut s2, max)?
-                }
-                Optimizer::Sgd => Sgd { momentum: 0.9, threads: t, ..Sgd::default() }.step_on(
-                    isa,
-                    &mut param,
-                    &grad,
-                    Some(&mut s1),
-                    false,
-                )?,
-            }
+            let bufs =
+                Bufs { param: &mut param, grad: &grad, s1: &mut s1, s2: &mut s2, s3: &mut s3 };
+            step_pieces(opt, isa, amsgrad, t, step_no, piece, bufs)?;
             if i >= warmup {
                 times.push(start.elapsed().as_secs_f64());
             }
@@ -149,6 +146,46 @@ pub fn measure(
         rows.push(Row { threads: t, median_s: times[times.len() / 2], min_s: times[0] });
     }
     Ok(rows)
+}
+
+/// One step's buffers: the parameter, its gradient and the states (`s3` empty without amsgrad).
+struct Bufs<'a> {
+    param: &'a mut [f32],
+    grad: &'a [f32],
+    s1: &'a mut [f32],
+    s2: &'a mut [f32],
+    s3: &'a mut [f32],
+}
+
+/// One step of `opt` over `b`, as tensors of `piece` parameters stepped one after another.
+fn step_pieces(
+    opt: Optimizer,
+    isa: Isa,
+    amsgrad: bool,
+    threads: usize,
+    step_no: u64,
+    piece: usize,
+    b: Bufs<'_>,
+) -> Result<()> {
+    let mut max = b.s3.chunks_mut(piece);
+    let pieces = b.param.chunks_mut(piece).zip(b.grad.chunks(piece));
+    for (((p, g), m1), m2) in pieces.zip(b.s1.chunks_mut(piece)).zip(b.s2.chunks_mut(piece)) {
+        let max = if amsgrad { max.next() } else { None };
+        match opt {
+            Optimizer::Adamw => AdamW { amsgrad, threads, ..AdamW::default() }
+                .step_on(isa, step_no, p, g, m1, m2, max)?,
+            Optimizer::Adam => Adam { amsgrad, threads, weight_decay: 0.01, ..Adam::default() }
+                .step_on(isa, step_no, p, g, m1, m2, max)?,
+            Optimizer::Sgd => Sgd { momentum: 0.9, threads, ..Sgd::default() }.step_on(
+                isa,
+                p,
+                g,
+                Some(m1),
+                false,
+            )?,
+        }
+    }
+    Ok(())
 }
 
 /// Run the benchmark.
@@ -172,8 +209,14 @@ pub fn run(a: Args) -> Result<()> {
     if !isa.supported() {
         return Err(CliError::Usage(format!("--isa {}: this CPU does not run it", isa.name())));
     }
+    if a.tensors == 0 || a.tensors > n.max(1) {
+        return Err(CliError::Usage(format!(
+            "--tensors {}: give between 1 and --params ({n}) tensors",
+            a.tensors
+        )));
+    }
     let per_param = bytes_per_param(a.optimizer, a.amsgrad);
-    let rows = measure(a.optimizer, isa, n, a.amsgrad, &threads, a.warmup, a.steps)?;
+    let rows = measure(a.optimizer, isa, n, a.tensors, a.amsgrad, &threads, a.warmup, a.steps)?;
     let traffic = (n as u64 * per_param) as f64;
     let name = format!("{:?}", a.optimizer).to_lowercase();
     if a.json {
@@ -194,6 +237,7 @@ pub fn run(a: Args) -> Result<()> {
             "amsgrad": a.amsgrad,
             "isa": isa.name(),
             "params": n,
+            "tensors": a.tensors,
             "bytes_per_param": per_param,
             "steps": a.steps,
             "results": out,
@@ -202,9 +246,10 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{name}{} over {n} parameters ({:.2} GB of traffic a step, {per_param} B/param), {} build, \
+        "{name}{} over {n} parameters{} ({:.2} GB of traffic a step, {per_param} B/param), {} build, \
          median of {} steps:",
         if a.amsgrad && a.optimizer != Optimizer::Sgd { " (amsgrad)" } else { "" },
+        if a.tensors > 1 { format!(" in {} tensors", a.tensors) } else { String::new() },
         traffic / 1e9,
         isa.name(),
         a.steps
@@ -230,10 +275,35 @@ mod tests {
     #[test]
     fn a_small_run_reports_every_thread_count() {
         for opt in [Optimizer::Adamw, Optimizer::Adam, Optimizer::Sgd] {
-            let rows = measure(opt, optim::isa(), 200_003, true, &[1, 3], 1, 2).unwrap();
+            let rows = measure(opt, optim::isa(), 200_003, 1, true, &[1, 3], 1, 2).unwrap();
             assert_eq!(rows.iter().map(|r| r.threads).collect::<Vec<_>>(), [1, 3]);
             assert!(rows.iter().all(|r| r.median_s > 0.0 && r.min_s <= r.median_s));
         }
         assert_eq!(bytes_per_param(Optimizer::Adamw, false), 28);
+    }
+
+    #[test]
+    fn tensors_step_every_parameter_once() {
+        // 1000 parameters as one tensor and as 7 (the last one shorter), two steps each: the
+        // same values bitwise (a piece skipped or stepped twice would differ)
+        let run = |piece: usize| {
+            let mut b: Vec<Vec<f32>> = (0..5)
+                .map(|k| {
+                    (0..1000).map(|i| ((i * 7 + k * 13) % 101) as f32 / 101.0 + 0.01).collect()
+                })
+                .collect();
+            let [p, g, s1, s2, s3] = &mut b[..] else { unreachable!() };
+            for step in 1..=2 {
+                for opt in [Optimizer::Adamw, Optimizer::Sgd] {
+                    let bufs = Bufs { param: p, grad: g, s1, s2, s3 };
+                    step_pieces(opt, optim::isa(), true, 2, step, piece, bufs).unwrap();
+                }
+            }
+            b
+        };
+        let (one, seven) = (run(1000), run(1000usize.div_ceil(7)));
+        assert!(one[0].iter().zip(&seven[0]).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(one[4].iter().zip(&seven[4]).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_ne!(one[0], run(1000)[1], "the step changed the parameters");
     }
 }

@@ -38,6 +38,7 @@
 //! ```
 
 mod kernels;
+mod workers;
 
 use std::sync::OnceLock;
 
@@ -73,24 +74,24 @@ fn threads_for(n: usize, threads: usize) -> usize {
     asked.min(n.div_ceil(MIN_ELEMENTS_PER_THREAD)).max(1)
 }
 
-/// Run `f` over `bufs` cut into `threads` chunks (scoped threads; the last chunk on the
-/// caller's thread). Chunks start at multiples of [`CHUNK_ALIGN_ELEMENTS`].
+/// Run `f` over `bufs` cut into `threads` chunks (on the optimizer's worker threads, started
+/// once: `workers`; the last chunk on the caller's thread). Chunks start at multiples of
+/// [`CHUNK_ALIGN_ELEMENTS`].
 fn parallel<B: Split + Send>(bufs: B, threads: usize, f: impl Fn(B) + Sync) {
     let n = bufs.len();
     if threads <= 1 {
         return f(bufs);
     }
     let chunk = n.div_ceil(threads).next_multiple_of(CHUNK_ALIGN_ELEMENTS);
-    std::thread::scope(|scope| {
-        let mut rest = bufs;
-        while rest.len() > chunk {
-            let (head, tail) = rest.split_at(chunk);
-            let f = &f;
-            scope.spawn(move || f(head));
-            rest = tail;
-        }
-        f(rest);
-    });
+    let f = &f;
+    let mut jobs: Vec<Box<dyn FnOnce() + Send + '_>> = Vec::with_capacity(threads);
+    let mut rest = bufs;
+    while rest.len() > chunk {
+        let (head, tail) = rest.split_at(chunk);
+        jobs.push(Box::new(move || f(head)));
+        rest = tail;
+    }
+    workers::scope(jobs, move || f(rest));
 }
 
 /// `value` of `key` is `>= 0` (NaN is not).

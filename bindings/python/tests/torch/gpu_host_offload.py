@@ -1,6 +1,8 @@
 """GPU-only checks of Session(optimizer_on="host"); not collected by CI (no GPU there). On the GPU
 machine: ``pytest bindings/python/tests/torch/gpu_host_offload.py`` (docs/BENCHMARKS.md)."""
 
+import copy
+
 import torch
 
 from teraio.torch import Session, offload_optimizer
@@ -49,7 +51,9 @@ def test_a_loaded_state_dict_goes_back_to_the_host():
     b = model_for(7, "cuda")
     b.load_state_dict(a.state_dict())
     opt_b = offload_optimizer(torch.optim.AdamW(b.parameters(), lr=1e-2))
-    opt_b.load_state_dict(opt_a.state_dict())
+    # a checkpoint's copy: PyTorch's load_state_dict keeps a CPU "step" tensor as it is given, so
+    # loading a live optimizer's state_dict would share one step counter between the two
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
     assert all(opt_b.state[p]["exp_avg"].device.type == "cuda" for p in b.parameters())
     la = train(a, opt_a, data[3:], clip=False, accumulate=1, sched=None, write_at=-1)
     lb = train(b, opt_b, data[3:], clip=False, accumulate=1, sched=None, write_at=-1)
