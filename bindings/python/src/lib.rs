@@ -1238,6 +1238,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", core::VERSION)?;
     m.add("POLICIES", core::sched::policy_names())?;
     m.add("MODEL_PRESETS", core::sched::model_presets())?;
+    m.add("KEY_CALLER_FIRST", teraio_engine::store::TensorKey::CALLER_FIRST.get())?;
     m.add_class::<NativeEngine>()?;
     m.add_class::<NativeOp>()?;
     m.add_class::<NativeBuffer>()?;

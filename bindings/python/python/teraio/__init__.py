@@ -62,6 +62,10 @@ _teraio.set_error_classes({name: getattr(_errors, name) for name, _ in _teraio.s
 __version__: str = _teraio.__version__
 POLICIES: Tuple[str, ...] = tuple(_teraio.POLICIES)
 MODEL_PRESETS: Tuple[str, ...] = tuple(_teraio.MODEL_PRESETS)
+#: The first tensor key of the callers' own key space (the engine's ``TensorKey::CALLER_FIRST``,
+#: ``1 << 40``): the keys of an executor's trace tensors are all below it, so keys counted from
+#: it never collide with an executor running on the same engine (teraio.torch's pager does so).
+KEY_CALLER_FIRST: int = _teraio.KEY_CALLER_FIRST
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -1112,6 +1116,7 @@ __all__ = [
     "version",
     "POLICIES",
     "MODEL_PRESETS",
+    "KEY_CALLER_FIRST",
     "Engine",
     "Executor",
     "HostBuffer",
