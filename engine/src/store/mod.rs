@@ -51,7 +51,7 @@ use teraio_layout::format::RecordBody;
 use crate::array::DeviceArray;
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
 use crate::queue::{Budget, Handle, Priority, Queues, Slot};
-use crate::tier::{DeviceFence, DeviceRuntime, MemoryTier, TensorMem};
+use crate::tier::{DeviceFence, GpuDevice, MemoryTier, TensorMem};
 use crate::{Error, Result};
 
 pub use gpu::{GpuIoConfig, GpuPath, GpuPathInfo, GpuStats, PathStats, select_path};
@@ -184,7 +184,7 @@ pub(crate) struct SsdCopy {
 /// A fence recorded now on the caller's `stream`, on the device of `mem` (device memory only).
 fn device_fence(id: TensorKey, mem: &TensorMem, stream: u64) -> Result<Box<dyn DeviceFence>> {
     match mem.device() {
-        Some(dev) => dev.runtime().record_on_stream(stream),
+        Some(dev) => dev.gpu().record_on_stream(stream),
         None => Err(Error::InvalidArgument(format!(
             "tensor {id}: ordering after a CUDA stream needs device memory, not {mem:?}"
         ))),
@@ -575,10 +575,10 @@ impl TensorStore {
         Ok(Handle::new(slot))
     }
 
-    /// The data path that device memory of `runtime` takes to and from this store's array
+    /// The data path that device memory of `gpu` takes to and from this store's array
     /// (decided on first use: direct storage is opened then), and why.
-    pub fn gpu_path(&self, runtime: &Arc<dyn DeviceRuntime>) -> Result<GpuPathInfo> {
-        self.inner.gpu.route_info(&self.inner.array, runtime).map(|(_, info)| info)
+    pub fn gpu_path(&self, gpu: &Arc<dyn GpuDevice>) -> Result<GpuPathInfo> {
+        self.inner.gpu.route_info(&self.inner.array, gpu).map(|(_, info)| info)
     }
 
     /// What the GPU data paths did so far.

@@ -251,7 +251,7 @@ def test_an_operator_that_runs_out_of_memory_runs_again_once_the_executor_made_r
     monkeypatch.setattr(tt.planned.PlannedRun, "_invoke", staticmethod(flaky))
     for i, t in enumerate(batches(5)):
         # two in a row, of one operator in the second planned step; in the third more than
-        # the runtime tries: the error reaches the caller
+        # teraio.torch tries: the error reaches the caller
         failures["left"], failures["skip"] = {3: (2, 20), 4: (10, 20)}.get(i, (0, 0))
         if i == 4:
             with pytest.raises(torch.OutOfMemoryError):
