@@ -524,12 +524,12 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
             out["teraio"] = session.report()
             if args.teraio_save_trace:
                 # the profiled trace and the plan of the planned steps, for `teraio simulate`
-                for i, e in enumerate(e for e in session.plans.values() if e.get("plan") is not None):
+                for i, e in enumerate(e for e in session.plans.values() if e.plan is not None):
                     base = f"{args.teraio_save_trace}.{i}"
                     with gzip.open(base + ".trace.json.gz", "wt") as f:
-                        json.dump(e["trace"], f)
+                        json.dump(e.trace, f)
                     with open(base + ".plan.json", "w") as f:
-                        f.write(e["plan"].to_json())
+                        f.write(e.plan.to_json())
             session.close()
         return out
 

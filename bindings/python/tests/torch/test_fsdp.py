@@ -87,7 +87,7 @@ def _train_job(rank, world, port, results, base, reshard, bf16):
             out["fetches"] = rep["fetches"]
             out["fsdp"] = rep["fsdp"]
             # what teraio traced: the rank's shards by name, FSDP's unsharded storages not at all
-            trace = next(iter(s.plans.values()))["trace"] if s.plans else None
+            trace = next(iter(s.plans.values())).trace if s.plans else None
             out["globals"] = sorted(t["name"] for t in trace["tensors"] if t["global"]) if trace else []
             out["traced_bytes"] = {t["name"]: t["bytes"] for t in trace["tensors"] if t["global"]} if trace else {}
             s.close()

@@ -14,6 +14,7 @@ import torch
 
 import teraio.torch as tt
 from teraio.torch.pager import host_view
+from teraio.torch.session import _TestHooks as Hooks
 
 from models import Block, batches, make, train_step
 
@@ -137,8 +138,8 @@ def session(model, opt, executors):
         executors.append(ex)
         return ex
 
-    return tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
-                      planner=script_for, warmup_steps=1, log=lambda _: None)
+    return tt.Session(model, opt, gpu_budget_bytes=None, warmup_steps=1, log=lambda _: None,
+                      _hooks=Hooks(store=None, executor_factory=factory, planner=script_for))
 
 
 def test_planned_steps_move_storages_and_keep_losses():
@@ -357,8 +358,8 @@ def quiet_session(model, opt, executors):
         executors.append(ex)
         return ex
 
-    s = tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
-                   planner=late_script, warmup_steps=1, log=lambda _: None)
+    s = tt.Session(model, opt, gpu_budget_bytes=None, warmup_steps=1, log=lambda _: None,
+                   _hooks=Hooks(store=None, executor_factory=factory, planner=late_script))
     s.budget = 1 << 30
     return s
 
