@@ -10,8 +10,8 @@ tokens, so their losses can be compared exactly:
   plain            plain PyTorch under the cap (expected: out of memory, showing the cap binds)
   teraio-ssd       teraio.torch under the cap, offloading to the SSD array only
   teraio-host      teraio.torch under the cap, SSD array plus a host-memory tier (--host-gib)
-  teraio-noop      teraio.torch with no cap and a plan that moves nothing (the runtime's overhead)
-  dispatch-noop    a bare Python dispatch mode around the step (the floor of any such runtime)
+  teraio-noop      teraio.torch with no cap and a plan that moves nothing (teraio.torch's own overhead)
+  dispatch-noop    a bare Python dispatch mode around the step (the floor of any such wrapper)
   save_on_cpu      torch.autograd.graph.save_on_cpu(pin_memory=True) under the cap
   checkpointing    torch.utils.checkpoint around every block under the cap
   zero-infinity    DeepSpeed ZeRO-3, parameters and optimizer states on NVMe, every block
@@ -493,7 +493,7 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
         session = make_session(args, torch, mode, model, opt, dev)
     step_ctx = contextlib.nullcontext
     if mode == "dispatch-noop":
-        # the floor of any runtime that is a Python dispatch mode: one that only runs each
+        # the floor of any wrapper that is a Python dispatch mode: one that only runs each
         # operator (what teraio-noop costs beyond it is teraio's own bookkeeping)
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -524,12 +524,12 @@ def setup_torch(args, torch, mode, model, opt, autocast, dev, extra):
             out["teraio"] = session.report()
             if args.teraio_save_trace:
                 # the profiled trace and the plan of the planned steps, for `teraio simulate`
-                for i, e in enumerate(e for e in session.plans.values() if e.get("plan") is not None):
+                for i, e in enumerate(e for e in session.plans.values() if e.plan is not None):
                     base = f"{args.teraio_save_trace}.{i}"
                     with gzip.open(base + ".trace.json.gz", "wt") as f:
-                        json.dump(e["trace"], f)
+                        json.dump(e.trace, f)
                     with open(base + ".plan.json", "w") as f:
-                        f.write(e["plan"].to_json())
+                        f.write(e.plan.to_json())
             session.close()
         return out
 
@@ -553,7 +553,7 @@ def make_session(args, torch, mode, model, opt, dev):
         # the tier's own allocations are few (the budget caps them, not the trainer's memory)
         engine["gpu"] = {"device": dev.index or 0, "budget": "256M"}
     # teraio-noop: a budget nothing reaches and the `none` policy: a plan that moves nothing,
-    # so the step pays only the runtime's own overhead
+    # so the step pays only teraio.torch's own overhead
     # (the GPU's whole memory: a budget above it is refused)
     whole = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 1 << 50
     budget = whole if mode == "teraio-noop" else int(args.cap_gib * 2**30) if args.cap_gib else None

@@ -45,7 +45,7 @@ use crate::backend::spdk_config::{SpdkOptions, is_spdk_syntax};
 use crate::executor::{AllocFor, Executor, ExecutorConfig, TensorAllocator};
 use crate::pool::{BufferPool, PoolConfig};
 use crate::store::{GpuIoConfig, GpuPath, GpuPathInfo, StoreConfig, StoreMeta, TensorStore};
-use crate::tier::{DeviceRuntime, HostDeviceTier, HostTier, MemoryTier, TensorMem};
+use crate::tier::{GpuDevice, HostDeviceTier, HostTier, MemoryTier, TensorMem};
 use crate::units::{ByteSize, parse_bytes};
 use crate::{Error, Result};
 
@@ -539,7 +539,7 @@ fn is_block_device(p: &Path) -> bool {
 /// The engine's GPU tier and its device.
 struct GpuTier {
     tier: Arc<dyn MemoryTier>,
-    runtime: Arc<dyn DeviceRuntime>,
+    device: Arc<dyn GpuDevice>,
     #[cfg(feature = "cuda")]
     cuda: Option<Arc<crate::cuda::CudaDevice>>,
     /// The host-memory emulation, when `emulated`.
@@ -557,7 +557,7 @@ impl GpuTier {
             };
             let t = HostDeviceTier::new(ordinal, budget);
             return Ok(Some(GpuTier {
-                runtime: t.runtime().clone(),
+                device: t.gpu().clone(),
                 description: format!("{} (host memory standing in for a GPU)", t.name()),
                 emulated: Some(t.clone()),
                 tier: t,
@@ -570,7 +570,7 @@ impl GpuTier {
             let device = crate::cuda::CudaDevice::open(ordinal)?;
             let tier = crate::cuda::CudaTier::new(device.clone(), cfg.budget_bytes.0)?;
             Ok(Some(GpuTier {
-                runtime: device.runtime(),
+                device: device.gpu(),
                 description: device.describe(),
                 tier,
                 cuda: Some(device),
@@ -639,7 +639,7 @@ impl Engine {
         // With a GPU, host-tier memory is page-locked as it is mapped: device tensors offloaded
         // there move by DMA, not through the driver's staging (7-8 GB/s on the H200).
         if let (Some(g), Some(h)) = (&gpu, &host_tier) {
-            h.pool().pin_with(Arc::new(crate::tier::RuntimePinner(g.runtime.clone())))?;
+            h.pool().pin_with(Arc::new(crate::tier::GpuPinner(g.device.clone())))?;
         }
         let mut scfg = StoreConfig::new(array.clone());
         scfg.host_tier = host_tier.clone().map(|t| t as Arc<dyn MemoryTier>);
@@ -725,8 +725,8 @@ impl Engine {
     }
 
     /// The GPU (its copy queues, fences, crc32c), when the configuration names one.
-    pub fn gpu_runtime(&self) -> Option<&Arc<dyn DeviceRuntime>> {
-        self.gpu.as_ref().map(|g| &g.runtime)
+    pub fn gpu_device(&self) -> Option<&Arc<dyn GpuDevice>> {
+        self.gpu.as_ref().map(|g| &g.device)
     }
 
     /// "cuda:0 (NVIDIA H200, sm_90)", when the configuration names a GPU.
@@ -740,7 +740,7 @@ impl Engine {
     pub fn gpu_identity(&self) -> Option<String> {
         let g = self.gpu.as_ref()?;
         if g.emulated.is_some() {
-            return Some(format!("emulated:{}", g.runtime.ordinal()));
+            return Some(format!("emulated:{}", g.device.ordinal()));
         }
         #[cfg(feature = "cuda")]
         if let Some(d) = &g.cuda {
@@ -816,7 +816,7 @@ impl Engine {
     /// The data path the GPU's tensors take to and from the array, and why (opens cuFile on
     /// first use).
     pub fn gpu_path(&self) -> Result<GpuPathInfo> {
-        self.store.gpu_path(&self.gpu_or_err()?.runtime)
+        self.store.gpu_path(&self.gpu_or_err()?.device)
     }
 
     /// The pool behind [`alloc_host`](Self::alloc_host).

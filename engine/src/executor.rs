@@ -1,6 +1,6 @@
 //! The plan executor: executes a scheduler [`Plan`] for a trainer that drives it with its own
 //! progress. One implementation of the plan's semantics for every front end: the emulated
-//! replay ([`crate::replay::replay`]), the PyTorch runtime (through the Python package) and a
+//! replay ([`crate::replay::replay`]), teraio.torch (through the Python package) and a
 //! C++ trainer (through the C ABI).
 //!
 //! The semantics are those of the scheduler's simulator (`teraio_scheduler::plan`):
@@ -466,7 +466,7 @@ impl Executor {
         if !plan.recomputations.is_empty() && !alloc.can_recompute() {
             return Err(Error::Unsupported(format!(
                 "the `{}` plan recomputes {} tensors and this executor's allocator cannot run \
-                 producers (the PyTorch runtime can; `teraio run` and the C ABI cannot yet): \
+                 producers (teraio.torch can; `teraio run` and the C ABI cannot yet): \
                  plan without recomputation (e.g. `--no-recompute`, or `--policy teraio`)",
                 plan.policy,
                 plan.recomputations.len()
@@ -600,7 +600,7 @@ impl Executor {
     /// than the trace says (not larger, not empty), and a prefetch or recomputation of it
     /// allocates the size attached. The budget still accounts the trace's sizes, so a plan made
     /// for a larger shape of the same iteration runs a smaller one within its budget (the
-    /// PyTorch runtime runs a new input shape so while it profiles it). With
+    /// teraio.torch runs a new input shape so while it profiles it). With
     /// `allocate_created`, created tensors get the trace's sizes.
     pub fn set_sizes_at_most(&mut self, at_most: bool) {
         self.sizes_at_most = at_most;

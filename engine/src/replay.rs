@@ -263,7 +263,7 @@ impl ReplayAllocator {
         self.gpu.alloc(bytes).map_err(|e| match e {
             Error::NoSpace(why) => Error::NoSpace(format!(
                 "the emulated GPU memory's backing ran out for tensor {t} ({why}); \
-                 the runtime's accounting allowed it, so raise the backing slack"
+                 the executor's accounting allowed it, so raise the backing slack"
             )),
             e => e,
         })

@@ -15,8 +15,7 @@ mod host_device;
 use std::sync::Arc;
 
 pub use device::{
-    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage,
-    RuntimePinner,
+    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DirectMode, DirectStorage, GpuDevice, GpuPinner,
 };
 pub use host_device::{HostDevice, HostDeviceTier};
 
@@ -105,7 +104,7 @@ impl std::fmt::Debug for TensorMem {
                 "TensorMem::Device({} bytes at {:#x} on {})",
                 m.len(),
                 m.device_ptr(),
-                m.runtime().name()
+                m.gpu().name()
             ),
         }
     }
@@ -227,7 +226,7 @@ impl TensorMem {
                 }
                 m.set_ready(None);
                 // SAFETY: the tensor's own live device memory, exclusively borrowed.
-                unsafe { m.runtime().memset(m.device_ptr(), m.len(), value) }
+                unsafe { m.gpu().memset(m.device_ptr(), m.len(), value) }
             }
             TensorMem::Staged(_) => {
                 let v = vec![value; self.len() as usize];

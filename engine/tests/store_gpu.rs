@@ -123,7 +123,7 @@ fn the_bounce_pipeline_round_trips_odd_sizes_over_sim_disks() {
     assert!(st.pinned_staging_bytes >= 2 * 3 * (64 << 10), "workers x depth x chunk pinned");
     // Chunked: a 3 MiB tensor in 64 KiB chunks is 49 copies each way, not one.
     assert!(tier.copies() > 4 * 49, "{} copies", tier.copies());
-    let info = store.gpu_path(tier.runtime()).unwrap();
+    let info = store.gpu_path(tier.gpu()).unwrap();
     assert_eq!(info.path, "bounce");
 }
 
@@ -132,12 +132,12 @@ fn auto_over_sim_disks_takes_the_bounce_path_and_gds_is_a_clear_error() {
     let disks = sim_disks(2, 16 << 20, 2);
     let auto = sim_store(GpuPath::Auto, &disks);
     let tier = HostDeviceTier::new(0, 16 << 20);
-    let info = auto.gpu_path(tier.runtime()).unwrap();
+    let info = auto.gpu_path(tier.gpu()).unwrap();
     assert_eq!(info.path, "bounce");
     assert!(info.reason.contains("simulated disks"), "{}", info.reason);
     drop(auto);
     let gds = sim_store(GpuPath::Gds, &disks);
-    let e = gds.gpu_path(tier.runtime()).unwrap_err();
+    let e = gds.gpu_path(tier.gpu()).unwrap_err();
     assert!(matches!(e, Error::Unsupported(_)), "{e}");
     let src = device_mem(&tier, &[7u8; 5000]);
     let e = gds.offload_sync(1, src, OffloadOptions::default()).unwrap_err();
@@ -166,7 +166,7 @@ fn the_direct_path_round_trips_odd_sizes_over_files_with_device_checksums() {
     let dir = tempfile::tempdir().unwrap();
     let store = file_store(GpuPath::Gds, dir.path());
     let tier = HostDeviceTier::new(0, 256 << 20);
-    let info = store.gpu_path(tier.runtime()).unwrap();
+    let info = store.gpu_path(tier.gpu()).unwrap();
     assert_eq!(info.path, "gds");
     assert_eq!(info.direct_mode, Some(DirectMode::Emulated));
     round_trips(&store, &tier);

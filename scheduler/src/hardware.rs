@@ -1,4 +1,4 @@
-//! The hardware model shared by planners and the simulator (and built by the runtime from
+//! The hardware model shared by planners and the simulator (and built by the engine's probe from
 //! measured bandwidths).
 
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,6 @@
 //! A plan: ordered offload/prefetch instructions at kernel boundaries.
 //!
-//! # Semantics (shared by the simulator and the runtime)
+//! # Semantics (shared by the simulator and the executor)
 //! - Kernels run one after another. Boundary `i` is the moment kernel `i` is about to start
 //!   (kernel `i-1` has finished); boundary `kernel_count` is the end of the iteration, just
 //!   before boundary 0 of the next one.
@@ -47,7 +47,7 @@
 //! step and prefetched before the end of the iteration). [`Plan::validate`] rejects a clean
 //! drop of a tensor whose copy is not valid, and one issued after a prefetch of the same tensor
 //! before any GPU kernel used it (that would discard the read in flight). In the very first
-//! iteration of a run no copy exists yet: a runtime executes a clean drop of a tensor it holds
+//! iteration of a run no copy exists yet: the executor executes a clean drop of a tensor it holds
 //! no tier copy of as a plain offload (a write). [`Plan::mark_clean_drops`] turns every
 //! offload where a drop is valid into one; every policy's plan goes through it.
 //!
@@ -121,7 +121,7 @@ pub struct Instruction {
     /// Only on an offload to the SSD: a *clean drop*. The tensor's SSD copy is still valid
     /// (not written since it was made or read back), so the GPU memory is released at once
     /// without writing (see the module documentation). JSON: `"clean": true`, absent = false.
-    /// A runtime that ignores it stays correct: it rewrites an identical copy.
+    /// An executor that ignores it stays correct: it rewrites an identical copy.
     #[serde(default, skip_serializing_if = "is_false")]
     pub clean: bool,
 }

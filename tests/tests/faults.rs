@@ -1,4 +1,4 @@
-//! Faults while the runtime replays training iterations (`replay::replay` on simulated disks):
+//! Faults while the replay runs training iterations (`replay::replay` on simulated disks):
 //! out of space, EIO on one device, short transfers, corrupt bytes on disk, a device 10x slower,
 //! each injected at seeded points of an iteration. Whatever happens, no tensor comes back wrong
 //! (the replay verifies every tensor that comes back and fails on a wrong byte) and no tensor

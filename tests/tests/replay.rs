@@ -1,4 +1,4 @@
-//! The plan runtime replays a small generated training iteration on a simulated array, with
+//! The replay (the executor driven by `teraio run`'s emulated trainer) runs a small generated training iteration on a simulated array, with
 //! emulated GPU memory smaller than the iteration needs, and agrees with the simulator.
 
 use std::sync::Arc;

@@ -47,6 +47,11 @@
 // `teraio_engine_measure_hardware` flag: measure even when a model is cached, and replace it.
 #define TERAIO_HW_FRESH 2
 
+// The first tensor key of the callers' own key space (`1 << 40`): an executor's trace tensor
+// `t` is key `t`, always below it, so a caller that counts its own keys from here shares an
+// engine with an executor without a collision.
+#define TERAIO_KEY_CALLER_FIRST 1099511627776
+
 // Version of this C ABI: bumped when a function's signature or meaning changes.
 #define TERAIO_ABI_VERSION 1
 

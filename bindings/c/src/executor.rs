@@ -297,7 +297,7 @@ pub extern "C" fn teraio_executor_use_device_memory(
 ) -> teraio_status {
     guard("teraio_executor_use_device_memory", || {
         with_engine(engine, |e| {
-            e.gpu_runtime().map(|_| ()).ok_or_else(|| {
+            e.gpu_device().map(|_| ()).ok_or_else(|| {
                 Error::InvalidArgument(
                     "the engine has no GPU: name one in its configuration ([gpu] device = 0)"
                         .into(),

@@ -109,6 +109,13 @@ pub const TERAIO_HW_NO_CACHE: u32 = 1;
 /// `teraio_engine_measure_hardware` flag: measure even when a model is cached, and replace it.
 pub const TERAIO_HW_FRESH: u32 = 2;
 
+/// The first tensor key of the callers' own key space (`1 << 40`): an executor's trace tensor
+/// `t` is key `t`, always below it, so a caller that counts its own keys from here shares an
+/// engine with an executor without a collision.
+pub const TERAIO_KEY_CALLER_FIRST: u64 = 0x100_0000_0000;
+const _: () =
+    assert!(TERAIO_KEY_CALLER_FIRST == ::teraio_engine::store::TensorKey::CALLER_FIRST.get());
+
 /// Version of this C ABI: bumped when a function's signature or meaning changes.
 pub const TERAIO_ABI_VERSION: u32 = 1;
 

@@ -26,7 +26,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::{Arc, LazyLock, Weak};
 
 use parking_lot::Mutex;
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::ffi::{Py_ssize_t, PyObject};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -150,6 +150,113 @@ pub fn host(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> Result<HostEx
         }
     }
     buffer_protocol(obj, writable, what)
+}
+
+/// A float32 buffer of the host optimizer: `len` elements at `addr`, valid while `keep` lives.
+pub struct F32Export {
+    pub addr: usize,
+    pub len: usize,
+    /// The object, or the memoryview holding its buffer export.
+    pub keep: Py<PyAny>,
+}
+
+/// `obj` as a C-contiguous float32 buffer of the host optimizer (`writable`: it will be
+/// written): a CPU `torch.Tensor` (read through `data_ptr` and `numel`, without importing
+/// torch), a numpy array (its `__array_interface__` of typestr `<f4`), or any buffer-protocol
+/// object of format `f`; then read as [`host`] reads it. `what` names the argument in errors.
+/// An exception raised by the object's own attributes arrives as it was raised.
+pub fn host_f32(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<F32Export> {
+    let py = obj.py();
+    let fail = |m: String| crate::to_py(py, &Error::InvalidArgument(format!("{what}: {m}")));
+    let has = |name: &Bound<'_, PyString>| obj.hasattr(name);
+    if has(intern!(py, "data_ptr"))?
+        && has(intern!(py, "is_contiguous"))?
+        && has(intern!(py, "device"))?
+    {
+        let device = obj.getattr(intern!(py, "device"))?;
+        let kind = match device.getattr_opt(intern!(py, "type"))? {
+            Some(t) => t,
+            None => device.str()?.into_any(),
+        };
+        if !kind.eq("cpu")? {
+            return Err(fail(format!(
+                "a tensor on {}; the host optimizer steps CPU tensors",
+                device.str()?
+            )));
+        }
+        let dtype = obj.getattr(intern!(py, "dtype"))?.str()?;
+        if dtype.to_cow()? != "torch.float32" {
+            return Err(fail(format!("a {dtype} tensor; the host optimizer steps float32")));
+        }
+        let sparse = obj.getattr_opt(intern!(py, "is_sparse"))?;
+        if sparse.map(|s| s.is_truthy()).transpose()?.unwrap_or(false) {
+            return Err(fail("a sparse tensor; the host optimizer steps dense ones".into()));
+        }
+        if !obj.call_method0(intern!(py, "is_contiguous"))?.is_truthy()? {
+            let tuple = |o| py.get_type::<PyTuple>().call1((o,));
+            let shape = tuple(obj.getattr(intern!(py, "shape"))?)?;
+            let strides = tuple(obj.call_method0(intern!(py, "stride"))?)?;
+            return Err(fail(format!(
+                "a non-contiguous tensor (shape {}, strides {}); pass a contiguous one",
+                shape.repr()?,
+                strides.repr()?
+            )));
+        }
+        let int = |name: &Bound<'_, PyString>| -> PyResult<usize> {
+            py.get_type::<PyInt>().call1((obj.call_method0(name)?,))?.extract()
+        };
+        let addr = int(intern!(py, "data_ptr"))?;
+        let len = int(intern!(py, "numel"))?;
+        return Ok(F32Export { addr, len, keep: obj.clone().unbind() });
+    }
+    let plain = obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+        || obj.is_instance_of::<PyMemoryView>()
+        || obj.is_instance_of::<crate::NativeBuffer>();
+    let ai = if plain {
+        None
+    } else {
+        match obj.getattr_opt(intern!(py, "__array_interface__")) {
+            Err(e) if e.is_instance_of::<PyException>(py) => {
+                return Err(fail(e.value(py).to_string())); // an interface property that fails
+            }
+            r => r?,
+        }
+    };
+    if let Some(ai) = ai.as_ref().and_then(|ai| ai.cast::<PyDict>().ok()) {
+        let native = if cfg!(target_endian = "little") { "<" } else { ">" };
+        let typestr = ai.get_item("typestr")?;
+        let text = typestr.as_ref().and_then(|t| t.cast::<PyString>().ok());
+        let text = text.map(|t| t.to_cow().map(|c| c.into_owned())).transpose()?;
+        if !matches!(text.as_deref(), Some(t) if t == format!("{native}f4") || t == "=f4") {
+            let shown = typestr.map_or(Ok("None".into()), |t| t.repr().map(|r| r.to_string()))?;
+            return Err(fail(format!(
+                "an array of typestr {shown}; the host optimizer steps float32 ({native}f4): pass \
+                 a.astype('float32') and copy the result back"
+            )));
+        }
+    } else {
+        let format = match PyMemoryView::from(obj) {
+            Ok(mv) => Some(mv.getattr(intern!(py, "format"))?),
+            Err(e)
+                if e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py) =>
+            {
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(format) = format {
+            let text = format.str()?;
+            if text.to_cow()?.trim_start_matches(['@', '=', '<']) != "f" {
+                return Err(fail(format!(
+                    "a buffer of format {}; the host optimizer steps float32 (format 'f')",
+                    format.repr()?
+                )));
+            }
+        }
+    }
+    let x = host(obj, writable, what).map_err(|e| crate::to_py(py, &e))?;
+    Ok(F32Export { addr: x.addr, len: x.len / 4, keep: x.keep })
 }
 
 /// A `Py_buffer` of ours, released when dropped (with the GIL: the caller holds it).

@@ -1061,24 +1061,11 @@ impl NativeExecutor {
     }
 }
 
-/// `(address, nbytes, keep)` of a C-contiguous host buffer (writable when `writable`), read
-/// as `Engine.offload`/`prefetch` read it (export.rs); the memory is valid while `keep` lives.
-/// `what` names the argument in errors. (The host optimizer's buffers go through this.)
-#[pyfunction]
-fn export_host(
-    obj: &Bound<'_, PyAny>,
-    writable: bool,
-    what: &str,
-) -> PyRes<(usize, usize, Py<PyAny>)> {
-    let x = export::host(obj, writable, what).map_err(|e| to_py(obj.py(), &e))?;
-    Ok((x.addr, x.len, x.keep))
-}
-
 /// A float32 slice of caller memory that [`core::optim::check_spans`] accepted.
 ///
 /// # Safety
-/// `s` passed `check_spans` together with every other span of the call, the object exporting
-/// it is held by the Python layer for the call, it is writable, and nothing else reads or
+/// `s` passed `check_spans` together with every other span of the call, its export
+/// ([`export::host_f32`]) is held for the call, it is writable, and nothing else reads or
 /// writes it during the call.
 unsafe fn f32_mut<'a>(s: core::optim::F32Span) -> &'a mut [f32] {
     if s.len == 0 {
@@ -1101,23 +1088,30 @@ unsafe fn f32_ref<'a>(s: core::optim::F32Span) -> &'a [f32] {
     unsafe { std::slice::from_raw_parts(s.addr as *const f32, s.len) }
 }
 
-fn span(name: &'static str, (addr, len): (usize, usize)) -> core::optim::F32Span {
-    core::optim::F32Span { name, addr, len }
+/// The span of `obj`, a float32 buffer named `name` (written when `writable`), and the export
+/// that keeps its memory valid: the one place the optimizer's caller memory is read.
+fn span(
+    obj: &Bound<'_, PyAny>,
+    name: &'static str,
+    writable: bool,
+) -> PyRes<(core::optim::F32Span, Py<PyAny>)> {
+    let x = export::host_f32(obj, writable, name)?;
+    Ok((core::optim::F32Span { name, addr: x.addr, len: x.len }, x.keep))
 }
 
-/// One Adam(W) step over caller float32 buffers, each `(address, elements)`: the Python layer
-/// (`teraio.adamw_step`) took them from C-contiguous float32 exports (writable where written)
-/// that it holds for the call. Runs with the GIL released.
+/// One Adam(W) step over caller float32 buffers (C-contiguous: CPU tensors, numpy arrays,
+/// buffer-protocol objects; read by [`export::host_f32`], writable where written, held for the
+/// call). Runs with the GIL released.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)] // the Python signature, one argument per hyperparameter
 #[pyo3(signature = (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, threads))]
 fn adam_step(
     py: Python<'_>,
-    param: (usize, usize),
-    grad: (usize, usize),
-    exp_avg: (usize, usize),
-    exp_avg_sq: (usize, usize),
-    max_exp_avg_sq: Option<(usize, usize)>,
+    param: &Bound<'_, PyAny>,
+    grad: &Bound<'_, PyAny>,
+    exp_avg: &Bound<'_, PyAny>,
+    exp_avg_sq: &Bound<'_, PyAny>,
+    max_exp_avg_sq: Option<&Bound<'_, PyAny>>,
     step: u64,
     lr: f64,
     beta1: f64,
@@ -1141,15 +1135,18 @@ fn adam_step(
         decoupled_weight_decay,
         threads,
     };
-    let (p, g) = (span("param", param), span("grad", grad));
-    let (m, v) = (span("exp_avg", exp_avg), span("exp_avg_sq", exp_avg_sq));
-    let x = max_exp_avg_sq.map(|s| span("max_exp_avg_sq", s));
+    let (p, _p) = span(param, "param", true)?;
+    let (g, _g) = span(grad, "grad", false)?;
+    let (m, _m) = span(exp_avg, "exp_avg", true)?;
+    let (v, _v) = span(exp_avg_sq, "exp_avg_sq", true)?;
+    let x = max_exp_avg_sq.map(|o| span(o, "max_exp_avg_sq", true)).transpose()?;
+    let (x, _x) = x.unzip();
     run(py, "teraio.adamw_step", move || {
         let mut spans = vec![p, g, m, v];
         spans.extend(x);
         core::optim::check_spans(&spans)?;
-        // SAFETY: the spans passed check_spans together; the Python layer holds their objects
-        // for the call and checked that param and the states are writable.
+        // SAFETY: the spans passed check_spans together; their exports (`_p`.. `_x`) live until
+        // the call returns, and host_f32 checked that param and the states are writable.
         let (p, g, m, v) = unsafe { (f32_mut(p), f32_ref(g), f32_mut(m), f32_mut(v)) };
         // SAFETY: as above.
         let x = x.map(|x| unsafe { f32_mut(x) });
@@ -1163,9 +1160,9 @@ fn adam_step(
 #[pyo3(signature = (param, grad, momentum_buffer, fresh_buffer, lr, momentum, dampening, weight_decay, nesterov, maximize, threads))]
 fn sgd_step(
     py: Python<'_>,
-    param: (usize, usize),
-    grad: (usize, usize),
-    momentum_buffer: Option<(usize, usize)>,
+    param: &Bound<'_, PyAny>,
+    grad: &Bound<'_, PyAny>,
+    momentum_buffer: Option<&Bound<'_, PyAny>>,
     fresh_buffer: bool,
     lr: f64,
     momentum: f64,
@@ -1184,14 +1181,16 @@ fn sgd_step(
         maximize,
         threads,
     };
-    let (p, g) = (span("param", param), span("grad", grad));
-    let b = momentum_buffer.map(|s| span("momentum_buffer", s));
+    let (p, _p) = span(param, "param", true)?;
+    let (g, _g) = span(grad, "grad", false)?;
+    let b = momentum_buffer.map(|o| span(o, "momentum_buffer", true)).transpose()?;
+    let (b, _b) = b.unzip();
     run(py, "teraio.sgd_step", move || {
         let mut spans = vec![p, g];
         spans.extend(b);
         core::optim::check_spans(&spans)?;
-        // SAFETY: the spans passed check_spans together; the Python layer holds their objects
-        // for the call and checked that param and the buffer are writable.
+        // SAFETY: the spans passed check_spans together; their exports (`_p`, `_g`, `_b`) live
+        // until the call returns, and host_f32 checked that param and the buffer are writable.
         let (p, g) = unsafe { (f32_mut(p), f32_ref(g)) };
         // SAFETY: as above.
         let b = b.map(|b| unsafe { f32_mut(b) });
@@ -1238,6 +1237,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", core::VERSION)?;
     m.add("POLICIES", core::sched::policy_names())?;
     m.add("MODEL_PRESETS", core::sched::model_presets())?;
+    m.add("KEY_CALLER_FIRST", teraio_engine::store::TensorKey::CALLER_FIRST.get())?;
     m.add_class::<NativeEngine>()?;
     m.add_class::<NativeOp>()?;
     m.add_class::<NativeBuffer>()?;
@@ -1245,7 +1245,6 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativePlan>()?;
     m.add_class::<NativeExecutor>()?;
     m.add_class::<export::DeviceMemory>()?;
-    m.add_function(wrap_pyfunction!(export_host, m)?)?;
     m.add_function(wrap_pyfunction!(adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
     m.add_function(wrap_pyfunction!(optim_info, m)?)?;

@@ -25,6 +25,17 @@ def test_numpy_round_trip_with_odd_sizes(engine, n):
     np.testing.assert_array_equal(out, data)
 
 
+def test_the_callers_key_space_starts_at_the_engines_constant(engine):
+    # the engine's TensorKey::CALLER_FIRST: every executor key is below it
+    assert teraio.KEY_CALLER_FIRST == 1 << 40
+    data = pattern(3, 4097)
+    key = teraio.KEY_CALLER_FIRST + 1
+    assert engine.offload(key, data).wait() == "ssd"
+    out = np.zeros_like(data)
+    engine.prefetch(key, out).wait()
+    np.testing.assert_array_equal(out, data)
+
+
 def test_every_buffer_kind_round_trips(engine):
     f32 = np.linspace(0, 1, 3001, dtype=np.float32)
     sources = {

@@ -137,6 +137,8 @@ def adamw(p, g, m, v, **kw):
     (lambda b: (b[0], b[1], b[2], np.frombuffer(bytearray(36), f32, offset=2, count=8)), "not aligned"),
     (lambda b: (b[0], b[1], b[2], "abc"), "exp_avg_sq"),
     (lambda b: (b[0], b[1], b[2], bytearray(32)), "a buffer of format 'B'"),
+    (lambda b: (b[0], b[1], b[2], memoryview(bytes(32)).cast("f")), "exp_avg_sq: a read-only buffer"),
+    (lambda b: (memoryview(bytearray(32)).cast("i"), b[1], b[2], b[3]), "param: a buffer of format 'i'"),
 ])
 def test_bad_buffers_name_the_argument_and_write_nothing(bad, what):
     b = bufs()
@@ -174,6 +176,9 @@ def test_sgd_errors_name_the_argument():
     for kw, what in [
         (dict(momentum=0.9), "momentum = 0.9 needs momentum_buffer"),
         (dict(momentum=0.9, momentum_buffer=np.zeros(3, f32)), "momentum_buffer has 3 elements"),
+        (dict(momentum=0.9, momentum_buffer=np.zeros(8, np.float64)),
+         "momentum_buffer: an array of typestr '<f8'"),
+        (dict(momentum=0.9, momentum_buffer=bytes(32)), "momentum_buffer: a buffer of format 'B'"),
         (dict(nesterov=True), "nesterov = true needs momentum > 0"),
         (dict(lr=-0.1), "lr = -0.1 is invalid"),
         (dict(momentum_buffer=p), "overlap"),

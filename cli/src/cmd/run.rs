@@ -80,7 +80,7 @@ pub struct Args {
     #[arg(long, default_value = "0", value_parser = parse_size_or_zero)]
     pub host_memory: u64,
     /// Planning policy (`auto`: the best of several teraio variants; recomputation is left
-    /// out, the runtime does not replay it yet).
+    /// out, the replay cannot run producers yet).
     #[arg(long, default_value = "auto")]
     pub policy: String,
     /// The SSD array: --config FILE, --device PATH (repeat), or --files N in --dir.
@@ -106,7 +106,7 @@ pub struct Args {
     pub plot: Option<PathBuf>,
     /// Put every tensor in the memory of this CUDA device (real GPU memory, moved through the
     /// GPU data paths); without it GPU memory is emulated in host memory. The cap is still
-    /// --gpu-memory, enforced by the runtime's accounting.
+    /// --gpu-memory, enforced by the executor's accounting.
     #[arg(long, value_name = "N")]
     pub gpu: Option<u32>,
     /// With --gpu: the data path (auto, gds, bounce; see `teraio bench --help`).
@@ -245,7 +245,7 @@ fn check_room(what: &str, needed: u64, capacity: u64, or: &str) -> Result<()> {
 /// Bytes the array must hold for `plan`: the simulated peak of its copies (the executor keeps
 /// a copy until its tensor dies or is written again, as the simulator counts), simulated with
 /// every tensor rounded up to the extent allocator's unit, as the store allocates it.
-fn runtime_ssd_bytes(
+fn executor_ssd_bytes(
     trace: &Trace,
     plan: &teraio_scheduler::Plan,
     hw: &Hardware,
@@ -349,7 +349,13 @@ pub fn run(args: Args) -> Result<()> {
     let plan_s = started.elapsed().as_secs_f64();
     check_room(
         &format!("the `{}` plan", p.policy),
-        runtime_ssd_bytes(&trace, &p, &hw, engine.config().alloc_unit_bytes.0, sim.peak_ssd_bytes)?,
+        executor_ssd_bytes(
+            &trace,
+            &p,
+            &hw,
+            engine.config().alloc_unit_bytes.0,
+            sim.peak_ssd_bytes,
+        )?,
         engine.capacity_bytes(),
         "raise --gpu-memory or --host-memory so that less goes to the SSDs",
     )?;
@@ -379,7 +385,7 @@ pub fn run(args: Args) -> Result<()> {
         sim.percent_of_ideal
     ));
 
-    // GPU memory: exact-byte accounting in the runtime; real buffers from a tier big enough for
+    // GPU memory: exact-byte accounting in the executor; real buffers from a tier big enough for
     // every tensor to keep its own buffer (see `engine::replay`): the CUDA tier with --gpu,
     // host memory emulating it otherwise.
     let gpu: std::sync::Arc<dyn MemoryTier> = match engine.gpu_tier() {
@@ -550,7 +556,7 @@ fn open_engine(args: &Args, trace: &Trace) -> Result<(Engine, Injector, u64)> {
     let probe_buffers = (2 * probe_tensors(args.probe_size) + 2) * PROBE_TENSOR_BYTES;
     ecfg.host_buffers_bytes = ByteSize(ecfg.host_buffers_bytes.0.max(probe_buffers + (256 << 20)));
     // Every tensor keeps its own buffer between uses (see `engine::replay`): the tier holds
-    // them all; the cap the plan runs under is the runtime's exact-byte accounting.
+    // them all; the cap the plan runs under is the executor's exact-byte accounting.
     let backing: u64 =
         trace.tensors.iter().map(|t| BufferPool::capacity_for(t.bytes as usize) as u64).sum();
     if let Some(n) = args.gpu {

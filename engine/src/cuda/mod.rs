@@ -5,7 +5,7 @@
 //! - [`CudaDevice`]: one GPU (its primary context, shared with PyTorch): copy queues (streams),
 //!   fences (events), page-locking host memory, the crc32c kernel ([`crate::gpucrc`], compiled
 //!   with NVRTC on first use), and direct storage ([`GdsIo`]). Implements
-//!   [`DeviceRuntime`].
+//!   [`GpuDevice`].
 //! - [`CudaTier`]: a [`MemoryTier`] over cuMemAlloc with a byte budget. Freed allocations are
 //!   cached by size and reused (cuMemFree synchronizes the device: freeing per tensor made
 //!   replays twice slower than their simulation).
@@ -28,8 +28,7 @@ use parking_lot::Mutex;
 pub use gds::GdsIo;
 
 use crate::tier::{
-    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DeviceRuntime, DirectStorage, MemoryTier,
-    TensorMem,
+    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DirectStorage, GpuDevice, MemoryTier, TensorMem,
 };
 use crate::{Error, Result};
 
@@ -176,8 +175,8 @@ impl CudaDevice {
         }))
     }
 
-    /// This device as a runtime.
-    pub fn runtime(&self) -> Arc<dyn DeviceRuntime> {
+    /// This device as a `GpuDevice`.
+    pub fn gpu(&self) -> Arc<dyn GpuDevice> {
         self.this.upgrade().expect("a CudaDevice lives in an Arc")
     }
 
@@ -466,7 +465,7 @@ impl Drop for CudaQueue {
     }
 }
 
-impl DeviceRuntime for CudaDevice {
+impl GpuDevice for CudaDevice {
     fn name(&self) -> String {
         format!("cuda:{}", self.ordinal)
     }
@@ -603,7 +602,7 @@ struct TierState {
 
 struct TierInner {
     device: Arc<CudaDevice>,
-    runtime: Arc<dyn DeviceRuntime>,
+    gpu: Arc<dyn GpuDevice>,
     name: String,
     capacity_bytes: u64,
     state: Mutex<TierState>,
@@ -679,7 +678,7 @@ impl CudaTier {
         };
         Ok(Arc::new(CudaTier {
             inner: Arc::new(TierInner {
-                runtime: device.runtime(),
+                gpu: device.gpu(),
                 name: device.name(),
                 device,
                 capacity_bytes,
@@ -770,7 +769,7 @@ impl MemoryTier for CudaTier {
         drop(st);
         Ok(TensorMem::Device(Box::new(CudaMem {
             device: inner.device.clone(),
-            runtime: inner.runtime.clone(),
+            gpu: inner.gpu.clone(),
             ptr,
             len: bytes,
             owner: Owner::Tier { tier: inner.clone(), bytes: key },
@@ -796,7 +795,7 @@ enum Owner {
 /// trainer ([`wrap_foreign`](Self::wrap_foreign); only forgotten on drop).
 pub struct CudaMem {
     device: Arc<CudaDevice>,
-    runtime: Arc<dyn DeviceRuntime>,
+    gpu: Arc<dyn GpuDevice>,
     ptr: u64,
     len: u64,
     owner: Owner,
@@ -861,7 +860,7 @@ impl CudaMem {
         }
         Ok(TensorMem::Device(Box::new(CudaMem {
             device: device.clone(),
-            runtime: device.runtime(),
+            gpu: device.gpu(),
             ptr,
             len,
             owner: Owner::Foreign,
@@ -885,8 +884,8 @@ impl DeviceMemory for CudaMem {
     fn device_ptr(&self) -> u64 {
         self.ptr
     }
-    fn runtime(&self) -> &Arc<dyn DeviceRuntime> {
-        &self.runtime
+    fn gpu(&self) -> &Arc<dyn GpuDevice> {
+        &self.gpu
     }
     fn ready(&self) -> Option<&dyn DeviceFence> {
         self.ready.as_deref()

@@ -695,7 +695,7 @@ pub struct PcieRates {
 /// alone, device-to-host alone, and both at once in total), on the engine's copy queues for each
 /// direction (as prefetches and offloads go). `InvalidArgument` without a GPU.
 pub fn measure_pcie(engine: &Engine, bytes: u64, copies: usize) -> Result<PcieRates> {
-    let rt = engine.gpu_runtime().ok_or_else(|| {
+    let rt = engine.gpu_device().ok_or_else(|| {
         Error::InvalidArgument("measuring GPU copies needs an engine with a GPU".into())
     })?;
     let len = usize::try_from(bytes)

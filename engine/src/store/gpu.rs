@@ -32,7 +32,7 @@ use teraio_layout::StripeMap;
 
 use crate::array::{DeviceArray, IoTicket};
 use crate::pool::{BufferPool, IoBuf, PoolConfig};
-use crate::tier::{DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage};
+use crate::tier::{DeviceFence, DeviceMemory, DirectMode, DirectStorage, GpuDevice};
 use crate::{Error, Result};
 
 /// Which data path moves device memory.
@@ -175,7 +175,7 @@ pub struct GpuStats {
 /// Pinned staging buffers shared by the store's workers: each operation takes `depth` at once
 /// (so operations never wait on each other half-way) and gives them back at its end.
 struct Staging {
-    runtime: Arc<dyn DeviceRuntime>,
+    gpu: Arc<dyn GpuDevice>,
     free: Mutex<Vec<IoBuf>>,
     freed: Condvar,
     pinned: Vec<usize>,
@@ -184,11 +184,7 @@ struct Staging {
 }
 
 impl Staging {
-    fn new(
-        runtime: Arc<dyn DeviceRuntime>,
-        count: usize,
-        buf_bytes: usize,
-    ) -> Result<Arc<Staging>> {
+    fn new(gpu: Arc<dyn GpuDevice>, count: usize, buf_bytes: usize) -> Result<Arc<Staging>> {
         let pool = BufferPool::new(PoolConfig {
             capacity_bytes: (count * BufferPool::capacity_for(buf_bytes)) as u64,
             ..PoolConfig::default()
@@ -197,8 +193,8 @@ impl Staging {
         let mut pinned = Vec::with_capacity(count);
         let unpin_all = |pinned: &[usize]| {
             for &p in pinned {
-                // SAFETY: pinned just above by this runtime; no copy uses it yet.
-                let _ = unsafe { runtime.unpin_host(p as *mut u8) };
+                // SAFETY: pinned just above by this device; no copy uses it yet.
+                let _ = unsafe { gpu.unpin_host(p as *mut u8) };
             }
         };
         for _ in 0..count {
@@ -214,7 +210,7 @@ impl Staging {
             let cap = b.capacity();
             // SAFETY: the buffer's mapping lives in `pool`, which this struct keeps until Drop,
             // where it is unpinned before the buffers are released.
-            if let Err(e) = unsafe { runtime.pin_host(b.as_mut_ptr(), cap) } {
+            if let Err(e) = unsafe { gpu.pin_host(b.as_mut_ptr(), cap) } {
                 unpin_all(&pinned);
                 return Err(e);
             }
@@ -222,7 +218,7 @@ impl Staging {
             bufs.push(b);
         }
         Ok(Arc::new(Staging {
-            runtime,
+            gpu,
             free: Mutex::new(bufs),
             freed: Condvar::new(),
             pinned,
@@ -249,9 +245,9 @@ impl Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         for &p in &self.pinned {
-            // SAFETY: pinned in `new` by this runtime; every operation returned its buffers
+            // SAFETY: pinned in `new` by this device; every operation returned its buffers
             // (they are all in `free` now), so no copy uses them.
-            if let Err(e) = unsafe { self.runtime.unpin_host(p as *mut u8) } {
+            if let Err(e) = unsafe { self.gpu.unpin_host(p as *mut u8) } {
                 crate::notice::warning(format!("unpinning a staging buffer failed: {e}"));
             }
         }
@@ -436,7 +432,7 @@ impl GpuState {
         self.stats.lock().clone()
     }
 
-    fn staging(&self, rt: &Arc<dyn DeviceRuntime>, chunk: u64) -> Result<Arc<Staging>> {
+    fn staging(&self, rt: &Arc<dyn GpuDevice>, chunk: u64) -> Result<Arc<Staging>> {
         let key = rt.name();
         if let Some(s) = self.staging.lock().get(&key)
             && s.buf_bytes as u64 >= chunk
@@ -458,7 +454,7 @@ impl GpuState {
         Ok(s)
     }
 
-    fn route(&self, array: &Arc<DeviceArray>, rt: &Arc<dyn DeviceRuntime>) -> Result<Route> {
+    fn route(&self, array: &Arc<DeviceArray>, rt: &Arc<dyn GpuDevice>) -> Result<Route> {
         self.route_info(array, rt).map(|(r, _)| r)
     }
 
@@ -466,7 +462,7 @@ impl GpuState {
     pub(crate) fn route_info(
         &self,
         array: &Arc<DeviceArray>,
-        rt: &Arc<dyn DeviceRuntime>,
+        rt: &Arc<dyn GpuDevice>,
     ) -> Result<(Route, GpuPathInfo)> {
         let key = rt.name();
         if let Some(r) = self.routes.lock().get(&key) {
@@ -517,7 +513,7 @@ impl GpuState {
         }
         let started = Instant::now();
         let size = map.size_bytes();
-        match self.route(array, mem.runtime())? {
+        match self.route(array, mem.gpu())? {
             Route::Bounce => {
                 let r = self.bounce_write(array, map, mem, checksums);
                 if r.is_ok() {
@@ -551,7 +547,7 @@ impl GpuState {
         mem.set_ready(None);
         let started = Instant::now();
         let size = map.size_bytes();
-        let fence = match self.route(array, mem.runtime())? {
+        let fence = match self.route(array, mem.gpu())? {
             Route::Bounce => {
                 let f = self.bounce_read(array, map, &*mem, checksums, tensor)?;
                 self.stats.lock().bounce_read.add(size, started);
@@ -583,7 +579,7 @@ impl GpuState {
         let unit = map.unit_bytes();
         let chunk = self.chunk_bytes(map);
         let chunks = size.div_ceil(chunk);
-        let staging = self.staging(mem.runtime(), chunk)?;
+        let staging = self.staging(mem.gpu(), chunk)?;
         let depth = self.config.depth.min(chunks as usize).max(1);
         let bufs = staging.take(depth);
         let mut free: VecDeque<IoBuf> = bufs.into();
@@ -593,7 +589,7 @@ impl GpuState {
         let mut first_err: Option<Error> = None;
         let mut next = 0u64;
         let base = mem.device_ptr();
-        let mut queue = match mem.runtime().copy_queue() {
+        let mut queue = match mem.gpu().copy_queue() {
             Ok(q) => q,
             Err(e) => {
                 staging.give(free);
@@ -682,7 +678,7 @@ impl GpuState {
         let unit = map.unit_bytes();
         let chunk = self.chunk_bytes(map);
         let chunks = size.div_ceil(chunk);
-        let staging = self.staging(mem.runtime(), chunk)?;
+        let staging = self.staging(mem.gpu(), chunk)?;
         let depth = self.config.depth.min(chunks as usize).max(1);
         let mut free: VecDeque<IoBuf> = staging.take(depth).into();
         let mut reading: VecDeque<(u64, IoTicket)> = VecDeque::new();
@@ -691,7 +687,7 @@ impl GpuState {
         let mut next = 0u64;
         let mut last_fence: Option<Box<dyn DeviceFence>> = None;
         let base = mem.device_ptr();
-        let mut queue = match mem.runtime().copy_queue() {
+        let mut queue = match mem.gpu().copy_queue() {
             Ok(q) => q,
             Err(e) => {
                 staging.give(free);
@@ -832,7 +828,7 @@ impl GpuState {
         let t = Instant::now();
         // SAFETY: `[ptr, ptr + size)` is the tensor's live device memory; nobody writes it
         // while the store owns it.
-        let c = unsafe { mem.runtime().crc32c_units(mem.device_ptr(), size, unit)? };
+        let c = unsafe { mem.gpu().crc32c_units(mem.device_ptr(), size, unit)? };
         let mut st = self.stats.lock();
         st.gpu_crc_ns += t.elapsed().as_nanos() as u64;
         st.gpu_crc_bytes += size;
@@ -861,7 +857,7 @@ impl GpuState {
             let mut b = tail_pool.alloc(block as usize)?;
             b.fill(0);
             let n = (size - full) as usize;
-            let mut q = mem.runtime().copy_queue()?;
+            let mut q = mem.gpu().copy_queue()?;
             // SAFETY: `b` outlives the fence wait below; the range is the tensor's last bytes.
             unsafe { q.device_to_host(mem.device_ptr() + full, b.as_mut_ptr(), n)? };
             q.fence()?.wait()?;
@@ -914,7 +910,7 @@ impl GpuState {
             None
         };
         let r = self.run_direct(pool, false, mem.device_ptr(), &pieces);
-        let mut q = mem.runtime().copy_queue()?;
+        let mut q = mem.gpu().copy_queue()?;
         if let Some(t) = tail {
             let (b, tr) = t.wait();
             tr?;

@@ -2,7 +2,7 @@
 //! pipeline and GPUDirect Storage, `store::gpu`) are written once and tested on any machine:
 //!
 //! - [`DeviceMemory`]: one tensor's device allocation (pointer, length, its device).
-//! - [`DeviceRuntime`]: what the data paths need from a device: in-order copy queues between
+//! - [`GpuDevice`]: what the data paths need from a device: in-order copy queues between
 //!   device and pinned host memory ([`CopyQueue`], a CUDA stream), fences ([`DeviceFence`], a
 //!   CUDA event), page-locking host memory, crc32c computed on the device, and direct storage
 //!   ([`DirectStorage`], cuFile).
@@ -56,7 +56,7 @@ pub trait CopyQueue: Send {
     fn drain(&mut self) -> Result<()>;
 }
 
-/// Which way the copies of a queue go ([`DeviceRuntime::copy_queue_toward`]).
+/// Which way the copies of a queue go ([`GpuDevice::copy_queue_toward`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyWay {
     /// Host memory to device memory (prefetches).
@@ -131,7 +131,7 @@ pub trait DirectStorage: Send + Sync {
 }
 
 /// A device (a GPU, or the host emulation): copies, fences, pinning, crc32c, direct storage.
-pub trait DeviceRuntime: Send + Sync {
+pub trait GpuDevice: Send + Sync {
     /// "cuda:0 (NVIDIA H200)", "emulated-gpu:0".
     fn name(&self) -> String;
     /// Device ordinal.
@@ -155,7 +155,7 @@ pub trait DeviceRuntime: Send + Sync {
     /// Undo [`pin_host`](Self::pin_host).
     ///
     /// # Safety
-    /// `ptr` must have been pinned by this runtime and no copy may use it any more.
+    /// `ptr` must have been pinned by this device and no copy may use it any more.
     unsafe fn unpin_host(&self, ptr: *mut u8) -> Result<()>;
     /// crc32c of every `unit`-sized piece of the `len` device bytes at `ptr` (the last piece may
     /// be shorter), computed on the device; the same values as the CPU's `crc32c` of each piece.
@@ -176,11 +176,11 @@ pub trait DeviceRuntime: Send + Sync {
     fn record_on_stream(&self, stream: u64) -> Result<Box<dyn DeviceFence>>;
 }
 
-/// A device runtime page-locking a buffer pool's mappings (the host tier of an engine with a
+/// A GPU page-locking a buffer pool's mappings (the host tier of an engine with a
 /// GPU: tensors offloaded to host memory move by DMA at the bus's speed).
-pub struct RuntimePinner(pub Arc<dyn DeviceRuntime>);
+pub struct GpuPinner(pub Arc<dyn GpuDevice>);
 
-impl crate::pool::HostPinner for RuntimePinner {
+impl crate::pool::HostPinner for GpuPinner {
     unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<()> {
         // SAFETY: forwarded contract (mapped until unpin).
         unsafe { self.0.pin_host(ptr, len) }
@@ -206,7 +206,7 @@ pub trait DeviceMemory: Send + Sync {
     /// Device address of the first byte.
     fn device_ptr(&self) -> u64;
     /// The device it lives on.
-    fn runtime(&self) -> &Arc<dyn DeviceRuntime>;
+    fn gpu(&self) -> &Arc<dyn GpuDevice>;
     /// The fence after which the content written by the last prefetch is complete, if any.
     fn ready(&self) -> Option<&dyn DeviceFence>;
     /// Set (or clear) the fence of [`ready`](Self::ready).
@@ -224,7 +224,7 @@ pub(crate) fn copy_out(mem: &dyn DeviceMemory, offset: u64, dst: &mut [u8]) -> R
     if let Some(f) = mem.ready() {
         f.wait()?;
     }
-    let mut q = mem.runtime().copy_queue()?;
+    let mut q = mem.gpu().copy_queue()?;
     // SAFETY: `dst` is borrowed mutably until the fence below completed; the range was checked
     // against the tensor's length by the caller (TensorMem::copy_out).
     unsafe { q.device_to_host(mem.device_ptr() + offset, dst.as_mut_ptr(), dst.len())? };
@@ -240,7 +240,7 @@ pub(crate) fn copy_in(mem: &mut dyn DeviceMemory, offset: u64, src: &[u8]) -> Re
         f.wait()?;
     }
     mem.set_ready(None);
-    let mut q = mem.runtime().copy_queue()?;
+    let mut q = mem.gpu().copy_queue()?;
     // SAFETY: `src` is borrowed until the fence below completed; range checked by the caller.
     unsafe { q.host_to_device(src.as_ptr(), mem.device_ptr() + offset, src.len())? };
     q.fence()?.wait()
@@ -281,7 +281,7 @@ fn queue_behind(
     other: Option<&dyn DeviceFence>,
     way: CopyWay,
 ) -> Result<Box<dyn CopyQueue>> {
-    let mut q = mem.runtime().copy_queue_toward(way)?;
+    let mut q = mem.gpu().copy_queue_toward(way)?;
     for f in mem.ready().into_iter().chain(other) {
         q.wait_for(f)?;
     }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::device::{
-    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DeviceRuntime, DirectMode, DirectStorage,
+    CopyQueue, CopyWay, DeviceFence, DeviceMemory, DirectMode, DirectStorage, GpuDevice,
 };
 use super::{MemoryTier, TensorMem};
 use crate::{Error, Result};
@@ -108,8 +108,8 @@ struct PendingCopy {
 
 /// The copies a device with deferred copies has queued: a FIFO per kind of queue, as CUDA
 /// orders a stream's copies and nothing between streams but events: queues of any copies
-/// ([`DeviceRuntime::copy_queue`]) share lane 0, queues toward the device lane 1, toward the
-/// host lane 2 ([`DeviceRuntime::copy_queue_toward`]); stricter than CUDA's per-stream order
+/// ([`GpuDevice::copy_queue`]) share lane 0, queues toward the device lane 1, toward the
+/// host lane 2 ([`GpuDevice::copy_queue_toward`]); stricter than CUDA's per-stream order
 /// within a lane, as loose between lanes.
 #[derive(Default)]
 struct Deferred {
@@ -246,8 +246,8 @@ pub struct HostDevice {
 }
 
 impl HostDevice {
-    /// An emulated device with this ordinal, as a runtime.
-    pub fn runtime(ordinal: u32) -> Arc<dyn DeviceRuntime> {
+    /// An emulated device with this ordinal, as a `GpuDevice`.
+    pub fn gpu(ordinal: u32) -> Arc<dyn GpuDevice> {
         Arc::new(Self::new_concrete(ordinal, false))
     }
 
@@ -265,7 +265,7 @@ impl HostDevice {
     }
 }
 
-impl DeviceRuntime for HostDevice {
+impl GpuDevice for HostDevice {
     fn name(&self) -> String {
         format!("emulated-gpu:{}", self.state.ordinal)
     }
@@ -400,7 +400,7 @@ impl DirectStorage for HostDirect {
 
 /// Emulated device memory: a 256-byte aligned host allocation (as cudaMalloc aligns).
 struct HostDeviceMem {
-    runtime: Arc<dyn DeviceRuntime>,
+    gpu: Arc<dyn GpuDevice>,
     device: Arc<HostDeviceState>,
     ptr: *mut u8,
     len: u64,
@@ -422,8 +422,8 @@ impl DeviceMemory for HostDeviceMem {
     fn device_ptr(&self) -> u64 {
         self.ptr as u64
     }
-    fn runtime(&self) -> &Arc<dyn DeviceRuntime> {
-        &self.runtime
+    fn gpu(&self) -> &Arc<dyn GpuDevice> {
+        &self.gpu
     }
     fn ready(&self) -> Option<&dyn DeviceFence> {
         self.ready.as_deref()
@@ -457,7 +457,7 @@ struct HostDeviceTierState {
 /// A [`MemoryTier`] of emulated device memory ([`TensorMem::Device`] on a [`HostDevice`]): what
 /// CPU tests use in place of the CUDA tier.
 pub struct HostDeviceTier {
-    runtime: Arc<dyn DeviceRuntime>,
+    gpu: Arc<dyn GpuDevice>,
     device: Arc<HostDeviceState>,
     capacity_bytes: u64,
     state: Arc<HostDeviceTierState>,
@@ -538,7 +538,7 @@ impl HostDeviceTier {
             return Err(Error::InvalidArgument(format!("{mem:?} is not device memory")));
         };
         let p = d.device_ptr() + offset;
-        if offset + len as u64 > d.len() || d.runtime().name() != self.name {
+        if offset + len as u64 > d.len() || d.gpu().name() != self.name {
             return Err(Error::InvalidArgument(format!(
                 "{len} bytes at {offset} of {mem:?} on {}",
                 self.name
@@ -550,10 +550,10 @@ impl HostDeviceTier {
 
     fn with_device(dev: HostDevice, capacity_bytes: u64) -> Arc<Self> {
         let device = dev.state.clone();
-        let runtime: Arc<dyn DeviceRuntime> = Arc::new(dev);
+        let gpu: Arc<dyn GpuDevice> = Arc::new(dev);
         Arc::new(HostDeviceTier {
-            name: runtime.name(),
-            runtime,
+            name: gpu.name(),
+            gpu,
             device,
             capacity_bytes,
             state: Arc::new(HostDeviceTierState { used: AtomicU64::new(0) }),
@@ -561,8 +561,8 @@ impl HostDeviceTier {
     }
 
     /// The emulated device.
-    pub fn runtime(&self) -> &Arc<dyn DeviceRuntime> {
-        &self.runtime
+    pub fn gpu(&self) -> &Arc<dyn GpuDevice> {
+        &self.gpu
     }
 
     /// Copies made so far (each a "DMA" between host and emulated device memory).
@@ -591,7 +591,7 @@ impl HostDeviceTier {
         }
         self.device.live.lock().push((ptr, len));
         Ok(TensorMem::Device(Box::new(HostDeviceMem {
-            runtime: self.runtime.clone(),
+            gpu: self.gpu.clone(),
             device: self.device.clone(),
             ptr: ptr as *mut u8,
             len,
@@ -629,7 +629,7 @@ impl MemoryTier for HostDeviceTier {
         }
         self.device.live.lock().push((ptr as u64, bytes));
         Ok(TensorMem::Device(Box::new(HostDeviceMem {
-            runtime: self.runtime.clone(),
+            gpu: self.gpu.clone(),
             device: self.device.clone(),
             ptr,
             len: bytes,
@@ -741,7 +741,7 @@ mod tests {
         let tier = HostDeviceTier::new(0, 1 << 20);
         let m = tier.alloc(4096).unwrap();
         let TensorMem::Device(d) = &m else { unreachable!() };
-        let mut q = d.runtime().copy_queue().unwrap();
+        let mut q = d.gpu().copy_queue().unwrap();
         let mut buf = vec![0u8; 8192];
         // SAFETY: `buf` outlives the call; the device range is deliberately too long.
         let r = unsafe { q.device_to_host(d.device_ptr(), buf.as_mut_ptr(), 8192) };

@@ -62,6 +62,10 @@ _teraio.set_error_classes({name: getattr(_errors, name) for name, _ in _teraio.s
 __version__: str = _teraio.__version__
 POLICIES: Tuple[str, ...] = tuple(_teraio.POLICIES)
 MODEL_PRESETS: Tuple[str, ...] = tuple(_teraio.MODEL_PRESETS)
+#: The first tensor key of the callers' own key space (the engine's ``TensorKey::CALLER_FIRST``,
+#: ``1 << 40``): the keys of an executor's trace tensors are all below it, so keys counted from
+#: it never collide with an executor running on the same engine (teraio.torch's pager does so).
+KEY_CALLER_FIRST: int = _teraio.KEY_CALLER_FIRST
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -961,49 +965,6 @@ def compare_policies(
 # -- the host optimizer
 
 
-def _f32_export(obj: Any, writable: bool, what: str) -> Tuple[int, int, Any]:
-    """(address, elements, keepalive) of a C-contiguous float32 buffer: a CPU ``torch.Tensor``
-    (through ``data_ptr``, without importing torch), a numpy array, or any buffer-protocol
-    object of format ``f``."""
-    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous") and hasattr(obj, "device"):
-        dev = getattr(obj.device, "type", str(obj.device))
-        if dev != "cpu":
-            raise InvalidArgumentError(
-                f"{what}: a tensor on {obj.device}; the host optimizer steps CPU tensors")
-        if str(obj.dtype) != "torch.float32":
-            raise InvalidArgumentError(f"{what}: a {obj.dtype} tensor; the host optimizer steps float32")
-        if getattr(obj, "is_sparse", False):
-            raise InvalidArgumentError(f"{what}: a sparse tensor; the host optimizer steps dense ones")
-        if not obj.is_contiguous():
-            raise InvalidArgumentError(
-                f"{what}: a non-contiguous tensor (shape {tuple(obj.shape)}, strides "
-                f"{tuple(obj.stride())}); pass a contiguous one")
-        return int(obj.data_ptr()), int(obj.numel()), obj
-    ai = None
-    if not isinstance(obj, (bytes, bytearray, memoryview, HostBuffer)):
-        try:
-            ai = getattr(obj, "__array_interface__", None)
-        except Exception as e:  # an object whose interface property fails
-            raise InvalidArgumentError(f"{what}: {e}") from e
-    if isinstance(ai, dict):
-        typestr = ai.get("typestr")
-        native = "<" if sys.byteorder == "little" else ">"
-        if typestr not in (native + "f4", "=f4"):
-            raise InvalidArgumentError(
-                f"{what}: an array of typestr {typestr!r}; the host optimizer steps float32 "
-                f"({native}f4): pass a.astype('float32') and copy the result back")
-    else:
-        try:
-            fmt = memoryview(obj).format
-        except (TypeError, ValueError):
-            fmt = None
-        if fmt is not None and fmt.lstrip("@=<") != "f":
-            raise InvalidArgumentError(
-                f"{what}: a buffer of format {fmt!r}; the host optimizer steps float32 (format 'f')")
-    addr, nbytes, keep = _teraio.export_host(obj, writable, what)
-    return addr, nbytes // 4, keep
-
-
 def _threads(threads: Optional[int]) -> int:
     if threads is None:
         return 0
@@ -1056,17 +1017,12 @@ def adamw_step(
     uses one). Runs with the GIL released; the buffers must not be resized meanwhile. A wrong
     length, dtype, layout or hyperparameter raises :class:`InvalidArgumentError` naming it,
     before anything is written."""
-    p = _f32_export(param, True, "param")
-    g = _f32_export(grad, False, "grad")
-    m = _f32_export(exp_avg, True, "exp_avg")
-    v = _f32_export(exp_avg_sq, True, "exp_avg_sq")
-    x = None if max_exp_avg_sq is None else _f32_export(max_exp_avg_sq, True, "max_exp_avg_sq")
+    # the buffers are read, checked and held in Rust (the native module's export.rs)
     _teraio.adam_step(
-        p[:2], g[:2], m[:2], v[:2], None if x is None else x[:2],
+        param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
         _step(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         bool(amsgrad), bool(maximize), bool(decoupled_weight_decay), _threads(threads),
     )
-    del p, g, m, v, x
 
 
 def sgd_step(
@@ -1088,15 +1044,10 @@ def sgd_step(
     ``fresh_buffer=True`` on its first step (PyTorch's ``state['momentum_buffer']`` is None)
     sets it to the gradient instead of updating it. Buffers and threads as
     :func:`adamw_step`."""
-    p = _f32_export(param, True, "param")
-    g = _f32_export(grad, False, "grad")
-    b = None if momentum_buffer is None else _f32_export(momentum_buffer, True, "momentum_buffer")
     _teraio.sgd_step(
-        p[:2], g[:2], None if b is None else b[:2], bool(fresh_buffer), float(lr),
-        float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
-        _threads(threads),
+        param, grad, momentum_buffer, bool(fresh_buffer), float(lr), float(momentum),
+        float(dampening), float(weight_decay), bool(nesterov), bool(maximize), _threads(threads),
     )
-    del p, g, b
 
 
 def optimizer_info() -> Dict[str, Any]:
@@ -1112,6 +1063,7 @@ __all__ = [
     "version",
     "POLICIES",
     "MODEL_PRESETS",
+    "KEY_CALLER_FIRST",
     "Engine",
     "Executor",
     "HostBuffer",

@@ -31,6 +31,7 @@ Hardware = Union[str, Dict[str, Any]]
 __version__: str
 POLICIES: Tuple[str, ...]
 MODEL_PRESETS: Tuple[str, ...]
+KEY_CALLER_FIRST: int
 
 def version() -> str: ...
 

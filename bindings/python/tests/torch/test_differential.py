@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import teraio.torch as tt
+from teraio.torch.session import _TestHooks as Hooks
 
 from models import TinyGPT, TinyLlama
 
@@ -141,7 +142,7 @@ def _train(case, session_kw=None, engine=None):
     model, opt = _model(case)
     s = None
     if session_kw is not None:
-        s = tt.Session(model, opt, store=engine, log=lambda _: None, **session_kw)
+        s = tt.Session(model, opt, _hooks=Hooks(store=engine), log=lambda _: None, **session_kw)
     losses, seen = [], []
     for i, tokens in enumerate(_data(case)):
         if s is not None:

@@ -3,30 +3,17 @@ and prefetches checked per rank, a budget-paged training on each rank with losse
 plain run, and a rank that cannot open its engine stopping every rank with a message naming it."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import teraio.torch as tt
+from ranks import init_rank, models_importable, spawn_ranks  # noqa: F401 (an autouse fixture)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def _rank_job(rank, world, port, base, results):
-    _init(rank, world, port)
+def _rank_job(rank, world, port, results, base):
+    init_rank(rank, world, port)
     try:
         import numpy as np
 
@@ -56,8 +43,8 @@ def _rank_job(rank, world, port, base, results):
         dist.destroy_process_group()
 
 
-def _failing_job(rank, world, port, base, results):
-    _init(rank, world, port)
+def _failing_job(rank, world, port, results, base):
+    init_rank(rank, world, port)
     try:
         cfg = {"dirs": [str(base / "ok"), str(base / "not-a-dir")], "files": 1, "file_size": "16M"}
         (base / "not-a-dir").write_text("a file where rank 1's folder should be")
@@ -70,27 +57,13 @@ def _failing_job(rank, world, port, base, results):
         dist.destroy_process_group()
 
 
-def _spawn(job, base):
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(job, args=(2, _free_port(), base, results), nprocs=2, join=True)
-    return dict(results)
-
-
-@pytest.fixture(autouse=True)
-def _models_importable(monkeypatch):
-    # spawned ranks import the tests' models module
-    here = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def test_two_ranks_each_own_engine_files_and_training(tmp_path):
     pytest.importorskip("teraio")
     from models import batches, make, train_step
 
     ref_model, ref_opt = make()
     ref = [train_step(ref_model, ref_opt, t) for t in batches(3)]
-    res = _spawn(_rank_job, tmp_path)
+    res = spawn_ranks(_rank_job, tmp_path)
     assert sorted(res) == [0, 1]
     dirs = {res[r]["dir"] for r in res}
     assert len(dirs) == 2 and all(d.endswith(f"rank{r}") for r, d in ((r, res[r]["dir"]) for r in res))
@@ -100,7 +73,7 @@ def test_two_ranks_each_own_engine_files_and_training(tmp_path):
 
 
 def test_a_rank_that_cannot_open_its_engine_stops_every_rank(tmp_path):
-    res = _spawn(_failing_job, tmp_path)
+    res = spawn_ranks(_failing_job, tmp_path)
     for r in (0, 1):
         assert "rank 1 could not open its engine" in res[r], res[r]
         assert "rank 0" not in res[r]
@@ -119,10 +92,10 @@ def test_rank_config_gives_each_rank_its_own_place():
         tt.rank_config({"files": 2}, 0)
 
 
-def _ddp_job(rank, world, port, base, results):
+def _ddp_job(rank, world, port, results, base):
     """TinyGPT under DistributedDataParallel (gradients all-reduced in backward), trained plainly
     (``base`` None) or by a session on this rank's own engine under a budget."""
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     try:
         from models import batches, make, train_step
 
@@ -154,8 +127,8 @@ def _ddp_job(rank, world, port, base, results):
 def test_ddp_ranks_each_with_a_session_train_as_plain_ddp(tmp_path):
     # DDP's all-reduce runs inside backward, through the session's dispatch mode; each rank
     # profiles, plans and pages on its own engine, and every loss and parameter equals plain DDP's
-    plain = _spawn(_ddp_job, None)
-    with_teraio = _spawn(_ddp_job, tmp_path)
+    plain = spawn_ranks(_ddp_job, None)
+    with_teraio = spawn_ranks(_ddp_job, tmp_path)
     for rank in (0, 1):
         assert with_teraio[rank]["losses"] == plain[rank]["losses"], rank
         for p, q in zip(with_teraio[rank]["params"], plain[rank]["params"]):

@@ -8,14 +8,13 @@ one and training continues bitwise."""
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import teraio.torch as tt
+from ranks import init_rank, models_importable, spawn_ranks  # noqa: F401 (an autouse fixture)
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # (PyTorch before 2.6 has no public FSDP2)
@@ -23,32 +22,6 @@ if not hasattr(fsdp, "fully_shard"):  # (PyTorch before 2.6 has no public FSDP2)
 
 STEPS = 6
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective waiting for a rank that failed
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-
-
-def _spawn(job, *args):
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(job, args=(2, _free_port(), results, *args), nprocs=2, join=True)
-    return dict(results)
-
-
-@pytest.fixture(autouse=True)
-def _models_importable(monkeypatch):
-    # spawned ranks import the tests' models module
-    here = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _sharded(reshard, bf16, seed=0):
@@ -93,7 +66,7 @@ def _session(model, opt, base, **kw):
 
 
 def _train_job(rank, world, port, results, base, reshard, bf16):
-    _init(rank, world, port)
+    init_rank(rank, world, port, TIMEOUT)
     try:
         from models import batches, train_step
 
@@ -114,7 +87,7 @@ def _train_job(rank, world, port, results, base, reshard, bf16):
             out["fetches"] = rep["fetches"]
             out["fsdp"] = rep["fsdp"]
             # what teraio traced: the rank's shards by name, FSDP's unsharded storages not at all
-            trace = next(iter(s.plans.values()))["trace"] if s.plans else None
+            trace = next(iter(s.plans.values())).trace if s.plans else None
             out["globals"] = sorted(t["name"] for t in trace["tensors"] if t["global"]) if trace else []
             out["traced_bytes"] = {t["name"]: t["bytes"] for t in trace["tensors"] if t["global"]} if trace else {}
             s.close()
@@ -136,8 +109,8 @@ def _check_equal(plain, with_teraio):
 
 @pytest.mark.parametrize("reshard,bf16", [(True, False), (False, True)], ids=["reshard-fp32", "no-reshard-bf16"])
 def test_fsdp2_ranks_with_sessions_train_as_plain_fsdp2(tmp_path, reshard, bf16):
-    plain = _spawn(_train_job, None, reshard, bf16)
-    with_teraio = _spawn(_train_job, tmp_path, reshard, bf16)
+    plain = spawn_ranks(_train_job, None, reshard, bf16)
+    with_teraio = spawn_ranks(_train_job, tmp_path, reshard, bf16)
     _check_equal(plain, with_teraio)
     assert plain[0]["losses"] != plain[1]["losses"]  # different data per rank
     for rank in (0, 1):
@@ -164,7 +137,7 @@ def test_fsdp2_ranks_with_sessions_train_as_plain_fsdp2(tmp_path, reshard, bf16)
 
 
 def _failing_job(rank, world, port, results, base):
-    _init(rank, world, port)
+    init_rank(rank, world, port, TIMEOUT)
     try:
         model, opt = _sharded(True, False)
         (base / "not-a-dir").write_text("a file where rank 1's folder should be")
@@ -180,7 +153,7 @@ def _failing_job(rank, world, port, results, base):
 
 
 def test_a_rank_that_cannot_open_its_engine_stops_the_fsdp2_job(tmp_path):
-    res = _spawn(_failing_job, tmp_path)
+    res = spawn_ranks(_failing_job, tmp_path)
     for r in (0, 1):
         assert "rank 1 could not open its engine" in res[r], res[r]
         assert "rank 0 could not" not in res[r]
@@ -190,7 +163,7 @@ def _dcp_job(rank, world, port, results, base, ckpt, resume):
     """``resume`` False: train STEPS steps under a Session, saving a DCP checkpoint after step 2
     (between steps, under the Session). True: a new model and optimizer load it, a new Session
     trains the steps after it."""
-    _init(rank, world, port)
+    init_rank(rank, world, port, TIMEOUT)
     try:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -224,8 +197,8 @@ def _dcp_job(rank, world, port, results, base, ckpt, resume):
 
 def test_dcp_checkpoint_saved_under_a_session_resumes_bitwise(tmp_path):
     ckpt = tmp_path / "ckpt"
-    whole = _spawn(_dcp_job, tmp_path / "a", ckpt, False)
-    resumed = _spawn(_dcp_job, tmp_path / "b", ckpt, True)
+    whole = spawn_ranks(_dcp_job, tmp_path / "a", ckpt, False)
+    resumed = spawn_ranks(_dcp_job, tmp_path / "b", ckpt, True)
     for rank in (0, 1):
         assert whole[rank]["fetches"] > 0 and resumed[rank]["fetches"] > 0
         assert "planned" in whole[rank]["modes"], whole[rank]["modes"]

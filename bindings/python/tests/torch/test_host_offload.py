@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from teraio.torch import HostAdam, HostAdamW, HostSGD, Session, make_plannable, offload_optimizer
+from teraio.torch.session import _TestHooks as Hooks
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -210,9 +211,9 @@ def test_what_cannot_step_on_the_host_is_refused_by_name():
     with pytest.raises(ValueError, match="threads"):
         offload_optimizer(torch.optim.AdamW(model.parameters()), threads=0)
     with pytest.raises(ValueError, match="optimizer_on must be 'gpu'.*'cuda'"):
-        Session(model, torch.optim.AdamW(model.parameters()), optimizer_on="cuda", planner=lambda *a: None)
+        Session(model, torch.optim.AdamW(model.parameters()), optimizer_on="cuda", _hooks=Hooks(planner=lambda *a: None))
     with pytest.raises(ValueError, match="optimizer_on='host'.*on cpu.*HostAdamW"):
-        Session(model, torch.optim.AdamW(model.parameters()), optimizer_on="host", planner=lambda *a: None)
+        Session(model, torch.optim.AdamW(model.parameters()), optimizer_on="host", _hooks=Hooks(planner=lambda *a: None))
 
 
 @pytest.mark.parametrize("device", DEVICES)

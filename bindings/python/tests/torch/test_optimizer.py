@@ -9,6 +9,7 @@ import teraio.torch as tt
 from teraio.torch import (Profiler, WorkingSetTooLarge, auto_chunk_bytes, check_working_sets, make_plannable,
                           step_in_backward)
 from teraio.torch.optimizer import NO_SPLIT
+from teraio.torch.session import _TestHooks as Hooks
 
 from models import batches, make, train_step
 from test_session import MemStore
@@ -97,7 +98,7 @@ def test_a_session_chunks_the_step_by_its_budget():
     m, opt = make()
     sizes = [p.numel() * p.element_size() for p in m.parameters()]
     budget = 32 * 3 * max(sizes)  # chunks of three of the largest parameter
-    s = tt.Session(m, opt, store=MemStore(), gpu_budget_bytes=budget, log=lambda _: None)
+    s = tt.Session(m, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=budget, log=lambda _: None)
     try:
         assert opt._teraio_chunked == 3 * max(sizes)
         chunks, size = 1, 0
@@ -116,6 +117,6 @@ def test_a_session_chunks_the_step_by_its_budget():
     finally:
         s.close()
     m2, opt2 = make()
-    s2 = tt.Session(m2, opt2, store=None, gpu_budget_bytes=None, log=lambda _: None)
+    s2 = tt.Session(m2, opt2, _hooks=Hooks(store=None), gpu_budget_bytes=None, log=lambda _: None)
     assert opt2._teraio_chunked == NO_SPLIT  # no budget: one step, unsplit
     s2.close()

@@ -14,6 +14,7 @@ import torch
 
 import teraio.torch as tt
 from teraio.torch.pager import host_view
+from teraio.torch.session import _TestHooks as Hooks
 
 from models import Block, batches, make, train_step
 
@@ -137,8 +138,8 @@ def session(model, opt, executors):
         executors.append(ex)
         return ex
 
-    return tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
-                      planner=script_for, warmup_steps=1, log=lambda _: None)
+    return tt.Session(model, opt, gpu_budget_bytes=None, warmup_steps=1, log=lambda _: None,
+                      _hooks=Hooks(store=None, executor_factory=factory, planner=script_for))
 
 
 def test_planned_steps_move_storages_and_keep_losses():
@@ -251,7 +252,7 @@ def test_an_operator_that_runs_out_of_memory_runs_again_once_the_executor_made_r
     monkeypatch.setattr(tt.planned.PlannedRun, "_invoke", staticmethod(flaky))
     for i, t in enumerate(batches(5)):
         # two in a row, of one operator in the second planned step; in the third more than
-        # the runtime tries: the error reaches the caller
+        # teraio.torch tries: the error reaches the caller
         failures["left"], failures["skip"] = {3: (2, 20), 4: (10, 20)}.get(i, (0, 0))
         if i == 4:
             with pytest.raises(torch.OutOfMemoryError):
@@ -357,8 +358,8 @@ def quiet_session(model, opt, executors):
         executors.append(ex)
         return ex
 
-    s = tt.Session(model, opt, store=None, gpu_budget_bytes=None, executor_factory=factory,
-                   planner=late_script, warmup_steps=1, log=lambda _: None)
+    s = tt.Session(model, opt, gpu_budget_bytes=None, warmup_steps=1, log=lambda _: None,
+                   _hooks=Hooks(store=None, executor_factory=factory, planner=late_script))
     s.budget = 1 << 30
     return s
 

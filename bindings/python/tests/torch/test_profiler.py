@@ -44,7 +44,7 @@ def test_lifetimes_and_writes_of_a_small_sequence():
     b = t[(1, 2, 3)]
     assert (b["created_by"], b["dies_after"], b["writes"]) == (1, 3, [1, 2])
     # x and w exist before and after the window but are not parameters, gradients, buffers or
-    # optimizer states (a runtime could not find them by name): traced from their first use to
+    # optimizer states (teraio.torch could not find them by name): traced from their first use to
     # the end
     xs = [s for s in tr["tensors"] if s["accesses"] == [0]]
     assert len(xs) == 2

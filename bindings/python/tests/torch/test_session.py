@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import teraio.torch as tt
+from teraio.torch.session import _TestHooks as Hooks
 
 from models import batches, make, train_step
 
@@ -62,7 +63,7 @@ def reference(n, **kw):
 def trained(store, budget, n, data=None, **kw):
     model, opt = make(**kw)
     data = data if data is not None else batches(n)
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, log=lambda _: None)
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, page_min_bytes=0, log=lambda _: None)
     losses = []
     for t in data:
         with s.step():
@@ -118,7 +119,7 @@ def test_planned_steps_run_on_the_engines_executor_with_the_same_losses(tmp_path
             _halve(ref_model, ref_opt)
     budget = 3 * params_bytes(ref_model)
     model, opt = make()
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, page_min_bytes=0,
                    log=lambda _: None)
     losses = []
     for i, t in enumerate(batches(5)):
@@ -137,8 +138,8 @@ def test_planned_steps_run_on_the_engines_executor_with_the_same_losses(tmp_path
         # within the budget, or within what the previous gather left resident (boundary 0 puts
         # those back where the plan starts them; allocations wait for the budget)
         assert ex["peak_bytes"] <= max(budget, s.steps[2]["gathered"]["used_bytes"])
-    (entry,) = [e for e in s.plans.values() if e.get("run")]
-    run = entry["run"]
+    (entry,) = [e for e in s.plans.values() if e.run]
+    run = entry.run
     # between steps every global storage holds its bytes (none shrunk by an offload)
     for tid, x in run._globals:
         assert x.untyped_storage().nbytes() == run.tensors[tid]["bytes"], run.tensors[tid]["name"]
@@ -167,7 +168,7 @@ def test_a_budgeted_gather_keeps_the_budget_and_gathered_brings_back_the_rest(tm
     budget = 3 * params_bytes(ref_model)  # parameters, gradients and two AdamW states do not fit
     model, opt = make()
     lines = []
-    s = tt.Session(model, opt, store=engine_store(tmp_path, device=store_kind == "engine-device"),
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path, device=store_kind == "engine-device")),
                    gpu_budget_bytes=budget, page_min_bytes=0, gather_between_steps="budget", log=lines.append)
     losses, left_off = [], []
     for i, t in enumerate(batches(6)):
@@ -180,7 +181,7 @@ def test_a_budgeted_gather_keeps_the_budget_and_gathered_brings_back_the_rest(tm
             left_off.append(g["left_off"])
         if i in (2, 4):
             with s.gathered():
-                (run,) = [e["run"] for e in s.plans.values() if e.get("run")]
+                (run,) = [e.run for e in s.plans.values() if e.run]
                 for tid, x in run._globals:  # every one back, with its bytes
                     assert x.untyped_storage().nbytes() == run.tensors[tid]["bytes"], run.tensors[tid]["name"]
                 _halve(model, opt)
@@ -200,7 +201,7 @@ def test_a_full_gather_past_the_budget_is_said_once(tmp_path):
     model, opt = make()
     lines = []
     budget = 3 * params_bytes(model)
-    s = tt.Session(model, opt, store=engine_store(tmp_path), gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=budget, page_min_bytes=0,
                    log=lines.append)
     for t in batches(5):
         with s.step():
@@ -239,8 +240,8 @@ def test_shapes_change_each_shape_profiled_once():
         exs.append(ScriptedExecutor(*a))
         return exs[-1]
 
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
-                   warmup_steps=1, planner=script_for, executor_factory=factory, log=lambda _: None)
+    s = tt.Session(model, opt, gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0, warmup_steps=1,
+                   log=lambda _: None, _hooks=Hooks(store=MemStore(), planner=script_for, executor_factory=factory))
     for t in data:
         with s.step():
             a = train_step(model, opt, t)
@@ -258,14 +259,14 @@ def test_shapes_change_each_shape_profiled_once():
 def test_report_line_and_bad_arguments():
     model, opt = make()
     lines = []
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 30, report_every=1, log=lines.append)
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 30, report_every=1, log=lines.append)
     with s.step():
         train_step(model, opt, batches(1)[0])
     assert lines and lines[0].startswith("teraio step 0: paged,") and "moved 0.00 GB" in lines[0]
     with pytest.raises(ValueError, match="gpu_budget_bytes"):
-        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=0)
+        tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=0)
     with pytest.raises(ValueError, match="profile_steps"):
-        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1, profile_steps=0)
+        tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1, profile_steps=0)
 
 
 def test_a_plan_without_an_executor_pages_without_recording():
@@ -275,9 +276,10 @@ def test_a_plan_without_an_executor_pages_without_recording():
     def no_executor(*a):
         raise NotImplementedError("no executor in this build")
 
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(ref_model), page_min_bytes=0,
-                   warmup_steps=1, planner=lambda tr, b, h: {"policy": "scripted"},
-                   executor_factory=no_executor, log=lambda _: None)
+    s = tt.Session(model, opt, gpu_budget_bytes=3 * params_bytes(ref_model), page_min_bytes=0,
+                   warmup_steps=1, log=lambda _: None,
+                   _hooks=Hooks(store=MemStore(), planner=lambda tr, b, h: {"policy": "scripted"},
+                                executor_factory=no_executor))
     losses = []
     for t in batches(5):
         with s.step():
@@ -293,9 +295,10 @@ def test_a_plan_without_an_executor_pages_without_recording():
 def test_plans_take_each_operators_median_time_over_the_profiled_steps():
     model, opt = make()
     planned = []
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
-                   warmup_steps=1, profile_steps=3, executor_factory=lambda *a: None,
-                   planner=lambda tr, b, h: planned.append(tr) or {"policy": "scripted"}, log=lambda _: None)
+    s = tt.Session(model, opt, gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
+                   warmup_steps=1, profile_steps=3, log=lambda _: None,
+                   _hooks=Hooks(store=MemStore(), executor_factory=lambda *a: None,
+                                planner=lambda tr, b, h: planned.append(tr) or {"policy": "scripted"}))
     # the profiled steps' operator times, scripted: step 1 all 1 us, step 2 all 100 us, step 3
     # kernel i 2 + i us (even i) or 150 + i us (odd i): the medians are min(2 + i, 100) and 100,
     # where the last step's times alone would be 2 + i and 150 + i
@@ -362,7 +365,7 @@ def test_a_plan_that_does_not_fit_the_array_is_refused_and_steps_keep_paging(tmp
     budget = 3 * params_bytes(ref_model)
     model, opt = make()
     lines = []
-    s = tt.Session(model, opt, store=SmallArray(), gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=SmallArray()), gpu_budget_bytes=budget, page_min_bytes=0,
                    log=lines.append)
     losses = []
     for t in batches(4):
@@ -394,7 +397,7 @@ def test_planned_steps_recompute_activations_with_the_same_losses(tmp_path, stor
     ref_losses = [train_step(ref_model, ref_opt, t) for t in data]
     model, opt = make(seq=64)
     budget = 10 * params_bytes(model)
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, page_min_bytes=0,
                    hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
     losses = []
     for t in data:
@@ -404,17 +407,17 @@ def test_planned_steps_recompute_activations_with_the_same_losses(tmp_path, stor
     for p, q in zip(ref_model.parameters(), model.parameters()):
         assert torch.equal(p, q)
     (entry,) = s.plans.values()
-    planned = len(entry["plan"].to_dict()["recomputations"])
+    planned = len(entry.plan.to_dict()["recomputations"])
     assert planned > 0, "the plan recomputes activations"
     assert [r["mode"] for r in s.steps][2:] == ["planned"] * 3, s.steps
     for r in s.steps[2:]:
         assert r["recomputed"] == planned and r["executor"]["recomputations"] == planned
         assert r["executor"]["lost"] is None and "diverged" not in r
     # written in place by the operator's out= form where it has one (else run and copied)
-    assert 0 < entry["run"].recomputed_in_place <= planned
+    assert 0 < entry.run.recomputed_in_place <= planned
     # every recomputed tensor is an activation the profiler said how to make again
-    tensors = entry["trace"]["tensors"]
-    for rc in entry["plan"].to_dict()["recomputations"]:
+    tensors = entry.trace["tensors"]
+    for rc in entry.plan.to_dict()["recomputations"]:
         t = tensors[rc["tensor"]]
         assert t["kind"] == "activation" and "producer" in t, t
     s.close()
@@ -472,7 +475,7 @@ def test_a_recomputation_that_does_not_reproduce_its_bytes_is_caught_and_never_p
     model, opt = make(seq=64)
     budget = 10 * params_bytes(model)
     lines = []
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, verify_recompute=verify,
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, page_min_bytes=0, verify_recompute=verify,
                    hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lines.append)
     losses = []
     for t in data:
@@ -497,7 +500,7 @@ def test_a_recomputation_that_does_not_reproduce_its_bytes_is_caught_and_never_p
     later = s.steps[s.steps.index(caught[0]) + 1:]
     assert later and all("unstable_recompute" not in r for r in later)
     for e in s.plans.values():
-        kernels, tensors = e["trace"]["kernels"], e["trace"]["tensors"]
+        kernels, tensors = e.trace["kernels"], e.trace["tensors"]
         for t in tensors:
             if "producer" in t:
                 assert kernels[t["created_by"]]["name"].split(".", 1)[-1] != flaky[0]
@@ -540,7 +543,7 @@ def test_chains_remade_under_a_longer_shapes_plan_are_bitwise_in_bf16(tmp_path):
     ref = [train(ref_m, ref_opt, t) for t in data]
     m, opt = build()
     budget = 3 * params_bytes(m)
-    s = tt.Session(m, opt, store=engine_store(tmp_path), gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(m, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=budget, page_min_bytes=0,
                    hardware=dict(_SLOW, gpu_memory_bytes=1 << 30), log=lambda _: None)
     got = []
     for t in data:
@@ -561,14 +564,14 @@ def test_recompute_off_leaves_producers_out_and_plans_only_move(tmp_path):
     store = engine_store(tmp_path)
     model, opt = make(seq=64)
     budget = 10 * params_bytes(model)
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, recompute=False,
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, page_min_bytes=0, recompute=False,
                    hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
     for t in batches(3, batch=16, seq=64):
         with s.step():
             train_step(model, opt, t)
     (entry,) = s.plans.values()
-    assert not any("producer" in t for t in entry["trace"]["tensors"])
-    assert entry["plan"].to_dict().get("recomputations", []) == []
+    assert not any("producer" in t for t in entry.trace["tensors"])
+    assert entry.plan.to_dict().get("recomputations", []) == []
     assert "recomputed" not in s.steps[2]
     s.close()
 
@@ -578,18 +581,18 @@ def test_of_two_close_plans_the_one_that_moves_less_is_taken(tmp_path, margin):
     store = engine_store(tmp_path)
     model, opt = make(seq=64)
     budget = 10 * params_bytes(model)
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, page_min_bytes=0,
                    traffic_margin=margin, hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
     for t in batches(3, batch=16, seq=64):
         with s.step():
             train_step(model, opt, t)
     (entry,) = s.plans.values()
-    t = entry["traffic"]
+    t = entry.traffic
     moved = lambda p: p.to_dict()["stats"]["ssd_offload_bytes"] + p.to_dict()["stats"]["host_offload_bytes"]  # noqa: E731
     take = (t["slower_transfers_moved_bytes"] < t["modelled_moved_bytes"]
             and t["slower_transfers_s"] <= t["modelled_s"] * (1 + margin))
     assert t["chosen"] == ("planned for slower transfers" if take else "as modelled"), t
-    assert moved(entry["plan"]) == (t["slower_transfers_moved_bytes"] if take else t["modelled_moved_bytes"])
+    assert moved(entry.plan) == (t["slower_transfers_moved_bytes"] if take else t["modelled_moved_bytes"])
     assert ("planned for slower transfers" in s.steps[1]["plan"]) == take
     assert s.steps[2]["mode"] == "planned" and "diverged" not in s.steps[2]
     s.close()
@@ -654,15 +657,15 @@ def test_traffic_margin_zero_plans_once(tmp_path):
     store = engine_store(tmp_path)
     model, opt = make(seq=64)
     budget = 10 * params_bytes(model)
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, traffic_margin=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, page_min_bytes=0, traffic_margin=0,
                    hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None)
     for t in batches(2, batch=16, seq=64):
         with s.step():
             train_step(model, opt, t)
     (entry,) = s.plans.values()
-    assert "traffic" not in entry
+    assert entry.traffic is None
     with pytest.raises(ValueError, match="traffic_margin"):
-        tt.Session(model, opt, store=store, gpu_budget_bytes=budget, traffic_margin=1.5)
+        tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, traffic_margin=1.5)
 
 
 def test_plan_margin_plans_for_less_than_the_executor_runs_with(tmp_path):
@@ -680,8 +683,8 @@ def test_plan_margin_plans_for_less_than_the_executor_runs_with(tmp_path):
         seen["executor"] = executor_bytes
         raise NotImplementedError("only the budgets are checked here")
 
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, page_min_bytes=0, plan_margin=0.1,
-                   planner=planner, executor_factory=factory, log=lambda _: None)
+    s = tt.Session(model, opt, gpu_budget_bytes=budget, page_min_bytes=0, plan_margin=0.1,
+                   log=lambda _: None, _hooks=Hooks(store=store, planner=planner, executor_factory=factory))
     for t in batches(3, batch=16, seq=64):
         with s.step():
             train_step(model, opt, t)
@@ -689,7 +692,7 @@ def test_plan_margin_plans_for_less_than_the_executor_runs_with(tmp_path):
     assert seen == {"planned": int(budget * 0.9), "executor": budget}
     for bad in (-0.1, 0.5):
         with pytest.raises(ValueError, match="plan_margin"):
-            tt.Session(model, opt, store=store, gpu_budget_bytes=budget, plan_margin=bad)
+            tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, plan_margin=bad)
 
 
 def test_on_a_gpu_plans_leave_room_for_the_largest_tensor(tmp_path):
@@ -699,7 +702,7 @@ def test_on_a_gpu_plans_leave_room_for_the_largest_tensor(tmp_path):
     store = engine_store(tmp_path)
     model, opt = make(seq=64)
     budget = 10 * params_bytes(model)
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, log=lambda _: None)
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, log=lambda _: None)
     assert s.plan_budget == budget
     s._plan_fraction = 0.85
     s._headroom = 2 * (budget // 20)  # a small largest tensor: the fraction decides
@@ -743,7 +746,7 @@ def test_a_result_of_another_size_than_profiled_diverges_and_keeps_its_bytes(tmp
     torch.manual_seed(0)
     model = _Selecting()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
                    log=lambda _: None)
     losses = []
     for t in data:
@@ -769,7 +772,7 @@ def test_quiet_operators_skip_the_executor_and_keep_the_losses(tmp_path, store_k
                                  ("squeezed", 3 * params_bytes(ref_model), "auto")]:
         store = engine_store(tmp_path / name, device=store_kind == "engine-device")
         model, opt = make()
-        s = tt.Session(model, opt, store=store, gpu_budget_bytes=budget, policy=policy, page_min_bytes=0,
+        s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, policy=policy, page_min_bytes=0,
                        log=lambda _: None)
         losses = []
         for t in batches(5):
@@ -780,7 +783,7 @@ def test_quiet_operators_skip_the_executor_and_keep_the_losses(tmp_path, store_k
         assert planned and not any("diverged" in r for r in planned), s.steps
         seen[name] = [(r["executor"]["quiet_kernels"], r["ops"], r["executor"]["offloads"], r.get("unwatched_ops", 0))
                       for r in planned]
-        n = len(s.plans[next(iter(s.plans))]["signatures"])
+        n = len(s.plans[next(iter(s.plans))].signatures)
         assert all(r["ops"] == n for r in planned), (n, planned)
         s.close()
     for quiet, ops, offloads, unwatched in seen["none"]:
@@ -824,7 +827,7 @@ def test_operators_an_unwatched_stretch_does_not_check_still_train_right(tmp_pat
     torch.manual_seed(0)
     model = _Doubling()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    s = tt.Session(model, opt, store=engine_store(tmp_path), gpu_budget_bytes=100 * params_bytes(model),
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=100 * params_bytes(model),
                    policy="none", page_min_bytes=0, log=lambda _: None)
     for i, t in enumerate(data):
         model.twice = ref.twice = i == 4
@@ -838,7 +841,7 @@ def test_operators_an_unwatched_stretch_does_not_check_still_train_right(tmp_pat
 
 def test_a_long_training_keeps_the_latest_step_records():
     model, opt = make()
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0,
                    keep_steps=2, log=lambda _: None)
     for t in batches(7):
         with s.step():
@@ -846,7 +849,7 @@ def test_a_long_training_keeps_the_latest_step_records():
     assert s.step_count == 7 and 2 <= len(s.steps) <= 4
     assert [r["step"] for r in s.steps] == list(range(7 - len(s.steps), 7))
     with pytest.raises(ValueError, match="keep_steps"):
-        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=None, keep_steps=0)
+        tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=None, keep_steps=0)
     s.close()
 
 
@@ -874,7 +877,7 @@ def test_an_error_inside_a_step_surfaces_as_itself_and_the_next_steps_train_righ
     ref_model, ref_opt = make()
     ref = loop(None, ref_model, ref_opt)
     model, opt = make()
-    s = tt.Session(model, opt, store=engine_store(tmp_path), gpu_budget_bytes=3 * params_bytes(model),
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=3 * params_bytes(model),
                    page_min_bytes=0, log=lambda _: None)
     assert loop(s, model, opt) == ref
     assert ref.count("raised") == 1
@@ -887,27 +890,27 @@ def test_an_error_inside_a_step_surfaces_as_itself_and_the_next_steps_train_righ
 def test_session_arguments_are_checked_when_it_is_made(tmp_path):
     model, opt = make()
     with pytest.raises(ValueError, match="hardware"):
-        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware="no-such-preset")
+        tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 20, hardware="no-such-preset")
     with pytest.raises(ValueError, match=r"hardware='.*hw\.json'.*cannot read"):
-        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware=str(tmp_path / "hw.json"))
+        tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 20, hardware=str(tmp_path / "hw.json"))
     with pytest.raises(ValueError, match="policy"):
-        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, policy="fastest")
+        tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 20, policy="fastest")
     with pytest.raises(ValueError, match=r"gather_between_steps must be True .*'budget'.*got 'all'"):
-        tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, gather_between_steps="all")
+        tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 20, gather_between_steps="all")
     with pytest.raises(ValueError, match="engine"):
         tt.Session(model, opt, gpu_budget_bytes=1 << 20)
     teraio = pytest.importorskip("teraio")
     # a JSON hardware model by path, as `teraio simulate --hw` reads it
     hw = tmp_path / "dev.json"
     hw.write_text(__import__("json").dumps(teraio.hardware("dev")))
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 20, hardware=str(hw))
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 20, hardware=str(hw))
     assert s.hardware == teraio.hardware("dev")
 
 
 def _planned_session(store, log, **kw):
     """A Session on ``store`` trained until its first plan is made."""
     model, opt = make()
-    s = tt.Session(model, opt, store=store, gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0, log=log, **kw)
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0, log=log, **kw)
     for t in batches(3):
         with s.step():
             train_step(model, opt, t)
@@ -970,7 +973,7 @@ def test_a_store_that_cannot_measure_plans_for_the_paper_and_says_so():
 
 def test_a_bad_hardware_value_is_an_error_naming_the_argument(tmp_path):
     model, opt = make()
-    kw = dict(store=MemStore(), gpu_budget_bytes=1 << 20)
+    kw = dict(_hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"Session\(hardware=42\): a int is not a hardware model; pass None .*\"measure\""):
         tt.Session(model, opt, hardware=42, **kw)
     with pytest.raises(ValueError, match=r"Session\(hardware='no-such-preset'\): .*unknown hardware preset.*pass None"):
@@ -988,7 +991,7 @@ def test_a_bad_hardware_value_is_an_error_naming_the_argument(tmp_path):
 def test_a_step_line_is_logged_by_default():
     model, opt = make()
     lines = []
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 30, log=lines.append)
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 30, log=lines.append)
     for t in batches(2):
         with s.step():
             train_step(model, opt, t)
@@ -998,7 +1001,7 @@ def test_a_step_line_is_logged_by_default():
 def test_a_global_whose_storage_was_replaced_between_steps_is_an_error_naming_it(tmp_path):
     # (the executor must never write into memory that is no longer the tensor's)
     model, opt = make()
-    s = tt.Session(model, opt, store=engine_store(tmp_path), gpu_budget_bytes=3 * params_bytes(model),
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=3 * params_bytes(model),
                    page_min_bytes=0, log=lambda _: None)
     data = batches(6)
     for t in data[:4]:
@@ -1050,7 +1053,7 @@ def test_a_bounded_step_that_leaves_its_plan_trains_as_plain_training(tmp_path, 
     ref_losses = [train_step(ref, ref_opt, t) for t in data]
     model = _Repeating()
     opt = opt_of(model)
-    s = tt.Session(model, opt, store=engine_store(tmp_path, device=store_kind == "engine-device"),
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path, device=store_kind == "engine-device")),
                    gpu_budget_bytes=3 * params_bytes(model), page_min_bytes=0, hardware="dev", log=lambda _: None)
     losses = []
     for t in data:

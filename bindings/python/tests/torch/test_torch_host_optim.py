@@ -360,6 +360,28 @@ def test_host_optimizers_refuse_what_they_cannot_step():
         HostSGD([p], lr=0.1, nesterov=True)
 
 
+def test_the_steps_name_each_tensor_that_they_cannot_take():
+    # the tensors are read and checked in Rust (export.rs): size, dtype, device, layout
+    p, g = torch.zeros(8), torch.ones(8)
+    m, v = torch.zeros(8), torch.zeros(8)
+    hp = dict(step=1, lr=1e-3, weight_decay=0.01)
+    for args, what in [
+        ((p, g[:7], m, v), "grad has 7 elements, param has 8"),
+        ((p, g, m.double(), v), "exp_avg: a torch.float64 tensor"),
+        ((p, g, m, torch.zeros(8, device="meta")), "exp_avg_sq: a tensor on meta"),
+        ((p, g, torch.zeros(8, 2)[:, 0], v), "exp_avg: a non-contiguous tensor (shape (8,), strides (2,))"),
+        ((p, g, m, p), "overlap"),
+    ]:
+        with pytest.raises(teraio.InvalidArgumentError) as e:
+            teraio.adamw_step(*args, **hp)
+        assert what in str(e.value), (what, str(e.value))
+    with pytest.raises(teraio.InvalidArgumentError, match="momentum_buffer: a torch.int32 tensor"):
+        teraio.sgd_step(p, g, torch.zeros(8, dtype=torch.int32), lr=0.1, momentum=0.9)
+    assert not p.any() and not m.any() and not v.any()
+    teraio.adamw_step(p, g, m, v, **hp)
+    assert (p < 0).all()
+
+
 def test_step_hooks_closure_and_autograd_versions():
     p = torch.nn.Parameter(torch.ones(5))
     opt = HostAdamW([p], lr=0.1)

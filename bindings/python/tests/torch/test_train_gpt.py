@@ -47,7 +47,7 @@ def test_teraio_mode_pages_through_the_engine_and_matches_ideal(tmp_path):
     assert t["outcome"] == "ok", t.get("error")
     assert t["losses"] == res["ideal"]["losses"]
     assert t["teraio"]["bytes_moved_per_step"] > 0
-    # teraio-noop: a plan that moves nothing under a budget nothing reaches (the runtime's own
+    # teraio-noop: a plan that moves nothing under a budget nothing reaches (teraio.torch's own
     # cost); its steps after the profiled ones run planned
     n = res["teraio-noop"]
     assert n["outcome"] == "ok", n.get("error")

@@ -13,20 +13,20 @@
 //!   `poll_sleep_us` (polling mode) it sleeps the same way on its uring bdev's io_uring (the
 //!   descriptor that appeared while it took its channel), else naps that long.
 //! - Request sizes: SPDK's large iobuf buffers are sized to the engine's largest request, so
-//!   the bdev layer does not split requests to the uring/aio bdevs ([`runtime`]).
+//!   the bdev layer does not split requests to the uring/aio bdevs ([`env`]).
 //! - Memory: bdevs over files and NVMe/TCP move the engine's own buffers (the kernel or the TCP
 //!   stack copies them; nothing is DMAed into them). PCIe targets, and every target when
 //!   `bounce` is set, copy through a DMA buffer from SPDK's heap (`spdk_malloc`), freed when
 //!   the request completes.
 //! - Control path (create/delete bdevs, attach/detach controllers, admin queue polling) runs on
-//!   the process-wide app thread ([`runtime`]).
+//!   the process-wide app thread ([`env`]).
 //! - Shutdown: dropping the backend drains every reactor (each waits for its requests in
 //!   flight), releases channels, queue pairs and SPDK threads, then closes and deletes the
 //!   bdevs and detaches the controllers. Every error path of [`SpdkBackend::open`] drops what
 //!   it built the same way.
 
+mod env;
 mod ffi;
-mod runtime;
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -198,19 +198,19 @@ struct Device {
     next: AtomicUsize,
     /// Descriptor for fdatasync where the bdev module has no flush (bdev_uring).
     flush_fd: Option<Arc<OwnedFd>>,
-    runtime: Arc<runtime::Runtime>,
+    env: Arc<env::SpdkEnv>,
 }
 
 impl Drop for Device {
     fn drop(&mut self) {
         // Reactors first: each drains its requests and releases its channel or qpair.
         self.reactors.clear();
-        release(&self.runtime, &self.handle);
+        release(&self.env, &self.handle);
     }
 }
 
 /// Close and delete a bdev, or detach a controller, on the app thread.
-fn release(rt: &runtime::Runtime, handle: &Arc<Handle>) {
+fn release(rt: &env::SpdkEnv, handle: &Arc<Handle>) {
     let h = Arc::clone(handle);
     let r = rt.call_async(move |done: Box<dyn FnOnce(c_int) + Send>| match &*h {
         Handle::Bdev { name, module, desc, .. } => {
@@ -219,7 +219,7 @@ fn release(rt: &runtime::Runtime, handle: &Arc<Handle>) {
             delete_bdev(*module, name, done);
         }
         Handle::Nvme { ctrlr, .. } => {
-            runtime::forget_controller(*ctrlr);
+            env::forget_controller(*ctrlr);
             // SAFETY: every qpair of the controller was freed by its reactor.
             done(unsafe { ffi::spdk_nvme_detach(*ctrlr) });
         }
@@ -315,7 +315,7 @@ impl SpdkBackend {
                 SpdkTarget::Nvme { .. } => None,
             });
         }
-        let rt = runtime::get(opts, &pci)?;
+        let rt = env::get(opts, &pci)?;
         let qd = queue_depth.clamp(1, 4096) as usize;
         let mut backend = SpdkBackend { devices: Vec::new(), queue_depth: qd };
         let mut infos = Vec::new();
@@ -369,7 +369,7 @@ impl SpdkBackend {
                 reactors: Vec::new(),
                 next: AtomicUsize::new(0),
                 flush_fd: flush_fd.clone(),
-                runtime: Arc::clone(&rt),
+                env: Arc::clone(&rt),
             });
             for r in 0..io_threads.max(1) {
                 let reactor = start_reactor(
@@ -390,7 +390,7 @@ impl SpdkBackend {
 }
 
 fn open_bdev(
-    rt: &runtime::Runtime,
+    rt: &env::SpdkEnv,
     module: FileBdev,
     name: CString,
     path: &Path,
@@ -464,7 +464,7 @@ fn open_bdev(
 
 /// Attach the controller and find the namespace: (handle, namespace bytes, max transfer).
 fn open_nvme(
-    rt: &runtime::Runtime,
+    rt: &env::SpdkEnv,
     target: &SpdkTarget,
     trid: &str,
     nsid: u32,
@@ -504,7 +504,7 @@ fn open_nvme(
                 ffi::spdk_nvme_ns_get_max_io_xfer_size(ns),
             )
         };
-        runtime::poll_controller(ctrlr);
+        env::poll_controller(ctrlr);
         Ok((Handle::Nvme { ctrlr, ns, sector }, size, max))
     })?;
     r.map_err(|m| nvme_error(&shown, m))
@@ -529,10 +529,10 @@ fn start_reactor(
     let join = std::thread::Builder::new()
         .name(name)
         .spawn(move || {
-            runtime::POLLERS.fetch_add(1, Ordering::AcqRel);
+            env::POLLERS.fetch_add(1, Ordering::AcqRel);
             let nap = if interrupt { Duration::ZERO } else { nap };
             reactor_main(thread_name, handle, rx, qd, bounce, flush_fd, wake2, nap, ready_tx);
-            runtime::POLLERS.fetch_sub(1, Ordering::AcqRel);
+            env::POLLERS.fetch_sub(1, Ordering::AcqRel);
         })
         .map_err(|e| Error::Os { context: "starting an SPDK reactor".into(), source: e })?;
     let mut reactor = Reactor { tx: Some(tx), wake, join: Some(join) };
@@ -827,7 +827,7 @@ fn reactor_main(
     ready: std::sync::mpsc::SyncSender<std::result::Result<(), String>>,
 ) {
     let cname = CString::new(name.replace('-', "_")).expect("no NUL in a thread name");
-    // SAFETY: the thread library is initialized (the runtime exists); NULL cpumask: any core.
+    // SAFETY: the thread library is initialized (the environment exists); NULL cpumask: any core.
     let thread = unsafe { ffi::spdk_thread_create(cname.as_ptr(), std::ptr::null()) };
     if thread.is_null() {
         let _ = ready.send(Err("could not create an SPDK thread".into()));
@@ -981,7 +981,7 @@ fn reactor_main(
         }
     };
     loop {
-        runtime::park_if_exiting();
+        env::park_if_exiting();
         while let Some(ctx) = retry.pop_front() {
             if let Some(back) = submit(&io, ctx) {
                 retry.push_front(back);
@@ -1114,21 +1114,21 @@ impl Drop for SpdkBackend {
 
 /// The engine's SPDK runtime folder, when SPDK was started in this process.
 pub fn runtime_dir() -> Option<PathBuf> {
-    runtime::current().map(|r| r.runtime_dir.clone())
+    env::current().map(|r| r.runtime_dir.clone())
 }
 
 /// Names of the SPDK bdevs alive now (empty when SPDK is not started).
 pub fn live_bdevs() -> Result<Vec<String>> {
-    match runtime::current() {
-        Some(rt) => runtime::bdev_names(&rt),
+    match env::current() {
+        Some(rt) => env::bdev_names(&rt),
         None => Ok(Vec::new()),
     }
 }
 
 /// NVMe controllers attached now (0 when SPDK is not started).
 pub fn live_controllers() -> Result<usize> {
-    match runtime::current() {
-        Some(rt) => runtime::controller_count(&rt),
+    match env::current() {
+        Some(rt) => env::controller_count(&rt),
         None => Ok(0),
     }
 }

@@ -1,4 +1,4 @@
-"""What the profiler and the runtime both need to know about PyTorch tensors and storages.
+"""What the profiler and the pager both need to know about PyTorch tensors and storages.
 
 A trace tensor is one *storage lifetime*: one ``StorageImpl`` from its allocation to its death.
 Views share their base's storage, so every view of a storage is the same trace tensor. A

@@ -35,9 +35,12 @@ from typing import Any, Callable, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+import teraio
+
 from ._storages import iter_tensors, run_op, storage_key, storage_of
 
-_ids = itertools.count(1 << 40)
+# storage keys from the engine's callers' key space: clear of a session's executor's keys
+_ids = itertools.count(teraio.KEY_CALLER_FIRST)
 
 
 class Store(Protocol):

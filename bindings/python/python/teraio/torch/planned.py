@@ -37,6 +37,7 @@ import bisect
 import ctypes
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -160,15 +161,50 @@ def _default_factory(trace: dict, plan: Any, budget: int, allocator: Any) -> Any
     )
 
 
+@dataclass
+class PlanEntry:
+    """A plan of a :class:`~teraio.torch.Session` (``Session.plans``, by the iteration's operator
+    sequence): the profile of the shapes it is for, its plan, and the state of the run made of
+    it. :class:`PlannedRun` reads the profile and the plan."""
+
+    #: the profiled trace (the dict of ``teraio.Trace.from_dict``)
+    trace: dict[str, Any]
+    #: per operator: its signature (what tells one iteration's operators from another's)
+    signatures: list[Any]
+    #: per operator: the trace ids first seen there, in order
+    created: list[list[int]]
+    #: per operator: where the profile found each storage it created (an index among the tensor
+    #: arguments, or past them among the results)
+    created_at: list[list[int]]
+    #: the profiler's marks (module hooks: where unwatched stretches may end)
+    marks: list[Any] = field(default_factory=list)
+    #: the first operator that reads the input batch (0 if none)
+    input_op: int = 0
+    #: the plan (None: none yet, or none fits)
+    plan: Any = None
+    #: the traffic margin's comparison of two plans, when it ran
+    traffic: dict[str, Any] | None = None
+    #: the run executing the plan: a :class:`PlannedRun`, None (none yet), False (none can be made)
+    run: Any = None
+    #: why no run could be made
+    no_run: str | None = None
+    #: the plan's recomputations were checked bitwise (its first step, ``verify_recompute``)
+    verified: bool = False
+    #: diverged steps in a row
+    diverged_n: int = 0
+    #: runs started of it
+    runs_started: int = 0
+
+
 class PlannedRun:
     """One plan executed over many iterations of the same shapes (one executor)."""
 
-    def __init__(self, entry: dict[str, Any], model: torch.nn.Module | None, optimizer: Any, budget: int,
+    def __init__(self, entry: PlanEntry, model: torch.nn.Module | None, optimizer: Any, budget: int,
                  device: torch.device, executor_factory: Callable[..., Any] | None = None,
                  device_memory: bool | None = None, gather: bool = True, max_ahead: int = 0,
                  time_gpu: bool = False, host_waits: bool = False,
                  record: Callable[[Any, tuple, dict], Any] | None = None, verify_remakes: bool = False) -> None:
-        self.trace = entry["trace"]
+        self.trace = entry.trace
         # ``record`` (a profiler's dispatch): the run is *bounded*: the plan is another, larger
         # shape's of the same iteration (every operator's tensors at most as large as the
         # profile's, the executor taking the trace's sizes as upper bounds), run for one step
@@ -176,8 +212,8 @@ class PlannedRun:
         # operator is skipped or run unwatched
         self.bounded = record is not None
         self._record = record
-        self.signatures = entry["signatures"]
-        self.created = entry["created"]  # per op: the trace ids first seen there, in order
+        self.signatures = entry.signatures
+        self.created = entry.created  # per op: the trace ids first seen there, in order
         self.device = device
         # storages go to the executor as device memory (teraio.DeviceMemory: the engine's GPU
         # data paths, stream-ordered) or as host buffers; CUDA storages always as device memory
@@ -191,7 +227,7 @@ class PlannedRun:
         self.tensors = self.trace["tensors"]
         # per op: where the profile found each storage it created (an index among the tensor
         # arguments, or past them among the results)
-        self._created_at = entry["created_at"]
+        self._created_at = entry.created_at
         self._device_mem = self.device_memory or device.type == "cuda"
         self.refs: dict[int, Any] = {}  # trace id -> weakref to its storage
         self.tid_of: dict[int, int] = {}  # storage key -> trace id, this iteration
@@ -230,7 +266,7 @@ class PlannedRun:
         # recomputations: tensor -> how many times the plan remakes it per iteration, and the
         # operator (func, args, kwargs, which result) that made it this iteration
         self._remakes: dict[int, int] = {}
-        plan = entry["plan"]
+        plan = entry.plan
         to_dict = getattr(plan, "to_dict", None)
         for r in (to_dict().get("recomputations", []) if to_dict is not None else []):
             self._remakes[r["tensor"]] = self._remakes.get(r["tensor"], 0) + 1
@@ -277,7 +313,7 @@ class PlannedRun:
         # quiet up to a module hook, the step leaves its dispatch mode and re-enters it at that
         # hook (its place known from the profile's module hooks, ``Profiler.marks``); see
         # :meth:`watch`
-        marks = entry.get("marks") or ()
+        marks = entry.marks or ()
         self._mark_at = [m[0] for m in marks]
         self._mark_key = [(m[1], m[2]) for m in marks]
         self._mark_bwd = [m[3] for m in marks]

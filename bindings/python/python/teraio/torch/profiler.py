@@ -451,7 +451,7 @@ class Profiler:
                 continue
             alive_at_end = st.dies_after is None
             # global: alive across the iteration and known by name (parameters, gradients,
-            # buffers, optimizer states), so a runtime can find it before the iteration starts;
+            # buffers, optimizer states), so the session can find it before the iteration starts;
             # other storages alive across (a cached input batch) are traced as created at their
             # first use and dying at the end
             is_global = st.preexisting and alive_at_end and bool(st.name)
@@ -505,7 +505,7 @@ class Profiler:
 
     def _add_producers(self, tensors: list[dict]) -> None:
         """How to make an activation again (the trace's ``producer``): its creating operator, run
-        again on the tensors it read, when that operator is ``remakeable``. A runtime may then
+        again on the tensors it read, when that operator is ``remakeable``. The executor may then
         drop the activation and recompute it instead of moving it (the planner decides)."""
         tid_of = {id(st): self.tensor_of_storage[i] for i, st in enumerate(self._storages)
                   if i in self.tensor_of_storage}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -47,7 +48,7 @@ from ._storages import covers, flat_args, run_op, set_trainer_stream, signature,
 from .fsdp import claim as claim_fsdp
 from .host_offload import offload_optimizer
 from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
-from .planned import Diverged, PlannedRun, Results, keep_last
+from .planned import Diverged, PlanEntry, PlannedRun, Results, keep_last
 from .profiler import Profiler, peak_bytes
 from .pager import Pager, StorageMover, Store
 
@@ -149,6 +150,21 @@ def _given(hardware: Any) -> str:
     return f"given (preset {hardware!r})"
 
 
+@dataclass
+class _TestHooks:
+    """What a test puts in a :class:`Session` in place of its engine, executor and planner
+    (``Session(..., _hooks=_TestHooks(...))``; not part of the API)."""
+
+    #: any object with the engine's ``offload``/``prefetch``/``free``, used instead of an engine
+    store: Store | None = None
+    #: ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
+    #: ``teraio.Executor``)
+    executor_factory: Callable[..., Any] | None = None
+    #: ``f(trace_dict, gpu_budget_bytes, host_budget_bytes)`` returning a plan (default:
+    #: ``teraio.plan`` with ``policy``/``hardware``)
+    planner: Callable[[dict, int, int], Any] | None = None
+
+
 class Session:
     """Profile, plan and run a training loop's iterations under a GPU memory budget.
 
@@ -166,7 +182,6 @@ class Session:
     --hw``): as given. The step that makes the first plan says in the log which model the plans
     use (:attr:`hardware_source`). A Session given a store that cannot measure (tests) plans for
     ``"paper"`` and says so.
-    ``store`` (tests): any object with the engine's ``offload``/``prefetch``/``free``.
     ``page_min_bytes``: the pager leaves smaller storages in place; ``page_fraction``: on the
     GPU it pages down to this share of the budget (and plans keep it, and keep at least twice the
     trace's largest tensor free: the caching allocator's room to place it). ``planned`` (default
@@ -227,10 +242,8 @@ class Session:
     again, and the plans recomputing it are made again (said once in the log). False: no copy.
     ``keep_steps`` (default 1000): :attr:`steps` keeps the records of at least this many latest
     steps (at most twice as many: older ones are dropped, the training may run for millions).
-    ``executor_factory``
-    (tests): ``f(trace_dict, plan, budget_bytes, allocator)`` making the plan executor (default:
-    ``teraio.Executor``). ``planner`` (tests): ``f(trace_dict, gpu_budget_bytes,
-    host_budget_bytes)`` returning a plan (default: ``teraio.plan`` with ``policy``/``hardware``).
+    ``_hooks`` (tests): a :class:`_TestHooks`, what a test puts in place of the engine, the
+    executor and the planner.
     """
 
     def __init__(
@@ -249,10 +262,8 @@ class Session:
         warmup_steps: int = 0,
         report_every: int = 1,
         device: torch.device | str | None = None,
-        store: Store | None = None,
         page_min_bytes: int = 1 << 16,
         page_fraction: float = 0.85,
-        executor_factory: Callable[..., Any] | None = None,
         planned: bool = True,
         gather_between_steps: bool = True,
         max_ahead: int = 0,
@@ -261,12 +272,14 @@ class Session:
         host_waits: bool = False,
         traffic_margin: float = 0.03,
         plan_margin: float = 0.0,
-        planner: Callable[[dict, int, int], Any] | None = None,
         keep_steps: int = 1000,
         bounded_shapes: bool = True,
         verify_recompute: bool = True,
         log: Callable[[str], None] = print,
+        _hooks: _TestHooks | None = None,
     ) -> None:
+        hooks = _hooks if _hooks is not None else _TestHooks()
+        store, executor_factory, planner = hooks.store, hooks.executor_factory, hooks.planner
         if gpu_budget_bytes is not None and gpu_budget_bytes <= 0:
             raise ValueError(f"gpu_budget_bytes must be > 0 or None, got {gpu_budget_bytes}")
         if host_budget_bytes < 0:
@@ -384,8 +397,8 @@ class Session:
         # an H200, 4 GiB cap: plans at 0.85 of it ran out of memory on a 512 MiB allocation at
         # 3.43 GiB allocated; at 0.75 they run, docs/BENCHMARKS.md)
         self._headroom = 0
-        # plan key (_plan_key: the whole operator sequence) -> {"trace", "plan", "signatures", ...}
-        self.plans: dict[Any, dict[str, Any]] = {}
+        # plan key (_plan_key: the whole operator sequence) -> its profile, plan and run
+        self.plans: dict[Any, PlanEntry] = {}
         # the plan whose run holds the global tensors now (at most one: see _planned_run)
         self._live_key: Any = None
         # the iteration's first operator's signature -> the plans that start with it, and the
@@ -463,7 +476,7 @@ class Session:
                 rec["unstable_recompute"] = list(run.unstable)
                 self._unstable(run.unstable)
             elif not run.bounded and mode.key in self.plans:
-                self.plans[mode.key]["verified"] = True
+                self.plans[mode.key].verified = True
             if run.oom_retries:
                 # operators that ran out of memory within the budget and ran again
                 rec["oom_retries"] = run.oom_retries
@@ -484,14 +497,14 @@ class Session:
                 rec["diverged"] = str(run.diverged)
                 self._diverged(mode.key, run.diverged)
             elif mode.key in self.plans:
-                self.plans[mode.key]["diverged_n"] = 0
+                self.plans[mode.key].diverged_n = 0
             if mode.decided_at is not None:
                 rec["decided_at"] = mode.decided_at
             if run.bounded:
                 # (its executor let go, every global back, then the profile is built)
                 rec["mode"] = "bounded"
                 # (the operator that reads the input: where shapes tell plans apart)
-                rec["bounded_by"] = _shapes(self.plans[mode.bound_key]["signatures"][self._input_op(mode.bound_key)]) \
+                rec["bounded_by"] = _shapes(self.plans[mode.bound_key].signatures[self._input_op(mode.bound_key)]) \
                     if mode.bound_key in self.plans else "a plan dropped since"
                 self._end_bounded(mode)
         else:
@@ -552,7 +565,7 @@ class Session:
         ``gather_between_steps=False``.)"""
         key = self._live_key
         entry = self.plans.get(key) if key is not None else None
-        run = entry.get("run") if entry else None
+        run = entry.run if entry else None
         if run and (run.gather is False or run.left_off):
             run.gather_globals(None)
         yield self
@@ -587,31 +600,31 @@ class Session:
         every global tensor gathered back and let go, its store copies freed. The next step of
         its shape starts a new executor over the globals as they are then."""
         entry = self.plans.get(key)
-        if n < self.warmup_steps or entry is None or entry.get("plan") is None or entry.get("run") is False:
+        if n < self.warmup_steps or entry is None or entry.plan is None or entry.run is False:
             self._retire_live_run()
             return None
         if self._live_key is not None and self._live_key != key:
             self._retire_live_run()
-        if entry.get("run") is None:
+        if entry.run is None:
             try:
-                entry["run"] = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
-                                          self.executor_factory or self._planned_executor,
-                                          device_memory=self._device_memory(),
-                                          gather=self.gather_between_steps, max_ahead=self.max_ahead,
-                                          time_gpu=self.time_gpu, host_waits=self.host_waits,
-                                          verify_remakes=self.verify_recompute and not entry.get("verified"))
+                entry.run = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
+                                       self.executor_factory or self._planned_executor,
+                                       device_memory=self._device_memory(),
+                                       gather=self.gather_between_steps, max_ahead=self.max_ahead,
+                                       time_gpu=self.time_gpu, host_waits=self.host_waits,
+                                       verify_remakes=self.verify_recompute and not entry.verified)
             except (NotImplementedError, Diverged, _teraio_error()) as e:
-                entry["run"] = False
-                entry["no_run"] = str(e)
+                entry.run = False
+                entry.no_run = str(e)
                 return None
-            entry["runs_started"] = entry.get("runs_started", 0) + 1
+            entry.runs_started += 1
         self._live_key = key
-        return entry["run"]
+        return entry.run
 
     def _input_op(self, key: Any) -> int:
         """The operator of ``key``'s profile that reads the input batch (found when the plan's
         entry was made)."""
-        return self.plans[key]["input_op"]
+        return self.plans[key].input_op
 
     def _bounding_plan(self, sigs: list[tuple], n: int) -> Any:
         """The plan a step whose first operators have signatures ``sigs`` may run bounded, or
@@ -625,10 +638,10 @@ class Session:
             return None
         best = None
         for key, e in self.plans.items():
-            if e.get("plan") is None or e.get("run") is False or len(e["signatures"]) < len(sigs) \
-                    or not all(covers(b, g) for b, g in zip(e["signatures"], sigs)):
+            if e.plan is None or e.run is False or len(e.signatures) < len(sigs) \
+                    or not all(covers(b, g) for b, g in zip(e.signatures, sigs)):
                 continue
-            size = sum(t["bytes"] for t in e["trace"]["tensors"])
+            size = sum(t["bytes"] for t in e.trace["tensors"])
             if best is None or size < best[0]:
                 best = (size, key)
         return None if best is None else best[1]
@@ -656,8 +669,8 @@ class Session:
         """Finish the live run, if any (see :meth:`_planned_run`)."""
         key, self._live_key = self._live_key, None
         entry = self.plans.get(key) if key is not None else None
-        if entry is not None and entry.get("run"):
-            run, entry["run"] = entry["run"], None
+        if entry is not None and entry.run:
+            run, entry.run = entry.run, None
             _finish_run(run)
 
     @property
@@ -721,14 +734,14 @@ class Session:
         entry = self.plans.get(key)
         if entry is None:
             return
-        group = self._groups.get(entry["signatures"][0])
+        group = self._groups.get(entry.signatures[0])
         if group is not None and d.kernel >= 0:
             group.decide_at = max(group.decide_at, d.kernel + 1)
         # (the run is in its safe mode: a new executor for the plan's next step)
         if self._live_key == key:
             self._retire_live_run()
-        entry["diverged_n"] = entry.get("diverged_n", 0) + 1
-        if entry["diverged_n"] >= 2:
+        entry.diverged_n += 1
+        if entry.diverged_n >= 2:
             self._drop_plan(key)
 
     def _unstable(self, ops: list[str]) -> None:
@@ -742,9 +755,9 @@ class Session:
                      "reproducible here); the step kept the bytes made first, and from now on its results "
                      "are moved, not recomputed (the plans recomputing them are made again)")
         for key, e in list(self.plans.items()):
-            to_dict = getattr(e.get("plan"), "to_dict", None)
+            to_dict = getattr(e.plan, "to_dict", None)
             remade = to_dict().get("recomputations", []) if to_dict is not None else []
-            kernels, tensors = e["trace"]["kernels"], e["trace"]["tensors"]
+            kernels, tensors = e.trace["kernels"], e.trace["tensors"]
             if any(kernels[tensors[r["tensor"]]["created_by"]]["name"].split(".", 1)[-1] in ops for r in remade):
                 self._drop_plan(key)
 
@@ -754,7 +767,7 @@ class Session:
         group = self._groups.get(first)
         if group is None or n < self.warmup_steps:
             return [], 0
-        keys = [k for k in group.keys if k in self.plans and self.plans[k].get("plan") is not None]
+        keys = [k for k in group.keys if k in self.plans and self.plans[k].plan is not None]
         return keys, group.decide_at
 
     def _drop_plan(self, key: Any) -> None:
@@ -762,11 +775,11 @@ class Session:
             self._live_key = None
         entry = self.plans.pop(key, None)
         if entry is not None:
-            group = self._groups.get(entry["signatures"][0])
+            group = self._groups.get(entry.signatures[0])
             if group is not None and key in group.keys:
                 group.keys.remove(key)
-        if entry and entry.get("run"):
-            _finish_run(entry["run"])
+        if entry and entry.run:
+            _finish_run(entry.run)
 
     def _after_profile(self, n: int, rec: dict[str, Any], state_before: int | None) -> None:
         if n < self.warmup_steps or not self.profiler.ops:
@@ -774,7 +787,7 @@ class Session:
         sigs = self.profiler.op_signatures()
         key = _plan_key(sigs)
         entry = self.plans.get(key)
-        if entry is not None and entry["signatures"] == sigs:
+        if entry is not None and entry.signatures == sigs:
             rec["plan"] = "cached"
             return
         if state_before != _state_count(self.optimizer):
@@ -792,16 +805,16 @@ class Session:
         _median_durations(trace, times)
         del self._profiled_times[key]
         rec["trace_peak_bytes"] = peak_bytes(trace)
-        entry = {"trace": trace, "signatures": sigs, "plan": None,
-                 "created": self.profiler.created_ids, "created_at": self.profiler.created_positions,
-                 "marks": list(self.profiler.marks)}
-        entry["input_op"] = _first_input_op(entry)
+        entry = PlanEntry(trace=trace, signatures=sigs, plan=None,
+                          created=self.profiler.created_ids, created_at=self.profiler.created_positions,
+                          marks=list(self.profiler.marks))
+        entry.input_op = _first_input_op(entry)
         self.plans[key] = entry
         group = self._groups.setdefault(sigs[0], _Group())
         group.add(key, sigs, self.plans)
         # a step is told from another shape no earlier than where it first reads its input (a
         # model that makes its rotary tables first looks the same for every shape until then)
-        group.decide_at = max(group.decide_at, entry["input_op"])
+        group.decide_at = max(group.decide_at, entry.input_op)
         if self.budget is None:
             return
         if self.device.type == "cuda":
@@ -813,7 +826,7 @@ class Session:
             teraio = None
         if self.planner is not None:
             t0 = time.perf_counter()
-            entry["plan"] = self.planner(trace, self.planning_budget, self.host_budget)
+            entry.plan = self.planner(trace, self.planning_budget, self.host_budget)
             rec["plan_s"] = time.perf_counter() - t0
         elif teraio is not None and hasattr(teraio, "plan"):
             hw = self._plan_hardware(rec)
@@ -827,23 +840,23 @@ class Session:
             t0 = time.perf_counter()
             try:
                 tr = teraio.Trace.from_dict(trace)
-                entry["plan"] = teraio.plan(tr, self.policy, hw, checked=True, **over)
+                entry.plan = teraio.plan(tr, self.policy, hw, checked=True, **over)
                 if self.traffic_margin > 0:
-                    entry["plan"], entry["traffic"] = _less_traffic(teraio, tr, entry["plan"], self.policy, hw,
-                                                                    over, self.traffic_margin)
+                    entry.plan, entry.traffic = _less_traffic(teraio, tr, entry.plan, self.policy, hw,
+                                                          over, self.traffic_margin)
             except teraio.TeraioError as e:
                 # no plan fits (the array, the host tier): steps keep paging, and say why
-                entry["plan"] = None
+                entry.plan = None
                 rec["plan"] = (f"refused: {e} (more or larger engine files, a host tier with "
                                "host_budget_bytes, or a larger gpu_budget_bytes change it)")
                 self.log(f"teraio: no plan for this iteration ({e}); steps page through the engine")
                 return
             rec["plan_s"] = time.perf_counter() - t0
-        rec["plan"] = _plan_summary(entry["plan"]) if entry["plan"] is not None \
+        rec["plan"] = _plan_summary(entry.plan) if entry.plan is not None \
             else "profiled (no planner in this build)"
         if rec.get("mode") == "bounded":
             rec["plan"] += ", from this step's profile (run under a larger shape's plan)"
-        t = entry.get("traffic") or {}
+        t = entry.traffic or {}
         if t.get("chosen") == "planned for slower transfers":
             rec["plan"] += (f", planned for slower transfers: {(t['modelled_moved_bytes'] - t['slower_transfers_moved_bytes']) / 1e9:.2f}"
                             f" GB less moved for {100 * (t['slower_transfers_s'] / t['modelled_s'] - 1):+.1f}% in the model")
@@ -949,8 +962,8 @@ class Session:
             return
         self._retire_live_run()
         for entry in self.plans.values():
-            if entry.get("run"):
-                _finish_run(entry["run"])
+            if entry.run:
+                _finish_run(entry.run)
         if self.pager is not None:
             self.pager.restore_all()
         if self._engine is not None and hasattr(self._engine, "close"):
@@ -1064,12 +1077,12 @@ def _state_count(optimizer: Any) -> int:
     return sum(sum(isinstance(v, torch.Tensor) for v in st.values()) for st in optimizer.state.values())
 
 
-def _first_input_op(entry: dict[str, Any]) -> int:
+def _first_input_op(entry: PlanEntry) -> int:
     """The first operator of a profile that takes a tensor made outside the iteration that is
     not a global one (the input batch), 0 if none."""
-    tensors = entry["trace"]["tensors"]
-    for k, (ids, where) in enumerate(zip(entry["created"], entry["created_at"])):
-        n_in = len(entry["signatures"][k][1])
+    tensors = entry.trace["tensors"]
+    for k, (ids, where) in enumerate(zip(entry.created, entry.created_at)):
+        n_in = len(entry.signatures[k][1])
         if any(at < n_in and not tensors[t]["global"] for t, at in zip(ids, where)):
             return k
     return 0
@@ -1095,9 +1108,9 @@ class _Group:
         self.keys: list[Any] = []
         self.decide_at = 0
 
-    def add(self, key: Any, sigs: list[tuple], plans: dict[Any, dict[str, Any]]) -> None:
+    def add(self, key: Any, sigs: list[tuple], plans: dict[Any, PlanEntry]) -> None:
         for other in self.keys:
-            o = plans[other]["signatures"] if other in plans else None
+            o = plans[other].signatures if other in plans else None
             if o is None:
                 continue
             first = next((i for i, (a, b) in enumerate(zip(sigs, o)) if a != b), min(len(sigs), len(o)))
@@ -1172,8 +1185,8 @@ class _StepMode(TorchDispatchMode):
         self.key = key
         run = session._planned_run(key, self.n)
         entry = session.plans.get(key)
-        if entry is not None and entry.get("no_run"):
-            self.fallback = entry["no_run"]
+        if entry is not None and entry.no_run:
+            self.fallback = entry.no_run
         if run is not None:
             session.profiler.abort()
             self.run = run
@@ -1222,7 +1235,7 @@ class _StepMode(TorchDispatchMode):
     def _begin_deciding(self, cands: list[Any], decide_at: int) -> None:
         session = self.session
         live = session._live_key
-        run = session.plans[live].get("run") if live in cands else None
+        run = session.plans[live].run if live in cands else None
         away = getattr(run, "_nothing_away", None) if run else None
         self.keep_live = away is not None and bool(away())
         if not self.keep_live:
@@ -1254,7 +1267,7 @@ class _StepMode(TorchDispatchMode):
         if self.bounding:
             return self._bounding_op(k, func, args, kwargs, sig)
         self.cands = [c for c in self.cands
-                      if c in plans and len(plans[c]["signatures"]) > k and plans[c]["signatures"][k] == sig]
+                      if c in plans and len(plans[c].signatures) > k and plans[c].signatures[k] == sig]
         if len(self.cands) == 1 and k >= self.decide_at:
             if self._commit(self.cands[0], k):
                 return self.run.op(k, func, args, kwargs)
@@ -1343,7 +1356,7 @@ class _StepMode(TorchDispatchMode):
         run = session._planned_run(key, self.n)
         if run is None:
             entry = session.plans.get(key)
-            self.fallback = (entry or {}).get("no_run", "") or "no run for the plan"
+            self.fallback = (entry.no_run if entry is not None else None) or "no run for the plan"
             self.paged_only = session.pager is not None
             return False
         self.run = run
@@ -1381,17 +1394,17 @@ class _StepMode(TorchDispatchMode):
         return self.session.profiler.dispatch(func, args, kwargs)
 
 
-def _created_fit(entry: dict[str, Any], k: int, args: tuple, kwargs: dict, outs: Results,
+def _created_fit(entry: PlanEntry, k: int, args: tuple, kwargs: dict, outs: Results,
                  device: torch.device) -> bool:
     """Whether operator ``k`` made its new storages where and as large as the plan's profile
     did (an operator without tensor arguments, ``arange(n)``, tells shapes apart only so)."""
-    want = entry["created"][k] if k < len(entry["created"]) else ()
+    want = entry.created[k] if k < len(entry.created) else ()
     if not want:
         return True
     flat = flat_args(args, kwargs)
     n_in = len(flat)
-    tensors = entry["trace"]["tensors"]
-    for tid, at in zip(want, entry["created_at"][k]):
+    tensors = entry.trace["tensors"]
+    for tid, at in zip(want, entry.created_at[k]):
         if at >= n_in + len(outs):
             return False
         x = flat[at] if at < n_in else outs[at - n_in]

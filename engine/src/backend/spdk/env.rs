@@ -29,7 +29,7 @@ type Job = Box<dyn FnOnce() + Send>;
 const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The started environment.
-pub(crate) struct Runtime {
+pub(crate) struct SpdkEnv {
     jobs: Sender<Job>,
     /// The folder holding DPDK's runtime files.
     pub(crate) runtime_dir: PathBuf,
@@ -39,7 +39,7 @@ pub(crate) struct Runtime {
     pub(crate) interrupt: bool,
 }
 
-static RUNTIME: Mutex<Option<std::result::Result<Arc<Runtime>, String>>> = Mutex::new(None);
+static ENV: Mutex<Option<std::result::Result<Arc<SpdkEnv>, String>>> = Mutex::new(None);
 /// Folders removed at exit: (DPDK's subfolder, the runtime folder if the engine created it).
 static CLEANUP: OnceLock<(PathBuf, Option<PathBuf>)> = OnceLock::new();
 
@@ -74,14 +74,14 @@ extern "C" fn at_exit() {
 }
 
 /// The running environment, if SPDK was started in this process.
-pub(crate) fn current() -> Option<Arc<Runtime>> {
-    RUNTIME.lock().ok()?.as_ref()?.as_ref().ok().cloned()
+pub(crate) fn current() -> Option<Arc<SpdkEnv>> {
+    ENV.lock().ok()?.as_ref()?.as_ref().ok().cloned()
 }
 
 /// The environment, started with `opts` and the PCIe functions `pci` if this is the first use
 /// in the process.
-pub(crate) fn get(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<Runtime>> {
-    let mut guard = RUNTIME.lock().unwrap_or_else(|e| e.into_inner());
+pub(crate) fn get(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<SpdkEnv>> {
+    let mut guard = ENV.lock().unwrap_or_else(|e| e.into_inner());
     match &*guard {
         Some(Ok(rt)) => {
             if let Some(missing) = pci.iter().find(|p| !rt.pci_allowed.contains(p)) {
@@ -234,7 +234,7 @@ fn sweep_stale(parent: &Path) -> usize {
     removed
 }
 
-fn start(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<Runtime>> {
+fn start(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<SpdkEnv>> {
     if let Some(h) = &opts.huge_dir {
         if !is_hugetlbfs(h) {
             return Err(Error::InvalidArgument(format!(
@@ -300,7 +300,7 @@ fn start(opts: &SpdkOptions, pci: &[String]) -> Result<Arc<Runtime>> {
             return Err(Error::Unsupported("SPDK's environment did not start within 60 s".into()));
         }
     }
-    Ok(Arc::new(Runtime {
+    Ok(Arc::new(SpdkEnv {
         jobs: jobs_tx,
         runtime_dir: dir,
         pci_allowed: pci.to_vec(),
@@ -530,7 +530,7 @@ fn app_main(
     }
 }
 
-impl Runtime {
+impl SpdkEnv {
     /// Run `f` on the app thread and return its result.
     pub(crate) fn call<T: Send + 'static>(
         &self,
@@ -557,7 +557,7 @@ impl Runtime {
 }
 
 /// Names of the bdevs that exist now (tests: nothing is left after an array is dropped).
-pub(crate) fn bdev_names(rt: &Runtime) -> Result<Vec<String>> {
+pub(crate) fn bdev_names(rt: &SpdkEnv) -> Result<Vec<String>> {
     rt.call(|| {
         let mut names = Vec::new();
         // SAFETY: bdev iteration on the app thread; names are copied before the next call.
@@ -574,6 +574,6 @@ pub(crate) fn bdev_names(rt: &Runtime) -> Result<Vec<String>> {
 }
 
 /// Controllers the app thread keeps polling (tests: none is left after an array is dropped).
-pub(crate) fn controller_count(rt: &Runtime) -> Result<usize> {
+pub(crate) fn controller_count(rt: &SpdkEnv) -> Result<usize> {
     rt.call(|| CONTROLLERS.with(|c| c.borrow().len()))
 }
