@@ -487,7 +487,8 @@ pub fn choose(trace: &Trace, hw: &Hardware, opts: &SelectOptions) -> Result<Sele
         }
     };
     // Both on the model as given.
-    let second_report = crate::sim::simulate(trace, &second.plan, &planning, &SimOptions::default())?;
+    let second_report =
+        crate::sim::simulate(trace, &second.plan, &planning, &SimOptions::default())?;
     let second_moved = moved_bytes(&second.plan);
     let completed = second_report.outcome == Outcome::Completed;
     let take = takes_slower_transfers_plan(
@@ -531,6 +532,40 @@ pub fn choose(trace: &Trace, hw: &Hardware, opts: &SelectOptions) -> Result<Sele
         (checked.plan, checked.report, Choice::AsModelled, why)
     };
     Ok(Selection { plan, report, budgets, choice, why, alternatives, traffic: Some(traffic) })
+}
+
+/// Headrooms (percent of the capacity) [`choose_with_headroom`] plans for in turn.
+pub const REPLAY_HEADROOM_PERCENT: [u64; 6] = [0, 5, 10, 15, 20, 30];
+
+/// `teraio run`'s rule (its emulated replay runs the plan as made, without a check beside it):
+/// `policy`'s plan for `capacity` bytes of GPU memory, simulated on `hw` (timeline recorded);
+/// where it does not complete, planned again for [`REPLAY_HEADROOM_PERCENT`] less, the
+/// difference left as headroom. Returns the plan, its simulation and the headroom (percent):
+/// the last attempt when none completes (the caller says where it runs out).
+pub fn choose_with_headroom(
+    trace: &Trace,
+    hw: &Hardware,
+    capacity: u64,
+    policy: Policy,
+) -> Result<(Plan, SimReport, u64)> {
+    let mut attempt = None;
+    for headroom_percent in REPLAY_HEADROOM_PERCENT {
+        let mut planning_hw = hw.clone();
+        planning_hw.gpu_memory_bytes = capacity * (100 - headroom_percent) / 100;
+        let p = planner::plan(trace, &planning_hw, policy)?;
+        let sim = crate::sim::simulate(
+            trace,
+            &p,
+            hw,
+            &SimOptions { iterations: 2, record_timeline: true },
+        )?;
+        let fits = sim.outcome == Outcome::Completed;
+        attempt = Some((p, sim, headroom_percent));
+        if fits {
+            break;
+        }
+    }
+    Ok(attempt.expect("at least one attempt"))
 }
 
 #[cfg(test)]
@@ -622,9 +657,8 @@ mod tests {
         let e = planner::plan_checked(&trace, &hw, Policy::Auto, &opts).unwrap_err();
         assert!(matches!(e, Error::PlanOutOfMemory { kernel: 2, .. }), "{e}");
         // Now: the pager's schedule, and the simulator runs it within the budget.
-        let sel =
-            choose(&trace, &hw, &SelectOptions::cli(Policy::Auto, opts, hw.gpu_memory_bytes))
-                .unwrap();
+        let sel = choose(&trace, &hw, &SelectOptions::cli(Policy::Auto, opts, hw.gpu_memory_bytes))
+            .unwrap();
         assert_eq!(sel.choice, Choice::Paging);
         assert_eq!(sel.plan.policy, "paging");
         assert!(sel.why.contains("does not run") && sel.why.contains("pager"), "{}", sel.why);
@@ -640,7 +674,10 @@ mod tests {
         assert!(sel.alternatives[0].refused.is_some() && !sel.alternatives[0].chosen);
         assert!(sel.alternatives[1].chosen);
         // Without the fallback (a named policy): refused as before.
-        let named = SelectOptions { paging_fallback: false, ..SelectOptions::cli(Policy::Auto, PlanOptions::default(), hw.gpu_memory_bytes) };
+        let named = SelectOptions {
+            paging_fallback: false,
+            ..SelectOptions::cli(Policy::Auto, PlanOptions::default(), hw.gpu_memory_bytes)
+        };
         assert!(matches!(choose(&trace, &hw, &named), Err(Error::PlanOutOfMemory { .. })));
     }
 
@@ -696,10 +733,8 @@ mod tests {
     fn the_fixed_allowance_keeps_a_fraction_and_twice_the_largest_tensor() {
         // teraio.torch's rule, as it was in session.py (`plan_budget`).
         let b = 1_000_000u64;
-        let fixed = Budget {
-            allowance: Allowance::Fixed { keep_fraction: 0.85 },
-            ..Budget::whole(b)
-        };
+        let fixed =
+            Budget { allowance: Allowance::Fixed { keep_fraction: 0.85 }, ..Budget::whole(b) };
         assert_eq!(Budget::whole(b).executor_bytes(b), b);
         assert_eq!(fixed.executor_bytes(0), 850_000);
         assert_eq!(fixed.executor_bytes(b / 20), 850_000); // a small largest tensor: the fraction
@@ -709,7 +744,8 @@ mod tests {
         assert_eq!(fsdp.executor_bytes(0), 750_000);
         let margin = Budget { plan_margin: 0.1, ..Budget::whole(b) };
         assert_eq!(margin.planning_bytes(margin.executor_bytes(0)), 900_000);
-        let measured = Budget { allowance: Allowance::Measured { bytes: 12_345 }, ..Budget::whole(b) };
+        let measured =
+            Budget { allowance: Allowance::Measured { bytes: 12_345 }, ..Budget::whole(b) };
         assert_eq!(measured.executor_bytes(b / 5), b - 12_345);
         let bad = Budget { allowance: Allowance::Fixed { keep_fraction: 1.5 }, ..Budget::whole(b) };
         assert!(bad.check().unwrap_err().to_string().contains("keep_fraction"));
@@ -723,13 +759,17 @@ mod tests {
         // The largest working set is 1.1 GB; the fixed rule at 1.2 GB keeps 0.85 of it, 1.02.
         let budget = GB * 6 / 5;
         hw.gpu_memory_bytes = budget;
-        let b = Budget { allowance: Allowance::Fixed { keep_fraction: 0.85 }, ..Budget::whole(budget) };
+        let b =
+            Budget { allowance: Allowance::Fixed { keep_fraction: 0.85 }, ..Budget::whole(budget) };
         assert!(b.executor_bytes(GB) < GB + GB / 10);
         let got = b.resolve(&trace).unwrap();
         assert!(got.raised_to_working_set);
         assert_eq!((got.executor_bytes, got.planning_bytes), (GB + GB / 10, GB + GB / 10));
         assert_eq!(got.allowance_bytes, budget - (GB + GB / 10));
-        let opts = SelectOptions { budget: b, ..SelectOptions::cli(Policy::Auto, PlanOptions::default(), budget) };
+        let opts = SelectOptions {
+            budget: b,
+            ..SelectOptions::cli(Policy::Auto, PlanOptions::default(), budget)
+        };
         let sel = choose(&trace, &hw, &opts).unwrap();
         let mut at = hw.clone();
         at.gpu_memory_bytes = sel.budgets.planning_bytes;
@@ -750,7 +790,11 @@ mod tests {
         ];
         for (moved, rel, refused, taken) in cases {
             let second = (!refused).then_some((true, rel * 1e6, moved));
-            assert_eq!(takes_slower_transfers_plan(1e6, 9_000, second, 0.03), taken, "{moved} {rel}");
+            assert_eq!(
+                takes_slower_transfers_plan(1e6, 9_000, second, 0.03),
+                taken,
+                "{moved} {rel}"
+            );
         }
         // A second plan that does not complete is never taken.
         assert!(!takes_slower_transfers_plan(1e6, 9_000, Some((false, 0.0, 0)), 0.03));

@@ -450,8 +450,7 @@ fn the_scheduler_plans_and_simulates_a_trace_and_names_bad_input() {
         );
         // (checked in the simulator: its stats carry the simulated tier peaks too)
         let chosen: serde_json::Value = serde_json::from_str(&take_string(sel_plan)).unwrap();
-        let planned: serde_json::Value =
-            serde_json::from_str(plan_text.to_str().unwrap()).unwrap();
+        let planned: serde_json::Value = serde_json::from_str(plan_text.to_str().unwrap()).unwrap();
         assert_eq!(chosen["instructions"], planned["instructions"]);
         assert_eq!(chosen["initially_offloaded"], planned["initially_offloaded"]);
         let s: serde_json::Value = serde_json::from_str(&take_string(sel)).unwrap();

@@ -649,7 +649,11 @@ fn select_budgets(options_json: String, largest_tensor_bytes: u64) -> PyRes<(u64
 /// The budgets of a selection for a trace (JSON; a kernel that can never fit is reported as
 /// `never_fits`, not raised), options as `select` takes them.
 #[pyfunction]
-fn select_trace_budgets(py: Python<'_>, trace: &NativeTrace, options_json: String) -> PyRes<String> {
+fn select_trace_budgets(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    options_json: String,
+) -> PyRes<String> {
     let t = trace.trace.clone();
     run(py, "teraio.select_budgets", || {
         let req = core::sched::SelectRequest::from_json(&options_json)?;

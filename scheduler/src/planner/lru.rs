@@ -99,9 +99,8 @@ impl Walk<'_> {
                 let no_access_left = t.accesses.last().is_some_and(|&l| l < k);
                 // Keep tensors this kernel uses, and non-global ones with no access left
                 // (they are only waiting to be freed; an offload would never come back).
-                let done = !t.global
-                    && no_access_left
-                    && !(self.paging && t.free_kernel(n) + 1 < n);
+                let done =
+                    !t.global && no_access_left && !(self.paging && t.free_kernel(n) + 1 < n);
                 let pinned = no_access_left && guard.pinned.get(tid.index()) == Some(&true);
                 let no_room = tier == Tier::Host
                     && pass.host_used + pending + t.bytes > self.hw.host_memory_cap_bytes;
