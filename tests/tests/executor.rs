@@ -1199,8 +1199,9 @@ fn the_pagers_schedule_as_a_plan_runs_within_the_budget() {
     let mut hw = Hardware::dev();
     hw.host_memory_cap_bytes = 0;
     let budget = MB * 3 / 2;
-    let sel = choose(&trace, &hw, &SelectOptions::cli(Policy::Auto, PlanOptions::default(), budget))
-        .unwrap();
+    let sel =
+        choose(&trace, &hw, &SelectOptions::cli(Policy::Auto, PlanOptions::default(), budget))
+            .unwrap();
     assert_eq!(sel.choice, Choice::Paging, "{}", sel.why);
     let rig = rig(64 << 20);
     let mut seen = Seen::default();
