@@ -9,6 +9,9 @@
 //!   `teraio` (the paper's Algorithm 1), `teraio-hybrid`, `g10`, `zero-infinity`, `lru`,
 //!   `ideal`, `none`, all producing a [`Plan`]; [`plan_checked`] refuses a plan that cannot
 //!   run (GPU memory below the largest working set, out of memory, tiers too small).
+//! - [`select::choose`]: plan selection, the one entry point of the front ends (CLI, C ABI,
+//!   teraio.torch): the budget and its allowance, working-set checks, the policy's checked
+//!   plan, the second plan for slower transfers, and the pager's schedule as a fallback.
 //! - [`bound::lower_bound`]: no plan's iteration is faster than this.
 //! - [`sim::simulate`]: discrete-event replay of a plan on a [`Hardware`] model.
 //! - [`advise`]: the fewest SSDs / least host memory that reach a target % of ideal.
@@ -36,6 +39,7 @@ pub mod hardware;
 pub mod model;
 pub mod plan;
 pub mod planner;
+pub mod select;
 pub mod sim;
 pub mod trace;
 
@@ -45,6 +49,7 @@ pub use hardware::{Hardware, Resource, Tier};
 pub use model::{Dtype, Gpu, ModelConfig, generate};
 pub use plan::{HostKernel, InitialPlacement, Instruction, Move, Plan, PlanStats, Recompute};
 pub use planner::{Checked, PlanOptions, Policy, plan, plan_checked, plan_with};
+pub use select::{Allowance, Budget, Budgets, Choice, SelectOptions, Selection, choose};
 pub use sim::{Outcome, SimOptions, SimReport, simulate};
 pub use trace::{
     Kernel, Producer, TRACE_TEXT_BYTES_MAX, TRACE_TEXT_BYTES_MAX_ENV, Tensor, TensorId, TensorKind,

@@ -21,7 +21,11 @@
 //! - Steady state: global tensors listed in [`Plan::initially_offloaded`] are on their tier,
 //!   not in GPU memory, when an iteration starts (they were offloaded at the end of the
 //!   previous iteration and are prefetched before their first access in this one); every
-//!   other global tensor is resident. A valid plan ends each iteration in the state it began.
+//!   other global tensor is resident. A valid plan ends each iteration in the state it began,
+//!   except that a non-global tensor may be offloaded after its last access and die on its
+//!   tier: its copy is dropped at its death and nothing reads it back (a host kernel's last
+//!   use; the paging plan of [`crate::select`] moving out a tensor that only waits to be
+//!   freed). An offload still copying at the death completes, then its memory and copy go.
 //!
 //! # Clean drops
 //! An offload with [`Instruction::clean`] set is a *clean drop*: the tensor's SSD copy is
@@ -742,8 +746,9 @@ impl TensorWalk<'_> {
                 format!("{tid} ends the iteration dropped (never recomputed)"),
             ));
         }
-        // A non-global tensor last used by a host kernel may die on its tier.
-        let dies_on_tier = !t.global && t.accesses.last().is_some_and(|&k| on_host[k]);
+        // A non-global tensor may die on its tier: every access was checked above, so it was
+        // offloaded after its last one (by a host kernel, or by a plan that pages it out).
+        let dies_on_tier = !t.global;
         if state != self.initial && !(dies_on_tier && state.is_some()) {
             return Err(Error::plan(
                 "initially_offloaded",

@@ -283,6 +283,9 @@ struct Sim<'a> {
     host_kernel: Vec<Option<HostKernel>>,
     /// Host-kernel streams still in flight.
     streams_left: usize,
+    /// Per tensor: it died while its offload was still copying (the offload completes, then
+    /// its memory and its copy go).
+    died_offloading: Vec<bool>,
 }
 
 impl<'a> Sim<'a> {
@@ -336,6 +339,7 @@ impl<'a> Sim<'a> {
             dying,
             instr_at,
             state: vec![TState::Absent; trace.tensors.len()],
+            died_offloading: vec![false; trace.tensors.len()],
             used: 0,
             host_used: 0,
             queue: VecDeque::new(),
@@ -606,6 +610,20 @@ impl<'a> Sim<'a> {
         let bytes = self.trace.tensor(tr.tensor).bytes;
         if tr.offload == Some(Tier::Ssd) && std::mem::take(&mut self.ssd_replacing[ti]) {
             self.set_ssd(self.ssd_used.saturating_sub(bytes));
+        }
+        if tr.offload.is_some() && std::mem::take(&mut self.died_offloading[ti]) {
+            // The tensor died while this offload copied: its memory and its copy go now.
+            if let TState::Offloading { dest, .. } = self.state[ti] {
+                if dest == Tier::Host {
+                    self.set_host(self.host_used - bytes);
+                }
+                self.set_used(self.used - bytes);
+            }
+            self.state[ti] = TState::Absent;
+            if tr.offload == Some(Tier::Ssd) {
+                self.free_ssd(tr.tensor);
+            }
+            return;
         }
         match tr.offload {
             Some(dest) => match self.state[ti] {
@@ -930,13 +948,16 @@ impl<'a> Sim<'a> {
                             self.state[t.index()] = TState::Absent;
                             self.set_used(self.used - b);
                         }
-                        // Last used by a host kernel: its tier copy is dropped.
+                        // Offloaded after its last use (by a host kernel, or paged out while
+                        // waiting to be freed): its tier copy is dropped.
                         TState::Offloaded(tier) => {
                             self.state[t.index()] = TState::Absent;
                             if tier == Tier::Host {
                                 self.set_host(self.host_used - b);
                             }
                         }
+                        // Still copying: the offload completes, then everything goes.
+                        TState::Offloading { .. } => self.died_offloading[t.index()] = true,
                         _ => {}
                     }
                 }

@@ -464,3 +464,44 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    /// Selection (`choose`, the front ends' entry point) with the paging fallback: a plan it
+    /// gives is valid and runs within the budget and the tiers in the simulator; where it
+    /// refuses (a kernel that can never fit aside), `lru` does not run either; and it refuses
+    /// a kernel whose working set exceeds the budget, naming it.
+    #[test]
+    fn selection_plans_wherever_paging_runs(trace in arbitrary_trace(), cap_frac in 0.3f64..1.2, ssds in 0u32..3, host_frac in 0.0f64..0.5) {
+        use teraio_scheduler::{Error, PlanOptions, SelectOptions, choose};
+        let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+        let mut hw = Hardware::paper();
+        hw.gpu_memory_bytes = ((peak as f64 * cap_frac) as u64).max(1);
+        hw.ssd_count = ssds;
+        hw.host_memory_cap_bytes = (peak as f64 * host_frac) as u64;
+        let opts = SelectOptions::cli(Policy::Auto, PlanOptions::default(), hw.gpu_memory_bytes);
+        let (k, ws) = teraio_scheduler::analysis::largest_working_set(&trace);
+        match choose(&trace, &hw, &opts) {
+            Ok(sel) => {
+                check_plan(&trace, &sel.plan);
+                let r = simulate(&trace, &sel.plan, &hw, &SimOptions::default()).unwrap();
+                prop_assert_eq!(&r.outcome, &Outcome::Completed);
+                prop_assert!(r.peak_gpu_bytes <= hw.gpu_memory_bytes);
+                prop_assert!(!r.ssd_cap_exceeded && !r.host_cap_exceeded);
+            }
+            Err(Error::GpuMemoryTooSmall { kernel, needed_bytes, .. }) => {
+                prop_assert_eq!((kernel, needed_bytes), (k, ws));
+                prop_assert!(ws > hw.gpu_memory_bytes);
+            }
+            Err(e @ (Error::PlanOutOfMemory { .. } | Error::TierTooSmall { .. })) => {
+                let lru = plan(&trace, &hw, Policy::Lru).unwrap();
+                let r = simulate(&trace, &lru, &hw, &SimOptions::default()).unwrap();
+                prop_assert!(
+                    r.outcome != Outcome::Completed || r.ssd_cap_exceeded || r.host_cap_exceeded,
+                    "refused ({e}) where lru runs"
+                );
+            }
+            Err(e) => prop_assert!(false, "{e}"),
+        }
+    }
+}

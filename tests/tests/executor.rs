@@ -1167,3 +1167,47 @@ fn after_kernel_out_of_range_or_out_of_order_is_an_invalid_argument() {
     invalid(ex.after_kernel(n - 1), "call before_kernel");
     ex.finish().unwrap();
 }
+
+/// The pager's schedule as a plan (`select::choose`'s fallback where no planner's plan runs)
+/// moves out a tensor that only waits to be freed, which then dies on the SSD: the executor
+/// runs it within the budget, every byte right, iteration after iteration.
+#[test]
+fn the_pagers_schedule_as_a_plan_runs_within_the_budget() {
+    use teraio_scheduler::{Choice, SelectOptions, choose};
+    const MB: u64 = 1 << 20;
+    let mut trace = Trace::new("waiting");
+    trace.kernels = (0..5)
+        .map(|i| Kernel { name: format!("k{i}"), duration_us: 2000.0, layer: None })
+        .collect();
+    let t = |id: u32, bytes: u64, global: bool, accesses: Vec<usize>, dies: usize| Tensor {
+        id: TensorId(id),
+        name: format!("t{id}"),
+        bytes,
+        kind: if global { TensorKind::Weight } else { TensorKind::Activation },
+        global,
+        created_by: (!global).then_some(accesses[0]),
+        dies_after: (!global).then_some(dies),
+        writes: Some(if global { Vec::new() } else { vec![accesses[0]] }),
+        accesses,
+        producer: None,
+    };
+    // `t1` is made and used by kernel 0 and freed after kernel 3; kernel 2 needs its room.
+    trace.tensors.push(t(0, MB / 10, true, vec![0, 1, 2, 3, 4], 0));
+    trace.tensors.push(t(1, MB, false, vec![0], 3));
+    trace.tensors.push(t(2, MB, false, vec![2], 2));
+    trace.validate().unwrap();
+    let mut hw = Hardware::dev();
+    hw.host_memory_cap_bytes = 0;
+    let budget = MB * 3 / 2;
+    let sel =
+        choose(&trace, &hw, &SelectOptions::cli(Policy::Auto, PlanOptions::default(), budget))
+            .unwrap();
+    assert_eq!(sel.choice, Choice::Paging, "{}", sel.why);
+    let rig = rig(64 << 20);
+    let mut seen = Seen::default();
+    drive(&rig, &trace, &sel.plan, budget, 3, false, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    assert!(seen.max_used <= budget, "{} > {budget}", seen.max_used);
+    let last = seen.reports.last().unwrap();
+    assert!(last.offloads > 0 && last.peak_bytes <= budget);
+}

@@ -1065,6 +1065,47 @@ pub unsafe extern "C" fn teraio_plan(
     })
 }
 
+/// Plan selection, the rules `teraio plan` and teraio.torch use (the scheduler's
+/// `select::choose`): `options_json` NULL or a JSON object of `policy` (default `auto`),
+/// `gpu_budget_bytes` (default: the hardware model's GPU memory), `allowance`
+/// (`{"kind": "fixed", "keep_fraction": F}` or `{"kind": "measured", "bytes": N}`),
+/// `reserved_bytes`, `plan_margin`, `traffic_margin` (the second plan for slower transfers; 0:
+/// none), `paging_fallback` (default: with `auto`), `wear_tolerance`, `recompute`; an unknown key
+/// is `TERAIO_ERR_INVALID_ARGUMENT` naming it. On success the plan (JSON, as `teraio_plan`
+/// writes it) and the selection (JSON: `choice`, `why`, `budgets` with the `executor_bytes` to
+/// run it with, `alternatives`, `traffic`); a kernel that can never fit and a plan that does not
+/// run are `TERAIO_ERR_SIMULATION` (as `teraio_simulate` reports an out-of-memory) with the
+/// message naming the kernel and the bytes.
+///
+/// # Safety
+/// `hardware` and `options_json` are NULL or NUL-terminated strings; `out_plan_json` and
+/// `out_selection_json` are valid for a write of a pointer.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn teraio_select(
+    trace: *mut teraio_trace,
+    hardware: *const c_char,
+    options_json: *const c_char,
+    out_plan_json: *mut *mut c_char,
+    out_selection_json: *mut *mut c_char,
+) -> teraio_status {
+    guard("teraio_select", || {
+        need(out_plan_json, "out_plan_json")?;
+        need(out_selection_json, "out_selection_json")?;
+        let t = TRACES.get(trace as u64)?;
+        // SAFETY: forwarded contract.
+        let hw = unsafe { hardware_arg(hardware) }?;
+        // SAFETY: forwarded contract.
+        let options = unsafe { opt_str(options_json, "options_json") }?.unwrap_or("{}");
+        let request = core::sched::SelectRequest::from_json(options)?;
+        let (plan, selection) = core::sched::select(&t, &hw, &request)?;
+        // SAFETY: forwarded contract.
+        unsafe { put_string(out_plan_json, "out_plan_json", plan.to_json()) }?;
+        // SAFETY: forwarded contract.
+        unsafe { put_string(out_selection_json, "out_selection_json", selection.to_string()) }?;
+        Ok(Status::Ok)
+    })
+}
+
 /// Simulate a plan (JSON, as `teraio_plan` returns it) of `trace` on `hardware` for
 /// `iterations` (1 to 1000, else `TERAIO_ERR_INVALID_ARGUMENT` at once; the last is reported).
 /// The report as JSON (the simulator's `SimReport`:

@@ -439,6 +439,36 @@ fn the_scheduler_plans_and_simulates_a_trace_and_names_bad_input() {
         let c: serde_json::Value = serde_json::from_str(&take_string(cmp)).unwrap();
         assert_eq!(c.as_array().unwrap().len(), 2);
         assert_eq!(c[0]["report"]["percent_of_ideal"], r["percent_of_ideal"]);
+        // Plan selection: the same plan `teraio plan` makes, the executor's budget beside it.
+        let opts = cs("{\"policy\": \"teraio\"}");
+        let (mut sel_plan, mut sel) = (null_mut(), null_mut());
+        assert_eq!(
+            teraio_select(t, hw.as_ptr(), opts.as_ptr(), &mut sel_plan, &mut sel),
+            TERAIO_OK,
+            "{}",
+            last_error()
+        );
+        // (checked in the simulator: its stats carry the simulated tier peaks too)
+        let chosen: serde_json::Value = serde_json::from_str(&take_string(sel_plan)).unwrap();
+        let planned: serde_json::Value = serde_json::from_str(plan_text.to_str().unwrap()).unwrap();
+        assert_eq!(chosen["instructions"], planned["instructions"]);
+        assert_eq!(chosen["initially_offloaded"], planned["initially_offloaded"]);
+        let s: serde_json::Value = serde_json::from_str(&take_string(sel)).unwrap();
+        assert_eq!(s["choice"], "as_modelled");
+        assert_eq!(s["budgets"]["executor_bytes"].as_u64().unwrap(), peak * 3 / 4);
+        // A budget below a kernel's working set: refused, naming the kernel and the bytes.
+        let tiny = cs("{\"gpu_budget_bytes\": 1000}");
+        assert_eq!(
+            teraio_select(t, hw.as_ptr(), tiny.as_ptr(), &mut sel_plan, &mut sel),
+            TERAIO_ERR_SIMULATION
+        );
+        assert!(last_error().contains("GPU memory too small: kernel"), "{}", last_error());
+        let unknown = cs("{\"budget\": 1}");
+        assert_eq!(
+            teraio_select(t, hw.as_ptr(), unknown.as_ptr(), &mut sel_plan, &mut sel),
+            TERAIO_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("budget"), "{}", last_error());
         // Bad input.
         let magic = cs("magic");
         assert_eq!(

@@ -159,6 +159,155 @@ pub fn plan_checked(trace: &Trace, hw: &Hardware, policy: Policy) -> Result<Plan
     Ok(teraio_scheduler::plan_checked(trace, hw, policy, &opts)?.plan)
 }
 
+/// What [`select`] and [`budgets`] read from a front end: the options of
+/// `teraio_scheduler::choose` as JSON (every key optional except `gpu_budget_bytes`; unknown
+/// keys are refused, naming them).
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SelectRequest {
+    /// The planning policy (default `auto`).
+    #[serde(default = "auto")]
+    pub policy: String,
+    /// The GPU budget, bytes (default: the hardware model's GPU memory).
+    #[serde(default)]
+    pub gpu_budget_bytes: Option<u64>,
+    /// What the allocator needs beside the plan (default none):
+    /// `{"kind": "fixed", "keep_fraction": 0.85}`, `{"kind": "measured", "bytes": N}`.
+    #[serde(default)]
+    pub allowance: Option<teraio_scheduler::Allowance>,
+    /// Bytes others hold beside the plan (FSDP's unsharded parameters).
+    #[serde(default)]
+    pub reserved_bytes: u64,
+    /// Plans are made for this fraction less than the executor's budget.
+    #[serde(default)]
+    pub plan_margin: f64,
+    /// The second plan for slower transfers (0: none).
+    #[serde(default)]
+    pub traffic_margin: f64,
+    /// The pager's schedule as a plan where the policy's does not run (default: with `auto`).
+    #[serde(default)]
+    pub paging_fallback: Option<bool>,
+    /// The planner's options (default: the scheduler's).
+    #[serde(default)]
+    pub wear_tolerance: Option<f64>,
+    /// Let plans recompute (default true).
+    #[serde(default)]
+    pub recompute: Option<bool>,
+}
+
+fn auto() -> String {
+    "auto".into()
+}
+
+impl SelectRequest {
+    /// From JSON text (`{}`: every default, with `hw`'s GPU memory as the budget).
+    pub fn from_json(text: &str) -> Result<SelectRequest> {
+        serde_json::from_str(text)
+            .map_err(|e| Error::InvalidArgument(format!("plan selection options: {e}")))
+    }
+
+    fn budget(&self, hw: &Hardware) -> teraio_scheduler::Budget {
+        teraio_scheduler::Budget {
+            gpu_budget_bytes: self.gpu_budget_bytes.unwrap_or(hw.gpu_memory_bytes),
+            allowance: self.allowance.unwrap_or(teraio_scheduler::Allowance::None),
+            reserved_bytes: self.reserved_bytes,
+            plan_margin: self.plan_margin,
+        }
+    }
+
+    /// The scheduler's options, the budget from `hw`'s GPU memory where none is given.
+    pub fn options(&self, hw: &Hardware) -> Result<teraio_scheduler::SelectOptions> {
+        let policy = policy(&self.policy)?;
+        let defaults = teraio_scheduler::PlanOptions::default();
+        Ok(teraio_scheduler::SelectOptions {
+            policy,
+            plan: teraio_scheduler::PlanOptions {
+                wear_tolerance: self.wear_tolerance.unwrap_or(defaults.wear_tolerance),
+                recompute: self.recompute.unwrap_or(defaults.recompute),
+            },
+            budget: self.budget(hw),
+            traffic_margin: self.traffic_margin,
+            paging_fallback: self.paging_fallback.unwrap_or(policy == Policy::Auto),
+        })
+    }
+}
+
+/// Plan selection (`teraio_scheduler::choose`): the plan, and the rest of the selection as
+/// JSON (`choice`, `why`, `budgets`, `alternatives`, `traffic` when a second plan was made or
+/// tried, and the plan's simulation: `iteration_time_us`, `peak_gpu_bytes`).
+pub fn select(trace: &Trace, hw: &Hardware, request: &SelectRequest) -> Result<(Plan, Value)> {
+    let opts = request.options(hw)?;
+    let sel = teraio_scheduler::choose(trace, hw, &opts)?;
+    let mut v = serde_json::json!({
+        "policy": sel.plan.policy,
+        "choice": sel.choice,
+        "why": sel.why,
+        "budgets": sel.budgets,
+        "alternatives": sel.alternatives,
+        "iteration_time_us": sel.report.iteration_time_us,
+        "peak_gpu_bytes": sel.report.peak_gpu_bytes,
+    });
+    if let Some(t) = &sel.traffic {
+        v["traffic"] = serde_json::to_value(t).expect("the figures serialize");
+    }
+    Ok((sel.plan, v))
+}
+
+/// The budgets of a selection without planning: `(executor bytes, planning bytes)` for a trace
+/// whose largest tensor is `largest_tensor_bytes` (`teraio_scheduler::Budget`).
+pub fn budgets(request: &SelectRequest, largest_tensor_bytes: u64) -> Result<(u64, u64)> {
+    let gpu = request.gpu_budget_bytes.ok_or_else(|| {
+        Error::InvalidArgument("plan selection options: gpu_budget_bytes is required here".into())
+    })?;
+    let b = teraio_scheduler::Budget {
+        gpu_budget_bytes: gpu,
+        allowance: request.allowance.unwrap_or(teraio_scheduler::Allowance::None),
+        reserved_bytes: request.reserved_bytes,
+        plan_margin: request.plan_margin,
+    };
+    let executor = b.executor_bytes(largest_tensor_bytes);
+    Ok((executor, b.planning_bytes(executor)))
+}
+
+/// The budgets of a selection for `trace` (`teraio_scheduler::Budget::resolve`) as JSON:
+/// `executor_bytes`, `planning_bytes`, `allowance_bytes`, the largest working set and whether
+/// the budgets were raised to it; a kernel that can never fit is not an error here but
+/// `{"never_fits": {"kernel", "name", "needed_bytes", "capacity_bytes", "message"}}`, so a
+/// front end can raise its own error naming its own arguments.
+pub fn resolve_budgets(trace: &Trace, request: &SelectRequest) -> Result<Value> {
+    let gpu = request.gpu_budget_bytes.ok_or_else(|| {
+        Error::InvalidArgument("plan selection options: gpu_budget_bytes is required here".into())
+    })?;
+    let b = teraio_scheduler::Budget {
+        gpu_budget_bytes: gpu,
+        allowance: request.allowance.unwrap_or(teraio_scheduler::Allowance::None),
+        reserved_bytes: request.reserved_bytes,
+        plan_margin: request.plan_margin,
+    };
+    match b.resolve(trace) {
+        Ok(budgets) => Ok(serde_json::to_value(budgets).expect("budgets serialize")),
+        Err(teraio_scheduler::Error::GpuMemoryTooSmall {
+            kernel,
+            name,
+            needed_bytes,
+            capacity_bytes,
+        }) => {
+            let message = teraio_scheduler::Error::GpuMemoryTooSmall {
+                kernel,
+                name: name.clone(),
+                needed_bytes,
+                capacity_bytes,
+            }
+            .to_string();
+            Ok(serde_json::json!({"never_fits": {
+                "kernel": kernel, "name": name, "needed_bytes": needed_bytes,
+                "capacity_bytes": capacity_bytes, "message": message,
+            }}))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// A plan from its JSON text, checked against `trace`.
 pub fn plan_from_json(trace: &Trace, text: &str) -> Result<Plan> {
     let p = Plan::from_json(text).map_err(|e| match e {
@@ -298,6 +447,31 @@ mod tests {
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success() && stdout.contains("1 passed"), "{stdout}");
+    }
+
+    #[test]
+    fn selection_reads_its_options_and_names_unknown_ones() {
+        let t = small();
+        let peak = trace_json(&t)["peak_resident_bytes"].as_u64().unwrap();
+        let hw = hardware("paper", None).unwrap();
+        let req = SelectRequest::from_json(&format!(
+            "{{\"gpu_budget_bytes\": {}, \"traffic_margin\": 0.03}}",
+            peak * 3 / 4
+        ))
+        .unwrap();
+        let (p, v) = select(&t, &hw, &req).unwrap();
+        assert!(p.policy.starts_with("auto["), "{}", p.policy);
+        assert_eq!(v["budgets"]["executor_bytes"].as_u64().unwrap(), peak * 3 / 4);
+        assert!(v["traffic"]["chosen"].is_string(), "{v}");
+        assert!(v["why"].as_str().unwrap().contains("auto"), "{v}");
+        let e = SelectRequest::from_json("{\"gpu_budget\": 1}").unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument);
+        assert!(e.to_string().contains("gpu_budget"), "{e}");
+        let fixed = SelectRequest::from_json(
+            "{\"gpu_budget_bytes\": 1000000, \"allowance\": {\"kind\": \"fixed\", \"keep_fraction\": 0.85}}",
+        )
+        .unwrap();
+        assert_eq!(budgets(&fixed, 200_000).unwrap(), (600_000, 600_000));
     }
 
     #[test]

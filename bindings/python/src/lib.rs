@@ -616,6 +616,51 @@ fn plan(
     Ok(NativePlan { plan: Arc::new(p) })
 }
 
+/// Plan selection (the scheduler's `choose`): the plan and the selection (JSON), options as
+/// JSON (`teraio_bindings_core::sched::SelectRequest`).
+#[pyfunction]
+#[pyo3(signature = (trace, hardware, overrides_json=None, options_json=None))]
+fn select(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    hardware: String,
+    overrides_json: Option<String>,
+    options_json: Option<String>,
+) -> PyRes<(NativePlan, String)> {
+    let t = trace.trace.clone();
+    let (p, v) = run(py, "teraio.select", || {
+        let h = hw(&hardware, overrides_json.as_deref())?;
+        let req = core::sched::SelectRequest::from_json(options_json.as_deref().unwrap_or("{}"))?;
+        core::sched::select(&t, &h, &req)
+    })?;
+    Ok((NativePlan { plan: Arc::new(p) }, v.to_string()))
+}
+
+/// The budgets of a selection (executor bytes, planning bytes) for a trace whose largest
+/// tensor is `largest_tensor_bytes`; options as JSON, as `select` takes them.
+#[pyfunction]
+#[pyo3(signature = (options_json, largest_tensor_bytes=0))]
+fn select_budgets(options_json: String, largest_tensor_bytes: u64) -> PyRes<(u64, u64)> {
+    core::sched::SelectRequest::from_json(&options_json)
+        .and_then(|req| core::sched::budgets(&req, largest_tensor_bytes))
+        .map_err(err)
+}
+
+/// The budgets of a selection for a trace (JSON; a kernel that can never fit is reported as
+/// `never_fits`, not raised), options as `select` takes them.
+#[pyfunction]
+fn select_trace_budgets(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    options_json: String,
+) -> PyRes<String> {
+    let t = trace.trace.clone();
+    run(py, "teraio.select_budgets", || {
+        let req = core::sched::SelectRequest::from_json(&options_json)?;
+        Ok(core::sched::resolve_budgets(&t, &req)?.to_string())
+    })
+}
+
 /// Simulate a plan; the report (JSON).
 #[pyfunction]
 #[pyo3(signature = (trace, plan, hardware, overrides_json=None, iterations=2, timeline=false))]
@@ -1251,6 +1296,9 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hardware_json, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(select, m)?)?;
+    m.add_function(wrap_pyfunction!(select_budgets, m)?)?;
+    m.add_function(wrap_pyfunction!(select_trace_budgets, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(compare_policies, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;

@@ -73,3 +73,25 @@ def test_traces_round_trip_and_corrupt_ones_are_named(tmp_path, trace):
         teraio.plan(trace, "magic")
     with pytest.raises(teraio.PlanError):
         teraio.Plan.from_json(trace, '{"policy": "x"}')
+
+
+def test_select_is_the_checked_plan_with_its_budgets_and_names_a_kernel_that_never_fits(trace):
+    cap = trace.peak_resident_bytes * 3 // 4
+    sel = teraio.select(trace, "teraio", gpu_budget_bytes=cap, traffic_margin=0.03)
+    checked = teraio.plan(trace, "teraio", checked=True, gpu_memory_bytes=cap)
+    assert sel.choice in ("as_modelled", "slower_transfers") and sel.why
+    if sel.choice == "as_modelled":
+        assert sel.plan.to_dict()["instructions"] == checked.to_dict()["instructions"]
+    assert sel.budgets["executor_bytes"] == cap and sel.budgets["planning_bytes"] == cap
+    assert sel.info["traffic"]["chosen"] in ("as modelled", "planned for slower transfers")
+    assert sum(a["chosen"] for a in sel.info["alternatives"]) == 1
+    # the fixed allowance: a fraction of the budget, and twice the largest tensor below it
+    assert teraio.select_budgets(1_000_000, allowance={"kind": "fixed", "keep_fraction": 0.85},
+                                 largest_tensor_bytes=200_000) == (600_000, 600_000)
+    got = teraio.select_budgets(1000, trace=trace)
+    nf = got["never_fits"]
+    assert nf["needed_bytes"] > 1000 and nf["capacity_bytes"] == 1000 and f"kernel {nf['kernel']}" in nf["message"]
+    with pytest.raises(teraio.TeraioError, match="GPU memory too small: kernel"):
+        teraio.select(trace, gpu_budget_bytes=1000)
+    with pytest.raises(teraio.InvalidArgumentError, match="traffic_margin"):
+        teraio.select(trace, gpu_budget_bytes=cap, traffic_margin=2.0)

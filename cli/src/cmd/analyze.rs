@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use teraio_scheduler::analysis::summarize;
-use teraio_scheduler::{Policy, Resource, lower_bound_for, plan_checked};
+use teraio_scheduler::{Policy, Resource, SelectOptions, choose, lower_bound_for};
 
 use crate::Result;
 use crate::cmd::hw_args::HwArgs;
@@ -40,7 +40,8 @@ pub fn run(args: Args) -> Result<()> {
     let s = summarize(&trace);
     let opts = args.planner.options()?;
     let bound = lower_bound_for(&trace, &hw, &opts)?;
-    let checked = plan_checked(&trace, &hw, policy, &opts);
+    let checked =
+        choose(&trace, &hw, &SelectOptions::cli(policy, opts.clone(), hw.gpu_memory_bytes));
     if args.json {
         let mut v = serde_json::to_value(&s)?;
         if let Some(o) = v.as_object_mut() {

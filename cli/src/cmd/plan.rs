@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use teraio_scheduler::{Move, PlanOptions, Policy, Resource, lower_bound_for, plan_checked};
+use teraio_scheduler::{
+    Choice, Move, PlanOptions, Policy, Resource, SelectOptions, choose, lower_bound_for,
+};
 
 use crate::cmd::hw_args::{HwArgs, explain};
 use crate::output::outln;
@@ -81,7 +83,8 @@ pub fn run(args: Args) -> Result<()> {
     // The bound beside the planning, on a core of its own where there is one.
     let (checked, bound) = std::thread::scope(|scope| {
         let bound = scope.spawn(|| lower_bound_for(&trace, &hw, &opts));
-        let checked = plan_checked(&trace, &hw, policy, &opts);
+        let checked =
+            choose(&trace, &hw, &SelectOptions::cli(policy, opts.clone(), hw.gpu_memory_bytes));
         (checked, bound.join())
     });
     let checked = checked.map_err(explain)?;
@@ -124,6 +127,9 @@ pub fn run(args: Args) -> Result<()> {
         p.stats.recompute_us / 1e6
     );
     outln!("initially offloaded      {}", p.initially_offloaded.len());
+    if checked.choice != Choice::AsModelled {
+        outln!("chosen                   {}", checked.why);
+    }
     outln!("peak if nothing moves    {:.2} GB", to_gb(p.stats.peak_resident_bytes));
     outln!(
         "least GPU memory         {:.2} GB (kernel {}, {}: its working set)",

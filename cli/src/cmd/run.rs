@@ -18,7 +18,7 @@ use teraio_engine::store::{GpuPathInfo, OffloadOptions};
 use teraio_engine::tier::{HostTier, MemoryTier, TensorMem};
 use teraio_engine::units::ByteSize;
 use teraio_scheduler::{
-    Hardware, ModelConfig, Plan, Policy, SimOptions, SimReport, Trace, generate, plan, simulate,
+    Hardware, ModelConfig, Plan, Policy, SimOptions, SimReport, Trace, generate, simulate,
 };
 
 use super::bench::GpuPathArg;
@@ -264,29 +264,16 @@ fn executor_ssd_bytes(
     Ok(sim.peak_ssd_bytes.max(peak))
 }
 
-/// The plan for `hw`, checked in the simulator: a plan that cannot run (an allocation that
-/// nothing in flight could ever satisfy) is made again for a little less memory than there is,
-/// leaving the difference as headroom. Returns the plan, its simulation (on `hw`) and the
-/// headroom used (percent).
+/// The plan for `hw`, checked in the simulator, made again for a little less memory where it
+/// cannot run (the scheduler's rule for the replay: `select::choose_with_headroom`). Returns the
+/// plan, its simulation (on `hw`) and the headroom used (percent).
 fn make_plan(
     trace: &Trace,
     hw: &Hardware,
     capacity: u64,
     policy: Policy,
 ) -> Result<(Plan, SimReport, u64)> {
-    let mut attempt = None;
-    for headroom_percent in [0u64, 5, 10, 15, 20, 30] {
-        let mut planning_hw = hw.clone();
-        planning_hw.gpu_memory_bytes = capacity * (100 - headroom_percent) / 100;
-        let p = plan(trace, &planning_hw, policy)?;
-        let sim = simulate(trace, &p, hw, &SimOptions { iterations: 2, record_timeline: true })?;
-        let fits = matches!(sim.outcome, teraio_scheduler::Outcome::Completed);
-        attempt = Some((p, sim, headroom_percent));
-        if fits {
-            break;
-        }
-    }
-    Ok(attempt.expect("at least one attempt"))
+    Ok(teraio_scheduler::select::choose_with_headroom(trace, hw, capacity, policy)?)
 }
 
 /// Run `teraio run`.

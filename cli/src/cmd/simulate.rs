@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use teraio_scheduler::model::{optimizer_steps_moved, recomputes_activations};
 use teraio_scheduler::{
-    Bound, Error as PlanError, Outcome, Plan, Policy, Resource, SimOptions, SimReport,
-    lower_bound_for, plan_checked, simulate,
+    Bound, Error as PlanError, Outcome, Plan, Policy, Resource, SelectOptions, SimOptions,
+    SimReport, choose, lower_bound_for, simulate,
 };
 
 use crate::cmd::hw_args::HwArgs;
@@ -213,7 +213,8 @@ pub fn run(args: Args) -> Result<()> {
                 }
             };
             let start = Instant::now();
-            match plan_checked(trace_for(on_ckpt), &hw, policy, &plan_opts) {
+            let select = SelectOptions::cli(policy, plan_opts.clone(), hw.gpu_memory_bytes);
+            match choose(trace_for(on_ckpt), &hw, &select) {
                 Ok(c) => plans.push((c.plan, start.elapsed().as_secs_f64(), on_ckpt)),
                 Err(
                     e @ (PlanError::GpuMemoryTooSmall { .. }
@@ -239,7 +240,9 @@ pub fn run(args: Args) -> Result<()> {
         && !args.json
     {
         // One policy asked for and refused: an error with the option that changes it.
-        let again = args.policy.parse().ok().map(|p| plan_checked(&trace, &hw, p, &plan_opts));
+        let again = args.policy.parse().ok().map(|p| {
+            choose(&trace, &hw, &SelectOptions::cli(p, plan_opts.clone(), hw.gpu_memory_bytes))
+        });
         return Err(match again {
             Some(Err(e)) => crate::cmd::hw_args::explain(e),
             _ => CliError::Usage(r.why.clone()),

@@ -19,6 +19,11 @@
 //! them (it only grows); where the host tier cannot hold them at all, the pass instead keeps
 //! those tensors from being evicted after their last access (`pinned`), so that they need
 //! no fix-up prefetch.
+//!
+//! The *paging* variant ([`plan_paging`]) is teraio.torch's pager as a plan: it also moves
+//! out tensors that have no access left but are not freed yet (the pager does not know the
+//! future: it evicts by last use alone), which then die on their tier. It leaves alone those
+//! that live to the iteration's last kernel (a trainer may still hold them after the step).
 
 use std::collections::BTreeSet;
 
@@ -44,6 +49,8 @@ struct Walk<'a> {
     per_kernel: Vec<Vec<TensorId>>,
     created: Vec<Vec<TensorId>>,
     dying: Vec<Vec<TensorId>>,
+    /// Also evict tensors with no access left that die before the last kernel ([`plan_paging`]).
+    paging: bool,
 }
 
 /// Host-tier constraints of the measured pass beyond the cap.
@@ -92,7 +99,8 @@ impl Walk<'_> {
                 let no_access_left = t.accesses.last().is_some_and(|&l| l < k);
                 // Keep tensors this kernel uses, and non-global ones with no access left
                 // (they are only waiting to be freed; an offload would never come back).
-                let done = !t.global && no_access_left;
+                let done =
+                    !t.global && no_access_left && !(self.paging && t.free_kernel(n) + 1 < n);
                 let pinned = no_access_left && guard.pinned.get(tid.index()) == Some(&true);
                 let no_room = tier == Tier::Host
                     && pass.host_used + pending + t.bytes > self.hw.host_memory_cap_bytes;
@@ -136,6 +144,9 @@ impl Walk<'_> {
                 if pass.resident[i] {
                     pass.resident[i] = false;
                     pass.used -= trace.tensor(t).bytes;
+                } else if tier == Tier::Host {
+                    // Paged out after its last use: its host copy goes with it.
+                    pass.host_used -= trace.tensor(t).bytes;
                 }
             }
         }
@@ -143,6 +154,17 @@ impl Walk<'_> {
 }
 
 pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
+    plan_walk(trace, hw, false)
+}
+
+/// The paging variant (see the module documentation): policy name `paging`.
+pub(crate) fn plan_paging(trace: &Trace, hw: &Hardware) -> Plan {
+    let mut p = plan_walk(trace, hw, true);
+    p.policy = "paging".into();
+    p
+}
+
+fn plan_walk(trace: &Trace, hw: &Hardware, paging: bool) -> Plan {
     let n = trace.kernel_count();
     let tier = if hw.has_ssd() { Tier::Ssd } else { Tier::Host };
     let mut created: Vec<Vec<TensorId>> = vec![Vec::new(); n];
@@ -153,7 +175,8 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
             dying[t.free_kernel(n)].push(t.id);
         }
     }
-    let walk = Walk { trace, hw, tier, per_kernel: trace.accesses_per_kernel(), created, dying };
+    let walk =
+        Walk { trace, hw, tier, per_kernel: trace.accesses_per_kernel(), created, dying, paging };
     let mut start = Pass {
         resident: trace.tensors.iter().map(|t| t.global).collect(),
         last_use: vec![0; trace.tensors.len()],

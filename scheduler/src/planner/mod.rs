@@ -14,7 +14,7 @@
 //! goes through [`Plan::mark_clean_drops`], which turns each such offload into a drop.
 
 mod g10;
-mod lru;
+pub(crate) mod lru;
 mod state;
 mod teraio;
 pub(crate) mod tree;

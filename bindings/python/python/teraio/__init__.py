@@ -929,6 +929,88 @@ def plan(
     return Plan(_teraio.plan(trace._native, policy, _hw(hardware), _overrides(overrides), bool(checked)))
 
 
+class Selection:
+    """What :func:`select` chose: ``plan`` (a :class:`Plan`) and the rest as a dict
+    (``info``): ``choice`` (``"as_modelled"``, ``"slower_transfers"``, ``"paging"``), ``why``
+    (a sentence), ``budgets`` (``executor_bytes``: what the executor runs the plan with;
+    ``planning_bytes``; ``allowance_bytes``; the largest working set; ``raised_to_working_set``),
+    ``alternatives`` (every plan considered, the chosen one marked), ``traffic`` (the second
+    plan's figures, when one was made or tried)."""
+
+    __slots__ = ("plan", "info")
+
+    def __init__(self, plan: Plan, info: Dict[str, Any]) -> None:
+        self.plan = plan
+        self.info = info
+
+    @property
+    def choice(self) -> str:
+        return self.info["choice"]
+
+    @property
+    def why(self) -> str:
+        return self.info["why"]
+
+    @property
+    def budgets(self) -> Dict[str, Any]:
+        return self.info["budgets"]
+
+    def __repr__(self) -> str:
+        return f"Selection({self.plan.policy!r}, {self.choice!r}: {self.why})"
+
+
+def select(
+    trace: Trace,
+    policy: str = "auto",
+    hardware: Union[str, Dict[str, Any]] = "paper",
+    *,
+    gpu_budget_bytes: Optional[int] = None,
+    allowance: Optional[Dict[str, Any]] = None,
+    reserved_bytes: int = 0,
+    plan_margin: float = 0.0,
+    traffic_margin: float = 0.0,
+    paging_fallback: Optional[bool] = None,
+    **overrides: Any,
+) -> Selection:
+    """Plan selection, the rules the CLI, the C ABI and teraio.torch share (the scheduler's
+    ``select::choose``): the budget (``gpu_budget_bytes``, default the model's GPU memory,
+    less ``allowance``: ``{"kind": "fixed", "keep_fraction": 0.85}`` or ``{"kind":
+    "measured", "bytes": N}``, less ``reserved_bytes``; plans for ``plan_margin`` less), the
+    working-set check (:class:`PlanError` naming a kernel that can never fit), ``policy``'s
+    checked plan, a second plan for transfers at 0.7 of the model's rates taken when it moves
+    less and simulates within ``traffic_margin`` (0: not made), and, where the policy's plan
+    does not run, the pager's schedule as a plan (``paging_fallback``; default: with
+    ``"auto"``). ``overrides``: hardware fields, as :func:`plan` takes them."""
+    opts: Dict[str, Any] = {"policy": policy, "reserved_bytes": int(reserved_bytes),
+                            "plan_margin": float(plan_margin), "traffic_margin": float(traffic_margin)}
+    if gpu_budget_bytes is not None:
+        opts["gpu_budget_bytes"] = int(gpu_budget_bytes)
+    if allowance is not None:
+        opts["allowance"] = allowance
+    if paging_fallback is not None:
+        opts["paging_fallback"] = bool(paging_fallback)
+    native, info = _teraio.select(trace._native, _hw(hardware), _overrides(overrides), json.dumps(opts))
+    return Selection(Plan(native), json.loads(info))
+
+
+def select_budgets(gpu_budget_bytes: int, *, allowance: Optional[Dict[str, Any]] = None, reserved_bytes: int = 0,
+                   plan_margin: float = 0.0, largest_tensor_bytes: int = 0,
+                   trace: Optional[Trace] = None) -> Any:
+    """:func:`select`'s budget rule without planning. Without ``trace``: ``(executor bytes,
+    planning bytes)`` (``largest_tensor_bytes``: the trace's largest tensor, for the fixed
+    allowance). With ``trace``: a dict (``executor_bytes``, ``planning_bytes``,
+    ``allowance_bytes``, ``working_set_bytes``, ``working_set_kernel``,
+    ``raised_to_working_set``), or ``{"never_fits": {"kernel", "name", "needed_bytes",
+    "capacity_bytes", "message"}}`` for a kernel no plan can fit."""
+    opts: Dict[str, Any] = {"gpu_budget_bytes": int(gpu_budget_bytes), "reserved_bytes": int(reserved_bytes),
+                            "plan_margin": float(plan_margin)}
+    if allowance is not None:
+        opts["allowance"] = allowance
+    if trace is not None:
+        return json.loads(_teraio.select_trace_budgets(trace._native, json.dumps(opts)))
+    return tuple(_teraio.select_budgets(json.dumps(opts), int(largest_tensor_bytes)))
+
+
 def simulate(
     trace: Trace,
     plan: Plan,
@@ -1077,6 +1159,9 @@ __all__ = [
     "generate_trace",
     "hardware",
     "plan",
+    "select",
+    "select_budgets",
+    "Selection",
     "simulate",
     "compare_policies",
     "adamw_step",

@@ -270,6 +270,38 @@ def hardware(preset: Hardware = ..., **overrides: Any) -> Dict[str, Any]: ...
 def plan(
     trace: Trace, policy: str = ..., hardware: Hardware = ..., *, checked: bool = ..., **overrides: Any
 ) -> Plan: ...
+class Selection:
+    plan: Plan
+    info: Dict[str, Any]
+    @property
+    def choice(self) -> str: ...
+    @property
+    def why(self) -> str: ...
+    @property
+    def budgets(self) -> Dict[str, Any]: ...
+
+def select(
+    trace: Trace,
+    policy: str = ...,
+    hardware: Hardware = ...,
+    *,
+    gpu_budget_bytes: Optional[int] = ...,
+    allowance: Optional[Dict[str, Any]] = ...,
+    reserved_bytes: int = ...,
+    plan_margin: float = ...,
+    traffic_margin: float = ...,
+    paging_fallback: Optional[bool] = ...,
+    **overrides: Any,
+) -> Selection: ...
+def select_budgets(
+    gpu_budget_bytes: int,
+    *,
+    allowance: Optional[Dict[str, Any]] = ...,
+    reserved_bytes: int = ...,
+    plan_margin: float = ...,
+    largest_tensor_bytes: int = ...,
+    trace: Optional[Trace] = ...,
+) -> Any: ...
 def simulate(
     trace: Trace,
     plan: Plan,

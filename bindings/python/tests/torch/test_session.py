@@ -377,6 +377,11 @@ def test_a_plan_that_does_not_fit_the_array_is_refused_and_steps_keep_paging(tmp
         [r.get("plan") for r in s.steps]
     assert all(r["mode"] == "paged" for r in s.steps)
     assert any("no plan for this iteration" in line for line in lines)
+    # every step's log line from the one that was to plan on says it pages, and why (the first
+    # step made the optimizer's state: no plan was tried)
+    step_lines = [line for line in lines if line.startswith("teraio step")]
+    assert len(step_lines) == 4 and "no plan:" not in step_lines[0]
+    assert all("paged (no plan: " in line and "holds 65536" in line for line in step_lines[1:]), step_lines
     s.close()
     engine.close()
 
@@ -598,59 +603,8 @@ def test_of_two_close_plans_the_one_that_moves_less_is_taken(tmp_path, margin):
     s.close()
 
 
-class _FakePlan:
-    def __init__(self, name, moved):
-        self.name, self.moved = name, moved
-
-    def to_dict(self):
-        return {"stats": {"ssd_offload_bytes": self.moved, "host_offload_bytes": 0}}
-
-
-class _FakeTeraio:
-    """teraio.plan/simulate/hardware scripted: the plan for the given rates, another for slower
-    ones, each with its simulated time."""
-
-    class TeraioError(Exception):
-        pass
-
-    def __init__(self, fast, slow, times, refuse_slow=False):
-        self.fast, self.slow, self.times, self.refuse_slow = fast, slow, times, refuse_slow
-        self.asked = []
-
-    def hardware(self, hw, **over):
-        return {"pcie_h2d_bytes_per_s": 50e9, "pcie_d2h_bytes_per_s": 50e9, "ssd_read_bytes_per_s": 2e9,
-                "ssd_write_bytes_per_s": 2e9, "host_memory_bytes_per_s": 1e11, "ssd_count": 1, **over}
-
-    def plan(self, trace, policy, hw, checked=False, **over):
-        self.asked.append(over)
-        if over.get("pcie_h2d_bytes_per_s"):
-            if self.refuse_slow:
-                raise self.TeraioError("no plan fits")
-            return self.slow
-        return self.fast
-
-    def simulate(self, trace, plan, hw, **over):
-        assert "pcie_h2d_bytes_per_s" not in over, "simulated on the model as given"
-        return type("R", (), {"iteration_time_us": self.times[plan.name], "completed": True})()
-
-
-@pytest.mark.parametrize("slow_moved, slow_s, refuse, taken", [
-    (1_000, 1.02, False, True),     # moves less, 2% slower in the model: taken at a 3% margin
-    (1_000, 1.04, False, False),    # 4% slower: not taken
-    (9_000, 0.99, False, False),    # faster but moves as much or more: not taken
-    (1_000, 1.00, True, False),     # no plan for slower transfers: the first one
-])
-def test_less_traffic_rule(slow_moved, slow_s, refuse, taken):
-    from teraio.torch.session import _less_traffic
-
-    fast, slow = _FakePlan("fast", 9_000), _FakePlan("slow", slow_moved)
-    fake = _FakeTeraio(fast, slow, {"fast": 1e6, "slow": slow_s * 1e6}, refuse_slow=refuse)
-    plan, info = _less_traffic(fake, None, fast, "auto", "paper", {"gpu_memory_bytes": 1}, 0.03)
-    assert (plan is slow) == taken and info["chosen"] == ("planned for slower transfers" if taken else "as modelled")
-    # the second plan was asked for with every transfer rate at 0.7 of the model's
-    (second,) = fake.asked
-    assert second["pcie_h2d_bytes_per_s"] == pytest.approx(0.7 * 50e9)
-    assert second["ssd_write_bytes_per_s"] == pytest.approx(0.7 * 2e9) and second["gpu_memory_bytes"] == 1
+# (the rule that takes the second plan, with the cases that were tested here against a scripted
+# planner, is the scheduler's now: scheduler/src/select.rs, `the_second_plan_rule`)
 
 
 def test_traffic_margin_zero_plans_once(tmp_path):
@@ -705,11 +659,11 @@ def test_on_a_gpu_plans_leave_room_for_the_largest_tensor(tmp_path):
     s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=budget, log=lambda _: None)
     assert s.plan_budget == budget
     s._plan_fraction = 0.85
-    s._headroom = 2 * (budget // 20)  # a small largest tensor: the fraction decides
+    s._largest_tensor = budget // 20  # a small largest tensor: the fraction decides
     assert s.plan_budget == int(budget * 0.85)
-    s._headroom = 2 * (budget // 5)  # a large one: twice it stays free
+    s._largest_tensor = budget // 5  # a large one: twice it stays free
     assert s.plan_budget == budget - 2 * (budget // 5)
-    s._headroom = budget  # no room for it at all: the fraction, and the plan says what fails
+    s._largest_tensor = budget // 2  # no room for it at all: the fraction, and the plan says what fails
     assert s.plan_budget == int(budget * 0.85)
 
 
@@ -1064,4 +1018,140 @@ def test_a_bounded_step_that_leaves_its_plan_trains_as_plain_training(tmp_path, 
     assert losses == ref_losses, [(r["mode"], r.get("diverged")) for r in s.steps]
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p, q)
+    s.close()
+
+
+def test_a_step_that_can_never_fit_stops_at_the_operator_naming_it(tmp_path):
+    """An operator whose inputs and outputs alone exceed the budget stops the first step there
+    (before the step goes on, before any plan), naming the kernel, its bytes, the budget and what
+    to do; nothing of the step is recorded."""
+    model, opt = make()
+    budget = params_bytes(model) // 8
+    lines = []
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=budget, page_min_bytes=0, log=lines.append)
+    ran = []
+    hook = model.register_forward_hook(lambda *a: ran.append(1))
+    with pytest.raises(tt.WorkingSetTooLarge) as e:
+        for t in batches(2):
+            with s.step():
+                train_step(model, opt, t)
+    hook.remove()
+    assert e.value.bytes_needed > budget and e.value.budget == budget
+    msg = str(e.value)
+    assert f"kernel {e.value.kernel} (" in msg and "more than the GPU budget" in msg and str(budget) in msg, msg
+    assert "gpu_budget_bytes" in msg, msg
+    assert e.value.kernel_name.startswith("fwd."), e.value.kernel_name
+    assert ran == [], "stopped inside the first step's forward, before the model's forward returned"
+    assert s.steps == [] and s.plans == {}
+    s.close()
+
+
+def test_a_kernel_that_fits_the_budget_is_planned_whatever_the_allowance(tmp_path):
+    """The allowance would leave less than the largest working set: the plan and its executor get
+    that working set (the budget holds it), where the Session used to refuse it."""
+    store = engine_store(tmp_path)
+    model, opt = make(seq=64)
+    seen = {}
+    from test_planned import script_for
+
+    def planner(trace, gpu_bytes, host_bytes):
+        seen["trace"], seen["planned"] = trace, gpu_bytes
+        return script_for(trace, gpu_bytes, host_bytes)
+
+    def factory(trace, plan, executor_bytes, allocator):
+        seen["executor"] = executor_bytes
+        raise NotImplementedError("only the budgets are checked here")
+
+    budget = 10 * params_bytes(model)
+    s = tt.Session(model, opt, _hooks=Hooks(store=store, planner=planner, executor_factory=factory),
+                   gpu_budget_bytes=budget, page_min_bytes=0, allocator_allowance="fixed", log=lambda _: None)
+    s._plan_fraction = 0.01  # (as a GPU session whose allowance would leave almost nothing)
+    for t in batches(3, batch=16, seq=64):
+        with s.step():
+            train_step(model, opt, t)
+    ws = max(sum(t["bytes"] for t in seen["trace"]["tensors"] if k in t["accesses"])
+             for k in range(len(seen["trace"]["kernels"])))
+    assert s.plan_budget < ws <= budget
+    assert seen["planned"] == ws and seen["executor"] == ws
+    (entry,) = s.plans.values()
+    assert entry.budget == ws
+    s.close()
+
+
+def test_the_measured_allowance_and_the_rule_that_uses_it():
+    """What the allocator needs beside the plan: from a profiled step's figures (the GPU's come
+    from ``torch.cuda.memory_stats``, given here), and which allowance the plan budget takes."""
+    from teraio.torch.session import measured_allowance
+
+    stats = {"reserved_bytes.all.peak": 10_000, "allocated_bytes.all.peak": 7_000}
+    assert measured_allowance(stats, 500) == 3_500
+    assert measured_allowance({}, 0) == 0  # the CPU: nothing beside the traced storages
+    assert measured_allowance({"reserved_bytes.all.peak": 1, "allocated_bytes.all.peak": 9}, -3) == 0
+
+    model, opt = make()
+    budget = 10 * params_bytes(model)
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=budget, page_min_bytes=0,
+                   allocator_allowance="measured", log=lambda _: None)
+    s._plan_fraction = 0.85
+    assert s.plan_budget == int(budget * 0.85), "no measurement yet: the fixed rule"
+    # the GPU hook, fed a caching allocator's figures
+    real_stats, real_device = torch.cuda.memory_stats, s.device
+    try:
+        torch.cuda.memory_stats = lambda device=None: stats
+        s.device = torch.device("cuda")
+        s.pager.untraced_peak_bytes = 500
+        s._measure_allowance()
+    finally:
+        torch.cuda.memory_stats, s.device = real_stats, real_device
+    assert s._measured_allowance == 3_500 and s.pager.untraced_peak_bytes == 0
+    assert s.plan_budget == budget - 3_500
+    s.allocator_allowance = "fixed"
+    assert s.plan_budget == int(budget * 0.85)
+    s.allocator_allowance = 1_234
+    assert s.plan_budget == budget - 1_234
+    s.close()
+    # "auto" on the CPU path: measured in the profiled step (nothing beside the traced storages)
+    model, opt = make()
+    s = tt.Session(model, opt, gpu_budget_bytes=budget, page_min_bytes=0, log=lambda _: None,
+                   _hooks=Hooks(store=MemStore(), planner=lambda tr, b, h: {"policy": "scripted"},
+                                executor_factory=lambda *a: None))
+    for t in batches(2):
+        with s.step():
+            train_step(model, opt, t)
+    assert s._measured_allowance == 0 and s.plan_budget == budget
+    s.close()
+    for bad in ("some", -1, 0.5, True):
+        with pytest.raises(ValueError, match="allocator_allowance"):
+            tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=budget, allocator_allowance=bad)
+
+
+def test_steps_that_run_the_pagers_schedule_say_so(tmp_path, monkeypatch):
+    """Where no plan of the policy runs, the scheduler's selection falls back to the pager's
+    schedule as a plan (scheduler/src/select.rs tests when); the Session's log says so, once, and
+    in every step line that runs it."""
+    import teraio
+
+    real = teraio.select
+
+    def paging(*a, **kw):
+        assert kw["paging_fallback"] is True
+        sel = real(*a, **kw)
+        sel.info["choice"] = "paging"
+        sel.info["why"] = "scripted: the auto plan does not run"
+        return sel
+
+    monkeypatch.setattr(teraio, "select", paging)
+    store = engine_store(tmp_path)
+    model, opt = make()
+    lines = []
+    s = tt.Session(model, opt, _hooks=Hooks(store=store), gpu_budget_bytes=3 * params_bytes(model),
+                   page_min_bytes=0, log=lines.append)
+    for t in batches(4):
+        with s.step():
+            train_step(model, opt, t)
+    step_lines = [line for line in lines if line.startswith("teraio step")]
+    assert "the pager's schedule as a plan: scripted" in step_lines[1], step_lines[1]
+    assert [r["mode"] for r in s.steps] == ["paged", "paged", "planned", "planned"]
+    assert all("planned (the pager's schedule as a plan" in line for line in step_lines[2:]), step_lines
+    assert sum("runs the pager's schedule" in line or "steps run the pager's schedule" in line for line in lines) == 1
     s.close()

@@ -149,18 +149,21 @@ def step_in_backward(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
 class WorkingSetTooLarge(ValueError):
     """A kernel of the trace needs more memory at once than the GPU budget: no plan exists."""
 
-    def __init__(self, kernel: int, name: str, bytes_needed: int, budget: int, tensors: int):
+    def __init__(self, kernel: int, name: str, bytes_needed: int, budget: int, tensors: int, detail: str = ""):
         self.kernel = kernel
         self.kernel_name = name
         self.bytes_needed = bytes_needed
         self.budget = budget
-        hint = ""
         if name.startswith("opt."):
             hint = (" It is an optimizer kernel: split the step with "
                     "teraio.torch.make_plannable(optimizer, max_chunk_bytes=...) or "
-                    "step_in_backward(optimizer).")
+                    "step_in_backward(optimizer), or raise gpu_budget_bytes.")
+        else:
+            hint = (f" Raise gpu_budget_bytes above {_gib(bytes_needed)} (and what the allocator needs beside "
+                    "it), or make this operator smaller (a smaller batch or sequence length).")
+        why = f" ({detail})" if detail else ""
         super().__init__(
-            f"kernel {kernel} ({name}) touches {tensors} tensors of {_gib(bytes_needed)} at once, "
+            f"kernel {kernel} ({name}) touches {tensors} tensors of {_gib(bytes_needed)} at once{why}, "
             f"more than the GPU budget of {_gib(budget)}: no plan can fit it.{hint}"
         )
 
@@ -183,10 +186,13 @@ def working_sets(trace: dict) -> list[tuple[int, int]]:
 
 def check_working_sets(trace: dict, gpu_budget_bytes: int) -> None:
     """Raise :class:`WorkingSetTooLarge` for the kernel with the largest working set if it
-    exceeds ``gpu_budget_bytes``."""
-    ws = working_sets(trace)
-    if not ws:
+    exceeds ``gpu_budget_bytes`` (the scheduler's check, ``teraio.select_budgets``)."""
+    import teraio
+
+    if not trace["kernels"]:
         return
-    k = max(range(len(ws)), key=lambda i: ws[i][0])
-    if ws[k][0] > gpu_budget_bytes:
-        raise WorkingSetTooLarge(k, trace["kernels"][k]["name"], ws[k][0], gpu_budget_bytes, ws[k][1])
+    got = teraio.select_budgets(gpu_budget_bytes, trace=teraio.Trace.from_dict(trace))
+    nf = got.get("never_fits")
+    if nf is not None:
+        raise WorkingSetTooLarge(nf["kernel"], nf["name"], nf["needed_bytes"], nf["capacity_bytes"],
+                                 working_sets(trace)[nf["kernel"]][1])

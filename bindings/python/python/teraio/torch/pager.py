@@ -149,6 +149,13 @@ class Pager:
     back, after making room), and :meth:`after` when it ran (memory above the budget is paged
     out, least recently used first). Storages smaller than ``min_bytes`` stay.
     ``used_bytes``: how much memory is in use (default: the storages it knows, resident).
+    ``limit_bytes`` (the Session's GPU budget): an operator whose own storages (inputs and
+    outputs) take more can never fit any plan: :meth:`after` raises
+    :class:`~teraio.torch.WorkingSetTooLarge` naming it, in the first step already, and on a GPU
+    an operator that still runs out of memory with everything else paged out raises it too.
+    ``untraced_peak_bytes``: the most memory in use beyond the storages it knows, after an
+    operator (library workspaces on a GPU; 0 where ``used_bytes`` is its own count), for the
+    Session's measured allowance.
     """
 
     def __init__(self, mover: StorageMover, budget_bytes: int, min_bytes: int = 1 << 16,
@@ -162,6 +169,8 @@ class Pager:
         self.evictions = 0
         self.fetches = 0
         self.wait_s = 0.0
+        self.limit_bytes: int | None = None
+        self.untraced_peak_bytes = 0
 
     def used_bytes(self) -> int:
         return self._used() if self._used is not None else self.resident_bytes
@@ -214,8 +223,19 @@ class Pager:
             self.fetches += 1
         self.wait_s += time.perf_counter() - t0
 
-    def after(self, storages: list[torch.UntypedStorage], op: int) -> None:
-        """Page out least recently used storages while memory in use is above the budget."""
+    def after(self, storages: list[torch.UntypedStorage], op: int, name: str = "") -> None:
+        """Page out least recently used storages while memory in use is above the budget
+        (``storages``: the operator's inputs and outputs; ``name``: the operator's, for the error
+        when they alone exceed ``limit_bytes``)."""
+        if self.limit_bytes is not None:
+            mine = {storage_key(s): s.nbytes() for s in storages}
+            need = sum(mine.values())
+            if need > self.limit_bytes:
+                from .optimizer import WorkingSetTooLarge
+
+                raise WorkingSetTooLarge(op, name or f"operator {op}", need, self.limit_bytes, len(mine))
+        if self._used is not None:
+            self.untraced_peak_bytes = max(self.untraced_peak_bytes, self._used() - self.resident_bytes)
         t0 = time.perf_counter()
         n = self._evict(op, {storage_key(s) for s in storages}, extra=0)
         if n:
@@ -261,13 +281,33 @@ class Pager:
         there, so the paging is not timed as the operator's)."""
         try:
             return run_op(func, args, kwargs)
-        except torch.cuda.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError as e:
             if not self.make_room(keep, op):
+                self._cannot_fit(func, keep, op, e)
                 raise
             torch.cuda.empty_cache()
             if again is not None:
                 again()
-            return run_op(func, args, kwargs)
+            try:
+                return run_op(func, args, kwargs)
+            except torch.cuda.OutOfMemoryError as e2:
+                self._cannot_fit(func, keep, op, e2)
+                raise
+
+    def _cannot_fit(self, func: Any, keep: list[torch.UntypedStorage], op: int, e: Exception) -> None:
+        """An operator ran out of memory with everything it does not use paged out: with a
+        ``limit_bytes``, :class:`~teraio.torch.WorkingSetTooLarge` naming it and its inputs'
+        bytes (what it allocates besides is in the allocator's message)."""
+        if self.limit_bytes is None:
+            return
+        from ._storages import op_name
+        from .optimizer import WorkingSetTooLarge
+
+        mine = {storage_key(s): s.nbytes() for s in keep}
+        raise WorkingSetTooLarge(op, op_name(func), sum(mine.values()), self.limit_bytes, len(mine),
+                                 detail=f"with everything else paged out it still ran out of GPU memory "
+                                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): its "
+                                        "inputs, outputs and workspace do not fit") from e
 
     def restore_all(self) -> None:
         """Bring every paged-out storage back (the end of a paged iteration)."""
@@ -288,5 +328,7 @@ class Pager:
         outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == device) if s is not None]
         for s in stor + outs:
             self.seen(s, op)
-        self.after(stor + outs, op)
+        from ._storages import op_name
+
+        self.after(stor + outs, op, name=op_name(func))
         return out

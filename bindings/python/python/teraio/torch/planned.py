@@ -194,6 +194,12 @@ class PlanEntry:
     diverged_n: int = 0
     #: runs started of it
     runs_started: int = 0
+    #: why no plan was made (the selection's refusal), when none was
+    refused: str | None = None
+    #: the bytes the plan's executor runs with (the selection's), None: the Session's plan budget
+    budget: int | None = None
+    #: how the plan was selected (``teraio.Selection.info``)
+    selection: dict[str, Any] | None = None
 
 
 class PlannedRun:

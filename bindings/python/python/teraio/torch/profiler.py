@@ -373,7 +373,7 @@ class Profiler:
             outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == self.device) if s is not None]
             for s in stor + outs:
                 pager.seen(s, op)
-            pager.after(stor + outs, op)
+            pager.after(stor + outs, op, name=f"{phase}.{op_name(func)}")
         self.ops.append(
             OpRecord(
                 name=f"{phase}.{op_name(func)}",

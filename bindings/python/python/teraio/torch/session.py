@@ -18,11 +18,13 @@ What each step does:
    (:class:`teraio.torch.pager.Pager`: demand paging through the engine, so even the first
    iterations fit the budget).
 3. After ``profile_steps`` profiled steps of the same shapes, the last trace (each operator
-   timed by its median over those steps that ran the same operators) is checked
-   (:func:`teraio.torch.check_working_sets`: a kernel that alone exceeds the budget is named)
-   and planned by the scheduler (``teraio.plan``, the planner of ``teraio plan``), and the plan
-   is cached by the iteration's first operator's shapes (its input), so a small set of shapes
-   (variable sequence lengths) is planned once each.
+   timed by its median over those steps that ran the same operators) goes to the scheduler's
+   plan selection (``teraio.select``, what ``teraio plan`` runs: the budget and what the
+   allocator needs beside it, the working-set check, the policy's plan, the second plan for
+   slower transfers, and the pager's schedule where no other plan runs); a kernel that alone
+   exceeds the budget is named (:class:`teraio.torch.WorkingSetTooLarge`), in the first
+   profiled step already. The plan is cached by the iteration's first operator's shapes (its
+   input), so a small set of shapes (variable sequence lengths) is planned once each.
 4. At a step's first operator a cached plan for its shapes runs
    (:class:`teraio.torch.planned.PlannedRun`: the engine's plan executor, docs/EXECUTOR.md,
    driven by the operator count); where this build of the Python package has no executor,
@@ -47,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_of
 from .fsdp import claim as claim_fsdp
 from .host_offload import offload_optimizer
-from .optimizer import auto_chunk_bytes, check_working_sets, make_plannable
+from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, make_plannable, working_sets
 from .planned import Diverged, PlanEntry, PlannedRun, Results, keep_last
 from .profiler import Profiler, peak_bytes
 from .pager import Pager, StorageMover, Store
@@ -184,7 +186,15 @@ class Session:
     ``"paper"`` and says so.
     ``page_min_bytes``: the pager leaves smaller storages in place; ``page_fraction``: on the
     GPU it pages down to this share of the budget (and plans keep it, and keep at least twice the
-    trace's largest tensor free: the caching allocator's room to place it). ``planned`` (default
+    trace's largest tensor free: the caching allocator's room to place it; the scheduler's fixed
+    allowance). ``allocator_allowance``: what plans leave free beside their tensors for the
+    allocator. ``"auto"`` (default): measured where it can be (the CPU path: the memory in use is
+    the traced storages, so nothing), the fixed rule of ``page_fraction`` on a GPU;
+    ``"measured"``: on a GPU too, from the profiled step's caching-allocator figures (its reserved
+    minus allocated peak, and the memory in use the trace does not hold:
+    :func:`measured_allowance`); ``"fixed"``: the ``page_fraction`` rule everywhere; an int: that
+    many bytes. A kernel whose working set fits the budget is planned whatever the allowance
+    (the plan then takes the room the allowance would have kept). ``planned`` (default
     True): steps with a plan run it on the engine's executor (False: every step pages).
     ``gather_between_steps`` (default True): after a planned step every parameter, gradient and
     optimizer state is resident and complete, and writes to them before the next step are seen
@@ -264,6 +274,7 @@ class Session:
         device: torch.device | str | None = None,
         page_min_bytes: int = 1 << 16,
         page_fraction: float = 0.85,
+        allocator_allowance: Any = "auto",
         planned: bool = True,
         gather_between_steps: bool = True,
         max_ahead: int = 0,
@@ -294,6 +305,12 @@ class Session:
         if not 0.0 <= plan_margin < 0.5:
             raise ValueError(f"plan_margin must be in [0, 0.5), got {plan_margin}")
         self.plan_margin = plan_margin
+        if not (allocator_allowance in ("auto", "measured", "fixed")
+                or (isinstance(allocator_allowance, int) and not isinstance(allocator_allowance, bool)
+                    and allocator_allowance >= 0)):
+            raise ValueError(f"allocator_allowance must be 'auto', 'measured', 'fixed' or a number of bytes >= 0, "
+                             f"got {allocator_allowance!r}")
+        self.allocator_allowance = allocator_allowance
 
         self.model = model
         if optimizer_on not in ("gpu", "host"):
@@ -387,16 +404,19 @@ class Session:
             # everything it does not use went out)
             target = int(gpu_budget_bytes * (page_fraction if cuda else 1.0))
             self.pager = Pager(self.mover, target, min_bytes=page_min_bytes, used_bytes=used)
+            # an operator whose own storages exceed the budget stops the first step, named
+            self.pager.limit_bytes = gpu_budget_bytes
             self.profiler.pager = self.pager
         # what plans and the executor account against: on a GPU the trace's tensors are not all
         # the memory a step allocates (cuBLAS workspaces, the allocator's rounding), so plans
         # keep `page_fraction` of the budget, as the pager does
         self._plan_fraction = page_fraction if cuda else 1.0
-        # and below the budget by twice the trace's largest tensor: the caching allocator must
-        # find room for it beside everything else, its blocks rounded and scattered (bf16 GPT on
-        # an H200, 4 GiB cap: plans at 0.85 of it ran out of memory on a 512 MiB allocation at
-        # 3.43 GiB allocated; at 0.75 they run, docs/BENCHMARKS.md)
-        self._headroom = 0
+        # and (the scheduler's fixed allowance) below the budget by twice the trace's largest
+        # tensor, set from the profiled trace on a GPU
+        self._largest_tensor = 0
+        # what the allocator needed beside the traced tensors in the last profiled step
+        # (_measure_allowance), once measured
+        self._measured_allowance: int | None = None
         # plan key (_plan_key: the whole operator sequence) -> its profile, plan and run
         self.plans: dict[Any, PlanEntry] = {}
         # the plan whose run holds the global tensors now (at most one: see _planned_run)
@@ -512,6 +532,9 @@ class Session:
             rec["stall_s"] = (self.pager.wait_s - wait0) if self.pager else 0.0
             if mode.fallback:
                 rec["planned_failed"] = mode.fallback
+                rec["paging"] = f"its plan cannot run here: {mode.fallback}"
+        if rec["mode"] == "planned" and ((self.plans.get(mode.key) or {}).get("selection") or {}).get("choice") == "paging":
+            rec["paging"] = "the pager's schedule as a plan: no other plan runs in the budget"
         if cuda:
             torch.cuda.synchronize(self.device)
         rec["time_s"] = time.perf_counter() - t0
@@ -607,17 +630,17 @@ class Session:
             self._retire_live_run()
         if entry.run is None:
             try:
-                entry.run = PlannedRun(entry, self.model, self.optimizer, self.plan_budget, self.device,
-                                       self.executor_factory or self._planned_executor,
-                                       device_memory=self._device_memory(),
-                                       gather=self.gather_between_steps, max_ahead=self.max_ahead,
-                                       time_gpu=self.time_gpu, host_waits=self.host_waits,
-                                       verify_remakes=self.verify_recompute and not entry.verified)
+                entry.run = PlannedRun(entry, self.model, self.optimizer, self._entry_budget(entry), self.device,
+                                          self.executor_factory or self._planned_executor,
+                                          device_memory=self._device_memory(),
+                                          gather=self.gather_between_steps, max_ahead=self.max_ahead,
+                                          time_gpu=self.time_gpu, host_waits=self.host_waits,
+                                          verify_remakes=self.verify_recompute and not entry.verified)
             except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry.run = False
                 entry.no_run = str(e)
                 return None
-            entry.runs_started += 1
+            entry.runs_started = entry.runs_started + 1
         self._live_key = key
         return entry.run
 
@@ -648,7 +671,7 @@ class Session:
 
     def _bounded_run(self, key: Any) -> PlannedRun:
         """A one-step run of ``key``'s plan for a smaller shape, the profiler recording it."""
-        return PlannedRun(self.plans[key], self.model, self.optimizer, self.plan_budget, self.device,
+        return PlannedRun(self.plans[key], self.model, self.optimizer, self._entry_budget(self.plans[key]), self.device,
                           self._planned_executor, device_memory=self._device_memory(), gather=True,
                           max_ahead=self.max_ahead, time_gpu=self.time_gpu, host_waits=self.host_waits,
                           record=self.profiler.dispatch, verify_remakes=self.verify_recompute)
@@ -673,26 +696,60 @@ class Session:
             run, entry.run = entry.run, None
             _finish_run(run)
 
+    def _allowance(self) -> dict[str, Any]:
+        """What plans leave free for the allocator beside their tensors, as the scheduler takes
+        it (``allocator_allowance``): measured bytes, or the fixed rule of ``page_fraction``."""
+        mode = self.allocator_allowance
+        if not isinstance(mode, str):
+            return {"kind": "measured", "bytes": int(mode)}
+        measured = self._measured_allowance
+        if measured is not None and (mode == "measured" or (mode == "auto" and self.device.type != "cuda")):
+            return {"kind": "measured", "bytes": measured}
+        return {"kind": "fixed", "keep_fraction": self._plan_fraction}
+
+    def _budget_options(self) -> dict[str, Any]:
+        """The budget part of the scheduler's selection options (``teraio.select``)."""
+        return {"allowance": self._allowance(), "plan_margin": self.plan_margin,
+                "reserved_bytes": self.fsdp.peak_bytes if self.fsdp is not None else 0}
+
     @property
     def plan_budget(self) -> int | None:
-        """The bytes plans and the executor account against (``page_fraction`` of the budget on
-        a GPU, the budget on the CPU), on a GPU also at least twice the profiled trace's largest
-        tensor below the budget (room for the caching allocator to place it)."""
+        """The bytes plans and the executor account against: the budget less what the allocator
+        needs beside them (the scheduler's rule, ``teraio.select_budgets``: ``allocator_allowance``),
+        less FSDP's unsharded parameters. A plan whose largest working set needs more (but fits
+        the budget) runs with more: its entry's ``budget``."""
         if self.budget is None:
             return None
-        b = int(self.budget * self._plan_fraction)
-        if 0 < self._headroom < self.budget // 2:
-            b = min(b, self.budget - self._headroom)
-        if self.fsdp is not None:
-            # (FSDP's unsharded parameters take this much beside the plan's tensors)
-            b = max(1, b - self.fsdp.peak_bytes)
-        return b
+        import teraio
+
+        return teraio.select_budgets(self.budget, largest_tensor_bytes=self._largest_tensor,
+                                     **self._budget_options())[0]
 
     @property
     def planning_budget(self) -> int | None:
         """The GPU bytes plans are made for: :attr:`plan_budget` less ``plan_margin``."""
-        b = self.plan_budget
-        return None if b is None else int(b * (1.0 - self.plan_margin))
+        if self.budget is None:
+            return None
+        import teraio
+
+        return teraio.select_budgets(self.budget, largest_tensor_bytes=self._largest_tensor,
+                                     **self._budget_options())[1]
+
+    def _measure_allowance(self) -> None:
+        """After a profiled step: what the allocator needed beside the traced tensors
+        (:func:`measured_allowance`; the hook where a GPU's figures come in: the caching
+        allocator's peaks since the step began, ``torch.cuda.memory_stats``)."""
+        untraced = 0
+        if self.pager is not None:
+            untraced, self.pager.untraced_peak_bytes = self.pager.untraced_peak_bytes, 0
+        stats = torch.cuda.memory_stats(self.device) if self.device.type == "cuda" else {}
+        self._measured_allowance = measured_allowance(stats, untraced)
+
+    def _entry_budget(self, entry: PlanEntry) -> int | None:
+        """The bytes a plan's executor runs with: what its selection chose (raised to the
+        trace's largest working set where the allowance would leave less), else
+        :attr:`plan_budget`."""
+        return entry.budget or self.plan_budget
 
     def _device_memory(self) -> bool:
         """Whether storages go to the executor as device memory: on a GPU, and on an engine whose
@@ -740,7 +797,7 @@ class Session:
         # (the run is in its safe mode: a new executor for the plan's next step)
         if self._live_key == key:
             self._retire_live_run()
-        entry.diverged_n += 1
+        entry.diverged_n = entry.diverged_n + 1
         if entry.diverged_n >= 2:
             self._drop_plan(key)
 
@@ -789,6 +846,8 @@ class Session:
         entry = self.plans.get(key)
         if entry is not None and entry.signatures == sigs:
             rec["plan"] = "cached"
+            if entry.plan is None and entry.refused:
+                rec["paging"] = _no_plan(entry)
             return
         if state_before != _state_count(self.optimizer):
             # the optimizer's first step makes its state; later steps only update it, so this
@@ -818,48 +877,61 @@ class Session:
         if self.budget is None:
             return
         if self.device.type == "cuda":
-            self._headroom = 2 * max((t["bytes"] for t in trace["tensors"]), default=0)
-        check_working_sets(trace, self.plan_budget)
-        try:
-            import teraio
-        except ImportError:
-            teraio = None
+            # (the fixed allowance keeps twice it free: the caching allocator must place it)
+            self._largest_tensor = max((t["bytes"] for t in trace["tensors"]), default=0)
+        self._measure_allowance()
+        import teraio
+
+        t0 = time.perf_counter()
+        tr = teraio.Trace.from_dict(trace)
+        budgets = teraio.select_budgets(self.budget, trace=tr, **self._budget_options())
+        if "never_fits" in budgets:
+            nf = budgets["never_fits"]
+            entry.refused = nf["message"]
+            raise WorkingSetTooLarge(nf["kernel"], nf["name"], nf["needed_bytes"], nf["capacity_bytes"],
+                                     working_sets(trace)[nf["kernel"]][1])
+        entry.budget = budgets["executor_bytes"]
         if self.planner is not None:
-            t0 = time.perf_counter()
-            entry.plan = self.planner(trace, self.planning_budget, self.host_budget)
-            rec["plan_s"] = time.perf_counter() - t0
-        elif teraio is not None and hasattr(teraio, "plan"):
+            entry.plan = self.planner(trace, budgets["planning_bytes"], self.host_budget)
+        else:
             hw = self._plan_hardware(rec)
-            over: dict[str, Any] = {"gpu_memory_bytes": self.planning_budget,
-                                    "host_memory_cap_bytes": self.host_budget}
+            over: dict[str, Any] = {"host_memory_cap_bytes": self.host_budget}
             capacity = getattr(self.store, "capacity_bytes", None)
             if isinstance(capacity, int) and capacity > 0:
                 # the plan must fit the engine's array: the planner keeps its SSD footprint under
                 # the capacity (per SSD of the hardware model) or refuses the plan
                 over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
-            t0 = time.perf_counter()
             try:
-                tr = teraio.Trace.from_dict(trace)
-                entry.plan = teraio.plan(tr, self.policy, hw, checked=True, **over)
-                if self.traffic_margin > 0:
-                    entry.plan, entry.traffic = _less_traffic(teraio, tr, entry.plan, self.policy, hw,
-                                                          over, self.traffic_margin)
+                sel = teraio.select(tr, self.policy, hw, gpu_budget_bytes=self.budget,
+                                    traffic_margin=self.traffic_margin, paging_fallback=True,
+                                    **self._budget_options(), **over)
             except teraio.TeraioError as e:
-                # no plan fits (the array, the host tier): steps keep paging, and say why
+                # no plan fits (the array, the host tier), not even the pager's schedule: steps
+                # keep paging, and say why
                 entry.plan = None
+                entry.refused = str(e)
                 rec["plan"] = (f"refused: {e} (more or larger engine files, a host tier with "
                                "host_budget_bytes, or a larger gpu_budget_bytes change it)")
+                rec["paging"] = _no_plan(entry)
                 self.log(f"teraio: no plan for this iteration ({e}); steps page through the engine")
                 return
-            rec["plan_s"] = time.perf_counter() - t0
-        rec["plan"] = _plan_summary(entry.plan) if entry.plan is not None \
-            else "profiled (no planner in this build)"
+            entry.plan, entry.selection = sel.plan, sel.info
+            entry.budget = sel.budgets["executor_bytes"]
+            if "traffic" in sel.info:
+                entry.traffic = sel.info["traffic"]
+        rec["plan_s"] = time.perf_counter() - t0
+        rec["plan"] = _plan_summary(entry.plan)
         if rec.get("mode") == "bounded":
             rec["plan"] += ", from this step's profile (run under a larger shape's plan)"
         t = entry.traffic or {}
         if t.get("chosen") == "planned for slower transfers":
             rec["plan"] += (f", planned for slower transfers: {(t['modelled_moved_bytes'] - t['slower_transfers_moved_bytes']) / 1e9:.2f}"
                             f" GB less moved for {100 * (t['slower_transfers_s'] / t['modelled_s'] - 1):+.1f}% in the model")
+        sel_info = entry.selection or {}
+        if sel_info.get("choice") == "paging":
+            rec["plan"] += f", the pager's schedule as a plan: {sel_info['why']}"
+            self.log(f"teraio: no plan of policy {self.policy!r} runs in the budget; the steps run the pager's "
+                     f"schedule as a plan ({sel_info['why']})")
 
     def _plan_hardware(self, rec: dict[str, Any]) -> Any:
         """The hardware model plans are made for: as given, or this machine's (measured, or read
@@ -891,6 +963,8 @@ class Session:
     def line(rec: dict[str, Any]) -> str:
         """A one-line report of a step."""
         s = f"teraio step {rec['step']}: {rec['mode']}"
+        if rec.get("paging"):
+            s += f" ({rec['paging']})"
         if rec.get("bounded_by"):
             s += f" (a new shape, profiled under the plan of {rec['bounded_by']})"
         s += f", {rec['time_s']:.3f} s, stall {rec['stall_s']:.3f} s"
@@ -1007,13 +1081,6 @@ def _teraio_error() -> type:
         return type("_NoTeraio", (Exception,), {})
 
 
-# the hardware model's transfer rates, and how much slower the second plan assumes them
-_TRANSFER_RATES = ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "pcie_h2d_bytes_per_s",
-                   "pcie_d2h_bytes_per_s", "host_memory_bytes_per_s", "ssd_duplex_bytes_per_s",
-                   "pcie_duplex_bytes_per_s")
-_DERATE = 0.7
-
-
 def _median_durations(trace: dict[str, Any], times: list[tuple[Any, list[float]]]) -> None:
     """Each kernel of ``trace`` (the last profiled step, ``times[-1]``) takes the median of its
     durations over the profiled steps in ``times`` (operator signatures, durations) that ran the
@@ -1027,30 +1094,21 @@ def _median_durations(trace: dict[str, Any], times: list[tuple[Any, list[float]]
         k["duration_us"] = statistics.median(t[i] for t in same)
 
 
-def _moved(plan: Any) -> int:
-    st = plan.to_dict().get("stats", {})
-    return int(st.get("ssd_offload_bytes", 0)) + int(st.get("host_offload_bytes", 0))
+def measured_allowance(stats: dict[str, Any], untraced_peak_bytes: int) -> int:
+    """What the allocator needed beside the traced tensors in a profiled step, in bytes: on a
+    GPU the caching allocator's slack at its peak (``torch.cuda.memory_stats``'s
+    ``reserved_bytes.all.peak`` less ``allocated_bytes.all.peak``, since the step began) plus
+    the most memory in use that the trace's storages did not hold (library workspaces; the
+    pager's ``untraced_peak_bytes``). On the CPU (``stats`` empty) the memory in use is the
+    traced storages: 0. The scheduler keeps this much of the budget free
+    (``allocator_allowance``)."""
+    slack = int(stats.get("reserved_bytes.all.peak", 0)) - int(stats.get("allocated_bytes.all.peak", 0))
+    return max(0, slack) + max(0, int(untraced_peak_bytes))
 
 
-def _less_traffic(teraio: Any, trace: Any, plan: Any, policy: str, hw: Any, over: dict,
-                  margin: float) -> tuple[Any, dict[str, Any]]:
-    """``plan``, or the plan made for transfers ``_DERATE`` times as fast when that one moves
-    fewer bytes and simulates on the real model within ``margin`` of ``plan``; and the figures
-    the choice was made on."""
-    base = teraio.hardware(hw, **over)
-    slow = {k: base[k] * _DERATE for k in _TRANSFER_RATES if isinstance(base.get(k), (int, float))}
-    try:
-        alt = teraio.plan(trace, policy, hw, checked=True, **{**over, **slow})
-    except teraio.TeraioError as e:
-        return plan, {"chosen": "as modelled", "alternative": f"none ({e})"}
-    t_plan = teraio.simulate(trace, plan, hw, **over)
-    t_alt = teraio.simulate(trace, alt, hw, **over)
-    info = {"modelled_s": t_plan.iteration_time_us / 1e6, "modelled_moved_bytes": _moved(plan),
-            "slower_transfers_s": t_alt.iteration_time_us / 1e6, "slower_transfers_moved_bytes": _moved(alt)}
-    take = (t_alt.completed and _moved(alt) < _moved(plan)
-            and t_alt.iteration_time_us <= t_plan.iteration_time_us * (1 + margin))
-    info["chosen"] = "planned for slower transfers" if take else "as modelled"
-    return (alt if take else plan), info
+def _no_plan(entry: dict[str, Any]) -> str:
+    """Why a step pages, for its log line: its shape's plan was refused."""
+    return f"no plan: {entry.refused}"
 
 
 def _plan_summary(plan: Any) -> str:
@@ -1356,7 +1414,7 @@ class _StepMode(TorchDispatchMode):
         run = session._planned_run(key, self.n)
         if run is None:
             entry = session.plans.get(key)
-            self.fallback = (entry.no_run if entry is not None else None) or "no run for the plan"
+            self.fallback = (entry or {}).get("no_run", "") or "no run for the plan"
             self.paged_only = session.pager is not None
             return False
         self.run = run
@@ -1394,7 +1452,7 @@ class _StepMode(TorchDispatchMode):
         return self.session.profiler.dispatch(func, args, kwargs)
 
 
-def _created_fit(entry: PlanEntry, k: int, args: tuple, kwargs: dict, outs: Results,
+def _created_fit(entry: dict[str, Any], k: int, args: tuple, kwargs: dict, outs: Results,
                  device: torch.device) -> bool:
     """Whether operator ``k`` made its new storages where and as large as the plan's profile
     did (an operator without tensor arguments, ``arange(n)``, tells shapes apart only so)."""
