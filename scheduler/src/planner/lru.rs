@@ -248,6 +248,7 @@ pub(super) fn plan(trace: &Trace, hw: &Hardware) -> Plan {
         initially_offloaded: initial,
         instructions,
         host_kernels: Vec::new(),
+        host_updates: Vec::new(),
         recomputations: Vec::new(),
         stats: PlanStats {
             peak_resident_bytes: trace.resident_memory_per_kernel().into_iter().max().unwrap_or(0),
