@@ -2,12 +2,14 @@
 //! moves them, or on the host CPU, its states in host memory (issue 32).
 //!
 //! # The two choices, per update
-//! An *update* ([`Update`]) is the optimizer's work on a set of parameters stepped together:
-//! the kernels that access their optimizer states (a generated trace's `NAME.adamw`; a
-//! profiled one's operators of a chunk of the step), with the weights, gradients and states
-//! they touch. Updates are the connected groups of weights, gradients and states that
-//! optimizer kernels access together, so one parameter per update where the trainer steps
-//! parameter by parameter, one chunk where it steps chunks.
+//! An *update* ([`Update`]) is the optimizer's work on a set of parameters stepped together.
+//! The optimizer's kernels are those that access an optimizer state and, to a fixpoint, those
+//! that access a temporary one of them accesses (a square root of the second moments has
+//! kernels of its own); an update is what those kernels access together (weights, gradients,
+//! states, temporaries), with every kernel from its first to its last that touches them (a
+//! weight decay that reads the parameters alone). So one parameter per update where the
+//! trainer steps parameter by parameter (a generated trace's `NAME.adamw`), one chunk where it
+//! steps chunks. Groups of scalar states alone (step counts) update no parameter and stay.
 //! - **On the GPU**: the trace as it is. The states (AdamW: two moments, plus the fp32 master
 //!   in bf16) are tensors like any other; where memory is short the plan moves them over PCIe
 //!   with the weights and gradients, up to 16 bytes a parameter each way.
