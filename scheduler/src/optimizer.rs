@@ -49,9 +49,10 @@
 //! use teraio_scheduler::optimizer::{PlaceOptions, place};
 //! let mut cfg = ModelConfig::preset("gpt2-small").unwrap();
 //! cfg.layers = 2;
+//! cfg.micro_batch = 1;
 //! let trace = generate(&cfg).unwrap();
 //! let mut hw = Hardware::paper();
-//! hw.gpu_memory_bytes = 2_000_000_000;
+//! hw.gpu_memory_bytes = 800_000_000; // below the all-resident peak: the plan moves tensors
 //! let p = place(&trace, &hw, &PlaceOptions::default()).unwrap();
 //! assert!(p.iteration_us <= p.all_gpu_us.unwrap_or(f64::INFINITY));
 //! assert!(p.iteration_us <= p.all_host_us.unwrap_or(f64::INFINITY));
