@@ -219,3 +219,44 @@ fn gzip_compressed_traces_load_like_plain_ones_and_other_bytes_are_named() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a whole gzip stream"));
 }
+
+/// `--optimizer-on auto`: a fast CPU behind the model takes updates to the host, a slow one
+/// none; the choice is never slower than all-GPU and all-host; bad combinations are refused.
+#[test]
+fn the_optimizers_placement_is_shown_and_explained() {
+    let base = [
+        "simulate",
+        "preset:gpt2-small,dtype=bf16,micro-batch=1,layers=2",
+        "--gpu-mem-gb",
+        "0.8",
+        "--policy",
+        "teraio",
+        "--optimizer-on",
+        "auto",
+        "--json",
+    ];
+    let run = |cpu: &str| {
+        let mut a = base.to_vec();
+        a.extend(["--cpu-adam", cpu]);
+        json_of(&teraio(&a))
+    };
+    let fast = run("1e13");
+    let slow = run("1e3");
+    for p in [&fast, &slow] {
+        let best = p["iteration_us"].as_f64().unwrap();
+        assert!(best <= p["all_gpu_us"].as_f64().unwrap(), "{p}");
+        assert!(best <= p["all_host_us"].as_f64().unwrap(), "{p}");
+        assert!(p["candidates"].as_array().unwrap().len() >= 2);
+    }
+    assert!(!fast["host_weights"].as_array().unwrap().is_empty(), "{fast}");
+    assert!(slow["host_weights"].as_array().unwrap().is_empty(), "{slow}");
+    let text = teraio(&base[..base.len() - 1]);
+    assert!(text.status.success(), "{}", String::from_utf8_lossy(&text.stderr));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.starts_with("optimizer: ") && text.contains("all-GPU"), "{text}");
+    let mut bad = base.to_vec();
+    bad[5] = "teraio,lru";
+    let out = teraio(&bad);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("one --policy"));
+}

@@ -14,6 +14,8 @@
 //!   plan, the second plan for slower transfers, and the pager's schedule as a fallback.
 //! - [`bound::lower_bound`]: no plan's iteration is faster than this.
 //! - [`sim::simulate`]: discrete-event replay of a plan on a [`Hardware`] model.
+//! - [`optimizer::place`]: which parameters' optimizer updates run on the host CPU instead
+//!   of the GPU, by simulated cost.
 //! - [`advise`]: the fewest SSDs / least host memory that reach a target % of ideal.
 //!
 //! ```
@@ -37,6 +39,7 @@ pub mod bound;
 mod error;
 pub mod hardware;
 pub mod model;
+pub mod optimizer;
 pub mod plan;
 pub mod planner;
 pub mod select;
@@ -47,7 +50,9 @@ pub use bound::{Bound, BoundWindow, lower_bound, lower_bound_for, lower_bound_wi
 pub use error::{Error, Result};
 pub use hardware::{Hardware, Resource, Tier};
 pub use model::{Dtype, Gpu, ModelConfig, generate};
-pub use plan::{HostKernel, InitialPlacement, Instruction, Move, Plan, PlanStats, Recompute};
+pub use plan::{
+    HostKernel, HostUpdate, InitialPlacement, Instruction, Move, Plan, PlanStats, Recompute,
+};
 pub use planner::{Checked, PlanOptions, Policy, plan, plan_checked, plan_with};
 pub use select::{Allowance, Budget, Budgets, Choice, SelectOptions, Selection, choose};
 pub use sim::{Outcome, SimOptions, SimReport, simulate};

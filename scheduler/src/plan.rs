@@ -18,6 +18,12 @@
 //!   (the CPU works on the tier copy), it streams its SSD bytes through host memory while it
 //!   computes, and the GPU waits for it like for any kernel. A non-global tensor whose last
 //!   access is a host kernel may die offloaded (its tier copy is dropped at death).
+//! - An entry of [`Plan::host_updates`] is an optimizer update that runs on the host CPU, beside
+//!   the GPU's kernels (`optimizer::place` makes them): when kernel `after_kernel` has
+//!   finished, its gradients are copied down, then the CPU runs the update (one update at a
+//!   time, in the order they became ready: the CPU is a resource with a queue), then its
+//!   weights are copied up (see [`HostUpdate`]). A GPU kernel that accesses one of those
+//!   tensors waits until its copy is done: a weight is back before its next use.
 //! - Steady state: global tensors listed in [`Plan::initially_offloaded`] are on their tier,
 //!   not in GPU memory, when an iteration starts (they were offloaded at the end of the
 //!   previous iteration and are prefetched before their first access in this one); every
@@ -200,6 +206,30 @@ fn yes() -> bool {
     true
 }
 
+/// An optimizer update the plan runs on the host CPU instead of the GPU: the trace it is made
+/// for holds no optimizer state and no optimizer kernel of these parameters (they live in host
+/// memory; `optimizer::host_trace` makes such a trace from a profiled one).
+///
+/// When kernel `after_kernel` finishes (the last GPU access of its weights and gradients
+/// before the optimizer's turn), every gradient is copied to host memory (over PCIe from GPU
+/// memory; from the host tier or the SSD array where the plan put it); once all have arrived
+/// the update waits for the CPU, which runs one update at a time, first ready first, for
+/// `cpu_us`; then every weight is copied where it is (up over PCIe into GPU memory, or into its
+/// tier copy when the plan has it offloaded). A GPU kernel that accesses a gradient or weight of
+/// the update waits until that tensor's copy is done. These copies share the links with the
+/// plan's migrations (not urgent).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostUpdate {
+    /// The kernel after which the update may start.
+    pub after_kernel: usize,
+    /// Gradients copied down (at least one).
+    pub gradients: Vec<TensorId>,
+    /// Weights copied up once updated (at least one).
+    pub weights: Vec<TensorId>,
+    /// CPU time of the update, microseconds.
+    pub cpu_us: f64,
+}
+
 /// A tensor dropped and recomputed instead of kept or moved (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Recompute {
@@ -267,6 +297,10 @@ pub struct Plan {
     /// Tensors dropped and recomputed, sorted by `before_kernel` (module documentation).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recomputations: Vec<Recompute>,
+    /// Optimizer updates run on the host CPU, sorted by `after_kernel` (module documentation;
+    /// empty but for plans of `optimizer::place`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_updates: Vec<HostUpdate>,
     /// Planner figures.
     #[serde(default)]
     pub stats: PlanStats,
@@ -284,6 +318,7 @@ impl Plan {
             instructions: Vec::new(),
             host_kernels: Vec::new(),
             recomputations: Vec::new(),
+            host_updates: Vec::new(),
             stats: PlanStats {
                 peak_resident_bytes: trace
                     .resident_memory_per_kernel()
@@ -378,6 +413,7 @@ impl Plan {
             }
             on_host[h.kernel] = true;
         }
+        self.check_host_updates(trace)?;
         // Per tensor: its instructions in plan order, and its drops and recomputations.
         let mut per: HashMap<TensorId, Vec<Event>> = HashMap::new();
         for (i, ins) in self.instructions.iter().enumerate() {
@@ -452,6 +488,47 @@ impl Plan {
                 debug_assert_eq!(start, end || init == Some(Tier::Ssd));
             } else {
                 walk.run(false, Some(&mut droppable))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The rules of [`Plan::host_updates`]: sorted, kernels and tensors in range, at least one
+    /// gradient and one weight each, no tensor in two updates, a finite CPU time.
+    fn check_host_updates(&self, trace: &Trace) -> Result<()> {
+        let n = trace.kernel_count();
+        let mut seen = vec![false; trace.tensors.len()];
+        for (i, u) in self.host_updates.iter().enumerate() {
+            let path = format!("host_updates[{i}]");
+            if u.after_kernel >= n {
+                return Err(Error::plan(
+                    format!("{path}.after_kernel"),
+                    format!("no kernel {} (trace has {n})", u.after_kernel),
+                ));
+            }
+            if i > 0 && u.after_kernel < self.host_updates[i - 1].after_kernel {
+                return Err(Error::plan(path, "host updates not sorted by after_kernel"));
+            }
+            if !(u.cpu_us.is_finite() && u.cpu_us >= 0.0) {
+                return Err(Error::plan(
+                    format!("{path}.cpu_us"),
+                    format!("must be finite and >= 0, got {}", u.cpu_us),
+                ));
+            }
+            for (field, list) in [("gradients", &u.gradients), ("weights", &u.weights)] {
+                if list.is_empty() {
+                    return Err(Error::plan(format!("{path}.{field}"), "must not be empty"));
+                }
+                for (j, t) in list.iter().enumerate() {
+                    let p = format!("{path}.{field}[{j}]");
+                    match seen.get_mut(t.index()) {
+                        None => return Err(Error::plan(p, format!("no tensor {t}"))),
+                        Some(s) if *s => {
+                            return Err(Error::plan(p, format!("{t} is in two host updates")));
+                        }
+                        Some(s) => *s = true,
+                    }
+                }
             }
         }
         Ok(())

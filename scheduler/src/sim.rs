@@ -22,6 +22,18 @@
 //! read, compute and write), else read, then compute, then write. It ends when all three are
 //! done. The GPU runs nothing meanwhile.
 //!
+//! Host updates ([`crate::plan::HostUpdate`]): the CPU is a resource with a queue. When an
+//! update's `after_kernel` finishes, its gradients' copies to the host start (over PCIe from
+//! GPU memory, `pcie_d2h` + `pcie_duplex` + `host_memory`; from the host tier over
+//! `host_memory`; from the SSD array over its read path), sharing bandwidth fairly with the
+//! plan's migrations; once they are done the update joins the CPU's queue and runs for its
+//! `cpu_us` when the CPU is free (one update at a time, first ready first, overlapping the
+//! GPU's kernels); then its weights' copies start (into GPU memory over `host_memory` +
+//! `pcie_h2d` + `pcie_duplex`, or into the tier copy where the plan has the weight offloaded
+//! then). A GPU kernel that accesses one of these tensors waits until its copy completed
+//! ([`SimReport::host_update_us`] is the CPU's busy time). A weight written this way while
+//! resident makes its SSD copy stale: a later clean drop of it writes.
+//!
 //! Recomputations ([`crate::plan::Recompute`]): the drop releases the tensor's memory at its
 //! boundary; before its kernel the tensor is allocated (ahead of the kernel's creations), the
 //! kernel waits for the producer's inputs like for its own tensors, and the GPU spends the
@@ -39,7 +51,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::hardware::{Hardware, Resource, Tier};
-use crate::plan::{HostKernel, Move, Plan};
+use crate::plan::{HostKernel, HostUpdate, Move, Plan};
 use crate::trace::{TensorId, Trace};
 use crate::{Error, Result};
 
@@ -165,6 +177,11 @@ pub struct SimReport {
     /// iteration time besides the kernels and the stalls).
     #[serde(default)]
     pub recompute_us: f64,
+    /// CPU time of the host updates ([`crate::plan::HostUpdate`]) started in the reported
+    /// iteration, us: it overlaps the GPU's kernels (it adds to the iteration only where a
+    /// kernel waits for a weight, counted in `stall_us`).
+    #[serde(default)]
+    pub host_update_us: f64,
     /// How many days the SSDs last at this plan's write rate
     /// ([`Hardware::drive_life_days`]); `None` when the endurance is unknown, nothing is
     /// written or the run did not complete.
@@ -207,6 +224,8 @@ struct Transfer {
     tensor: TensorId,
     /// A host kernel's SSD stream (no tensor state changes when it completes).
     stream: bool,
+    /// A copy of a host update's job (index into `Sim::jobs`; no tensor state changes).
+    job: Option<usize>,
     left: f64,
     path: [bool; Resource::COUNT],
     urgent: bool,
@@ -286,6 +305,20 @@ struct Sim<'a> {
     /// Per tensor: it died while its offload was still copying (the offload completes, then
     /// its memory and its copy go).
     died_offloading: Vec<bool>,
+    /// Per kernel: the host updates that start when it finishes.
+    updates_after: Vec<Vec<usize>>,
+    /// Per tensor: host-update copies of it not completed (a GPU kernel using it waits).
+    held: Vec<u32>,
+    /// Host updates started: (update, copies of its current stage still in flight).
+    jobs: Vec<(usize, usize)>,
+    /// Jobs whose gradients arrived, waiting for the CPU, first ready first.
+    cpu_queue: VecDeque<usize>,
+    /// The job the CPU runs and when it is done.
+    cpu_running: Option<(usize, f64)>,
+    /// CPU time of the host updates started in the measured iteration.
+    host_update_us: f64,
+    /// Per tensor: a host update wrote the GPU copy, its SSD copy is stale.
+    stale_ssd: Vec<bool>,
 }
 
 impl<'a> Sim<'a> {
@@ -372,7 +405,117 @@ impl<'a> Sim<'a> {
                 h
             },
             streams_left: 0,
+            updates_after: {
+                let mut v = vec![Vec::new(); n];
+                for (i, u) in plan.host_updates.iter().enumerate() {
+                    v[u.after_kernel].push(i);
+                }
+                v
+            },
+            held: vec![0; trace.tensors.len()],
+            jobs: Vec::new(),
+            cpu_queue: VecDeque::new(),
+            cpu_running: None,
+            host_update_us: 0.0,
+            stale_ssd: vec![false; trace.tensors.len()],
         }
+    }
+
+    /// Start host update `u` (its `after_kernel` finished): its gradients' copies to the host.
+    fn start_update(&mut self, u: usize) {
+        let job = self.jobs.len();
+        let grads = self.plan.host_updates[u].gradients.clone();
+        self.jobs.push((u, grads.len()));
+        for w in &self.plan.host_updates[u].weights {
+            self.held[w.index()] += 1;
+        }
+        for g in grads {
+            self.held[g.index()] += 1;
+            let path = match self.state[g.index()] {
+                TState::Offloaded(Tier::Host) => vec![Resource::HostMemory],
+                TState::Offloaded(Tier::Ssd) => self.hw.ssd_to_host_path(),
+                _ => vec![Resource::PcieD2h, Resource::PcieDuplex, Resource::HostMemory],
+            };
+            self.start_job_copy(job, g, &path);
+        }
+    }
+
+    fn start_job_copy(&mut self, job: usize, tensor: TensorId, path_list: &[Resource]) {
+        let mut path = [false; Resource::COUNT];
+        for r in path_list {
+            path[r.index()] = true;
+        }
+        self.transfers.push(Transfer {
+            tensor,
+            stream: false,
+            job: Some(job),
+            left: self.trace.tensor(tensor).bytes as f64,
+            path,
+            urgent: false,
+            offload: None,
+            source: Tier::Host,
+            rate: 0.0,
+        });
+        self.rates_dirty = true;
+    }
+
+    /// A copy of job `job` of `tensor` completed.
+    fn job_copy_done(&mut self, job: usize, tensor: TensorId) {
+        self.held[tensor.index()] -= 1;
+        let (u, left) = &mut self.jobs[job];
+        *left -= 1;
+        if *left > 0 {
+            return;
+        }
+        let u = *u;
+        // The gradients arrived (the update is not running yet): queue for the CPU. The
+        // weights' copies are the last stage: the job is done.
+        if self.plan.host_updates[u].gradients.contains(&tensor) {
+            self.cpu_queue.push_back(job);
+            self.start_cpu();
+        }
+    }
+
+    /// Give the CPU the next update in its queue if it is free.
+    fn start_cpu(&mut self) {
+        if self.cpu_running.is_some() {
+            return;
+        }
+        if let Some(job) = self.cpu_queue.pop_front() {
+            let us = self.plan.host_updates[self.jobs[job].0].cpu_us;
+            if self.measuring {
+                self.host_update_us += us;
+            }
+            self.cpu_running = Some((job, self.t + us));
+        }
+    }
+
+    /// The CPU finished job `job`: its weights' copies start where each weight is.
+    fn cpu_done(&mut self, job: usize) {
+        self.cpu_running = None;
+        let u: &HostUpdate = &self.plan.host_updates[self.jobs[job].0];
+        let weights = u.weights.clone();
+        self.jobs[job].1 = weights.len();
+        for w in weights {
+            let i = w.index();
+            let path = match self.state[i] {
+                TState::Offloaded(Tier::Host)
+                | TState::Offloading { dest: Tier::Host, keep: false } => {
+                    vec![Resource::HostMemory]
+                }
+                TState::Offloaded(Tier::Ssd)
+                | TState::Offloading { dest: Tier::Ssd, keep: false } => self.hw.host_to_ssd_path(),
+                _ => {
+                    // Into GPU memory: the SSD copy, if any, no longer holds the value.
+                    if self.ssd_copy[i] {
+                        self.stale_ssd[i] = true;
+                    }
+                    vec![Resource::HostMemory, Resource::PcieH2d, Resource::PcieDuplex]
+                }
+            };
+            self.start_job_copy(job, w, &path);
+        }
+        self.start_cpu();
     }
 
     fn set_used(&mut self, used: u64) {
@@ -433,6 +576,7 @@ impl<'a> Sim<'a> {
         self.transfers.push(Transfer {
             tensor,
             stream: false,
+            job: None,
             left,
             path,
             urgent,
@@ -455,6 +599,7 @@ impl<'a> Sim<'a> {
         self.transfers.push(Transfer {
             tensor: TensorId(0),
             stream: true,
+            job: None,
             left: bytes as f64,
             path,
             urgent: true,
@@ -474,7 +619,7 @@ impl<'a> Sim<'a> {
             let bytes = self.trace.tensor(ins.tensor).bytes;
             match (ins.op, self.state[ti]) {
                 // A clean drop: the SSD copy is valid, release the memory without writing.
-                (Move::Offload { dest }, TState::Resident) if ins.clean => {
+                (Move::Offload { dest }, TState::Resident) if ins.clean && !self.stale_ssd[ti] => {
                     self.state[ti] = TState::Offloaded(dest);
                     self.set_used(self.used - bytes);
                     if self.measuring {
@@ -483,6 +628,9 @@ impl<'a> Sim<'a> {
                 }
                 (Move::Offload { dest }, TState::Resident) => {
                     self.state[ti] = TState::Offloading { dest, keep: false };
+                    if dest == Tier::Ssd {
+                        self.stale_ssd[ti] = false;
+                    }
                     if dest == Tier::Host {
                         self.set_host(self.host_used + bytes);
                     } else {
@@ -599,6 +747,10 @@ impl<'a> Sim<'a> {
     fn complete(&mut self, idx: usize) {
         let tr = self.transfers.swap_remove(idx);
         self.rates_dirty = true;
+        if let Some(job) = tr.job {
+            self.job_copy_done(job, tr.tensor);
+            return;
+        }
         if tr.stream {
             self.streams_left -= 1;
             return;
@@ -653,6 +805,7 @@ impl<'a> Sim<'a> {
         self.moved = [0.0; Resource::COUNT];
         self.migrations = 0;
         self.clean_drops = 0;
+        self.host_update_us = 0.0;
         self.peak = self.used;
         self.peak_host = self.host_used;
         self.peak_ssd = self.ssd_used;
@@ -690,6 +843,7 @@ impl<'a> Sim<'a> {
             peak_ssd_bytes: self.peak_ssd,
             ssd_cap_exceeded: self.ssd_exceeded,
             recompute_us,
+            host_update_us: self.host_update_us,
             drive_life_days: if done {
                 self.hw.drive_life_days(written, iteration_time_us)
             } else {
@@ -800,7 +954,9 @@ impl<'a> Sim<'a> {
             if issued
                 && running_until.is_none()
                 && pending_creates == 0
-                && self.per_kernel[k].iter().all(|t| ready(self.state[t.index()]))
+                && self.per_kernel[k]
+                    .iter()
+                    .all(|t| ready(self.state[t.index()]) && self.held[t.index()] == 0)
             {
                 if self.measuring {
                     stall += self.t - ready_t;
@@ -850,6 +1006,12 @@ impl<'a> Sim<'a> {
                     }
                 }
             }
+            if let Some((_, end)) = self.cpu_running
+                && end - self.t < dt
+            {
+                dt = (end - self.t).max(0.0);
+                first = None;
+            }
             if !dt.is_finite() {
                 if let Some(&a) = self.queue.front() {
                     let (Alloc::Create(t) | Alloc::Prefetch(t)) = a;
@@ -869,7 +1031,9 @@ impl<'a> Sim<'a> {
                 }
                 let missing: Vec<String> = self.per_kernel[k]
                     .iter()
-                    .filter(|t| self.state[t.index()] != TState::Resident)
+                    .filter(|t| {
+                        self.state[t.index()] != TState::Resident || self.held[t.index()] > 0
+                    })
                     .map(|t| format!("{t} ({:?})", self.state[t.index()]))
                     .collect();
                 let name = &self.trace.kernels[k].name;
@@ -912,6 +1076,11 @@ impl<'a> Sim<'a> {
                 } else {
                     i += 1;
                 }
+            }
+            if let Some((job, end)) = self.cpu_running
+                && self.t >= end - 1e-9
+            {
+                self.cpu_done(job);
             }
             if let Some(end) = running_until
                 && self.t >= end - 1e-9
@@ -960,6 +1129,10 @@ impl<'a> Sim<'a> {
                         TState::Offloading { .. } => self.died_offloading[t.index()] = true,
                         _ => {}
                     }
+                }
+                for i in 0..self.updates_after[k].len() {
+                    let u = self.updates_after[k][i];
+                    self.start_update(u);
                 }
                 k += 1;
                 if k == n {

@@ -80,6 +80,7 @@ fn overlap_case(urgent_prefetch: bool) -> (Trace, Plan) {
             ins(3, 0, Move::Prefetch, false),
         ],
         host_kernels: Vec::new(),
+        host_updates: Vec::new(),
         recomputations: Vec::new(),
         stats: Default::default(),
     };
@@ -210,6 +211,7 @@ fn host_case() -> (Trace, Plan) {
             ssd_write_bytes: 2 * GB,
             pipelined: true,
         }],
+        host_updates: Vec::new(),
         recomputations: Vec::new(),
         stats: Default::default(),
     };
@@ -439,6 +441,7 @@ fn drop_of_an_unused_prefetch_is_rejected() {
             ins(3, 0, Move::Prefetch, false),
         ],
         host_kernels: Vec::new(),
+        host_updates: Vec::new(),
         recomputations: Vec::new(),
         stats: Default::default(),
     };

@@ -4,9 +4,10 @@
 use std::time::Instant;
 
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{Value, json};
+use teraio_scheduler::optimizer::{self, PlaceOptions};
 use teraio_scheduler::{
-    Hardware, ModelConfig, Plan, PlanStats, Policy, SimOptions, SimReport, Trace,
+    Hardware, ModelConfig, Plan, PlanStats, Policy, SimOptions, SimReport, TensorId, Trace,
 };
 
 use crate::{Error, Result};
@@ -374,6 +375,55 @@ pub fn compare(trace: &Trace, hw: &Hardware, policies: &[Policy]) -> Result<Vec<
         .collect()
 }
 
+/// Where each optimizer update of `trace` runs (`teraio_scheduler::optimizer::place`), as
+/// JSON: `summary` (one line), `host_weights` (names of the weights updated on the host, as
+/// the trace names them) and `host_weight_ids`, parameter counts, the simulated iteration of
+/// the choice, of all-GPU and all-host (`null` where no plan runs), the ideal and the lower
+/// bound (microseconds), every candidate simulated, and per update its weights' names, whether
+/// it is on the host, and why not where it cannot be. `candidates`: grid points (at least 2).
+pub fn place_optimizer(
+    trace: &Trace,
+    hw: &Hardware,
+    policy: Policy,
+    candidates: usize,
+) -> Result<Value> {
+    let opts = PlaceOptions { policy, candidates, ..PlaceOptions::default() };
+    let p = optimizer::place(trace, hw, &opts)?;
+    let name = |t: &TensorId| trace.tensor(*t).name.clone();
+    let updates: Vec<Value> = p
+        .updates
+        .iter()
+        .zip(&p.on_host)
+        .map(|(u, &h)| {
+            json!({
+                "weights": u.weights.iter().map(name).collect::<Vec<_>>(),
+                "params": u.params,
+                "on_host": h,
+                "eligible": u.eligible,
+                "reason": u.reason,
+                "cpu_us": u.cpu_us,
+                "gpu_us": u.gpu_us,
+            })
+        })
+        .collect();
+    Ok(json!({
+        "summary": p.summary(),
+        "host_weights": p.host_weights.iter().map(name).collect::<Vec<_>>(),
+        "host_weight_ids": p.host_weights.iter().map(|t| t.0).collect::<Vec<_>>(),
+        "host_params": p.host_params,
+        "total_params": p.total_params,
+        "host_state_bytes": p.host_state_bytes,
+        "iteration_us": p.iteration_us,
+        "all_gpu_us": p.all_gpu_us,
+        "all_host_us": p.all_host_us,
+        "ideal_us": p.ideal_us,
+        "bound_us": p.bound_us,
+        "policy": p.plan.policy,
+        "candidates": p.candidates,
+        "updates": updates,
+    }))
+}
+
 /// Policy names.
 pub fn policy_names() -> Vec<&'static str> {
     Policy::ALL.iter().map(|p| p.as_str()).collect()
@@ -411,6 +461,30 @@ mod tests {
         let all = compare(&t, &hw, &[Policy::Teraio, Policy::None]).unwrap();
         assert_eq!(all.len(), 2);
         assert_eq!(all[0].report.percent_of_ideal, r.percent_of_ideal);
+    }
+
+    #[test]
+    fn the_optimizers_placement_names_its_host_weights() {
+        let t = small();
+        let peak = trace_json(&t)["peak_resident_bytes"].as_u64().unwrap();
+        let hw = hardware(
+            "paper",
+            Some(&serde_json::json!({"gpu_memory_bytes": peak * 3 / 4, "cpu_adam_params_per_s": 1e13})),
+        )
+        .unwrap();
+        let v = place_optimizer(&t, &hw, Policy::Teraio, 3).unwrap();
+        let names = v["host_weights"].as_array().unwrap();
+        let ids = v["host_weight_ids"].as_array().unwrap();
+        assert_eq!(names.len(), ids.len());
+        assert!(!names.is_empty(), "{v}");
+        for (n, id) in names.iter().zip(ids) {
+            let id = id.as_u64().unwrap() as usize;
+            assert_eq!(n.as_str().unwrap(), t.tensors[id].name);
+        }
+        assert!(v["summary"].as_str().unwrap().starts_with("optimizer: "), "{v}");
+        let e = place_optimizer(&t, &hw, Policy::Teraio, 0).unwrap_err();
+        assert_eq!(e.status(), Status::InvalidArgument);
+        assert!(e.to_string().contains("candidates 0"), "{e}");
     }
 
     #[test]

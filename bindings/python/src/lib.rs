@@ -681,6 +681,27 @@ fn simulate(
     })
 }
 
+/// Where each optimizer update of a trace runs (host or GPU), chosen by simulated cost; the
+/// placement (JSON object, `core::sched::place_optimizer`).
+#[pyfunction]
+#[pyo3(signature = (trace, policy, hardware, overrides_json=None, candidates=6))]
+fn place_optimizer(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    policy: String,
+    hardware: String,
+    overrides_json: Option<String>,
+    candidates: usize,
+) -> PyRes<String> {
+    let t = trace.trace.clone();
+    run(py, "teraio.place_optimizer", || {
+        let h = hw(&hardware, overrides_json.as_deref())?;
+        let policy = core::sched::policy(&policy)?;
+        let v = core::sched::place_optimizer(&t, &h, policy, candidates)?;
+        Ok(v.to_string())
+    })
+}
+
 /// Plan and simulate with several policies (empty: all); a JSON array.
 #[pyfunction]
 #[pyo3(signature = (trace, policies, hardware, overrides_json=None))]
@@ -1301,6 +1322,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(select_trace_budgets, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(compare_policies, m)?)?;
+    m.add_function(wrap_pyfunction!(place_optimizer, m)?)?;
     m.add_function(wrap_pyfunction!(status_codes, m)?)?;
     m.add_function(wrap_pyfunction!(set_error_classes, m)?)?;
     m.add_function(wrap_pyfunction!(take_notices, m)?)?;

@@ -30,6 +30,11 @@ pub struct HwArgs {
     /// reports project how many days the drives last at the plan's write rate.
     #[arg(long)]
     pub ssd_tbw: Option<f64>,
+    /// Override the host CPU's optimizer throughput, parameters a second of an AdamW step
+    /// (`cpu_adam_params_per_s`: the optimizer on the host, `--optimizer-on auto`,
+    /// `zero-infinity`; `teraio bench-optim` measures this machine's).
+    #[arg(long, value_name = "PARAMS_PER_S")]
+    pub cpu_adam: Option<f64>,
 }
 
 impl HwArgs {
@@ -61,6 +66,9 @@ impl HwArgs {
         }
         if let Some(t) = self.ssd_tbw {
             hw.ssd_endurance_tbw = Some(t);
+        }
+        if let Some(c) = self.cpu_adam {
+            hw.cpu_adam_params_per_s = c;
         }
         hw.validate()?;
         Ok(hw)

@@ -30,7 +30,17 @@ Examples:
   teraio simulate preset:llama3-8b --checkpointed-trace preset:llama3-8b,activation-checkpointing \\
       --policy teraio,teraio+checkpointing,zero-infinity     # ZeRO-Infinity as DeepSpeed runs it
   teraio simulate preset:llama3-8b,dtype=tf32,selective-recompute --ssds 8 --policy teraio,teraio-hybrid
-  teraio simulate preset:llama3-70b --stalls 10                # where the plan makes the GPU wait")]
+  teraio simulate preset:llama3-70b --stalls 10                # where the plan makes the GPU wait
+  teraio simulate preset:gpt2-small,dtype=bf16,micro-batch=1 --gpu-mem-gb 0.9 --optimizer-on auto
+                                          # which parameters' optimizer updates go to the host CPU
+
+--optimizer-on auto: for each choice of which optimizer updates (one per parameter tensor of a
+generated trace) run on the host CPU instead of the GPU, from none to every one, the trace is
+planned with --policy and simulated with the host updates: gradient copied down when backward
+is done with it, the update queued on the CPU (at --cpu-adam parameters a second; one update
+at a time), the weight copied up before its next use. It prints the choice, the iteration of
+all-GPU and all-host, the lower bound, and every choice simulated (--json: all of it). The
+CPU's speed is the hardware model's `cpu_adam_params_per_s` (--cpu-adam overrides it).")]
 pub struct Args {
     /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
@@ -67,6 +77,10 @@ pub struct Args {
     /// report gets a `stalls` array.
     #[arg(long, value_name = "N")]
     pub stalls: Option<usize>,
+    /// Where the optimizer's updates run: `gpu` (the trace as it is) or `auto` (the planner
+    /// chooses per parameter between the GPU and the host CPU by simulated cost; one policy).
+    #[arg(long, default_value = "gpu", value_parser = ["gpu", "auto"])]
+    pub optimizer_on: String,
 }
 
 /// One kernel's wait, as `--stalls` lists it.
@@ -169,6 +183,9 @@ pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
     let hw = args.hw.hardware()?;
     let plan_opts = args.planner.options()?;
+    if args.optimizer_on == "auto" {
+        return place_optimizer(&args, &trace, &hw, plan_opts);
+    }
     let opts = SimOptions {
         iterations: args.iterations,
         record_timeline: args.plot.is_some() || args.stalls.is_some(),
@@ -405,6 +422,49 @@ pub fn run(args: Args) -> Result<()> {
             c.iteration_time_us() / 1e6,
             ideal_us / 1e6
         );
+    }
+    Ok(())
+}
+
+/// `--optimizer-on auto`: the placement of the optimizer's updates, and every choice simulated.
+fn place_optimizer(
+    args: &Args,
+    trace: &teraio_scheduler::Trace,
+    hw: &teraio_scheduler::Hardware,
+    plan: teraio_scheduler::PlanOptions,
+) -> Result<()> {
+    use teraio_scheduler::optimizer::{PlaceOptions, place};
+    if args.plan.is_some() || args.checkpointed_trace.is_some() || args.policy.contains(',') {
+        return Err(CliError::Usage(
+            "--optimizer-on auto plans each choice itself with one --policy (no --plan, no \
+             --checkpointed-trace, no list of policies)"
+                .into(),
+        ));
+    }
+    let policy = args.policy.parse::<Policy>()?;
+    let p = place(trace, hw, &PlaceOptions { policy, plan, ..PlaceOptions::default() })?;
+    if args.json {
+        let mut v = serde_json::to_value(&p).expect("a placement serializes");
+        if let Some(o) = v.as_object_mut() {
+            // (the GPU trace and its plan are large; the report stays)
+            o.remove("trace");
+            o.remove("plan");
+        }
+        outln!("{}", serde_json::to_string_pretty(&v).expect("JSON"));
+        return Ok(());
+    }
+    outln!("{}", p.summary());
+    outln!("{:>14} {:>12} {:>10}", "host updates", "host Gparams", "iter s");
+    for c in &p.candidates {
+        let t = c.iteration_us.map_or_else(
+            || format!("refused: {}", c.error.as_deref().unwrap_or("")),
+            |us| format!("{:.4}", us / 1e6),
+        );
+        outln!("{:>14} {:>12.3} {:>10}", c.host_updates, c.host_params as f64 / 1e9, t);
+    }
+    let not: Vec<&str> = p.updates.iter().filter_map(|u| u.reason.as_deref()).collect();
+    if !not.is_empty() {
+        outln!("{} updates stay on the GPU: {}", not.len(), not[0]);
     }
     Ok(())
 }

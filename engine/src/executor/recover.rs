@@ -76,6 +76,16 @@ pub(super) fn check_plan(trace: &Trace, plan: &Plan) -> Result<()> {
             plan.host_kernels.len()
         )));
     }
+    if !plan.host_updates.is_empty() {
+        return Err(Error::Unsupported(format!(
+            "the `{}` plan runs {} optimizer updates on the host CPU (host updates, made by \
+             the optimizer's placement); the executor runs GPU kernels only: the trainer runs \
+             those updates itself (teraio.torch's Session(optimizer_on='auto')) and hands the \
+             executor the plan without them",
+            plan.policy,
+            plan.host_updates.len()
+        )));
+    }
     Ok(())
 }
 

@@ -271,6 +271,7 @@ fn plan_walk(trace: &Trace, hw: &Hardware, paging: bool) -> Plan {
         initially_offloaded: initial,
         instructions,
         host_kernels: Vec::new(),
+        host_updates: Vec::new(),
         recomputations: Vec::new(),
         stats: PlanStats {
             peak_resident_bytes: trace.resident_memory_per_kernel().into_iter().max().unwrap_or(0),

@@ -717,6 +717,7 @@ pub(crate) fn plan_from_moves(
         initially_offloaded: initial,
         instructions: keyed.into_iter().map(|(_, i)| i).collect(),
         host_kernels,
+        host_updates: Vec::new(),
         recomputations: Vec::new(),
         stats,
     }

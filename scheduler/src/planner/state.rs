@@ -949,6 +949,7 @@ impl<'a> State<'a> {
             initially_offloaded: initial,
             instructions: keyed.into_iter().map(|(_, i)| i).collect(),
             host_kernels: Vec::new(),
+            host_updates: Vec::new(),
             recomputations,
             stats: PlanStats {
                 peak_resident_bytes: self.peak_resident,

@@ -1043,6 +1043,27 @@ def compare_policies(
     ]
 
 
+def place_optimizer(
+    trace: Trace,
+    policy: str = "auto",
+    hardware: Union[str, Dict[str, Any]] = "paper",
+    *,
+    candidates: int = 6,
+    **overrides: Any,
+) -> Dict[str, Any]:
+    """Where each optimizer update of ``trace`` runs, on the GPU (its states moved by the plan)
+    or on the host (states in host memory: gradient down, weight up, CPU time from the hardware
+    model's ``cpu_adam_params_per_s``), chosen by simulated cost (``teraio simulate
+    --optimizer-on auto``; docs/TORCH.md, "Where the optimizer runs"). ``policy`` plans each
+    candidate; ``candidates`` grid points from all-GPU to all-host are simulated (at least 2).
+    Returns a dict: ``summary`` (one line), ``host_weights`` (the trace's names of the weights
+    updated on the host) and ``host_weight_ids``, ``host_params`` / ``total_params``, the
+    simulated ``iteration_us`` of the choice, ``all_gpu_us`` and ``all_host_us`` (None where no
+    plan runs), ``ideal_us``, ``bound_us``, ``candidates`` and per update its ``weights``,
+    ``on_host``, ``eligible`` and ``reason``."""
+    text = _teraio.place_optimizer(trace._native, policy, _hw(hardware), _overrides(overrides), int(candidates))
+    return json.loads(text)
+
 
 # -- the host optimizer
 
@@ -1164,6 +1185,7 @@ __all__ = [
     "Selection",
     "simulate",
     "compare_policies",
+    "place_optimizer",
     "adamw_step",
     "sgd_step",
     "optimizer_info",

@@ -316,6 +316,14 @@ def compare_policies(
     hardware: Hardware = ...,
     **overrides: Any,
 ) -> List[PolicyResult]: ...
+def place_optimizer(
+    trace: Trace,
+    policy: str = ...,
+    hardware: Hardware = ...,
+    *,
+    candidates: int = ...,
+    **overrides: Any,
+) -> Dict[str, Any]: ...
 def adamw_step(
     param: Any,
     grad: Any,

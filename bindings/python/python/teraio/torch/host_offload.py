@@ -22,6 +22,14 @@ rounded (docs/TORCH.md, "Host optimizer"). Supported: ``torch.optim.AdamW``, ``A
 ``SGD`` (and teraio's ``HostAdamW``/``HostAdam``/``HostSGD``) over float32 parameters, dense
 gradients, without ``capturable`` or ``differentiable``.
 
+A subset (``offload_optimizer(opt, params=[...])``, what ``Session(optimizer_on="auto")`` makes
+from the planner's choice): only those parameters update on the host; the others stay with the
+optimizer's own step (its class's ``step`` over the same groups with those parameters alone, on
+the GPU, with their states where PyTorch keeps them). Both halves read the same ``param_groups``,
+so schedulers and per-group settings reach both, and ``state_dict()`` holds every parameter's
+state (host tensors for the host ones). A parameter that leaves the host subset gets its states
+back beside it.
+
 The pipeline per step: every gradient's copy to the host is queued on the current stream at
 once; the host then updates parameter after parameter as its gradient arrives, queuing each
 parameter's copy back right after its update, so copies in both directions overlap the host's
@@ -35,7 +43,7 @@ import types
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -87,28 +95,98 @@ def _pinned(like: torch.Tensor) -> torch.Tensor:
 class HostOffload:
     """The raw step (over the optimizer's current ``param_groups``) that runs on the host; made
     by :func:`offload_optimizer`, called by the optimizer's ``step`` (and by
-    :func:`teraio.torch.make_plannable` per chunk)."""
+    :func:`teraio.torch.make_plannable` per chunk). ``params``: the parameters updated on the
+    host (None: all); the others are stepped by the optimizer's own class ``step``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, threads: Optional[int] = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: Optional[int] = None,
+                 params: Optional[Iterable[torch.Tensor]] = None) -> None:
         self.kind = _kind(optimizer)
         self.threads = _check_threads(threads)
+        self.hosts: dict[int, _Host] = {}
+        self.update_in_backward = False
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._optimizer = weakref.ref(optimizer)
+        cls_step = type(optimizer).step
+        # the optimizer's own step for the parameters that stay (as make_plannable calls it)
+        self._own_step: Callable[..., Any] = getattr(cls_step, "__wrapped__", cls_step)
+        # ids of the parameters updated on the host (None: every parameter)
+        self.on_host: Optional[set[int]] = None
+        self._hooks: list[Any] = []
+        self.set_params(params)
+
+    def set_params(self, params: Optional[Iterable[torch.Tensor]]) -> None:
+        """Update these parameters on the host from now on (None: all of the optimizer's), the
+        others with the optimizer's own step; a parameter leaving the host gets its states back
+        on its device."""
+        optimizer = self._optimizer()
+        mine = [p for g in optimizer.param_groups for p in g["params"]]
+        if params is None:
+            chosen = mine
+        else:
+            chosen = list(params)
+            known = {id(p) for p in mine}
+            for p in chosen:
+                if id(p) not in known:
+                    raise ValueError(f"offload_optimizer(params=...): a tensor of shape {tuple(p.shape)} is not "
+                                     "a parameter of this optimizer")
+        ids = {id(p) for p in chosen}
         for group in optimizer.param_groups:
+            if not any(id(p) in ids for p in group["params"]):
+                continue
             for opt in ("capturable", "differentiable"):
                 if group.get(opt):
                     raise ValueError(f"optimizer_on='host': the optimizer's {opt}=True cannot step on the "
                                      f"host; make it with {opt}=False")
             for p in group["params"]:
-                if p.dtype != torch.float32:
+                if id(p) in ids and p.dtype != torch.float32:
                     raise TypeError(
                         f"optimizer_on='host' steps float32 parameters; a parameter of shape "
                         f"{tuple(p.shape)} is {p.dtype}: keep optimizer_on='gpu' for this model")
-        self.hosts: dict[int, _Host] = {}
-        self.update_in_backward = False
-        self._worker: Optional[ThreadPoolExecutor] = None
-        self._optimizer = weakref.ref(optimizer)
+        for h in self._hooks:
+            h.remove()
+        # parameters leaving the host: their states back beside them, their host side dropped
+        for p in mine:
+            if id(p) in ids or id(p) not in self.hosts:
+                continue
+            h = self.hosts.pop(id(p))
+            if h.sent is not None:
+                h.sent.synchronize()
+            state = optimizer.state.get(p)
+            for k, v in list((state or {}).items()):
+                if isinstance(v, torch.Tensor) and k != "step" and v.device != p.device:
+                    state[k] = v.to(p.device)
+        self.on_host = None if params is None else ids
         # every gradient starts down as soon as backward has accumulated it
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
-                       for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+                       for p in chosen if p.requires_grad]
+
+    def _here(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is updated on the host."""
+        return self.on_host is None or id(p) in self.on_host
+
+    def _step_the_others(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's own step over the parameters not on the host (the same groups with
+        those parameters alone)."""
+        groups = optimizer.param_groups
+        subs = []
+        for g in groups:
+            ps = [p for p in g["params"] if not self._here(p)]
+            if ps:
+                sub = dict(g)
+                sub["params"] = ps
+                subs.append((g, sub))
+        if not subs:
+            return
+        optimizer.param_groups = [sub for _, sub in subs]
+        try:
+            self._own_step(optimizer)
+        finally:
+            optimizer.param_groups = groups
+        # hyperparameters an optimizer writes back into its group (none of torch's do)
+        for g, sub in subs:
+            for k, v in sub.items():
+                if k != "params":
+                    g[k] = v
 
     def remove(self) -> None:
         """Remove the backward hooks (the optimizer keeps stepping on the host, copying each
@@ -179,7 +257,13 @@ class HostOffload:
 
     @torch.no_grad()
     def __call__(self, optimizer: torch.optim.Optimizer) -> None:
-        todo = [(g, p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.on_host is not None:
+            # those not on the host first: their kernels are queued on the GPU while the host
+            # works on its share
+            with torch.enable_grad():
+                self._step_the_others(optimizer)
+        todo = [(g, p) for g in optimizer.param_groups for p in g["params"]
+                if p.grad is not None and self._here(p)]
         if not todo:
             return
         cuda = todo[0][1].is_cuda
@@ -277,7 +361,8 @@ class HostOffload:
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, threads: Optional[int] = None, *,
-                      update_in_backward: Optional[bool] = None) -> torch.optim.Optimizer:
+                      update_in_backward: Optional[bool] = None,
+                      params: Optional[Iterable[torch.Tensor]] = None) -> torch.optim.Optimizer:
     """Make ``optimizer.step()`` update on the host (see the module). Returns the same object;
     its step hooks still run once per step. ``threads``: at most this many threads per tensor
     (None: every core).
@@ -290,16 +375,28 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, threads: Optional[int] =
     do not change gradients in between (no clipping, no accumulation): ``step()`` raises if a
     gradient changed, a second backward before ``step()`` raises.
 
+    ``params``: only these parameters update on the host (None: all of them); the others keep
+    the optimizer's own step, over the same groups (see the module).
+
     Calling it again on the same optimizer changes ``threads`` and, when given,
-    ``update_in_backward``."""
+    ``update_in_backward`` and ``params``.
+
+    On an optimizer :func:`teraio.torch.make_plannable` already chunks, the chunked step stays
+    and calls the host step per chunk."""
     raw = getattr(optimizer, "_teraio_raw_step", None)
     if isinstance(raw, HostOffload):
         raw.threads = _check_threads(threads)
         if update_in_backward is not None:
             raw.update_in_backward = bool(update_in_backward)
+        if params is not None:
+            raw.set_params(params)
         return optimizer
-    host = HostOffload(optimizer, threads)
+    host = HostOffload(optimizer, threads, params)
     host.update_in_backward = bool(update_in_backward)
+    if getattr(optimizer, "_teraio_chunked", None) is not None:
+        # (make_plannable's step calls _teraio_raw_step per chunk)
+        optimizer._teraio_raw_step = host  # type: ignore[attr-defined]
+        return optimizer
 
     def step(self: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None

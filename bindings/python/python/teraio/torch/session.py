@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_of
 from .fsdp import claim as claim_fsdp
+from .fsdp import named_parameters
 from .host_offload import offload_optimizer
 from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, make_plannable, working_sets
 from .planned import Diverged, PlanEntry, PlannedRun, Results, keep_last
@@ -228,6 +229,19 @@ class Session:
     (:func:`offload_optimizer`): each step moves the gradient down and the parameter up, 8 bytes a
     parameter, and never the states; the host's memory bandwidth sets the update's time. The
     optimizer object, its groups, schedulers, clipping and ``state_dict()`` work as before.
+    ``"auto"`` (a model on a GPU, with a ``gpu_budget_bytes``): the first profiled step's trace
+    and the hardware model decide, per update of the step (a parameter, or a chunk of
+    ``optimizer_chunk_bytes``), where it runs (``teraio.place_optimizer``: each choice planned and
+    simulated, the CPU a resource the host updates queue on); the chosen parameters go to the
+    host as with ``"host"`` (:func:`offload_optimizer` with ``params=``), the others stay with the
+    optimizer's own step, and the next step is profiled again with the updates where they now
+    run. The step's log line says the choice and the model's times (all-GPU, all-host). Where
+    "auto" cannot choose it leaves every update on the GPU and says why once: a model on the CPU
+    (the optimizer already runs there), no budget (no plan to weigh), an optimizer or parameters
+    the host step does not take (not AdamW/Adam/SGD, not float32, ``capturable``).
+    ``placer`` (tests, or a rule of one's own): ``f(trace_dict, gpu_budget_bytes,
+    host_budget_bytes)`` returning the placement dict (``teraio.place_optimizer``'s) that "auto"
+    applies (default: ``teraio.place_optimizer`` with ``policy`` and ``hardware``).
     ``plan_margin`` (default 0): plans are made for this fraction less than the executor's
     budget. On a GPU the host runs ahead of the device, so the executor sees an offload's memory
     freed later than the plan's timing does; the margin is the slack that keeps the host from
@@ -268,6 +282,7 @@ class Session:
         hardware: Any = None,
         optimizer_chunk_bytes: int | None = None,
         optimizer_on: str = "gpu",
+        placer: Callable[[dict, int, int], dict] | None = None,
         profile_steps: int = 1,
         warmup_steps: int = 0,
         report_every: int = 1,
@@ -313,11 +328,20 @@ class Session:
         self.allocator_allowance = allocator_allowance
 
         self.model = model
-        if optimizer_on not in ("gpu", "host"):
+        if optimizer_on not in ("gpu", "host", "auto"):
             raise ValueError(f"optimizer_on must be 'gpu' (the step runs where the parameters are; the plan "
-                             f"moves the optimizer's states) or 'host' (the states stay in host memory and the "
-                             f"step runs there), got {optimizer_on!r}")
+                             f"moves the optimizer's states), 'host' (the states stay in host memory and the "
+                             f"step runs there) or 'auto' (the planner chooses per parameter), got {optimizer_on!r}")
         self.optimizer_on = optimizer_on
+        self.placer = placer
+        # optimizer_on="auto": the placement chosen (teraio.place_optimizer's dict), once made;
+        # and why "auto" leaves every update on the GPU, when it cannot choose
+        self.placement: dict[str, Any] | None = None
+        self._auto_off: str | None = None
+        if optimizer_on == "auto":
+            self._auto_off = _auto_unavailable(optimizer, device, gpu_budget_bytes)
+            if self._auto_off is not None:
+                log(f"teraio: optimizer_on='auto': every optimizer update stays on the GPU ({self._auto_off})")
         if optimizer_on == "host":
             first = next((p for g in optimizer.param_groups for p in g["params"]), None)
             where = torch.device(device) if device is not None else (first.device if first is not None else None)
@@ -533,7 +557,8 @@ class Session:
             if mode.fallback:
                 rec["planned_failed"] = mode.fallback
                 rec["paging"] = f"its plan cannot run here: {mode.fallback}"
-        if rec["mode"] == "planned" and ((self.plans.get(mode.key) or {}).get("selection") or {}).get("choice") == "paging":
+        chosen = self.plans.get(mode.key)
+        if rec["mode"] == "planned" and chosen is not None and (chosen.selection or {}).get("choice") == "paging":
             rec["paging"] = "the pager's schedule as a plan: no other plan runs in the budget"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -863,6 +888,11 @@ class Session:
             return
         _median_durations(trace, times)
         del self._profiled_times[key]
+        if self.optimizer_on == "auto" and self.placement is None and self._auto_off is None \
+                and self._place_optimizer(trace, rec):
+            # the next steps run another optimizer step (the host's share gone from the GPU):
+            # profiled again, then planned
+            return
         rec["trace_peak_bytes"] = peak_bytes(trace)
         entry = PlanEntry(trace=trace, signatures=sigs, plan=None,
                           created=self.profiler.created_ids, created_at=self.profiler.created_positions,
@@ -932,6 +962,36 @@ class Session:
             rec["plan"] += f", the pager's schedule as a plan: {sel_info['why']}"
             self.log(f"teraio: no plan of policy {self.policy!r} runs in the budget; the steps run the pager's "
                      f"schedule as a plan ({sel_info['why']})")
+
+    def _place_optimizer(self, trace: dict[str, Any], rec: dict[str, Any]) -> bool:
+        """optimizer_on="auto": choose where each update runs from ``trace`` and apply it (the
+        chosen parameters' updates to the host); whether any moved. ``rec`` (the step's record)
+        says the choice (``"optimizer"``)."""
+        import teraio
+
+        if self.placer is not None:
+            placement = self.placer(trace, self.planning_budget, self.host_budget)
+        else:
+            hw = self._plan_hardware(rec)
+            over: dict[str, Any] = {"gpu_memory_bytes": self.planning_budget,
+                                    "host_memory_cap_bytes": self.host_budget}
+            capacity = getattr(self.store, "capacity_bytes", None)
+            if isinstance(capacity, int) and capacity > 0:
+                over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
+            try:
+                placement = teraio.place_optimizer(teraio.Trace.from_dict(trace), self.policy, hw, **over)
+            except teraio.TeraioError as e:
+                placement = {"summary": f"optimizer: every update stays on the GPU (no placement: {e})",
+                             "host_weights": []}
+        self.placement = placement
+        by_name = {f"param:{n}": p for n, p in named_parameters(self.model)}
+        params = [by_name[w] for w in placement.get("host_weights", []) if w in by_name]
+        rec["optimizer"] = placement["summary"]
+        if not params:
+            return False
+        offload_optimizer(self.optimizer, params=params)
+        rec["optimizer"] += "; the next step is profiled again with the updates where they run now"
+        return True
 
     def _plan_hardware(self, rec: dict[str, Any]) -> Any:
         """The hardware model plans are made for: as given, or this machine's (measured, or read
@@ -1004,6 +1064,8 @@ class Session:
             s += f", held back {rec['ahead_wait_s']:.3f} s"
         if "plan" in rec:
             s += f", plan {rec['plan']}"
+        if rec.get("optimizer"):
+            s += f", {rec['optimizer']}"
         if rec.get("hardware"):
             s += f", hardware model: {rec['hardware']}"
         if rec.get("top_stalls"):
@@ -1128,6 +1190,26 @@ def _allocator_counts(device: torch.device) -> dict[str, int]:
     """The CUDA caching allocator's counters that cost the trainer time."""
     st = torch.cuda.memory_stats(device)
     return {k: int(st.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+def _auto_unavailable(optimizer: torch.optim.Optimizer, device: Any, budget: int | None) -> str | None:
+    """Why ``optimizer_on="auto"`` cannot move any update to the host (None: it can choose)."""
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    where = torch.device(device) if device is not None else (first.device if first is not None else None)
+    if where is None or where.type != "cuda":
+        return f"the model is on {where}: its optimizer already runs on the host"
+    if budget is None:
+        return "no gpu_budget_bytes: nothing is planned, so there is no cost to weigh"
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)):
+        return f"the host step takes AdamW, Adam and SGD, not {type(optimizer).__name__}"
+    for g in optimizer.param_groups:
+        for opt in ("capturable", "differentiable"):
+            if g.get(opt):
+                return f"the optimizer's {opt}=True cannot step on the host"
+        for p in g["params"]:
+            if p.dtype != torch.float32:
+                return f"the host step takes float32 parameters, a parameter is {p.dtype}"
+    return None
 
 
 def _state_count(optimizer: Any) -> int:
