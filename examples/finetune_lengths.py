@@ -80,9 +80,10 @@ def main() -> int:
     ap.add_argument("--size", choices=["200m", "1b"], default="200m",
                     help="the model: 200m (hidden 1024, 12 layers) or 1b (TinyLlama-1.1B's shape: hidden 2048, "
                          "22 layers, 32/4 heads)")
-    ap.add_argument("--optimizer-on", choices=["gpu", "host"], default="gpu",
-                    help="teraio mode: where AdamW steps (Session(optimizer_on=...)); ideal mode: host "
-                         "offloads the optimizer without a Session (teraio.torch.offload_optimizer)")
+    ap.add_argument("--optimizer-on", choices=["gpu", "host", "auto"], default="gpu",
+                    help="teraio mode: where AdamW steps (Session(optimizer_on=...); auto: the planner "
+                         "chooses per parameter); ideal mode: host offloads the optimizer without a "
+                         "Session (teraio.torch.offload_optimizer)")
     ap.add_argument("--update-in-backward", action="store_true",
                     help="with --optimizer-on host: each parameter's update runs on the host during backward "
                          "(offload_optimizer(update_in_backward=True))")
@@ -106,6 +107,8 @@ def main() -> int:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.optimizer_on == "auto" and (args.mode != "teraio" or args.update_in_backward):
+        ap.error("--optimizer-on auto is the Session's choice: it needs --mode teraio and no --update-in-backward")
     if args.mode == "zero-offload" and (args.optimizer_on != "gpu" or args.update_in_backward):
         ap.error("--mode zero-offload puts the optimizer on the CPU itself (DeepSpeed's CPUAdam): "
                  "leave out --optimizer-on and --update-in-backward")
@@ -144,9 +147,14 @@ def main() -> int:
         tt.offload_optimizer(opt)
     autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     steps = []
+    cuda = args.device.startswith("cuda")
+    # the peak of GPU memory over the run (each step's own: its record's peak_bytes)
+    run_peak = torch.cuda.max_memory_allocated() if cuda else 0
     t_all = time.perf_counter()
     for i, n in enumerate(order):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, n), generator=g).to(args.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         ctx = session.step() if session is not None else _null()
         if ds is not None:
@@ -161,9 +169,13 @@ def main() -> int:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         lv = loss.item()
-        if args.device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
         rec = {"step": i, "len": n, "loss": lv, "time_s": time.perf_counter() - t0}
+        if cuda:
+            # this step's peak (the run's stays torch's max_memory_allocated: see the end)
+            rec["peak_bytes"] = torch.cuda.max_memory_allocated()
+            run_peak = max(run_peak, rec["peak_bytes"])
         if session is not None:
             r = session.steps[-1]
             rec["mode"] = r["mode"]
@@ -192,7 +204,7 @@ def main() -> int:
     else:
         out["mean_step_s"] = statistics.mean(s["time_s"] for s in steps[3:]) if len(steps) > 3 else None
     if args.device.startswith("cuda"):
-        out["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        out["max_memory_allocated"] = max(torch.cuda.max_memory_allocated(), run_peak)
     if len(steps) > 3:
         out["median_step_s"] = statistics.median(s["time_s"] for s in steps[3:])
     text = json.dumps(out)

@@ -850,6 +850,9 @@ impl Executor {
 
     /// Check that the caller is at kernel `k` of the plan (starting an iteration at 0).
     fn at_kernel(&mut self, k: usize) -> Result<()> {
+        if self.phase == Phase::Running && self.safe.is_none() && k >= self.next_kernel {
+            self.end_left_out_kernels(self.next_kernel)?;
+        }
         match self.phase {
             Phase::Setup => {
                 Err(Error::InvalidArgument("call start() before the first kernel".into()))
@@ -1549,7 +1552,8 @@ impl Executor {
     /// Kernel `k` ran: the tensors whose last use it was die (their memory goes back to the
     /// allocator). `k` is the kernel `before_kernel`/`kernel_ready` last said could run, once:
     /// a kernel outside the trace, one that was not readied, or one already ended is
-    /// [`Error::InvalidArgument`] (in safe mode only the range is checked).
+    /// [`Error::InvalidArgument`] (in safe mode only the range is checked). A caller may leave
+    /// it out: the kernel then ends when the next one is readied or the iteration ends.
     pub fn after_kernel(&mut self, k: usize) -> Result<()> {
         let n = self.deaths.len();
         if k >= n {
@@ -1573,6 +1577,12 @@ impl Executor {
                 "after_kernel({k}) out of order: expected {expected}"
             )));
         }
+        self.kernel_ended(k)
+    }
+
+    /// Kernel `k` ran (checked by the caller): its writes make the store's copies stale, the
+    /// tensors whose last use it was die.
+    fn kernel_ended(&mut self, k: usize) -> Result<()> {
         self.after_next = k + 1;
         for &t in &self.accesses[k] {
             if self.trace.tensors[t].writes_at(k) {
@@ -1582,6 +1592,16 @@ impl Executor {
         for i in 0..self.deaths[k].len() {
             let t = self.deaths[k][i];
             self.release(t)?;
+        }
+        Ok(())
+    }
+
+    /// The kernels readied before `upto` whose `after_kernel` the caller left out ran (the
+    /// caller is past them: at a later kernel, or at the iteration's end): they end now, so
+    /// that what died in them is released before their tensors are made again.
+    fn end_left_out_kernels(&mut self, upto: usize) -> Result<()> {
+        for j in self.after_next..upto.min(self.next_kernel) {
+            self.kernel_ended(j)?;
         }
         Ok(())
     }
@@ -1644,6 +1664,9 @@ impl Executor {
         }
         if let Some(l) = &self.failed {
             return Err(l.error());
+        }
+        if self.safe.is_none() {
+            self.end_left_out_kernels(self.next_kernel)?;
         }
         if self.safe.is_none() && self.may_skip_to(n) {
             self.catch_up(n)?;

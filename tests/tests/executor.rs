@@ -1211,3 +1211,71 @@ fn the_pagers_schedule_as_a_plan_runs_within_the_budget() {
     let last = seen.reports.last().unwrap();
     assert!(last.offloads > 0 && last.peak_bytes <= budget);
 }
+
+/// An iteration ended early (a trainer that gave up on it) diverges; the iterations after it
+/// run in safe mode, and a tensor the early one made and the next makes again is accounted
+/// once (the C ABI fuzzer found the budget counting it twice).
+#[test]
+fn an_iteration_ended_early_then_whole_ones_keep_the_accounting() {
+    let (trace, p, budget) = squeezed();
+    let n = trace.kernels.len();
+    for early in 0..3.min(n) {
+        let rig = rig(256 << 20);
+        let mut ex = tier_executor(&rig, &trace, &p, budget, true);
+        for t in trace.tensors.iter().filter(|t| t.global) {
+            ex.attach(t.id, rig.mem.alloc(t.bytes).unwrap()).unwrap();
+        }
+        ex.start().unwrap();
+        for k in 0..=early {
+            ex.before_kernel(k).unwrap();
+            if k < early {
+                ex.after_kernel(k).unwrap();
+            }
+        }
+        assert!(ex.end_iteration().is_err(), "ended after {early} of {n} kernels");
+        for _ in 0..2 {
+            for k in 0..n {
+                ex.before_kernel(k).unwrap();
+                ex.after_kernel(k).unwrap();
+            }
+            let r = ex.end_iteration().unwrap();
+            assert!(r.diverged.is_some());
+            assert!(ex.used_bytes() <= budget.max(trace.tensors.iter().map(|t| t.bytes).sum()));
+        }
+        ex.finish().unwrap();
+    }
+}
+
+/// A trainer that leaves out `after_kernel` for some kernels: each ends when the next is
+/// readied or the iteration ends, so what died in it is released and made again next time
+/// without the budget counting it twice, iteration after iteration (the C ABI fuzzer found a
+/// tensor created by the last kernel, never ended, accounted twice in the next iteration).
+#[test]
+fn kernels_whose_after_kernel_is_left_out_end_at_the_next_kernel_or_the_iterations_end() {
+    let (trace, p, budget) = squeezed();
+    let n = trace.kernels.len();
+    for pattern in [0b0u64, !0, 0b1010_1010, 1 << (n - 1), 0b11] {
+        let rig = rig(256 << 20);
+        let mut ex = tier_executor(&rig, &trace, &p, budget, true);
+        for t in trace.tensors.iter().filter(|t| t.global) {
+            ex.attach(t.id, rig.mem.alloc(t.bytes).unwrap()).unwrap();
+        }
+        ex.start().unwrap();
+        for _ in 0..3 {
+            for k in 0..n {
+                ex.before_kernel(k).unwrap();
+                if pattern & (1 << (k % 64)) == 0 {
+                    ex.after_kernel(k).unwrap();
+                }
+            }
+            let r = ex.end_iteration().unwrap();
+            assert!(r.diverged.is_none(), "pattern {pattern:b}: {:?}", r.diverged);
+            assert!(
+                ex.used_bytes() <= budget,
+                "pattern {pattern:b}: {} > {budget}",
+                ex.used_bytes()
+            );
+        }
+        ex.finish().unwrap();
+    }
+}

@@ -637,7 +637,8 @@ teraio_status teraio_executor_before_kernel(teraio_executor *executor, size_t k,
 // Kernel `k` ran: tensors whose last use it was die (their memory is released). `k` is the
 // kernel `teraio_executor_before_kernel` (or `_kernel_ready`) last said could run, once: a
 // kernel outside the trace, one not readied, or one already ended is
-// `TERAIO_ERR_INVALID_ARGUMENT` naming the kernel expected.
+// `TERAIO_ERR_INVALID_ARGUMENT` naming the kernel expected. Left out, the kernel ends when the
+// next one is readied or the iteration ends.
 teraio_status teraio_executor_after_kernel(teraio_executor *executor, size_t k);
 
 // The caller's allocator ran out of memory running kernel `k` within the budget (its blocks

@@ -409,7 +409,8 @@ pub unsafe extern "C" fn teraio_executor_before_kernel(
 /// Kernel `k` ran: tensors whose last use it was die (their memory is released). `k` is the
 /// kernel `teraio_executor_before_kernel` (or `_kernel_ready`) last said could run, once: a
 /// kernel outside the trace, one not readied, or one already ended is
-/// `TERAIO_ERR_INVALID_ARGUMENT` naming the kernel expected.
+/// `TERAIO_ERR_INVALID_ARGUMENT` naming the kernel expected. Left out, the kernel ends when the
+/// next one is readied or the iteration ends.
 #[unsafe(no_mangle)]
 pub extern "C" fn teraio_executor_after_kernel(
     executor: *mut teraio_executor,

@@ -1,5 +1,5 @@
 //! A seeded random fuzzer over the C ABI's argument space, in-process through the `extern "C"`
-//! functions: every one of the 60 exported functions, called in random order with live, stale
+//! functions: every one of the 61 exported functions, called in random order with live, stale
 //! (closed, freed), wrong-kind, NULL and made-up handles; NULL, valid and misaligned pointers;
 //! lengths from 0 to `SIZE_MAX`; valid and mangled configurations, traces, plans, hardware and
 //! policy names. The contract it checks: every call returns a known status and never
@@ -398,7 +398,7 @@ impl Fuzz {
 
     fn step(&mut self) {
         let mut slot = [0u8; 64];
-        match self.rng.below(60) {
+        match self.rng.below(62) {
             0 => {
                 self.begin("open_toml/json".into());
                 let (cfg, json) = self.config();
@@ -760,6 +760,7 @@ impl Fuzz {
             42..=43 => self.executor_new(&mut slot),
             44..=47 => self.executor_episode(),
             48..=49 => self.optim_call(),
+            60..=61 => self.select_call(&mut slot),
             _ => self.executor_call(&mut slot),
         }
         // Misc. static functions now and then.
@@ -795,6 +796,50 @@ impl Fuzz {
             // SAFETY: as above.
             let s = unsafe { teraio_notices_dropped(count) };
             self.end("notices_dropped", s);
+        }
+    }
+
+    /// `teraio_select`: a trace handle, a hardware model, options valid and mangled (unknown
+    /// keys, wrong types, budgets from 0 up), two out-parameters (each NULL, misaligned or
+    /// valid).
+    fn select_call(&mut self, slot: &mut [u8; 64]) {
+        let t = self.handle(&self.traces.clone());
+        let hw = self.hardware();
+        let options = self.string(&[
+            "{}",
+            "{\"policy\": \"teraio\"}",
+            "{\"policy\": \"auto\", \"gpu_budget_bytes\": 1}",
+            "{\"gpu_budget_bytes\": 18446744073709551615}",
+            "{\"allowance\": {\"kind\": \"fixed\", \"keep_fraction\": 0.85}, \"traffic_margin\": 0.03}",
+            "{\"allowance\": {\"kind\": \"measured\", \"bytes\": 4096}, \"paging_fallback\": true}",
+            "{\"allowance\": {\"kind\": \"other\"}}",
+            "{\"plan_margin\": -1, \"recompute\": false}",
+            "{\"wear_tolerance\": \"high\"}",
+            "{\"no_such_key\": 1}",
+            "[1, 2]",
+            "{",
+        ]);
+        self.begin(format!("select {t:p} {hw:?} {options:?}"));
+        let mut slot2 = [0u8; 64];
+        let out_plan: *mut *mut c_char = self.out(slot);
+        let out_sel: *mut *mut c_char = self.out(&mut slot2);
+        // SAFETY: NULL or valid strings; outs NULL or valid for a (possibly misaligned) write.
+        let s = unsafe { teraio_select(t, opt(&hw), opt(&options), out_plan, out_sel) };
+        self.end("select", s);
+        if s == TERAIO_OK {
+            // SAFETY: both written on success; strings teraio returned.
+            let (p, q) = unsafe { (out_plan.read_unaligned(), out_sel.read_unaligned()) };
+            if p.is_null() || q.is_null() {
+                self.fail("select OK with a NULL plan or selection");
+            }
+            // SAFETY: as above.
+            let text = unsafe { CStr::from_ptr(p) }.to_owned();
+            self.plans.push((text, t));
+            if self.plans.len() > 16 {
+                self.plans.remove(0);
+            }
+            self.strings.push(p);
+            self.strings.push(q);
         }
     }
 

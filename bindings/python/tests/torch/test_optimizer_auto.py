@@ -23,6 +23,7 @@ from teraio.torch.host_offload import HostOffload
 from models import batches as gpt_batches
 from models import make, train_step
 from test_host_offload import HOST, TORCH, assert_same, batches, hyper, model_for, train
+from teraio.torch.session import _TestHooks as Hooks
 from test_session import MemStore
 
 
@@ -197,14 +198,14 @@ def _profiled_trace():
     """A profiled step of the tiny GPT (chunked foreach AdamW) and the model."""
     model, opt = make()
     budget = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=budget, page_min_bytes=0,
                    log=lambda _: None)
     for t in gpt_batches(2):
         with s.step():
             train_step(model, opt, t)
     (entry,) = s.plans.values()
     s.close()
-    return entry["trace"], model, budget
+    return entry.trace, model, budget
 
 
 def test_the_planner_places_the_updates_of_a_profiled_pytorch_step():
@@ -238,7 +239,7 @@ def test_auto_on_a_cpu_model_leaves_the_optimizer_and_says_why():
     want = [train_step(ref_model, ref_opt, t) for t in data]
     model, opt = make()
     lines = []
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=1 << 30, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 30, page_min_bytes=0,
                    optimizer_on="auto", log=lines.append)
     got = []
     for t in data:
@@ -250,7 +251,7 @@ def test_auto_on_a_cpu_model_leaves_the_optimizer_and_says_why():
                for x in lines), lines
     assert getattr(opt, "_teraio_raw_step", None) is None
     with pytest.raises(ValueError, match="'auto'.*got 'somewhere'"):
-        tt.Session(model, opt, optimizer_on="somewhere", planner=lambda *a: None)
+        tt.Session(model, opt, optimizer_on="somewhere", _hooks=Hooks(planner=lambda *a: None))
 
 
 def test_auto_hands_the_chosen_parameters_to_the_host_and_logs_the_choice():
@@ -269,7 +270,7 @@ def test_auto_hands_the_chosen_parameters_to_the_host_and_logs_the_choice():
         real = teraio.place_optimizer(teraio.Trace.from_dict(tr), "teraio", hw, candidates=2)
         return {**real, "host_weights": chosen, "summary": "optimizer: 2 of 41 parameters on the host"}
 
-    s = tt.Session(model, opt, store=MemStore(), gpu_budget_bytes=budget, page_min_bytes=0,
+    s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=budget, page_min_bytes=0,
                    optimizer_on="auto", placer=placer, log=lambda _: None)
     rec = {"step": 1, "mode": "paged", "time_s": 0.1, "stall_s": 0.0, "bytes_moved": 0}
     assert s._place_optimizer(trace, rec)
