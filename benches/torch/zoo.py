@@ -212,8 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in every "
                          "run (a GPU's losses otherwise vary between processes in the last bits)")
     ap.add_argument("--engine-dir", default=None,
-                    help="teraio's engine files and DeepSpeed's NVMe swap go in a folder per run under it, "
-                         "removed after the run (default: a temporary folder)")
+                    help="teraio's engine files and DeepSpeed's NVMe swap go in a folder per method under it "
+                         "(zoo-METHOD), removed after each run (default: a temporary folder)")
     ap.add_argument("--host-gib", type=float, default=None,
                     help="teraio's host tier in GiB (default: 32 on a GPU, 0 on the CPU; 0: SSD only)")
     ap.add_argument("--engine-files", type=_positive(1), default=4, help="teraio: engine files (default 4)")
@@ -275,7 +275,7 @@ def drive(args: argparse.Namespace) -> list[dict]:
     methods = ["ideal"] + [m for m in args.methods if m != "ideal"]
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     own_engine_dir = args.engine_dir is None
-    engine_root = args.engine_dir or tempfile.mkdtemp(prefix="teraio-zoo-")
+    engine_root = os.path.abspath(args.engine_dir) if args.engine_dir else tempfile.mkdtemp(prefix="teraio-zoo-")
     meta = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device, "device_name": torch.cuda.get_device_name(torch.device(device)) if cuda else "CPU",
@@ -357,7 +357,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
     rid = _run_id(spec)
     # one folder per method, emptied after each run: teraio's cached hardware model is keyed by
     # the engine's files, so one measurement serves every teraio run of the grid
-    run_dir = os.path.join(engine_root, spec["method"])
+    run_dir = os.path.join(engine_root, "zoo-" + spec["method"])
     result = os.path.join(args.out, "logs", rid + ".json")
     log = os.path.join(args.out, "logs", rid + ".log")
     tiny = spec["size"] == "tiny"
