@@ -17,6 +17,8 @@
 //! - [`optimizer::place`]: which parameters' optimizer updates run on the host CPU instead
 //!   of the GPU, by simulated cost.
 //! - [`advise`]: the fewest SSDs / least host memory that reach a target % of ideal.
+//! - [`fsdp`]: FSDP2 over N ranks, one SSD array each: one rank's iteration under teraio
+//!   against the ideal and FSDP2's `CPUOffloadPolicy`.
 //!
 //! ```
 //! use teraio_scheduler::{Hardware, ModelConfig, Policy, SimOptions, generate, plan, simulate};
@@ -37,6 +39,7 @@ pub mod advise;
 pub mod analysis;
 pub mod bound;
 mod error;
+pub mod fsdp;
 pub mod hardware;
 pub mod model;
 pub mod optimizer;
@@ -49,7 +52,7 @@ pub mod trace;
 pub use bound::{Bound, BoundWindow, lower_bound, lower_bound_for, lower_bound_windows};
 pub use error::{Error, Result};
 pub use hardware::{Hardware, Resource, Tier};
-pub use model::{Dtype, Gpu, ModelConfig, generate};
+pub use model::{Dtype, FsdpCpuOffload, Gpu, ModelConfig, generate};
 pub use plan::{
     HostKernel, HostUpdate, InitialPlacement, Instruction, Move, Plan, PlanStats, Recompute,
 };

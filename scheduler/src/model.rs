@@ -16,11 +16,47 @@
 //! tensors but runs matmuls on TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32 =
 //! True`, Hugging Face `--tf32`); `bf16` keeps bf16 weights and gradients plus fp32 master
 //! weights and moments (16 B/param) and runs on tensor cores.
+//!
+//! # FSDP2
+//! With [`ModelConfig::fsdp_ranks`] = N the trace is one rank's of FSDP2 data parallelism
+//! (`fully_shard` on every transformer layer and on the root), each rank on its own
+//! micro-batches (the same compute as without FSDP):
+//! - its **shards**: every weight, gradient and AdamW moment `ceil(elements / N)` elements, in
+//!   fp32 (FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` keeps the
+//!   sharded parameter in fp32 and gathers it in bf16, so a bf16 trace has no master copy).
+//!   The weights are read by the all-gathers and written by the optimizer; the gradient shard
+//!   is made by the first micro-batch's reduce-scatter and accumulated by the others';
+//! - FSDP's **gathered parameters** (`mbM.NAME.w.unsharded`, `.fwd`, `.bwd`): the root's
+//!   (embedding, final norm, head) all-gathered at the start of each micro-batch and kept
+//!   until its backward is done (FSDP2 does not reshard the root after forward); each layer's
+//!   all-gathered before its forward and again before its backward, while the layer before
+//!   (in that pass's order) computes, and freed after its last kernel of the pass. Every kernel
+//!   of their lifetime accesses them, so no plan offloads them (FSDP owns them: teraio.torch
+//!   leaves them alone), and an activation whose operator reads one has no producer (FSDP may
+//!   have freed it where a recomputation would run);
+//! - each micro-batch's **unsharded gradients** (`mbM.NAME.grad.unsharded`), written by the
+//!   layer's backward and reduce-scattered into the shards right after it;
+//! - the **collectives**, kernels `mbM.root.all_gather`, `mbM.LL.all_gather.fwd|.bwd`,
+//!   `mbM.LL.reduce_scatter`, `mbM.root.reduce_scatter` ([`is_fsdp_collective`]). A ring moves
+//!   `(N - 1) / N` of the whole tensors (parameters in their dtype, gradients in fp32) at the
+//!   link's rate ([`ModelConfig::link_bytes_per_s`]); the compute kernels running meanwhile
+//!   hide that time (a layer's forward hides the next layer's all-gather; a layer's backward
+//!   the next backward all-gather and the reduce-scatter of the layer after it), and the
+//!   kernel's duration is what is left (0 with one rank). The root's all-gather and
+//!   reduce-scatter have nothing to hide behind. [`ModelConfig::fsdp_no_overlap`]: nothing
+//!   hides them.
+//!
+//! With one rank the trace is the unsharded one (same kernels and times, same tensor sizes in
+//! fp32) plus the gathered copies, the unsharded gradients and collectives of no time.
+//! [`ModelConfig::fsdp_cpu_offload`] makes FSDP2's `CPUOffloadPolicy` instead: no shard or
+//! state in the trace, their copies in the collectives' time, the optimizer on the CPU.
 
 use serde::{Deserialize, Serialize};
 
 use crate::trace::{Kernel, Tensor, TensorId, TensorKind, Trace};
 use crate::{Error, Result};
+
+mod fsdp;
 
 /// Element type of weights and activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,7 +146,11 @@ impl Gpu {
         }
     }
 
-    /// GPU-to-GPU bandwidth used for tensor/pipeline-parallel communication, bytes/s.
+    /// GPU-to-GPU bandwidth a collective reaches, bytes/s per direction (NCCL's bus
+    /// bandwidth), used for tensor/pipeline-parallel and FSDP communication: 350 GB/s on the
+    /// Hopper GPUs, about 78% of NVLink 4's 450 GB/s per direction (an assumed NCCL efficiency,
+    /// not measured here; an H100 NVL has NVLink only to its bridge partner, so 8 of them talk
+    /// over PCIe: set [`ModelConfig::link_bytes_per_s`]), 250 GB/s on the A100 (NVLink 3, 300).
     pub fn link_bytes_per_s(self) -> f64 {
         match self {
             Gpu::A100 => 250e9,
@@ -200,7 +240,48 @@ pub struct ModelConfig {
     /// the loop.
     #[serde(default)]
     pub optimizer_in_forward: bool,
+    /// FSDP2 data parallelism (`fully_shard` on every transformer layer and on the root) over
+    /// this many ranks, each with its own micro-batches: the trace is one rank's (see "FSDP2"
+    /// in the module documentation). `None`: no FSDP (every parameter whole on this GPU).
+    #[serde(default)]
+    pub fsdp_ranks: Option<u32>,
+    /// Bandwidth of the GPU-to-GPU link collectives run over, bytes/s per direction, as NCCL's
+    /// bus bandwidth (tensor-parallel all-reduces, pipeline sends, FSDP's all-gathers and
+    /// reduce-scatters). `None`: [`Gpu::link_bytes_per_s`].
+    #[serde(default)]
+    pub link_bytes_per_s: Option<f64>,
+    /// With [`ModelConfig::fsdp_ranks`]: FSDP's all-gathers and reduce-scatters overlap no
+    /// compute, every microsecond on the link delays the GPU (how teraio.torch runs FSDP2 on a
+    /// GPU today: it waits for each collective FSDP issues; docs/TORCH.md, "FSDP2").
+    #[serde(default)]
+    pub fsdp_no_overlap: bool,
+    /// With [`ModelConfig::fsdp_ranks`]: FSDP2's `CPUOffloadPolicy` (see "FSDP2" in the module
+    /// documentation). `None`: the shards live in GPU memory (for teraio to move).
+    #[serde(default)]
+    pub fsdp_cpu_offload: Option<FsdpCpuOffload>,
 }
+
+/// FSDP2's `CPUOffloadPolicy` in a generated trace ([`ModelConfig::fsdp_cpu_offload`]): the
+/// rank's parameter shards, gradient shards and optimizer states live in host memory, so the
+/// GPU's trace has none of them. Each all-gather first copies its shards up (fp32, at
+/// `h2d_bytes_per_s`) and each reduce-scatter then copies its gradient shards down (at
+/// `d2h_bytes_per_s`), in the collective's own stream: the copies add to its time on the link,
+/// which the compute around it hides as far as it can. The optimizer step runs on the CPU after
+/// backward, the GPU waiting (`optimizer.step()` on the CPU tensors): one kernel per parameter,
+/// `NAME.cpu_adamw`, of the shard's parameters over `cpu_adam_params_per_s`, accessing nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FsdpCpuOffload {
+    /// Host-to-GPU copy rate of the shards, bytes/s (pinned memory).
+    pub h2d_bytes_per_s: f64,
+    /// GPU-to-host copy rate of the gradient shards, bytes/s.
+    pub d2h_bytes_per_s: f64,
+    /// AdamW parameters the CPU steps a second.
+    pub cpu_adam_params_per_s: f64,
+}
+
+/// The most FSDP ranks [`ModelConfig::validate`] takes (a bound on the input; FSDP2 runs larger
+/// jobs as HSDP, sharded within a node and replicated across, which is not modelled).
+pub const FSDP_RANKS_MAX: u32 = 1024;
 
 impl ModelConfig {
     fn llama_like(name: &str, layers: u32, hidden: u64, heads: u32, kv: u32, ffn: u64) -> Self {
@@ -227,6 +308,10 @@ impl ModelConfig {
             selective_recompute: false,
             optimizer_in_backward: false,
             optimizer_in_forward: false,
+            fsdp_ranks: None,
+            link_bytes_per_s: None,
+            fsdp_no_overlap: false,
+            fsdp_cpu_offload: None,
         }
     }
 
@@ -254,6 +339,10 @@ impl ModelConfig {
             selective_recompute: false,
             optimizer_in_backward: false,
             optimizer_in_forward: false,
+            fsdp_ranks: None,
+            link_bytes_per_s: None,
+            fsdp_no_overlap: false,
+            fsdp_cpu_offload: None,
         }
     }
 
@@ -316,9 +405,10 @@ impl ModelConfig {
 
     /// Set one field by its command-line name (`teraio trace gen --help`): `layers`,
     /// `hidden`, `heads`, `kv-heads`, `ffn`, `vocab`, `seq`, `micro-batch`, `micro-batches`,
-    /// `dtype`, `tp`, `pp`, `stage`, `gpu`, `iteration-s`, `checkpoint-layers`, and the flags
-    /// `activation-checkpointing` (every layer), `selective-recompute`,
-    /// `optimizer-in-backward` and `optimizer-in-forward` (take no value).
+    /// `dtype`, `tp`, `pp`, `stage`, `gpu`, `iteration-s`, `checkpoint-layers`, `fsdp-ranks`,
+    /// `link-gbps` (GB/s, 10^9 bytes a second), and the flags `activation-checkpointing` (every
+    /// layer), `selective-recompute`, `optimizer-in-backward`, `optimizer-in-forward` and
+    /// `fsdp-no-overlap` (take no value).
     pub fn set(&mut self, key: &str, value: Option<&str>) -> Result<()> {
         let bad = |m: String| Error::InvalidArgument(m);
         let flag = matches!(
@@ -327,6 +417,7 @@ impl ModelConfig {
                 | "selective-recompute"
                 | "optimizer-in-backward"
                 | "optimizer-in-forward"
+                | "fsdp-no-overlap"
         );
         if flag {
             if value.is_some() {
@@ -341,7 +432,8 @@ impl ModelConfig {
                 "activation-checkpointing" => self.checkpointed_layers = self.layers,
                 "selective-recompute" => self.selective_recompute = true,
                 "optimizer-in-backward" => self.optimizer_in_backward = true,
-                _ => self.optimizer_in_forward = true,
+                "optimizer-in-forward" => self.optimizer_in_forward = true,
+                _ => self.fsdp_no_overlap = true,
             }
             return Ok(());
         }
@@ -366,12 +458,15 @@ impl ModelConfig {
             "gpu" => self.gpu = Gpu::parse(v)?,
             "iteration-s" => self.target_iteration_us = Some(num::<f64>(key, v)? * 1e6),
             "checkpoint-layers" => self.checkpointed_layers = num(key, v)?,
+            "fsdp-ranks" => self.fsdp_ranks = Some(num(key, v)?),
+            "link-gbps" => self.link_bytes_per_s = Some(num::<f64>(key, v)? * 1e9),
             _ => {
                 return Err(bad(format!(
                     "unknown model option {key:?} (known: layers, hidden, heads, kv-heads, ffn, \
                      vocab, seq, micro-batch, micro-batches, dtype, tp, pp, stage, gpu, \
-                     iteration-s, checkpoint-layers, activation-checkpointing, \
-                     selective-recompute, optimizer-in-backward, optimizer-in-forward)"
+                     iteration-s, checkpoint-layers, fsdp-ranks, link-gbps, \
+                     activation-checkpointing, selective-recompute, optimizer-in-backward, \
+                     optimizer-in-forward, fsdp-no-overlap)"
                 )));
             }
         }
@@ -411,6 +506,66 @@ impl ModelConfig {
                  either during backward or before the next forward"
                     .into(),
             );
+        }
+        if let Some(l) = self.link_bytes_per_s
+            && !(l.is_finite() && l > 0.0)
+        {
+            return bad(format!("link-gbps {}: must be a number of GB/s > 0", l / 1e9));
+        }
+        if let Some(c) = &self.fsdp_cpu_offload {
+            if self.fsdp_ranks.is_none() {
+                return bad("fsdp_cpu_offload without fsdp-ranks: no shards to offload".into());
+            }
+            for (name, v) in [
+                ("h2d_bytes_per_s", c.h2d_bytes_per_s),
+                ("d2h_bytes_per_s", c.d2h_bytes_per_s),
+                ("cpu_adam_params_per_s", c.cpu_adam_params_per_s),
+            ] {
+                if !(v.is_finite() && v > 0.0) {
+                    return bad(format!("fsdp_cpu_offload.{name} {v}: must be > 0"));
+                }
+            }
+        }
+        match self.fsdp_ranks {
+            None if self.fsdp_no_overlap => {
+                return bad("fsdp-no-overlap without fsdp-ranks: no FSDP collectives to \
+                            overlap (give fsdp-ranks=N)"
+                    .into());
+            }
+            None => {}
+            Some(0) => {
+                return bad("fsdp-ranks 0: at least 1 rank (leave fsdp-ranks out for a trace \
+                            without FSDP)"
+                    .into());
+            }
+            Some(n) if n > FSDP_RANKS_MAX => {
+                return bad(format!(
+                    "fsdp-ranks {n}: at most {FSDP_RANKS_MAX} (larger jobs shard within a node \
+                     and replicate across nodes, HSDP, which is not modelled)"
+                ));
+            }
+            Some(n) if u64::from(n) > self.hidden => {
+                return bad(format!(
+                    "fsdp-ranks {n}: more ranks than a norm weight has elements (hidden {}), \
+                     some ranks would hold empty shards",
+                    self.hidden
+                ));
+            }
+            Some(n) if self.tensor_parallel != 1 || self.pipeline_parallel != 1 => {
+                return bad(format!(
+                    "fsdp-ranks {n} with tp {} and pp {}: FSDP combined with tensor or pipeline \
+                     parallelism is not modelled (tp and pp must be 1)",
+                    self.tensor_parallel, self.pipeline_parallel
+                ));
+            }
+            Some(n) if self.optimizer_in_backward || self.optimizer_in_forward => {
+                let which = if self.optimizer_in_backward { "backward" } else { "forward" };
+                return bad(format!(
+                    "fsdp-ranks {n} with optimizer-in-{which}: not modelled (the FSDP trace \
+                     steps the shards after the backward pass)"
+                ));
+            }
+            Some(_) => {}
         }
         if !self.hidden.is_multiple_of(u64::from(self.heads)) {
             return bad(format!("hidden {} not divisible by heads {}", self.hidden, self.heads));
@@ -476,11 +631,25 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Parameters held by this GPU (its tensor/pipeline shard).
+    /// Parameters of this GPU's tensor/pipeline shard of the model (with FSDP, before FSDP
+    /// shards them: each rank holds about `1 / fsdp_ranks` of these, and gathers them whole
+    /// unit by unit).
     pub fn parameters_per_gpu(&self) -> u64 {
         self.layer_weights().iter().map(|w| w.1).sum::<u64>()
             * u64::from(self.layers / self.pipeline_parallel)
             + self.embedding_params()
+    }
+
+    /// The GPU-to-GPU link's bandwidth, bytes/s per direction: [`ModelConfig::link_bytes_per_s`]
+    /// or, unset, the GPU's ([`Gpu::link_bytes_per_s`]).
+    pub fn link_bytes_per_s(&self) -> f64 {
+        self.link_bytes_per_s.unwrap_or_else(|| self.gpu.link_bytes_per_s())
+    }
+
+    /// Tokens one GPU (one rank) trains on per iteration: `seq_len x micro_batch x
+    /// micro_batches`.
+    pub fn tokens_per_iteration(&self) -> u64 {
+        self.seq_len.saturating_mul(self.micro_batch).saturating_mul(u64::from(self.micro_batches))
     }
 
     fn tp(&self) -> u64 {
@@ -533,10 +702,15 @@ impl ModelConfig {
 
 /// Parameter tensors (and their gradient and optimizer-state companions).
 struct Param {
+    /// The weight (under FSDP: this rank's shard).
     weight: TensorId,
+    /// Its gradient (under FSDP: this rank's shard, made by the reduce-scatters).
     grad: TensorId,
     states: Vec<TensorId>,
+    /// Elements of the whole parameter.
     elements: u64,
+    /// Elements the optimizer steps on this GPU (under FSDP: the shard's).
+    step_elements: u64,
 }
 
 struct Builder {
@@ -549,6 +723,8 @@ struct Builder {
     attn_fwd: f64,
     attn_bwd: f64,
     hbm: f64,
+    /// FSDP2's shards, gathered parameters and collectives ([`ModelConfig::fsdp_ranks`]).
+    fsdp: Option<fsdp::Fsdp>,
 }
 
 const LAUNCH_US: f64 = 4.0;
@@ -675,7 +851,7 @@ impl Builder {
     fn comm_us(&self, bytes: u64) -> f64 {
         // Ring all-reduce over `tp` GPUs moves 2 (tp-1)/tp of the data each way.
         let tp = self.cfg.tp() as f64;
-        2.0 * (tp - 1.0) / tp * bytes as f64 / self.cfg.gpu.link_bytes_per_s() * 1e6
+        2.0 * (tp - 1.0) / tp * bytes as f64 / self.cfg.link_bytes_per_s() * 1e6
     }
 
     fn finish(mut self) -> Trace {
@@ -706,6 +882,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         attn_fwd,
         attn_bwd,
         hbm: cfg.gpu.hbm_bytes_per_s() * MEMORY_EFFICIENCY,
+        fsdp: fsdp::Fsdp::new(cfg),
     };
     let tokens = cfg.seq_len * cfg.micro_batch;
     let h = cfg.hidden;
@@ -718,15 +895,23 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
     let vocab_p = cfg.vocab.div_ceil(tp);
 
     // Parameters, gradients (created at first backward use, die after the optimizer step)
-    // and AdamW states (global).
+    // and AdamW states (global). Under FSDP, the rank's shards: fp32 (FSDP2's
+    // MixedPrecisionPolicy keeps the sharded parameter in fp32 and gathers it in bf16, so no
+    // master copy), the gradient shard fp32 (reduce_dtype).
+    // (FSDP2 pads the last shard: every rank holds `ceil(elements / ranks)`.)
+    let fsdp_on = cfg.fsdp_ranks.is_some();
+    let ranks = cfg.fsdp_ranks.map_or(1, u64::from);
+    let shard = |elements: u64| elements.div_ceil(ranks);
+    let shard_e = if fsdp_on { 4 } else { e };
     let new_param = |b: &mut Builder, name: String, elements: u64| -> usize {
-        let weight = b.tensor(format!("{name}.w"), elements * e, TensorKind::Weight, true);
-        let grad = b.tensor(format!("{name}.grad"), elements * e, TensorKind::Gradient, false);
+        let here = shard(elements);
+        let weight = b.tensor(format!("{name}.w"), here * shard_e, TensorKind::Weight, true);
+        let grad = b.tensor(format!("{name}.grad"), here * shard_e, TensorKind::Gradient, false);
         let mut states = vec![
-            b.tensor(format!("{name}.adam_m"), elements * 4, TensorKind::OptimizerState, true),
-            b.tensor(format!("{name}.adam_v"), elements * 4, TensorKind::OptimizerState, true),
+            b.tensor(format!("{name}.adam_m"), here * 4, TensorKind::OptimizerState, true),
+            b.tensor(format!("{name}.adam_v"), here * 4, TensorKind::OptimizerState, true),
         ];
-        if cfg.dtype == Dtype::Bf16 {
+        if cfg.dtype == Dtype::Bf16 && !fsdp_on {
             states.push(b.tensor(
                 format!("{name}.master"),
                 elements * 4,
@@ -734,7 +919,7 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
                 true,
             ));
         }
-        b.params.push(Param { weight, grad, states, elements });
+        b.params.push(Param { weight, grad, states, elements, step_elements: here });
         b.params.len() - 1
     };
     let emb = first_stage.then(|| new_param(&mut b, "embed".into(), vocab_p * h));
@@ -759,12 +944,36 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
     } else {
         (None, None)
     };
-    let w = |b: &Builder, p: usize| b.params[p].weight;
-    let g = |b: &Builder, p: usize| b.params[p].grad;
+    // (Under FSDP: what compute kernels read and backward kernels write, see `fsdp`.)
+    let w = |b: &Builder, p: usize| b.weight(p);
+    let g = |b: &Builder, p: usize| b.grad(p);
+    // FSDP's root unit: the parameters outside the layers.
+    let mut root: Vec<usize> = Vec::new();
+    for p in [emb, norm_f, head].into_iter().flatten() {
+        if !root.contains(&p) {
+            root.push(p);
+        }
+    }
+    if let Some(f) = b.fsdp.as_mut() {
+        f.sized(b.params.len());
+    }
+    let gather = |b: &mut Builder, mb: u32, l: usize, phase: &str| {
+        let layer = first_layer + l as u32;
+        let kernel = format!("mb{mb}.L{layer}.all_gather.{phase}");
+        b.fsdp_all_gather(mb, kernel, Some(layer), &layer_params[l], &format!(".{phase}"))
+    };
 
     let act_bytes = |width: u64| tokens * width * e;
     for mb in 0..cfg.micro_batches {
         // ---------------- forward ----------------
+        // FSDP: the root's parameters stay gathered the whole micro-batch (FSDP2 does not
+        // reshard the root after forward); each layer's are gathered while the layer before
+        // computes (prefetch) and freed after its forward.
+        let root_gathered =
+            b.fsdp_all_gather(mb, format!("mb{mb}.root.all_gather"), None, &root, "");
+        b.fsdp_use(&root_gathered);
+        let mut next = if layer_params.is_empty() { None } else { gather(&mut b, mb, 0, "fwd") };
+        let since = b.trace.kernels.len();
         let mut x = b.act(format!("mb{mb}.x{first_layer}"), act_bytes(h));
         if let Some(p) = emb {
             let we = w(&b, p);
@@ -772,14 +981,31 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         } else {
             b.kernel(format!("mb{mb}.recv_act"), None, 0.0, &[x], Some(b.comm_us(act_bytes(h))));
         }
+        b.fsdp_hide_gather(&next, since);
         let mut saved = Vec::new();
         for (l, ps) in layer_params.iter().enumerate() {
             let layer = first_layer + l as u32;
+            let gathered = next.take();
+            if l + 1 < layer_params.len() {
+                next = gather(&mut b, mb, l + 1, "fwd");
+            }
+            b.fsdp_use(&gathered);
+            let since = b.trace.kernels.len();
             let xn = b.act(format!("mb{mb}.x{}", layer + 1), act_bytes(h));
             saved.push(forward_layer(&mut b, &format!("mb{mb}.L{layer}."), layer, ps, x, xn));
+            b.fsdp_release(&gathered);
+            b.fsdp_hide_gather(&next, since);
             x = xn;
         }
         // ---------------- head / loss ----------------
+        // FSDP: the last layer's parameters are gathered again for its backward while the
+        // head runs; the root's gradients of this micro-batch are made unsharded.
+        let mut next = match layer_params.len() {
+            0 => None,
+            n => gather(&mut b, mb, n - 1, "bwd"),
+        };
+        b.fsdp_unsharded_grads(mb, &root);
+        let since = b.trace.kernels.len();
         let mut dx;
         if let (Some(nfp), Some(hp)) = (norm_f, head) {
             let t = tokens as f64;
@@ -828,9 +1054,21 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
                 Some(b.comm_us(act_bytes(h))),
             );
         }
+        b.fsdp_hide_gather(&next, since);
         // ---------------- backward ----------------
+        // FSDP: each layer's backward (and recomputation) reads its parameters gathered again
+        // and writes unsharded gradients, reduce-scattered into the rank's gradient shards
+        // right after it, while the next layer's backward computes.
+        let mut scattered = None;
         for (l, ps) in layer_params.iter().enumerate().rev() {
             let layer = first_layer + l as u32;
+            let gathered = next.take();
+            if l > 0 {
+                next = gather(&mut b, mb, l - 1, "bwd");
+            }
+            b.fsdp_use(&gathered);
+            b.fsdp_unsharded_grads(mb, ps);
+            let since = b.trace.kernels.len();
             let recomputed;
             let checkpointed = (l as u32) < cfg.checkpointed_layers;
             let selective = cfg.selective_recompute && !checkpointed;
@@ -914,29 +1152,56 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
                 None,
             );
             dx = dxl;
+            b.fsdp_release(&gathered);
+            b.fsdp_hide_gather(&next, since);
+            b.fsdp_hide_scatter(&scattered, since);
+            let kernel = format!("mb{mb}.L{layer}.reduce_scatter");
+            scattered = b.fsdp_reduce_scatter(kernel, Some(layer), ps);
         }
+        let since = b.trace.kernels.len();
         if let Some(p) = emb {
             let ge = g(&b, p);
             b.kernel_writing(format!("mb{mb}.embed.bwd"), None, 0.0, &[dx, ge], &[ge], None);
         } else {
             b.kernel(format!("mb{mb}.send_grad"), None, 0.0, &[dx], Some(b.comm_us(act_bytes(h))));
         }
+        b.fsdp_hide_scatter(&scattered, since);
+        // FSDP: the root's gradients are reduce-scattered last, with nothing left to hide it.
+        b.fsdp_release(&root_gathered);
+        b.fsdp_reduce_scatter(format!("mb{mb}.root.reduce_scatter"), None, &root);
     }
     // ---------------- optimizer ----------------
+    let cpu_offload = b.fsdp.as_ref().and_then(fsdp::Fsdp::cpu_offload);
     for pi in 0..b.params.len() {
         let p = &b.params[pi];
+        if let Some(c) = cpu_offload {
+            // FSDP2's CPU offload: the step on the CPU, the GPU waiting; the states in host
+            // memory (not in the trace).
+            let cpu_us = p.step_elements as f64 / c.cpu_adam_params_per_s * 1e6;
+            let name = b.trace.tensors[p.weight.index()].name.trim_end_matches(".w").to_string();
+            let k = b.kernel(format!("{name}.cpu_adamw"), layer_of(&name), 0.0, &[], Some(0.0));
+            b.trace.kernels[k].duration_us = cpu_us;
+            continue;
+        }
         let mut uses = vec![p.weight, p.grad];
         uses.extend(p.states.iter().copied());
         // AdamW reads the gradient and updates the parameter and every state in place.
         let mut modifies = vec![p.weight];
         modifies.extend(p.states.iter().copied());
-        let flops = 12.0 * p.elements as f64;
+        let flops = 12.0 * p.step_elements as f64;
         let name = b.trace.tensors[p.weight.index()].name.trim_end_matches(".w").to_string();
         let layer = layer_of(&name);
         b.kernel_writing(format!("{name}.adamw"), layer, flops, &uses, &modifies, None);
     }
     let (in_backward, in_forward) = (cfg.optimizer_in_backward, cfg.optimizer_in_forward);
+    let mut fsdp = b.fsdp.take();
+    if let Some(f) = fsdp.as_mut() {
+        f.drop_unaccessed(&mut b.trace);
+    }
     let mut trace = b.finish();
+    if let Some(f) = &fsdp {
+        f.set_durations(&mut trace);
+    }
     if in_backward {
         step_in_backward(&mut trace);
     }
@@ -947,6 +1212,9 @@ pub fn generate(cfg: &ModelConfig) -> Result<Trace> {
         trace.scale_to_iteration_time(target)?;
     }
     mark_producers(&mut trace);
+    if let Some(f) = &fsdp {
+        f.keep_gathered(&mut trace);
+    }
     trace.validate()?;
     Ok(trace)
 }
@@ -1016,7 +1284,7 @@ fn forward_layer(
     let heads_p = u64::from(cfg.heads) / tp;
     let lo = Some(layer);
     let nm = |s: &str| format!("{pre}{s}");
-    let w = |b: &Builder, i: usize| b.params[ps[i]].weight;
+    let w = |b: &Builder, i: usize| b.weight(ps[i]);
     let t = tokens as f64;
     let n1 = b.act(nm("n1"), act_bytes(h));
     let wn1 = w(b, 0);
@@ -1118,6 +1386,17 @@ fn step_in_forward(trace: &mut Trace) {
 /// Whether `k` is an optimizer step of a generated trace (the AdamW kernels, `NAME.adamw`).
 pub fn is_optimizer_step(k: &Kernel) -> bool {
     k.name.ends_with(".adamw")
+}
+
+/// Whether `k` is one of FSDP's collectives in a generated trace ([`ModelConfig::fsdp_ranks`]:
+/// `NAME.all_gather[.fwd|.bwd]`, `NAME.reduce_scatter`). Its duration is the time of its link
+/// transfer that the compute around it does not hide.
+pub fn is_fsdp_collective(k: &Kernel) -> bool {
+    let n = &k.name;
+    n.ends_with(".reduce_scatter")
+        || n.ends_with(".all_gather")
+        || n.ends_with(".all_gather.fwd")
+        || n.ends_with(".all_gather.bwd")
 }
 
 /// Whether a generated trace runs some optimizer step before its last backward kernel

@@ -7,6 +7,7 @@ pub mod bench_gpu;
 pub mod bench_optim;
 pub mod bench_tensors;
 pub mod engine_args;
+pub mod fsdp;
 pub mod gpu_check;
 pub mod hw;
 pub mod hw_args;

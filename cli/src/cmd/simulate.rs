@@ -33,6 +33,9 @@ Examples:
   teraio simulate preset:llama3-70b --stalls 10                # where the plan makes the GPU wait
   teraio simulate preset:gpt2-small,dtype=bf16,micro-batch=1 --gpu-mem-gb 0.9 --optimizer-on auto
                                           # which parameters' optimizer updates go to the host CPU
+  teraio simulate preset:llama3-8b,fsdp-ranks=8 --gpu-mem-gb 40   # one rank of FSDP2 over 8 GPUs
+  teraio simulate preset:llama3-8b,dtype=bf16,gpu=h100-sxm --fsdp-ranks 1,2,4,8 --gpu-mem-gb 40
+                                          # N ranks, one SSD array each, against CPU offload
 
 --optimizer-on auto: for each choice of which optimizer updates (one per parameter tensor of a
 generated trace) run on the host CPU instead of the GPU, from none to every one, the trace is
@@ -40,7 +43,16 @@ planned with --policy and simulated with the host updates: gradient copied down 
 is done with it, the update queued on the CPU (at --cpu-adam parameters a second; one update
 at a time), the weight copied up before its next use. It prints the choice, the iteration of
 all-GPU and all-host, the lower bound, and every choice simulated (--json: all of it). The
-CPU's speed is the hardware model's `cpu_adam_params_per_s` (--cpu-adam overrides it).")]
+CPU's speed is the hardware model's `cpu_adam_params_per_s` (--cpu-adam overrides it).
+
+--fsdp-ranks 1,2,4,8: the trace must be a `preset:` model without fsdp-ranks=; for each N it
+is generated as one rank of FSDP2 over N ranks and run five ways on this hardware model, which
+is one rank's (GPU cap, SSD array, host tier, CPU share): ideal (unlimited memory; `peak GB`
+says whether plain FSDP2 fits the cap), teraio (--policy, optimizer on the GPU), teraio with
+the optimizer placed (--optimizer-on auto), teraio waiting for each collective (how
+teraio.torch runs FSDP2 on a GPU today) and FSDP2's CPUOffloadPolicy (shards in host memory,
+the optimizer step on the CPU, activations on the GPU). Simulator figures, not measurements;
+the model and what it leaves out: docs/FSDP.md.")]
 pub struct Args {
     /// Trace file, or `preset:NAME[,KEY=VALUE...]` (e.g. `preset:llama3-8b,dtype=tf32`).
     pub trace: String,
@@ -81,6 +93,14 @@ pub struct Args {
     /// chooses per parameter between the GPU and the host CPU by simulated cost; one policy).
     #[arg(long, default_value = "gpu", value_parser = ["gpu", "auto"])]
     pub optimizer_on: String,
+    /// FSDP2 over each of these rank counts (e.g. `1,2,4,8`), each rank with its own GPU cap,
+    /// SSD array and host tier (this hardware model): one rank's trace of the `preset:` model
+    /// (sharded parameters, gradients and optimizer states; FSDP's gathered parameters kept;
+    /// all-gathers and reduce-scatters at `link-gbps=`) under the ideal, teraio (--policy),
+    /// teraio with the optimizer placed, teraio waiting for each collective, and FSDP2's
+    /// CPUOffloadPolicy; per rank and the whole job's tokens/s (docs/FSDP.md).
+    #[arg(long, value_name = "N,N,...", conflicts_with_all = ["plan", "checkpointed_trace", "plot", "stalls"])]
+    pub fsdp_ranks: Option<String>,
 }
 
 /// One kernel's wait, as `--stalls` lists it.
@@ -180,6 +200,9 @@ fn print_table(rows: &[Row], refused: &[Refused]) {
 
 /// Run `teraio simulate`.
 pub fn run(args: Args) -> Result<()> {
+    if let Some(ranks) = &args.fsdp_ranks {
+        return crate::cmd::fsdp::sweep(&args, ranks);
+    }
     let trace = crate::cmd::trace::load(&args.trace)?;
     let hw = args.hw.hardware()?;
     let plan_opts = args.planner.options()?;

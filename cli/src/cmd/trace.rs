@@ -90,6 +90,29 @@ pub struct GenArgs {
     /// the step at the end, clipping by the global gradient norm included.
     #[arg(long)]
     pub optimizer_in_forward: bool,
+    /// FSDP2 (`fully_shard` on every layer and the root) over N ranks, each with its own
+    /// micro-batches: the trace is one rank's. Its parameters, gradients and optimizer states
+    /// are 1/N shards (fp32, padded as FSDP2 pads them); each layer's parameters are
+    /// all-gathered whole before its forward and again before its backward (while the layer
+    /// before computes) and freed after, the root's for the whole micro-batch: tensors
+    /// `mbM.NAME.w.unsharded[.fwd|.bwd]` that every kernel in between accesses, so no plan
+    /// moves them (FSDP owns them); each layer's unsharded gradients are reduce-scattered into
+    /// the shards after its backward. Kernels `*.all_gather*` and `*.reduce_scatter` take the
+    /// time on the link (--link-gbps) that the compute around them does not hide; 0 with one
+    /// rank. Not with --tp/--pp or the optimizer in forward/backward (docs/FSDP.md).
+    #[arg(long, value_name = "N")]
+    pub fsdp_ranks: Option<u32>,
+    /// GPU-to-GPU bandwidth of the collectives, GB/s per direction as NCCL's bus bandwidth
+    /// (FSDP's all-gathers and reduce-scatters, tensor-parallel all-reduces, pipeline sends).
+    /// Default: the GPU's, 350 for H100/H200 (NVLink 4), 250 for A100 (assumed, not measured);
+    /// give less where the GPUs talk over PCIe (8 H100 NVL cards have NVLink only between
+    /// bridged pairs): PCIe Gen5 moves at most about 50 a direction.
+    #[arg(long, value_name = "GBPS")]
+    pub link_gbps: Option<f64>,
+    /// With --fsdp-ranks: the collectives overlap no compute (every microsecond on the link
+    /// delays the GPU), as teraio.torch runs FSDP2 on a GPU today (it waits for each one).
+    #[arg(long, requires = "fsdp_ranks")]
+    pub fsdp_no_overlap: bool,
     /// Leave out which accesses write (`writes`), as traces made before that field did:
     /// every access then counts as a write and no plan can drop a clean copy. For comparisons.
     #[arg(long)]
@@ -103,7 +126,7 @@ pub struct GenArgs {
 /// `ModelConfig::set` under its long name, the same path as the keys of a `preset:` spec.
 pub fn config(a: &GenArgs) -> Result<ModelConfig> {
     let mut c = ModelConfig::preset(&a.model)?;
-    let values: [(&str, Option<String>); 16] = [
+    let values: [(&str, Option<String>); 18] = [
         ("layers", a.layers.map(|v| v.to_string())),
         ("hidden", a.hidden.map(|v| v.to_string())),
         ("heads", a.heads.map(|v| v.to_string())),
@@ -120,6 +143,8 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
         ("gpu", a.gpu.clone()),
         ("checkpoint-layers", a.checkpoint_layers.map(|v| v.to_string())),
         ("iteration-s", a.iteration_s.map(|v| v.to_string())),
+        ("fsdp-ranks", a.fsdp_ranks.map(|v| v.to_string())),
+        ("link-gbps", a.link_gbps.map(|v| v.to_string())),
     ];
     // Flags last: `activation-checkpointing` covers the layer count set above.
     let flags = [
@@ -127,6 +152,7 @@ pub fn config(a: &GenArgs) -> Result<ModelConfig> {
         ("selective-recompute", a.selective_recompute),
         ("optimizer-in-backward", a.optimizer_in_backward),
         ("optimizer-in-forward", a.optimizer_in_forward),
+        ("fsdp-no-overlap", a.fsdp_no_overlap),
     ];
     let set = |c: &mut ModelConfig, key: &str, value: Option<&str>| {
         c.set(key, value).map_err(|e| CliError::Usage(format!("--{key}: {e}")))
