@@ -84,7 +84,7 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
     from transformers import LlamaForCausalLM
 
     cuda = args.device.startswith("cuda")
-    device = f"cuda:{rank}" if args.device == "cuda" and world > 1 else args.device
+    device = f"cuda:{rank}" if args.device == "cuda" else args.device  # set_device needs an index
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     if cuda:
