@@ -91,7 +91,9 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     out: dict = {"mode": args.mode, "device": device, "rank": rank, "world": world, "tiny": args.tiny,
-                 "bf16": args.bf16, "cap_bytes": args.cap, "cap_enforced": cuda, "batch": args.batch, "seq": args.seq}
+                 "bf16": args.bf16, "optimizer_on": args.optimizer_on if args.mode == "teraio" else None,
+                 "update_in_backward": args.update_in_backward and args.mode == "teraio",
+                 "cap_bytes": args.cap, "cap_enforced": cuda, "batch": args.batch, "seq": args.seq}
     try:
         if cuda:
             total = torch.cuda.get_device_properties(torch.device(device)).total_memory
@@ -114,6 +116,11 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
         fully_shard(model, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
         session = None
+        if args.mode == "teraio" and args.update_in_backward:
+            import teraio.torch as tt
+
+            # each shard's update on the host as soon as FSDP has reduced its gradient
+            tt.offload_optimizer(opt, update_in_backward=True)
         if args.mode == "teraio":
             import teraio.torch as tt
 
@@ -130,6 +137,7 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
                 engine["gpu"] = {}  # (the rank's GPU)
             session = tt.Session(model, opt, engine=tt.rank_engine(engine), gpu_budget_bytes=args.cap,
                                  host_budget_bytes=args.host, log=lambda m: print(m, file=sys.stderr),
+                                 optimizer_on=args.optimizer_on,
                                  **({"page_min_bytes": 0} if args.tiny else {}))
         g = torch.Generator().manual_seed(args.seed + 1 + 1000 * rank)  # (each rank its own data)
         batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
@@ -229,6 +237,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="default 2")
     ap.add_argument("--seq", type=int, default=None, help="default 2048 (32 with --tiny)")
     ap.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(bf16 params, fp32 reduce)")
+    ap.add_argument("--optimizer-on", choices=["gpu", "host", "auto"], default="gpu",
+                    help="teraio mode: where AdamW steps over the rank's shards (Session(optimizer_on=...); "
+                         "host: teraio's host kernels, states in host memory; default gpu)")
+    ap.add_argument("--update-in-backward", action="store_true",
+                    help="teraio mode with --optimizer-on host: each shard's update runs on the host as soon "
+                         "as FSDP has reduced its gradient (offload_optimizer(update_in_backward=True))")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per mode (default 3600)")
@@ -244,6 +258,8 @@ def main() -> int:
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 4)
     args.batch = args.batch or 2
     args.seq = args.seq or (32 if args.tiny else 2048)
+    if args.update_in_backward and args.optimizer_on != "host":
+        ap.error("--update-in-backward is for --optimizer-on host")
     if args.nproc < 1:
         ap.error(f"--nproc {args.nproc}: at least 1 rank")
     if args.engine_dirs and len(args.engine_dirs.split(",")) != args.nproc:
@@ -263,13 +279,14 @@ def main() -> int:
         # each mode its own process: its own allocator, cap and peak
         cmd = [sys.executable, os.path.abspath(__file__), "--mode", m, "--port", str(_free_port())]
         for k in ("device", "engine_dir", "engine_dirs", "nproc", "file_size", "steps", "warmup", "batch", "seq",
-                  "seed"):
+                  "seed", "optimizer_on"):
             v = getattr(args, k)
             if v is not None:
                 cmd += [f"--{k.replace('_', '-')}", str(v)]
         cmd += ["--cap", str(args.cap), "--host", str(args.host)]
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--bf16"] if args.bf16 else []
+        cmd += ["--update-in-backward"] if args.update_in_backward else []
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
         line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
         if p.returncode != 0 or not line.startswith("{"):

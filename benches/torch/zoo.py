@@ -36,7 +36,9 @@ time over the steps after --warmup, % of ideal's speed, peak memory (and whether
 cap), bytes moved per step where the method tells (teraio's step records, save_on_cpu's saved
 tensors), every step's loss and whether the losses equal ideal's bitwise (and the largest
 difference). --deterministic turns on torch.use_deterministic_algorithms (and
-CUBLAS_WORKSPACE_CONFIG) in every run, for that comparison on a GPU.
+CUBLAS_WORKSPACE_CONFIG) and builds every model with eager attention (SDPA's flash and
+memory-efficient backward kernels have no deterministic variant) in every run, for that
+comparison on a GPU; its speeds are then those of eager attention.
 
 Writes OUT/results.jsonl (one JSON object per run), OUT/table.md, OUT/plot.svg (% of ideal) and
 each run's log in OUT/logs/. docs/ZOO.md describes the columns.
@@ -209,8 +211,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda when there is one)")
     ap.add_argument("--deterministic", action="store_true",
-                    help="torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in every "
-                         "run (a GPU's losses otherwise vary between processes in the last bits)")
+                    help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8 and eager "
+                         "attention in every run (a GPU's losses otherwise vary between processes in the last "
+                         "bits; SDPA's fused backward kernels are not deterministic)")
     ap.add_argument("--engine-dir", default=None,
                     help="teraio's engine files and DeepSpeed's NVMe swap go in a folder per method under it "
                          "(zoo-METHOD), removed after each run (default: a temporary folder)")
@@ -611,6 +614,10 @@ def build_model(spec: dict, torch):
 
     cfg_cls, model_cls, _ = MODELS[spec["model"]]
     kw = dict(CONFIGS[spec["model"]][spec["size"]], use_cache=False)
+    if spec.get("deterministic"):
+        # SDPA's flash and memory-efficient backward kernels accumulate with atomics (no
+        # deterministic variant, only a warning under warn_only): eager attention is matmuls
+        kw["attn_implementation"] = "eager"
     if spec["model"] == "gpt2":
         kw.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
     else:

@@ -43,7 +43,8 @@ def _sharded(reshard, bf16, seed=0):
 
 def _shards(model, opt):
     """This rank's bytes: every parameter's local shard and every optimizer state's."""
-    out = {f"param:{n}": p.to_local().detach().clone() for n, p in model.named_parameters()}
+    out = {f"param:{n}": (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+           for n, p in model.named_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for k, v in st.items():
@@ -352,3 +353,47 @@ def test_operators_on_fsdp_streams_are_ordered_against_the_trainers(monkeypatch)
     # on the CPU (gloo writes from a worker thread) a collective is waited for at once
     _storages.run_op(collective, (torch.ones(1),), {})
     assert log == ["collective", "collective waited"]
+
+
+def _host_optimizer_job(rank, world, port, results, update_in_backward):
+    init_rank(rank, world, port, TIMEOUT)
+    try:
+        from models import batches, train_step
+
+        model, opt = _sharded(True, False)
+        tt.offload_optimizer(opt, update_in_backward=update_in_backward)
+        # the same batches on both ranks: the averaged gradient is each rank's own, so every
+        # shard must equal the matching rows of one unsharded process's training
+        losses = [train_step(model, opt, t) for t in batches(STEPS, seed=0)]
+        results[rank] = {"losses": losses, "shards": _shards(model, opt),
+                         "states": sorted({f"{type(v).__name__}:{v.device.type}" for st in opt.state.values()
+                                           for k, v in st.items() if k != "step"})}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["at-step", "in-backward"])
+def test_the_host_optimizer_steps_fsdp2_shards_as_one_unsharded_process(update_in_backward):
+    """offload_optimizer over FSDP2's sharded parameters (DTensors): each rank updates its own
+    shard on the host (states of the local shard's shape, in host memory), bitwise as the
+    unsharded model with the same host optimizer in one process."""
+    from models import batches, make_llama, train_step
+
+    ranks = spawn_ranks(_host_optimizer_job, update_in_backward)
+    model, opt = make_llama(seed=0, layers=3, d=32, ffn=96)
+    tt.offload_optimizer(opt, update_in_backward=update_in_backward)
+    losses = [train_step(model, opt, t) for t in batches(STEPS, seed=0)]
+    full = _shards(model, opt)
+    for rank in (0, 1):
+        r = ranks[rank]
+        assert r["losses"] == losses, rank
+        assert r["states"] == ["Tensor:cpu"], r["states"]  # plain host tensors, not DTensors
+        assert sorted(r["shards"]) == sorted(full)
+        for k, v in r["shards"].items():
+            if full[k].dim() == 0:  # (a state's step count: the same on every rank)
+                assert torch.equal(v, full[k]), (rank, k)
+                continue
+            # FSDP2 shards dim 0 in world-size chunks (the last may be short or empty)
+            want = torch.chunk(full[k], 2, dim=0)
+            want = want[rank] if rank < len(want) else full[k][:0]
+            assert torch.equal(v, want), (rank, k)

@@ -49,6 +49,7 @@ import torch
 
 import teraio
 
+from ._storages import local_tensor
 from .host_optim import _check_threads, _grad, _scalar_dtype, _written
 
 __all__ = ["offload_optimizer", "HostOffload"]
@@ -88,8 +89,23 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
 
 
 def _pinned(like: torch.Tensor) -> torch.Tensor:
+    """A float32 host tensor of ``like``'s shape on this rank (a ``DTensor``'s local shard's)."""
     pin = torch.cuda.is_available()
-    return torch.empty(like.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+    return torch.empty(local_tensor(like).shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+
+
+def _beside(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A host state ``v`` back beside its parameter ``p``: on ``p``'s device, and a ``DTensor``
+    laid out as ``p`` when ``p`` is one (FSDP2's sharded parameters: PyTorch's own step takes
+    their states as DTensors)."""
+    local = local_tensor(p)
+    moved = v.to(local.device)
+    if local is p:
+        return moved
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(moved, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                              run_check=False)
 
 
 class HostOffload:
@@ -153,8 +169,8 @@ class HostOffload:
                 h.sent.synchronize()
             state = optimizer.state.get(p)
             for k, v in list((state or {}).items()):
-                if isinstance(v, torch.Tensor) and k != "step" and v.device != p.device:
-                    state[k] = v.to(p.device)
+                if isinstance(v, torch.Tensor) and k != "step" and v.device != local_tensor(p).device:
+                    state[k] = _beside(v, p)
         self.on_host = None if params is None else ids
         # every gradient starts down as soon as backward has accumulated it
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
@@ -201,7 +217,7 @@ class HostOffload:
     def _fresh(self, p: torch.Tensor, h: _Host) -> bool:
         """Whether the gradient copied in backward is still ``p.grad`` as it is now."""
         src = h.source() if h.source is not None else None
-        return src is not None and src is p.grad and p.grad._version == h.source_version
+        return src is not None and src is p.grad and local_tensor(p.grad)._version == h.source_version
 
     @torch.no_grad()
     def _accumulated(self, p: torch.Tensor) -> None:
@@ -215,19 +231,20 @@ class HostOffload:
                 f"offload_optimizer(update_in_backward=True): a parameter of shape {tuple(p.shape)} got a "
                 "second gradient before optimizer.step(): with gradient accumulation, update at step() "
                 "(update_in_backward=False)")
-        cuda = p.grad.is_cuda
-        h.grad.copy_(p.grad, non_blocking=cuda)
+        grad = local_tensor(p.grad)
+        cuda = grad.is_cuda
+        h.grad.copy_(grad, non_blocking=cuda)
         if cuda:
             h.arrived = torch.cuda.Event()
-            h.arrived.record(torch.cuda.current_stream(p.device))
+            h.arrived.record(torch.cuda.current_stream(grad.device))
         h.source = weakref.ref(p.grad)
-        h.source_version = p.grad._version
+        h.source_version = grad._version
         if self.update_in_backward:
             opt = self._optimizer()
             group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-            if h.version != p._version:
-                h.master.copy_(p.detach())
-                h.version = p._version
+            if h.version != local_tensor(p)._version:
+                h.master.copy_(local_tensor(p).detach())
+                h.version = local_tensor(p)._version
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="teraio-host-optimizer")
             h.updated = self._worker.submit(self._update_when_arrived, opt, group, p, h)
@@ -250,9 +267,9 @@ class HostOffload:
     def _state_to_host(self, state: dict[str, Any]) -> None:
         """States PyTorch put beside the parameter (a loaded ``state_dict``) back to the host."""
         for k, v in list(state.items()):
-            if isinstance(v, torch.Tensor) and k != "step" and v.device.type != "cpu":
+            if isinstance(v, torch.Tensor) and k != "step" and (v.device.type != "cpu" or local_tensor(v) is not v):
                 host = _pinned(v)
-                host.copy_(v)
+                host.copy_(local_tensor(v))
                 state[k] = host
 
     @torch.no_grad()
@@ -266,8 +283,9 @@ class HostOffload:
                 if p.grad is not None and self._here(p)]
         if not todo:
             return
-        cuda = todo[0][1].is_cuda
-        stream = torch.cuda.current_stream(todo[0][1].device) if cuda else None
+        first = local_tensor(todo[0][1])
+        cuda = first.is_cuda
+        stream = torch.cuda.current_stream(first.device) if cuda else None
         # every gradient not copied in backward (or changed since: clipped, accumulated, set by
         # hand) on its way down at once (the copies queue on the current stream)
         for _, p in todo:
@@ -282,7 +300,7 @@ class HostOffload:
                         "with the gradient backward made; use update_in_backward=False")
                 continue
             if not self._fresh(p, h):
-                h.grad.copy_(_grad(p, "optimizer_on='host'"), non_blocking=cuda)
+                h.grad.copy_(local_tensor(_grad(p, "optimizer_on='host'")), non_blocking=cuda)
                 if cuda:
                     h.arrived = torch.cuda.Event()
                     h.arrived.record(stream)
@@ -296,14 +314,14 @@ class HostOffload:
             else:
                 if h.sent is not None:
                     h.sent.synchronize()  # the last step's copy back is done with the master
-                if h.version != p._version:
+                if h.version != local_tensor(p)._version:
                     # first step, or the parameter was written since our last copy: read it again
-                    h.master.copy_(p.detach())
+                    h.master.copy_(local_tensor(p).detach())
                 if cuda:
                     h.arrived.synchronize()
                 self._update(optimizer, group, p, h)
-            p.detach().copy_(h.master, non_blocking=cuda)
-            h.version = p._version
+            local_tensor(p).detach().copy_(h.master, non_blocking=cuda)
+            h.version = local_tensor(p)._version
             if cuda:
                 h.sent = torch.cuda.Event()
                 h.sent.record(stream)
@@ -316,7 +334,7 @@ class HostOffload:
             fresh = False
             if momentum != 0:
                 buf = state.get("momentum_buffer")
-                if buf is not None and buf.device.type != "cpu":
+                if buf is not None and (buf.device.type != "cpu" or local_tensor(buf) is not buf):
                     self._state_to_host(state)
                     buf = state["momentum_buffer"]
                 if buf is None:
