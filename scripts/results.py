@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CSV = ROOT / "docs" / "results.csv"
 DOCS = [ROOT / "README.md", ROOT / "docs" / "BENCHMARKS.md"]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-MODES = ["ideal", "teraio", "activation checkpointing", "save_on_cpu", "ZeRO-Infinity (NVMe)"]
+MODES = ["ideal", "teraio", "activation checkpointing", "save_on_cpu", "ZeRO-Offload (CPU Adam)",
+         "ZeRO-Infinity (NVMe)"]
 # how far after its section's heading a figure may be printed
 SECTION_SPAN = 12_000
 
@@ -112,7 +113,7 @@ def plot(rows: list[dict[str, str]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 3.6))
     width = 0.8 / len(modes)
     colors = {"teraio": "#d62728", "activation checkpointing": "#1f77b4", "save_on_cpu": "#2ca02c",
-              "ZeRO-Infinity (NVMe)": "#9467bd"}
+              "ZeRO-Offload (CPU Adam)": "#8c564b", "ZeRO-Infinity (NVMe)": "#9467bd"}
     for j, m in enumerate(modes):
         for i, (setup, v) in enumerate(by.items()):
             x = i + (j - (len(modes) - 1) / 2) * width

@@ -30,6 +30,14 @@ so schedulers and per-group settings reach both, and ``state_dict()`` holds ever
 state (host tensors for the host ones). A parameter that leaves the host subset gets its states
 back beside it.
 
+Under FSDP2 (``fully_shard``) the parameters are ``DTensor`` shards: each rank updates its own
+local shard on the host (master copy, gradient buffer and states of the local shard's shape, as
+plain host tensors), reads the local gradient FSDP's reduce-scatter made (the hook fires after
+it, on FSDP's stream) and writes the local shard back in place, where FSDP's next all-gather reads
+it. Each rank's shards end bitwise as the matching rows of one unsharded process with the same
+host optimizer (``tests/torch/test_fsdp.py``). Its states being plain host tensors, a DCP
+checkpoint of such an optimizer holds local shards, not ``DTensor``s.
+
 The pipeline per step: every gradient's copy to the host is queued on the current stream at
 once; the host then updates parameter after parameter as its gradient arrives, queuing each
 parameter's copy back right after its update, so copies in both directions overlap the host's
