@@ -131,3 +131,21 @@ def test_bad_arguments_exit_with_an_error_naming_them(argv, named):
     p = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, env=_env(), timeout=60)
     assert p.returncode == 2, p.stderr
     assert "error" in p.stderr and named in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_deterministic_runs_build_eager_attention(model):
+    """--deterministic: eager attention (SDPA's fused backward kernels are not deterministic
+    under warn_only); otherwise the library's default."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("zoo_script", SCRIPT)
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    run = {"model": model, "size": "tiny", "seed": 0}
+    _, cfg = zoo.build_model(dict(run, deterministic=True), torch)
+    assert cfg._attn_implementation == "eager"
+    _, cfg = zoo.build_model(dict(run, deterministic=False), torch)
+    assert cfg._attn_implementation != "eager"
