@@ -19,7 +19,10 @@ Modes (``--modes``, default all three):
   gradient on the CPU, the optimizer step there, parameters copied to the GPU per layer.
 - ``teraio``: ``teraio.torch.Session(gpu_budget_bytes=cap, host_budget_bytes=--host)`` on an
   engine in ``--engine-dir`` (default: a temporary folder): shards, gradients, Adam states and
-  activations paged, then planned; FSDP's all-gathered parameters stay FSDP's.
+  activations paged, then planned; FSDP's all-gathered parameters stay FSDP's. With
+  ``--optimizer-on host`` (and ``--update-in-backward``) AdamW steps each shard on the host with
+  teraio's kernels, as CPU offload does with PyTorch's: the measured one-GPU comparison
+  (docs/BENCHMARKS.md, 2026-12-06, H200: 1.61x CPU offload's speed at 11.25 GiB) ran so.
 
 On the GPU (the issue's target: teraio at least 1.5x faster than CPU offload at the same cap,
 losses equal)::

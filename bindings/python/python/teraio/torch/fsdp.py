@@ -160,8 +160,11 @@ def claim(model: torch.nn.Module) -> FsdpStorages | None:
             inputs = fp.all_gather_inputs
             fp.init_all_gather_outputs([t.numel() for t in inputs], [t.dtype for t in inputs],
                                        fp.mesh_info.shard_mesh_size, fp.device)
-            # (as FSDP leaves them between its all-gathers; its next one refills them)
-            fp.free_all_gather_outputs()
+            # (as FSDP leaves them between its all-gathers; its next one refills them; older
+            # PyTorch has no free_all_gather_outputs: its body, free_storage of each)
+            for t in fp.all_gather_outputs:
+                if t.untyped_storage().size() != 0:
+                    t.untyped_storage().resize_(0)
         for t in fp.all_gather_outputs:
             s = t.untyped_storage()
             storages.append(s)
