@@ -119,13 +119,12 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
         fully_shard(model, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
         session = None
-        if args.mode == "teraio" and args.update_in_backward:
-            import teraio.torch as tt
-
-            # each shard's update on the host as soon as FSDP has reduced its gradient
-            tt.offload_optimizer(opt, update_in_backward=True)
         if args.mode == "teraio":
             import teraio.torch as tt
+
+            if args.update_in_backward:
+                # each shard's update on the host as soon as FSDP has reduced its gradient
+                tt.offload_optimizer(opt, update_in_backward=True)
 
             # each rank its own engine: --engine-dir's rank{N} subfolder, or the rank's own
             # folder of --engine-dirs (one SSD array per rank)

@@ -102,6 +102,12 @@ def _pinned(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(local_tensor(like).shape, dtype=torch.float32, device="cpu", pin_memory=pin)
 
 
+def _off_host(v: torch.Tensor) -> bool:
+    """Whether a state tensor is not (yet) one of ours: on a device, or a ``DTensor`` (a loaded
+    ``state_dict``, PyTorch's own step)."""
+    return v.device.type != "cpu" or local_tensor(v) is not v
+
+
 def _beside(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A host state ``v`` back beside its parameter ``p``: on ``p``'s device, and a ``DTensor``
     laid out as ``p`` when ``p`` is one (FSDP2's sharded parameters: PyTorch's own step takes
@@ -250,9 +256,10 @@ class HostOffload:
         if self.update_in_backward:
             opt = self._optimizer()
             group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-            if h.version != local_tensor(p)._version:
-                h.master.copy_(local_tensor(p).detach())
-                h.version = local_tensor(p)._version
+            local = local_tensor(p)
+            if h.version != local._version:
+                h.master.copy_(local.detach())
+                h.version = local._version
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="teraio-host-optimizer")
             h.updated = self._worker.submit(self._update_when_arrived, opt, group, p, h)
@@ -275,7 +282,7 @@ class HostOffload:
     def _state_to_host(self, state: dict[str, Any]) -> None:
         """States PyTorch put beside the parameter (a loaded ``state_dict``) back to the host."""
         for k, v in list(state.items()):
-            if isinstance(v, torch.Tensor) and k != "step" and (v.device.type != "cpu" or local_tensor(v) is not v):
+            if isinstance(v, torch.Tensor) and k != "step" and _off_host(v):
                 host = _pinned(v)
                 host.copy_(local_tensor(v))
                 state[k] = host
@@ -315,6 +322,7 @@ class HostOffload:
             h.source = None
         for group, p in todo:
             h = self.hosts[id(p)]
+            local = local_tensor(p)
             if h.updated is not None:
                 h.updated.result()  # made in backward (raises what the update raised)
                 h.updated = None
@@ -322,14 +330,14 @@ class HostOffload:
             else:
                 if h.sent is not None:
                     h.sent.synchronize()  # the last step's copy back is done with the master
-                if h.version != local_tensor(p)._version:
+                if h.version != local._version:
                     # first step, or the parameter was written since our last copy: read it again
-                    h.master.copy_(local_tensor(p).detach())
+                    h.master.copy_(local.detach())
                 if cuda:
                     h.arrived.synchronize()
                 self._update(optimizer, group, p, h)
-            local_tensor(p).detach().copy_(h.master, non_blocking=cuda)
-            h.version = local_tensor(p)._version
+            local.detach().copy_(h.master, non_blocking=cuda)
+            h.version = local._version
             if cuda:
                 h.sent = torch.cuda.Event()
                 h.sent.record(stream)
@@ -342,7 +350,7 @@ class HostOffload:
             fresh = False
             if momentum != 0:
                 buf = state.get("momentum_buffer")
-                if buf is not None and (buf.device.type != "cpu" or local_tensor(buf) is not buf):
+                if buf is not None and _off_host(buf):
                     self._state_to_host(state)
                     buf = state["momentum_buffer"]
                 if buf is None:
