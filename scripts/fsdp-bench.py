@@ -45,12 +45,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 MODES = ("plain", "cpu-offload", "teraio")
 
@@ -64,17 +66,21 @@ def parse_bytes(s: str) -> int:
     return int(s)
 
 
-def config(tiny: bool):
+def config(tiny: bool, deterministic: bool = False):
     from transformers import LlamaConfig
+
+    # --deterministic: eager attention (SDPA's flash and memory-efficient backward kernels have no
+    # deterministic variant, only a warning under warn_only)
+    attn = {"attn_implementation": "eager"} if deterministic else {}
 
     if tiny:
         return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           tie_word_embeddings=False)
+                           tie_word_embeddings=False, **attn)
     # TinyLlama-1.1B's shape
     return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-                       tie_word_embeddings=False)
+                       tie_word_embeddings=False, **attn)
 
 
 def run_mode(args, rank: int = 0, world: int = 1) -> dict:
@@ -90,20 +96,27 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
     device = f"cuda:{rank}" if args.device == "cuda" else args.device  # set_device needs an index
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
+    if args.deterministic:
+        # (cuBLAS reads its workspace setting when its first handle is made, after this line;
+        # warn_only: an operator without a deterministic kernel warns in the log)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if cuda:
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     out: dict = {"mode": args.mode, "device": device, "rank": rank, "world": world, "tiny": args.tiny,
                  "bf16": args.bf16, "optimizer_on": args.optimizer_on if args.mode == "teraio" else None,
                  "update_in_backward": args.update_in_backward and args.mode == "teraio",
-                 "cap_bytes": args.cap, "cap_enforced": cuda, "batch": args.batch, "seq": args.seq}
+                 "cap_bytes": args.cap, "cap_enforced": cuda, "batch": args.batch, "seq": args.seq,
+                 "deterministic": args.deterministic}
+    own_dir = None  # a temporary engine folder this process made, removed at its end
     try:
         if cuda:
             total = torch.cuda.get_device_properties(torch.device(device)).total_memory
             if args.cap > total:
                 raise SystemExit(f"--cap {args.cap} is above the GPU's memory ({total} bytes)")
             torch.cuda.set_per_process_memory_fraction(args.cap / total)
-        cfg = config(args.tiny)
+        cfg = config(args.tiny, args.deterministic)
         # the same weights in every mode: made on the CPU from the seed; fully_shard moves the
         # model to the mesh's device (CPUOffloadPolicy then keeps the shards on the CPU)
         torch.manual_seed(args.seed)
@@ -132,7 +145,8 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
             if args.engine_dirs:
                 engine["dirs"] = args.engine_dirs.split(",")
             else:
-                engine["dir"] = args.engine_dir or tempfile.mkdtemp(prefix="teraio-fsdp-")
+                own_dir = None if args.engine_dir else tempfile.mkdtemp(prefix="teraio-fsdp-")
+                engine["dir"] = args.engine_dir or own_dir
             if args.host:
                 engine["host_tier"] = args.host
             if cuda:
@@ -140,6 +154,9 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
             session = tt.Session(model, opt, engine=tt.rank_engine(engine), gpu_budget_bytes=args.cap,
                                  host_budget_bytes=args.host, log=lambda m: print(m, file=sys.stderr),
                                  optimizer_on=args.optimizer_on,
+                                 # (the cap is the allocator's too: between steps only what fits
+                                 # it stays resident)
+                                 gather_between_steps="budget",
                                  **({"page_min_bytes": 0} if args.tiny else {}))
         g = torch.Generator().manual_seed(args.seed + 1 + 1000 * rank)  # (each rank its own data)
         batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
@@ -174,11 +191,17 @@ def run_mode(args, rank: int = 0, world: int = 1) -> dict:
             rep = session.report()
             out.update({"step_modes": modes, "bytes_moved": moved, "fsdp": rep.get("fsdp"),
                         "planned_steps": modes.count("planned")})
+            if cuda:
+                # (closing brings every tensor back to the GPU: the cap was the steps')
+                torch.cuda.set_per_process_memory_fraction(1.0)
             session.close()
     except torch.OutOfMemoryError as e:
         out["error"] = f"out of memory at the cap: {str(e).splitlines()[0]}"
+        traceback.print_exc(file=sys.stderr)  # (where, in the mode's log)
     finally:
         dist.destroy_process_group()
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
     return out
 
 
@@ -245,6 +268,9 @@ def main() -> int:
     ap.add_argument("--update-in-backward", action="store_true",
                     help="teraio mode with --optimizer-on host: each shard's update runs on the host as soon "
                          "as FSDP has reduced its gradient (offload_optimizer(update_in_backward=True))")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8 and eager "
+                         "attention: for the bitwise comparison of plain FSDP2 and teraio on a GPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per mode (default 3600)")
@@ -289,6 +315,7 @@ def main() -> int:
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--bf16"] if args.bf16 else []
         cmd += ["--update-in-backward"] if args.update_in_backward else []
+        cmd += ["--deterministic"] if args.deterministic else []
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
         line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
         if p.returncode != 0 or not line.startswith("{"):

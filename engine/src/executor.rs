@@ -691,6 +691,12 @@ impl Executor {
                 self.used += tensor.bytes;
                 self.slots[i].size = mem.len();
                 self.slots[i].state = State::Resident(mem);
+                if self.used > self.cfg.gpu_budget_bytes {
+                    // The globals attached so far pass the budget: those the plan starts on a
+                    // tier go there now, so a caller can attach globals that together never fit
+                    // one at a time (each brought in, attached, and its memory given back).
+                    self.settle_initial()?;
+                }
                 Ok(())
             }
             (State::Reserved, false) => {
@@ -723,24 +729,48 @@ impl Executor {
         if self.phase != Phase::Setup {
             return Err(Error::InvalidArgument("start() was called already".into()));
         }
-        if let Some((i, t)) = self
-            .trace
-            .tensors
-            .iter()
-            .enumerate()
-            .find(|(i, t)| t.global && !matches!(self.slots[*i].state, State::Resident(_)))
-        {
+        if let Some((i, t)) = self.trace.tensors.iter().enumerate().find(|(i, t)| {
+            t.global && !matches!(self.slots[*i].state, State::Resident(_) | State::Offloaded)
+        }) {
             return Err(Error::InvalidState {
                 tensor: format!("t{i}"),
                 detail: format!("global tensor {} has no memory attached before start()", t.name),
             });
         }
+        self.settle_initial()?;
+        if self.used > self.cfg.gpu_budget_bytes {
+            let failed = self.slots.iter().filter(|s| s.stayed).count();
+            return Err(Error::NoSpace(format!(
+                "the resident global tensors need {} bytes, the GPU budget is {}{}",
+                self.used,
+                self.cfg.gpu_budget_bytes,
+                if failed > 0 {
+                    format!(
+                        " ({failed} of them stayed because their first offload failed: see the store's errors)"
+                    )
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        self.debug_check_accounting();
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    /// Setup: offload the attached global tensors the plan starts on a tier (all issued, then
+    /// waited for), their memory given back. One whose write fails stays resident (the plan's
+    /// prefetch of it is then a no-op; `start` checks the budget).
+    fn settle_initial(&mut self) -> Result<()> {
         let mut setup = Vec::new();
         for p in &self.plan.initially_offloaded {
             let t = p.tensor.index();
+            if self.slots[t].stayed || !matches!(self.slots[t].state, State::Resident(_)) {
+                continue; // (offloaded already, not attached yet, or its write failed before)
+            }
             let State::Resident(mem) = std::mem::replace(&mut self.slots[t].state, State::Absent)
             else {
-                unreachable!("every global is resident here (checked above)")
+                unreachable!("matched as resident above")
             };
             let opts = OffloadOptions { destination: destination(p.tier), ..Default::default() };
             setup.push((t, self.offload_keep(t, mem, opts)?));
@@ -769,23 +799,6 @@ impl Executor {
                 }
             }
         }
-        if self.used > self.cfg.gpu_budget_bytes {
-            let failed = self.slots.iter().filter(|s| s.stayed).count();
-            return Err(Error::NoSpace(format!(
-                "the resident global tensors need {} bytes, the GPU budget is {}{}",
-                self.used,
-                self.cfg.gpu_budget_bytes,
-                if failed > 0 {
-                    format!(
-                        " ({failed} of them stayed because their first offload failed: see the store's errors)"
-                    )
-                } else {
-                    String::new()
-                }
-            )));
-        }
-        self.debug_check_accounting();
-        self.phase = Phase::Idle;
         Ok(())
     }
 

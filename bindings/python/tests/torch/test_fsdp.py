@@ -236,6 +236,30 @@ def test_fsdp_bench_tiny_runs_every_mode_with_equal_losses(tmp_path):
     assert 0 < t["fsdp"]["unsharded_peak_bytes"] < t["fsdp"]["unsharded_full_bytes"]
 
 
+def test_fsdp_bench_deterministic_without_an_engine_dir_leaves_no_folder_behind(tmp_path):
+    # --deterministic (the GPU bitwise check's flags: deterministic algorithms, eager attention)
+    # on the CPU: plain and teraio train to the same losses; with no --engine-dir the teraio
+    # process makes its engine folder in TMPDIR and removes it at its end
+    pytest.importorskip("transformers")
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "scripts", "fsdp-bench.py")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    p = subprocess.run([sys.executable, script, "--tiny", "--deterministic", "--modes", "plain,teraio", "--steps", "4"],
+                       stdout=subprocess.PIPE, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout
+    by = {x["mode"]: x for x in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{"))}
+    assert sorted(by) == ["plain", "teraio"], by
+    for x in by.values():
+        assert "error" not in x and x["deterministic"], x
+    assert by["teraio"]["losses"] == by["plain"]["losses"]
+    assert by["teraio"]["planned_steps"] >= 1, by["teraio"]["step_modes"]
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith("teraio-fsdp-")]
+    assert left == [], left
+
+
 def test_fsdp_bench_tiny_two_ranks_each_with_its_own_engine(tmp_path):
     # the N-GPU command's path on two gloo ranks: each rank its own data and engine folder
     # (--engine-dirs), every rank's losses equal to plain FSDP2's same rank

@@ -197,6 +197,83 @@ def test_a_budgeted_gather_keeps_the_budget_and_gathered_brings_back_the_rest(tm
     s.close()
 
 
+def test_a_budgeted_session_holds_at_most_the_budget_from_its_first_step(tmp_path):
+    """gather_between_steps="budget" from the first step on: parameters, gradients and AdamW
+    states that together pass the budget are never all resident at once: not at the end of the
+    paged and profiled steps (the pager leaves stored what does not fit), and not when the first
+    planned step starts (the stored ones come back one at a time, the executor moving those its
+    plan starts on a tier there as soon as it holds more than the budget), so a GPU whose
+    allocator is capped at the budget runs it. The training is plain training's, bitwise."""
+    ref_losses, ref_model = reference(6)
+    # between steps the parameters and two AdamW states (gradients are set to None) take 3x the
+    # parameters: they do not fit
+    budget = 5 * params_bytes(ref_model) // 2
+    model, opt = make()
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=budget,
+                   page_min_bytes=0, gather_between_steps="budget", log=lambda _: None)
+
+    def held():  # bytes of the parameters, gradients and optimizer states resident now
+        seen = {}
+        for p in model.parameters():
+            for t in [p, p.grad, *opt.state.get(p, {}).values()]:
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    st = t.untyped_storage()
+                    seen[st._cdata] = st.nbytes()
+        return sum(seen.values())
+
+    most = [0]
+    bring = None
+    losses, modes = [], []
+    for t in batches(6):
+        with s.step():
+            losses.append(train_step(model, opt, t))
+        modes.append(s.steps[-1]["mode"])
+        assert held() <= budget, (modes, held(), budget)
+        if s.pager is not None and bring is None:
+            bring = s.pager.bring_back
+
+            def counted(st, _bring=bring):
+                r = _bring(st)
+                most[0] = max(most[0], held())
+                return r
+
+            s.pager.bring_back = counted
+    assert modes[0] == "paged" and "planned" in modes, modes
+    with s.gathered():
+        assert held() == 3 * params_bytes(ref_model)  # (all of them: more than the budget)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < most[0] <= budget + largest, (most[0], budget)  # the first plan's start, one at a time
+    assert losses == ref_losses
+    with s.gathered():
+        for p, q in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+    s.close()
+
+
+@pytest.mark.parametrize("gather", [True, "budget"])
+def test_what_the_trainer_holds_after_a_paged_step_is_readable(tmp_path, gather):
+    """The loss (and any tensor besides parameters, gradients and optimizer states that the
+    trainer holds past the step) is readable after every step, also where the pager stored it
+    in the step's backward and gather_between_steps="budget" leaves globals stored: only those
+    may stay in the store between steps. The losses are plain training's, bitwise."""
+    ref_losses, _ = reference(4)
+    model, opt = make()
+    budget = 5 * params_bytes(model) // 2  # (the states do not fit beside the parameters)
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=budget,
+                   page_min_bytes=0, gather_between_steps=gather, log=lambda _: None)
+    losses = []
+    for t in batches(4):
+        with s.step():
+            loss = model(t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # (after the step: the pager may have stored it)
+    assert s.pager is not None and s.pager.evictions > 0
+    assert losses == ref_losses
+    s.close()
+
+
 def test_a_full_gather_past_the_budget_is_said_once(tmp_path):
     model, opt = make()
     lines = []

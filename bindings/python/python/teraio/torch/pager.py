@@ -309,15 +309,49 @@ class Pager:
                                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): its "
                                         "inputs, outputs and workspace do not fit") from e
 
-    def restore_all(self) -> None:
-        """Bring every paged-out storage back (the end of a paged iteration)."""
-        for key, p in list(self.known.items()):
-            s = p.ref()
-            if s is not None and not p.resident:
-                self.mover.fetch(s, p.tensor_id, p.bytes)
-                p.resident = True
-                self.resident_bytes += p.bytes
-                self.fetches += 1
+    def restore_all(self, limit_bytes: int | None = None, may_stay: set | None = None) -> None:
+        """Bring every paged-out storage back (the end of a paged iteration); with
+        ``limit_bytes``, those whose keys are in ``may_stay`` (the parameters, gradients and
+        optimizer states: the next step's pager or plan brings them back) only while memory in
+        use stays within it and the allocator finds room, the most recently used first, the
+        others staying stored until an operator or :meth:`bring_back` needs them. What is not
+        in ``may_stay`` (a loss, outputs the trainer holds) always comes back, first."""
+        stored = [(p.last_use, key) for key, p in self.known.items() if not p.resident]
+        limited = limit_bytes is not None
+        stay = may_stay if limited and may_stay is not None else set()
+        for must in (True, False):
+            for _, key in sorted(stored, reverse=limited):
+                p = self.known[key]
+                s = p.ref()
+                if s is None or p.resident or (key not in stay) != must:
+                    continue
+                if must or not limited:
+                    self._fetch(s, p)
+                    continue
+                if self.used_bytes() + p.bytes > limit_bytes:
+                    return
+                try:
+                    self._fetch(s, p)
+                except torch.cuda.OutOfMemoryError:
+                    # (the allocator's cap counts its cached and rounded blocks too: a storage
+                    # that found no room to regrow stays stored, unchanged)
+                    if s.nbytes() != 0:
+                        raise
+                    return
+
+    def bring_back(self, s: torch.UntypedStorage) -> bool:
+        """Bring one storage back if this pager holds it paged out; whether it did."""
+        p = self.known.get(storage_key(s))
+        if p is None or p.resident or p.ref() is None:
+            return False
+        self._fetch(s, p)
+        return True
+
+    def _fetch(self, s: torch.UntypedStorage, p: _Paged) -> None:
+        self.mover.fetch(s, p.tensor_id, p.bytes)
+        p.resident = True
+        self.resident_bytes += p.bytes
+        self.fetches += 1
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict, op: int, device: torch.device) -> Any:
         """Run one operator under the pager alone (no recording)."""

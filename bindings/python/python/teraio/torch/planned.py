@@ -209,7 +209,8 @@ class PlannedRun:
                  device: torch.device, executor_factory: Callable[..., Any] | None = None,
                  device_memory: bool | None = None, gather: bool = True, max_ahead: int = 0,
                  time_gpu: bool = False, host_waits: bool = False,
-                 record: Callable[[Any, tuple, dict], Any] | None = None, verify_remakes: bool = False) -> None:
+                 record: Callable[[Any, tuple, dict], Any] | None = None, verify_remakes: bool = False,
+                 bring: Callable[[torch.UntypedStorage], bool] | None = None) -> None:
         self.trace = entry.trace
         # ``record`` (a profiler's dispatch): the run is *bounded*: the plan is another, larger
         # shape's of the same iteration (every operator's tensors at most as large as the
@@ -332,20 +333,34 @@ class PlannedRun:
         named = named_tensors(model, optimizer)
         self._globals: list[tuple[int, torch.Tensor]] = []
         self._moved_globals: list[tuple[int, torch.Tensor]] = []
+        # ``bring``: globals a pager holds stored (parameters, gradients and optimizer states
+        # that together pass the budget) are brought back one at a time, after the resident
+        # ones: the executor moves those its plan starts on a tier there as soon as what it
+        # holds passes the budget, so they never need to fit at once
+        stored: list[tuple[int, torch.Tensor, torch.UntypedStorage]] = []
         for tid, t in enumerate(self.tensors):
             if not t["global"]:
                 continue
             x = named.get(t["name"])
             s = storage_of(x) if x is not None else None
-            if s is None or s.nbytes() != t["bytes"]:
-                raise Diverged(0, f"global tensor {t['name']} ({t['bytes']} bytes) not found as such")
-            self._globals.append((tid, x))
-            if self._movable[tid]:
-                # (only a global the plan moves has a stored copy a write can make stale)
-                self._moved_globals.append((tid, x))
-            self._bind(tid, s)
-            self.ex.attach(tid, self._mem(s, t["bytes"]))
+            if s is not None and s.nbytes() == 0 and t["bytes"] > 0 and bring is not None:
+                stored.append((tid, x, s))
+                continue
+            self._attach_global(tid, t, x, s)
+        for tid, x, s in stored:
+            bring(s)
+            self._attach_global(tid, self.tensors[tid], x, s)
         self.ex.start()
+
+    def _attach_global(self, tid: int, t: dict, x: torch.Tensor | None, s: torch.UntypedStorage | None) -> None:
+        if s is None or s.nbytes() != t["bytes"]:
+            raise Diverged(0, f"global tensor {t['name']} ({t['bytes']} bytes) not found as such")
+        self._globals.append((tid, x))
+        if self._movable[tid]:
+            # (only a global the plan moves has a stored copy a write can make stale)
+            self._moved_globals.append((tid, x))
+        self._bind(tid, s)
+        self.ex.attach(tid, self._mem(s, t["bytes"]))
 
     # ---- memory callbacks (called by the executor) ------------------------------------
 

@@ -224,8 +224,9 @@ class Profiler:
         planned run that retries an operator after making room)."""
         return self._dispatch(func, args, kwargs, run)
 
-    def _global_storages(self) -> list[torch.UntypedStorage]:
-        """Parameters, gradients, buffers and optimizer states on the traced device."""
+    def _global_storages(self, stored_too: bool = False) -> list[torch.UntypedStorage]:
+        """Parameters, gradients, buffers and optimizer states on the traced device
+        (``stored_too``: also those whose bytes are elsewhere now, of size 0)."""
         ts: list[torch.Tensor] = []
         if self.model is not None:
             for _, p in named_parameters(self.model):
@@ -239,7 +240,7 @@ class Profiler:
         out = []
         for t in ts:
             s = storage_of(t) if t.device == self.device else None
-            if s is not None and s.nbytes() > 0:
+            if s is not None and (stored_too or s.nbytes() > 0):
                 out.append(s)
         return out
 

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_of
+from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_key, storage_of
 from .fsdp import claim as claim_fsdp
 from .fsdp import named_parameters
 from .host_offload import offload_optimizer
@@ -499,8 +499,7 @@ class Session:
             elif mode.run is None:
                 if not mode.paged_only:
                     self.profiler.end()
-                if self.pager is not None:
-                    self.pager.restore_all()
+                self._restore_paged()
         rec: dict[str, Any] = {"step": n}
         if mode.run is not None:
             run = mode.run
@@ -616,7 +615,29 @@ class Session:
         run = entry.run if entry else None
         if run and (run.gather is False or run.left_off):
             run.gather_globals(None)
+        if self.pager is not None:
+            self.pager.restore_all()  # (what a paged step left stored)
         yield self
+
+    def _restore_paged(self) -> None:
+        """A paged or profiled step's end: what the pager stored comes back as
+        ``gather_between_steps`` says (True: all of it; "budget": parameters, gradients and
+        optimizer states while they fit the budget; False: none of those). What the trainer
+        holds besides them (the loss, outputs) always comes back. What stays stored comes back
+        when an operator needs it, or one at a time when the next step's plan starts (so
+        parameters, gradients and optimizer states that together pass the budget never have
+        to fit at once)."""
+        if self.pager is None:
+            return
+        if self.gather_between_steps is True:
+            self.pager.restore_all()
+            return
+        stay = {storage_key(s) for s in self.profiler._global_storages(stored_too=True)}
+        self.pager.restore_all(self.budget if self.gather_between_steps == "budget" else 0, may_stay=stay)
+
+    def _bring(self) -> Any:
+        """For a plan's run starting: a stored global comes back through the pager that holds it."""
+        return self.pager.bring_back if self.pager is not None else None
 
     def _abandon(self, mode: "_StepMode") -> None:
         """A step whose body raised: a planned one ends in the executor's safe mode (everything
@@ -634,8 +655,7 @@ class Session:
                     self._retire_live_run()
             else:
                 self.profiler.abort()
-                if self.pager is not None:
-                    self.pager.restore_all()
+                self._restore_paged()
         except Exception:
             pass
 
@@ -660,7 +680,8 @@ class Session:
                                           device_memory=self._device_memory(),
                                           gather=self.gather_between_steps, max_ahead=self.max_ahead,
                                           time_gpu=self.time_gpu, host_waits=self.host_waits,
-                                          verify_remakes=self.verify_recompute and not entry.verified)
+                                          verify_remakes=self.verify_recompute and not entry.verified,
+                                          bring=self._bring())
             except (NotImplementedError, Diverged, _teraio_error()) as e:
                 entry.run = False
                 entry.no_run = str(e)
@@ -699,7 +720,8 @@ class Session:
         return PlannedRun(self.plans[key], self.model, self.optimizer, self._entry_budget(self.plans[key]), self.device,
                           self._planned_executor, device_memory=self._device_memory(), gather=True,
                           max_ahead=self.max_ahead, time_gpu=self.time_gpu, host_waits=self.host_waits,
-                          record=self.profiler.dispatch, verify_remakes=self.verify_recompute)
+                          record=self.profiler.dispatch, verify_remakes=self.verify_recompute,
+                          bring=self._bring())
 
     def _end_bounded(self, mode: "_StepMode", record: bool = True) -> None:
         """A bounded step's end: its executor finished (every global tensor back), the pager
@@ -1489,11 +1511,12 @@ class _StepMode(TorchDispatchMode):
         prof.abort()
         if self.keep_live:
             prof.pager = self._pager
-        elif session.pager is not None:
-            session.pager.restore_all()  # (the prefix may have paged something out)
         prefix, self.prefix, self.cands = self.prefix, None, None
         self.key, self.decided_at = key, k
         run = session._planned_run(key, self.n)
+        if not self.keep_live and session.pager is not None:
+            # what the prefix paged out comes back (the run brought the globals it holds)
+            session.pager.restore_all()
         if run is None:
             entry = session.plans.get(key)
             self.fallback = (entry or {}).get("no_run", "") or "no run for the plan"
