@@ -23,9 +23,7 @@
 //!    (out of memory or tier space in the simulator), the pager's own schedule as a plan
 //!    (on-demand eviction by last use, tensors waiting to be freed included) is one more
 //!    candidate; when it runs within the budget and the tiers, it is the plan
-//!    ([`Choice::Paging`]), instead of a refusal. It is tried for the planning budget, the
-//!    executor's, and last the whole budget less what others hold (the pager itself pages to
-//!    that: where a paged step ran, its schedule runs as a plan, the allowance given up).
+//!    ([`Choice::Paging`]), instead of a refusal.
 
 use serde::{Deserialize, Serialize};
 
@@ -393,14 +391,10 @@ pub fn choose(trace: &Trace, hw: &Hardware, opts: &SelectOptions) -> Result<Sele
                 refused: Some(e.to_string()),
                 chosen: false,
             });
-            // The pager's schedule, for the planning budget, else for the executor's, else for
-            // the whole budget less what others hold (where the pager itself pages to).
-            let capacity = budgets.gpu_budget_bytes.saturating_sub(opts.budget.reserved_bytes);
+            // The pager's schedule, for the planning budget, else for the executor's.
             let mut tries = vec![budgets.planning_bytes];
-            for bytes in [budgets.executor_bytes, capacity] {
-                if bytes > *tries.last().expect("one try at least") {
-                    tries.push(bytes);
-                }
+            if budgets.executor_bytes > budgets.planning_bytes {
+                tries.push(budgets.executor_bytes);
             }
             for bytes in tries {
                 let mut h = hw.clone();
@@ -415,10 +409,6 @@ pub fn choose(trace: &Trace, hw: &Hardware, opts: &SelectOptions) -> Result<Sele
                         chosen: true,
                     });
                     budgets.planning_bytes = bytes;
-                    if bytes > budgets.executor_bytes {
-                        budgets.executor_bytes = bytes;
-                        budgets.allowance_bytes = capacity - bytes;
-                    }
                     let why = format!(
                         "the {} plan does not run ({e}); the pager's schedule as a plan does, \
                          within {bytes} bytes",
@@ -689,41 +679,6 @@ mod tests {
             ..SelectOptions::cli(Policy::Auto, PlanOptions::default(), hw.gpu_memory_bytes)
         };
         assert!(matches!(choose(&trace, &hw, &named), Err(Error::PlanOutOfMemory { .. })));
-    }
-
-    #[test]
-    fn where_paging_fits_only_the_whole_budget_its_schedule_runs_there() {
-        // `waiting_case` and a small tensor `d` that lives to the last kernel (the pager leaves
-        // it alone). Under a fixed allowance the budgets are raised to the largest working set
-        // (w and b at kernel 2), leaving no room for `d`: the pager's schedule runs only with
-        // the allowance given up, as the pager itself pages to the whole budget.
-        let (mut trace, hw) = waiting_case();
-        trace.tensors.push(tensor(3, GB / 1000, false, vec![1], 4));
-        trace.validate().unwrap();
-        let budget = hw.gpu_memory_bytes;
-        let b =
-            Budget { allowance: Allowance::Fixed { keep_fraction: 0.7 }, ..Budget::whole(budget) };
-        let resolved = b.resolve(&trace).unwrap();
-        assert!(resolved.raised_to_working_set);
-        assert_eq!(resolved.executor_bytes, GB + GB / 10);
-        let opts = SelectOptions {
-            budget: b,
-            ..SelectOptions::cli(Policy::Auto, PlanOptions::default(), budget)
-        };
-        let sel = choose(&trace, &hw, &opts).unwrap();
-        assert_eq!(sel.choice, Choice::Paging);
-        assert!(sel.why.contains(&format!("within {budget} bytes")), "{}", sel.why);
-        assert_eq!((sel.budgets.executor_bytes, sel.budgets.planning_bytes), (budget, budget));
-        assert_eq!(sel.budgets.allowance_bytes, 0);
-        let r = crate::sim::simulate(&trace, &sel.plan, &hw, &SimOptions::default()).unwrap();
-        assert_eq!(r.outcome, Outcome::Completed);
-        assert!(r.peak_gpu_bytes <= budget && r.peak_gpu_bytes > resolved.executor_bytes);
-        // What others hold beside the plan stays out of it: with room for the working set but
-        // not for `d` beside it, the pager's schedule is refused too.
-        let reserved_bytes = budget - (GB + GB / 10 + GB / 2000);
-        let reserved = Budget { reserved_bytes, ..opts.budget.clone() };
-        let e = choose(&trace, &hw, &SelectOptions { budget: reserved, ..opts }).unwrap_err();
-        assert!(matches!(e, Error::PlanOutOfMemory { .. }), "{e}");
     }
 
     #[test]
