@@ -182,6 +182,21 @@ def _positive(least: int):
     return parse
 
 
+def _allowance(text: str):
+    """``auto``, ``measured``, ``fixed`` or a number of bytes >= 0 (Session(allocator_allowance=))."""
+    t = text.strip()
+    if t in ("auto", "measured", "fixed"):
+        return t
+    try:
+        v = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"allowance {text!r}: auto, measured, fixed or a number of bytes") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"allowance {v} is below 0 bytes")
+    return v
+
+
 def _device(text: str) -> str:
     t = text.strip()
     if t == "cpu" or t == "cuda" or (t.startswith("cuda:") and t[5:].isdigit()):
@@ -228,6 +243,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--teraio-gather", choices=["budget", "all", "none"], default="budget",
                     help="teraio: what is resident between steps (Session(gather_between_steps=)): budget "
                          "(default: as much as the cap holds; the loop touches no tensor between steps), all, none")
+    ap.add_argument("--teraio-allowance", type=_allowance, default="auto",
+                    help="teraio: what plans leave free for the caching allocator (Session(allocator_allowance=)): "
+                         "auto (default), measured (the profiled step's figures), fixed (page_fraction and "
+                         "twice the largest tensor), or a number of bytes")
     ap.add_argument("--zero-infinity-to", choices=["nvme", "cpu"], default="nvme",
                     help="zero-infinity: where parameters and optimizer states go (default nvme, under --engine-dir)")
     ap.add_argument("--zero-checkpointing", action="store_true",
@@ -368,6 +387,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
                 host_bytes=int(host_gib * 2**30), engine_files=2 if tiny else args.engine_files,
                 engine_file_bytes=(64 << 20) if tiny else int(args.engine_file_gib * 2**30),
                 page_min_bytes=0 if tiny else 64 << 10, hw=args.hw, teraio_gather=args.teraio_gather,
+                teraio_allowance=args.teraio_allowance,
                 zero_infinity_to=args.zero_infinity_to, zero_checkpointing=args.zero_checkpointing)
     env = dict(os.environ)
     if args.deterministic:
@@ -410,7 +430,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
     # (the settings of other methods)
     drop = {"result", "port", "engine_dir"}
     if spec["method"] != "teraio":
-        drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather"}
+        drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather", "teraio_allowance"}
     if not spec["method"].startswith("zero-"):
         drop |= {"zero_checkpointing", "zero_infinity_to"}
     if spec["method"] != "zero-infinity":
@@ -809,6 +829,7 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=spec["cap_bytes"],
                              host_budget_bytes=spec["host_bytes"], hardware=hw,
                              page_min_bytes=spec["page_min_bytes"], gather_between_steps=gather,
+                             allocator_allowance=spec.get("teraio_allowance", "auto"),
                              log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def step(tokens):

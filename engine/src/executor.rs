@@ -203,6 +203,11 @@ pub struct IterationReport {
     /// Tensors moved out by [`Executor::make_room`] (the caller's allocator ran out of memory
     /// within the budget); also counted in `evictions`.
     pub made_room: u64,
+    /// Grants (a prefetch's, a recomputation's, a created tensor's memory) the caller's
+    /// allocator refused with [`Error::NoSpace`] although the budget had room (a caching
+    /// allocator's rounded, scattered blocks, memory the trace does not see): each waited at
+    /// the queue's front while the executor made room ([`Executor::make_room`]), then ran.
+    pub allocator_refusals: u64,
     /// Peak GPU bytes accounted.
     pub peak_bytes: u64,
     /// The budget.
@@ -370,6 +375,9 @@ pub struct Executor {
     /// One record per tensor of the trace, indexed by its trace index.
     slots: Vec<Slot>,
     allocs: VecDeque<Alloc>,
+    /// The caller's allocator refused the grant at the front of `allocs` although the budget
+    /// had room: the bytes it wanted and the allocator's words (cleared by the next grant).
+    refused: Option<(u64, String)>,
     events: VecDeque<Event>,
     used: u64,
     /// `used` when the iteration began: a gather or a write that failed may leave more than the
@@ -514,6 +522,7 @@ impl Executor {
             needs,
             slots,
             allocs: VecDeque::new(),
+            refused: None,
             events: VecDeque::new(),
             used: 0,
             used_at_start: 0,
@@ -1160,23 +1169,45 @@ impl Executor {
                 break;
             }
             let a = self.allocs.pop_front().expect("front exists");
-            changed = true;
             let id = TensorId(t as u32);
             if matches!(a, Alloc::Create(_)) {
                 self.slots[t].current = false;
             }
+            let why = match a {
+                Alloc::Create(_) if !self.cfg.allocate_created => None,
+                Alloc::Create(_) => Some((AllocFor::Create, self.bytes(t))),
+                Alloc::Remake(_) => Some((AllocFor::Recompute, self.slots[t].size)),
+                Alloc::Prefetch(..) => Some((AllocFor::Prefetch, self.slots[t].size)),
+            };
+            let mut mem = None;
+            if let Some((why, bytes)) = why {
+                match self.alloc.alloc(id, bytes, why) {
+                    Ok(m) => mem = Some(m),
+                    // The budget has room, the caller's allocator has not: the grant waits at
+                    // the front until memory goes back (`before_kernel` makes room).
+                    Err(Error::NoSpace(words)) if self.safe.is_none() => {
+                        if self.refused.is_none() {
+                            self.report.allocator_refusals += 1;
+                        }
+                        self.refused = Some((bytes, words));
+                        self.allocs.push_front(a);
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
+                self.refused = None;
+            }
+            changed = true;
             match a {
                 Alloc::Create(_) if self.cfg.allocate_created => {
-                    let mem = self.alloc.alloc(id, self.bytes(t), AllocFor::Create)?;
-                    self.slots[t].state = State::Resident(mem);
+                    self.slots[t].state = State::Resident(mem.expect("granted"));
                 }
                 Alloc::Create(_) => self.slots[t].state = State::Reserved,
                 Alloc::Remake(_) => {
-                    let mem = self.alloc.alloc(id, self.slots[t].size, AllocFor::Recompute)?;
-                    self.slots[t].state = State::Remaking(mem);
+                    self.slots[t].state = State::Remaking(mem.expect("granted"));
                 }
                 Alloc::Prefetch(_, priority) => {
-                    let mem = self.alloc.alloc(id, self.slots[t].size, AllocFor::Prefetch)?;
+                    let mem = mem.expect("granted");
                     let h = match (self.cfg.stream, mem.device().is_some()) {
                         (Some(stream), true) => {
                             self.store.prefetch_after_stream(key(t), mem, priority, stream)?
@@ -1296,6 +1327,29 @@ impl Executor {
         loop {
             if self.kernel_ready(k)? {
                 break;
+            }
+            if let Some((need, _)) = &self.refused
+                && self.allocs.front().is_some()
+            {
+                // The caller's allocator refused a grant the budget allows: what kernel `k`
+                // does not use leaves (and comes back before its next use), then the grant is
+                // tried again; with nothing left to move out and nothing in flight to free
+                // memory, kernel `k` cannot start.
+                let need = *need;
+                if self.make_room(k, need)? > 0 {
+                    continue;
+                }
+                if self.flying.is_empty() {
+                    let (need, words) = self.refused.take().expect("refused");
+                    return Err(Error::NoSpace(format!(
+                        "GPU memory: kernel {k} ({}) cannot start: the caller's allocator refused \
+                         {need} bytes ({words}) with {} of the budget's {} bytes accounted and \
+                         nothing left to move out; the allocator needs more room beside the \
+                         plan than the budget leaves (a smaller budget for the plan, or less \
+                         memory held outside it)",
+                        self.trace.kernels[k].name, self.used, self.cfg.gpu_budget_bytes,
+                    )));
+                }
             }
             if self.flying.is_empty() && self.allocs.is_empty() {
                 // Nothing can change: only an earlier prefetch error or a plan the budget does

@@ -1163,6 +1163,98 @@ fn make_room_moves_out_what_the_kernel_does_not_use_and_it_comes_back() {
     assert!(host > 0, "moved out to the host tier");
 }
 
+/// A caching allocator with less room than the executor's budget accounts for (its blocks
+/// rounded and scattered, memory the trace does not see): it refuses (`NoSpace`) a grant that
+/// would take the memory in use past `cap`.
+struct ShortAllocator {
+    tier: Arc<HostTier>,
+    cap: u64,
+    /// (grants refused, the most memory in use a grant asked to reach)
+    seen: Arc<Mutex<(u64, u64)>>,
+}
+
+impl TensorAllocator for ShortAllocator {
+    fn alloc(&mut self, _t: TensorId, bytes: u64, _why: AllocFor) -> Result<TensorMem> {
+        let used = self.tier.pool().used_bytes();
+        let mut seen = self.seen.lock().unwrap();
+        seen.1 = seen.1.max(used + bytes);
+        if used + bytes > self.cap {
+            seen.0 += 1;
+            return Err(Error::NoSpace(format!("{used} of {} bytes in use", self.cap)));
+        }
+        self.tier.alloc(bytes)
+    }
+}
+
+/// [`drive`] with a [`ShortAllocator`] of `cap` bytes; how often it refused, and the most
+/// memory in use a grant asked to reach.
+fn drive_short(
+    rig: &Rig,
+    trace: &Trace,
+    p: &Plan,
+    budget: u64,
+    cap: u64,
+    seen: &mut Seen,
+) -> (Result<()>, u64, u64) {
+    let short = Arc::new(Mutex::new((0, 0)));
+    let alloc = Box::new(ShortAllocator { tier: rig.mem.clone(), cap, seen: short.clone() });
+    let r = drive_with(rig, alloc, None, trace, p, budget, 3, true, seen);
+    let (refused, most) = *short.lock().unwrap();
+    (r, refused, most)
+}
+
+/// The caller's allocator refuses prefetches the budget allows: each waits while the executor
+/// moves out what the kernel it waits for does not use, then runs; every tensor comes back
+/// with its bytes, and the reports count the refusals.
+#[test]
+fn a_grant_the_allocator_refuses_within_the_budget_waits_for_room_and_runs() {
+    let (trace, p, hw, peak) = squeezed_with_host();
+    let budget = hw.gpu_memory_bytes;
+    // the most memory in use a grant reaches with an allocator that always has room
+    let (r, refused, most) = drive_short(
+        &rig_with_host(256 << 20, 8 * peak),
+        &trace,
+        &p,
+        budget,
+        u64::MAX,
+        &mut Seen::default(),
+    );
+    r.unwrap();
+    assert_eq!(refused, 0);
+    let rig = rig_with_host(256 << 20, 8 * peak);
+    // (between iterations the global tensors come back within the budget: what the allocator
+    // has no room for stays in the store)
+    let mut seen = Seen { gather_within: true, ..Seen::default() };
+    let (r, refused, _) = drive_short(&rig, &trace, &p, budget, most - most / 4, &mut seen);
+    r.unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    assert!(refused > 0, "the allocator never refused: the test does not test");
+    let counted: u64 = seen.reports.iter().map(|r| r.allocator_refusals).sum();
+    let made: u64 = seen.reports.iter().map(|r| r.made_room).sum();
+    assert!(counted > 0 && counted <= refused, "{counted} counted, {refused} refused");
+    assert!(made > 0, "room was made: {:?}", seen.reports);
+    // A gather of every global tensor the allocator has no room for: a clear error.
+    let rig = rig_with_host(256 << 20, 8 * peak);
+    let (r, _, _) = drive_short(&rig, &trace, &p, budget, most - most / 4, &mut Seen::default());
+    let e = r.expect_err("the global tensors do not all fit the allocator");
+    assert!(matches!(&e, Error::NoSpace(m) if m.contains("gathering")), "{e:?}");
+}
+
+/// An allocator with less room than a kernel's own tensors: the kernel stops with `NoSpace`
+/// naming it and the allocator's refusal, instead of waiting forever.
+#[test]
+fn a_grant_the_allocator_can_never_give_stops_the_kernel_naming_it() {
+    let (trace, p, hw, peak) = squeezed_with_host();
+    let rig = rig_with_host(256 << 20, 8 * peak);
+    let mut seen = Seen::default();
+    let (r, refused, _) = drive_short(&rig, &trace, &p, hw.gpu_memory_bytes, 1, &mut seen);
+    let e = r.expect_err("nothing fits one byte");
+    assert!(refused > 0);
+    let text = e.to_string();
+    assert!(matches!(e, Error::NoSpace(_)), "{e:?}");
+    assert!(text.contains("cannot start") && text.contains("refused"), "{text}");
+}
+
 #[test]
 fn after_kernel_out_of_range_or_out_of_order_is_an_invalid_argument() {
     let (trace, p, budget) = squeezed();

@@ -104,7 +104,10 @@ typedef int32_t teraio_status;
 typedef struct {
   // Passed to the callbacks.
   void *ctx;
-  // Memory for a tensor.
+  // Memory for a tensor. NULL: no room now although the budget has (a caching allocator's
+  // rounded blocks, memory outside the plan): the executor moves out what the kernel it
+  // waits for does not use and asks again; with nothing left to move that kernel fails
+  // with TERAIO_ERR_NO_SPACE.
   void *(*alloc)(void*, uint32_t, uint64_t, int32_t);
   // Memory given back (may be NULL).
   void (*release)(void*, uint32_t, void*, uint64_t);

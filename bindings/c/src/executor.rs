@@ -39,7 +39,10 @@ pub const TERAIO_ALLOC_RECOMPUTE: i32 = 2;
 pub struct teraio_allocator {
     /// Passed to the callbacks.
     pub ctx: *mut c_void,
-    /// Memory for a tensor.
+    /// Memory for a tensor. NULL: no room now although the budget has (a caching allocator's
+    /// rounded blocks, memory outside the plan): the executor moves out what the kernel it
+    /// waits for does not use and asks again; with nothing left to move that kernel fails
+    /// with TERAIO_ERR_NO_SPACE.
     pub alloc: Option<unsafe extern "C" fn(*mut c_void, u32, u64, i32) -> *mut c_void>,
     /// Memory given back (may be NULL).
     pub release: Option<unsafe extern "C" fn(*mut c_void, u32, *mut c_void, u64)>,

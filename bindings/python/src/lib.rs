@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
-use pyo3::exceptions::PyTimeoutError;
+use pyo3::exceptions::{PyMemoryError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyType};
 use teraio_bindings_core::{self as core, ConfigSource, Error, HostBuffer as CoreBuffer, Op};
@@ -808,9 +808,14 @@ impl TensorAllocator for PyAllocator {
             Ok::<_, PyErr>(mem)
         })
         .map_err(|e| {
-            teraio_engine::Error::InvalidArgument(format!(
-                "the allocator's alloc({t}, {bytes}, {why:?}) failed: {e}"
-            ))
+            let words = format!("the allocator's alloc({t}, {bytes}, {why:?}) failed: {e}");
+            // A MemoryError is the allocator having no room now: the executor makes room and
+            // asks again; anything else is the allocator's fault.
+            if Python::attach(|py| e.is_instance_of::<PyMemoryError>(py)) {
+                teraio_engine::Error::NoSpace(words)
+            } else {
+                teraio_engine::Error::InvalidArgument(words)
+            }
         })
     }
 

@@ -121,7 +121,7 @@ impl Executor {
         // that does not stays queued for the next iteration.
         self.gather_cap = Some(limit);
         let full = limit == u64::MAX;
-        let waited = self.wait_globals(&globals, |t, s| match s {
+        let waited = self.wait_globals(&globals, full, |t, s| match s {
             State::Prefetching(_) => true,
             State::QueuedPrefetch => full || queued.contains(&t),
             _ => false,
@@ -150,10 +150,13 @@ impl Executor {
         Ok(rep)
     }
 
-    /// Poll until no global tensor `waits` for memory or a read.
+    /// Poll until no global tensor `waits` for memory or a read. Where the caller's allocator
+    /// refuses a read's memory the budget allows: a `full` gather is [`Error::NoSpace`]; under
+    /// a limit the tensors left stay in the store (the next iteration reads them).
     fn wait_globals(
         &mut self,
         globals: &[usize],
+        full: bool,
         waits: impl Fn(usize, &State) -> bool,
     ) -> Result<()> {
         loop {
@@ -162,7 +165,19 @@ impl Executor {
             if !waiting {
                 return Ok(());
             }
+            if !changed && self.flying.is_empty() && !full && self.refused.is_some() {
+                return Ok(());
+            }
             if !changed && self.flying.is_empty() {
+                if let Some((need, words)) = self.refused.take() {
+                    return Err(Error::NoSpace(format!(
+                        "gathering the global tensors: the caller's allocator refused {need} \
+                         bytes ({words}) with {} bytes accounted; they do not all fit beside \
+                         what else holds GPU memory (gather within the budget, or free memory \
+                         held outside the plan)",
+                        self.used
+                    )));
+                }
                 return Err(Error::InvalidState {
                     tensor: "global tensors".into(),
                     detail: "they wait to be read back and nothing is in flight".into(),

@@ -197,6 +197,44 @@ def test_a_budgeted_gather_keeps_the_budget_and_gathered_brings_back_the_rest(tm
     s.close()
 
 
+def test_a_prefetch_the_allocator_has_no_room_for_waits_for_room_and_the_math_is_plain(tmp_path, monkeypatch):
+    """The caching allocator refuses memory the plan's budget has (its blocks rounded and
+    scattered, memory the trace does not see): the executor's prefetch waits, the executor moves
+    out what the waiting operator does not use and asks again, and the step completes with plain
+    training's losses and parameters, bitwise; the step's executor report counts the refusals."""
+    n = 6
+    ref_losses, ref_model = reference(n)
+    model, opt = make()
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)),
+                   gpu_budget_bytes=2 * params_bytes(ref_model), page_min_bytes=0, log=lambda _: None)
+    real = tt.planned._resize
+    refuse = {"left": 0, "seen": 0}
+
+    def short(st, nbytes):
+        # every other growth while refusals are left: a prefetch's storage regrown
+        if nbytes > 0 and refuse["left"] > 0 and refuse["seen"] % 2 == 0:
+            refuse["left"] -= 1
+            refuse["seen"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        refuse["seen"] += nbytes > 0
+        return real(st, nbytes)
+
+    monkeypatch.setattr(tt.planned, "_resize", short)
+    losses = []
+    for i, t in enumerate(batches(n)):
+        refuse["left"] = 3 if s.steps and s.steps[-1]["mode"] == "planned" else 0
+        with s.step():
+            losses.append(train_step(model, opt, t))
+    modes = [r["mode"] for r in s.steps]
+    refused = [(r.get("executor") or {}).get("allocator_refusals", 0) for r in s.steps]
+    assert modes.count("planned") >= 3, modes
+    assert sum(refused) > 0, (modes, refused)
+    assert losses == ref_losses
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    s.close()
+
+
 def test_a_budgeted_session_holds_at_most_the_budget_from_its_first_step(tmp_path):
     """gather_between_steps="budget" from the first step on: parameters, gradients and AdamW
     states that together pass the budget are never all resident at once: not at the end of the

@@ -376,11 +376,17 @@ class PlannedRun:
         self.tid_of[storage_key(s)] = tid
 
     def alloc(self, tid: int, nbytes: int, why: Any = None) -> Any:
-        """Memory for a prefetch of ``tid``: its storage, grown back."""
+        """Memory for a prefetch of ``tid``: its storage, grown back. Where the caching allocator
+        has no room although the plan's budget has (its blocks rounded and scattered, memory the
+        trace does not see): ``MemoryError``, and the executor makes room and asks again."""
         s = self.refs[tid]()
         if s is None:
             raise RuntimeError(f"tensor {tid} ({self.tensors[tid]['name']}) has no storage any more")
-        _resize(s, nbytes)
+        try:
+            _resize(s, nbytes)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(f"no room for {nbytes} bytes of {self.tensors[tid]['name']}: "
+                              f"{str(e).splitlines()[0]}") from None
         return self._mem(s, nbytes)
 
     def release(self, tid: int, mem: Any = None) -> None:

@@ -973,6 +973,7 @@ class Session:
                 entry.traffic = sel.info["traffic"]
         rec["plan_s"] = time.perf_counter() - t0
         rec["plan"] = _plan_summary(entry.plan)
+        rec["plan_budget"] = _budget_summary(entry.budget, self.budget, self._allowance())
         if rec.get("mode") == "bounded":
             rec["plan"] += ", from this step's profile (run under a larger shape's plan)"
         t = entry.traffic or {}
@@ -1053,6 +1054,9 @@ class Session:
         ex = rec.get("executor")
         if isinstance(ex, dict) and ex.get("stall_memory_s"):
             s += f" ({ex['stall_memory_s']:.3f} s for memory)"
+        if isinstance(ex, dict) and ex.get("allocator_refusals"):
+            s += (f", {ex['allocator_refusals']} grants the caching allocator had no room for waited "
+                  f"while {ex.get('made_room', 0)} tensors moved out")
         if isinstance(ex, dict) and ex.get("released_on_stream_bytes"):
             s += f", {ex['released_on_stream_bytes'] / 1e9:.2f} GB freed behind queued copies"
         s += f", moved {rec['bytes_moved'] / 1e9:.2f} GB"
@@ -1085,7 +1089,7 @@ class Session:
         if rec.get("ahead_wait_s"):
             s += f", held back {rec['ahead_wait_s']:.3f} s"
         if "plan" in rec:
-            s += f", plan {rec['plan']}"
+            s += f", plan {rec['plan']}{rec.get('plan_budget', '')}"
         if rec.get("optimizer"):
             s += f", {rec['optimizer']}"
         if rec.get("hardware"):
@@ -1206,6 +1210,15 @@ def _plan_summary(plan: Any) -> str:
     return (f"made ({d.get('policy', '?')}: {moved:.2f} GB offloaded, "
             f"{len(d.get('recomputations', []))} tensors recomputed "
             f"({st.get('recompute_bytes', 0) / 1e9:.2f} GB))")
+
+
+def _budget_summary(executor_bytes: int | None, budget: int, allowance: dict[str, Any]) -> str:
+    """``, for its tensors X of the Y GiB budget (allowance ...)`` for the step's plan line."""
+    if not executor_bytes:
+        return ""
+    how = (f"measured {allowance['bytes'] / 2**30:.2f} GiB" if allowance["kind"] == "measured"
+           else f"fixed: {allowance['keep_fraction']:g} of the budget, twice the largest tensor free")
+    return f", for its tensors {executor_bytes / 2**30:.2f} of the {budget / 2**30:.2f} GiB budget (allowance {how})"
 
 
 def _allocator_counts(device: torch.device) -> dict[str, int]:
