@@ -235,6 +235,42 @@ def test_a_prefetch_the_allocator_has_no_room_for_waits_for_room_and_the_math_is
     s.close()
 
 
+def test_a_budgeted_session_goes_on_with_its_plan_where_shapes_are_told_late(tmp_path, monkeypatch):
+    """A model that makes tensors before it reads its input (rotary tables: its plan is told
+    from another shape's only at the embedding) under a budget its parameters and AdamW states
+    pass together (gather_between_steps="budget"): each planned step goes on with the live run
+    from its first operator instead of retiring it, which would bring every global back at once
+    (more than the budget: on a GPU capped at it, out of memory). Plain training's math."""
+    from models import make_llama
+
+    n = 7
+    data = batches(n)
+    ref, ref_opt = make_llama()
+    ref_losses = [train_step(ref, ref_opt, t) for t in data]
+    model, opt = make_llama()
+    s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=5 * params_bytes(ref) // 2,
+                   page_min_bytes=0, gather_between_steps="budget", log=lambda _: None)
+    full = []
+    real = tt.planned.PlannedRun.gather_globals
+
+    def gather(run, limit=None):
+        full.append(limit is None)
+        return real(run, limit)
+
+    monkeypatch.setattr(tt.planned.PlannedRun, "gather_globals", gather)
+    losses = [0.0] * n
+    for i, t in enumerate(data):
+        with s.step():
+            losses[i] = train_step(model, opt, t)
+    modes = [r["mode"] for r in s.steps]
+    assert modes.count("planned") >= 3, modes
+    assert full and not any(full), (modes, full)
+    assert losses == ref_losses
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    s.close()
+
+
 def test_a_budgeted_session_holds_at_most_the_budget_from_its_first_step(tmp_path):
     """gather_between_steps="budget" from the first step on: parameters, gradients and AdamW
     states that together pass the budget are never all resident at once: not at the end of the

@@ -943,6 +943,7 @@ class Session:
             raise WorkingSetTooLarge(nf["kernel"], nf["name"], nf["needed_bytes"], nf["capacity_bytes"],
                                      working_sets(trace)[nf["kernel"]][1])
         entry.budget = budgets["executor_bytes"]
+        rec["plan_budget"] = _budget_summary(entry.budget, self.budget, self._allowance())
         if self.planner is not None:
             entry.plan = self.planner(trace, budgets["planning_bytes"], self.host_budget)
         else:
@@ -1090,6 +1091,8 @@ class Session:
             s += f", held back {rec['ahead_wait_s']:.3f} s"
         if "plan" in rec:
             s += f", plan {rec['plan']}{rec.get('plan_budget', '')}"
+        elif rec.get("plan_budget"):
+            s += f", plan refused{rec['plan_budget']}"
         if rec.get("optimizer"):
             s += f", {rec['optimizer']}"
         if rec.get("hardware"):
@@ -1216,9 +1219,14 @@ def _budget_summary(executor_bytes: int | None, budget: int, allowance: dict[str
     """``, for its tensors X of the Y GiB budget (allowance ...)`` for the step's plan line."""
     if not executor_bytes:
         return ""
-    how = (f"measured {allowance['bytes'] / 2**30:.2f} GiB" if allowance["kind"] == "measured"
+    how = (f"measured {_size(allowance['bytes'])}" if allowance["kind"] == "measured"
            else f"fixed: {allowance['keep_fraction']:g} of the budget, twice the largest tensor free")
-    return f", for its tensors {executor_bytes / 2**30:.2f} of the {budget / 2**30:.2f} GiB budget (allowance {how})"
+    return f", for its tensors {_size(executor_bytes)} of the {_size(budget)} budget (allowance {how})"
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in GiB, or MiB below a quarter GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 1 << 28 else f"{n / 2**20:.1f} MiB"
 
 
 def _allocator_counts(device: torch.device) -> dict[str, int]:
@@ -1407,6 +1415,21 @@ class _StepMode(TorchDispatchMode):
             self.paged_only = True
         session.profiler.seed_pager()
 
+    def _goes_on(self, key: Any) -> bool:
+        """Whether the live run goes on from the step's first operator although its plan is
+        told from other shapes only later: it is the only candidate, and it cannot wait for the
+        decision (tensors it holds are off the GPU: globals that pass the budget together,
+        ``gather_between_steps`` "budget" or False), where retiring it would bring them all
+        back. A step of another shape then leaves the plan where it differs: the run's checks of
+        each operator and of each new tensor's size catch it (a divergence)."""
+        session = self.session
+        if key != session._live_key or session.gather_between_steps is True:
+            return False
+        entry = session.plans.get(key)
+        run = entry.run if entry is not None else None
+        away = getattr(run, "_nothing_away", None) if run is not None else None
+        return away is not None and not away()
+
     def _begin_deciding(self, cands: list[Any], decide_at: int) -> None:
         session = self.session
         live = session._live_key
@@ -1553,7 +1576,7 @@ class _StepMode(TorchDispatchMode):
                 # an operator without tensor arguments (``arange(n)``) tells shapes apart only by
                 # what it makes: a plan is chosen after it
                 decide_at = max(decide_at, 1)
-            if len(cands) == 1 and decide_at == 0:
+            if len(cands) == 1 and (decide_at == 0 or self._goes_on(cands[0])):
                 self._start(cands[0])
             elif cands:
                 self._begin_deciding(cands, decide_at)
