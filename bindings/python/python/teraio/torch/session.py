@@ -1418,17 +1418,20 @@ class _StepMode(TorchDispatchMode):
     def _goes_on(self, key: Any) -> bool:
         """Whether the live run goes on from the step's first operator although its plan is
         told from other shapes only later: it is the only candidate, and it cannot wait for the
-        decision (tensors it holds are off the GPU: globals that pass the budget together,
-        ``gather_between_steps`` "budget" or False), where retiring it would bring them all
-        back. A step of another shape then leaves the plan where it differs: the run's checks of
-        each operator and of each new tensor's size catch it (a divergence)."""
+        decision (tensors it holds are off the GPU, ``gather_between_steps`` "budget" or
+        False), and retiring it, which brings every global back, would pass the budget (the
+        globals pass it together). A step of another shape then leaves the plan where it differs:
+        the run's checks of each operator and of each new tensor's size catch it (a divergence;
+        where the globals fit, retiring keeps such a step profiled, or bounded, at once)."""
         session = self.session
-        if key != session._live_key or session.gather_between_steps is True:
+        if key != session._live_key or session.gather_between_steps is True or session.budget is None:
             return False
         entry = session.plans.get(key)
         run = entry.run if entry is not None else None
         away = getattr(run, "_nothing_away", None) if run is not None else None
-        return away is not None and not away()
+        if away is None or away():
+            return False
+        return sum(t["bytes"] for t in entry.trace["tensors"] if t["global"]) > session.budget
 
     def _begin_deciding(self, cands: list[Any], decide_at: int) -> None:
         session = self.session
