@@ -474,6 +474,48 @@ def test_plans_take_each_operators_median_time_over_the_profiled_steps():
     assert got == [min(2.0 + i, 100.0) if i % 2 == 0 else 100.0 for i in range(len(got))], got[:6]
 
 
+def test_pager_pages_while_storages_die_in_a_garbage_collection():
+    """A storage held only by a reference cycle dies when a garbage collection runs, which any
+    allocation may start, also while the pager picks what to page out or bring back: its
+    finalizer leaves the pager's table meanwhile (it used to raise "dictionary changed size during
+    iteration", seen once in CI). Here an entry of the table runs a storage's finalizer when it is
+    read, as such a collection would."""
+    store = MemStore()
+    pager = tt.Pager(tt.StorageMover(store), budget_bytes=4 * 4096, min_bytes=0)
+    xs = [torch.full((1024,), float(i)) for i in range(8)]
+    for i, x in enumerate(xs):
+        pager.seen(x.untyped_storage(), i)
+    dying = torch.full((1024,), -1.0)
+    pager.seen(dying.untyped_storage(), 8)
+    key = next(k for k, p in pager.known.items() if p.last_use == 8)
+    reads = []
+
+    class Collecting:
+        """A table entry whose read finalizes the storage ``key`` (a collection mid-loop)."""
+        bytes = 0
+        last_use = -1
+
+        @property
+        def resident(self):
+            reads.append(1)
+            p = pager.known.get(key)
+            if p is not None:
+                pager._died(key, p)
+            return False
+
+        def ref(self):
+            return None
+
+    pager.known = {-1: Collecting(), **pager.known}
+    out = torch.full((1024,), 9.0)
+    pager.seen(out.untyped_storage(), 100)
+    pager.after([out.untyped_storage()], 100)  # over the budget: pages out
+    assert reads and key not in pager.known
+    assert [x.untyped_storage().nbytes() for x in xs].count(0) >= 4, "paged out to the budget"
+    pager.restore_all()
+    assert all(torch.equal(x, torch.full((1024,), float(i))) for i, x in enumerate(xs))
+
+
 def test_pager_retries_an_operator_that_ran_out_of_memory():
     store = MemStore()
     pager = tt.Pager(tt.StorageMover(store), budget_bytes=1 << 30, min_bytes=0)

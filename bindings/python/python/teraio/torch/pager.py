@@ -245,15 +245,17 @@ class Pager:
         evicted = 0
         if self.used_bytes() + extra <= self.budget:
             return 0
+        # (a snapshot: a storage dying meanwhile, its finalizer run by a garbage collection
+        # that any allocation here may start, leaves ``known``)
         victims = sorted(
-            (p.last_use, key) for key, p in self.known.items()
+            (p.last_use, key) for key, p in self.known.copy().items()
             if p.resident and key not in keep and p.bytes >= self.min_bytes
         )
         for _, key in victims:
             if self.used_bytes() + extra <= self.budget:
                 break
-            p = self.known[key]
-            s = p.ref()
+            p = self.known.get(key)
+            s = p.ref() if p is not None else None
             if s is None or not s.resizable():
                 continue
             p.tensor_id = next(_ids)
@@ -316,13 +318,13 @@ class Pager:
         use stays within it and the allocator finds room, the most recently used first, the
         others staying stored until an operator or :meth:`bring_back` needs them. What is not
         in ``may_stay`` (a loss, outputs the trainer holds) always comes back, first."""
-        stored = [(p.last_use, key) for key, p in self.known.items() if not p.resident]
+        stored = [(p.last_use, key) for key, p in self.known.copy().items() if not p.resident]
         limited = limit_bytes is not None
         stay = may_stay if limited and may_stay is not None else set()
         for must in (True, False):
             for _, key in sorted(stored, reverse=limited):
-                p = self.known[key]
-                s = p.ref()
+                p = self.known.get(key)
+                s = p.ref() if p is not None else None
                 if s is None or p.resident or (key not in stay) != must:
                     continue
                 if must or not limited:
