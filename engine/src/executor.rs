@@ -331,6 +331,7 @@ impl Slot {
     }
 }
 
+#[derive(Clone, Copy)]
 enum Alloc {
     Create(usize),
     Prefetch(usize, Priority),
@@ -1169,45 +1170,29 @@ impl Executor {
                 break;
             }
             let a = self.allocs.pop_front().expect("front exists");
-            let id = TensorId(t as u32);
             if matches!(a, Alloc::Create(_)) {
                 self.slots[t].current = false;
             }
-            let why = match a {
-                Alloc::Create(_) if !self.cfg.allocate_created => None,
-                Alloc::Create(_) => Some((AllocFor::Create, self.bytes(t))),
-                Alloc::Remake(_) => Some((AllocFor::Recompute, self.slots[t].size)),
-                Alloc::Prefetch(..) => Some((AllocFor::Prefetch, self.slots[t].size)),
-            };
-            let mut mem = None;
-            if let Some((why, bytes)) = why {
-                match self.alloc.alloc(id, bytes, why) {
-                    Ok(m) => mem = Some(m),
-                    // The budget has room, the caller's allocator has not: the grant waits at
-                    // the front until memory goes back (`before_kernel` makes room).
-                    Err(Error::NoSpace(words)) if self.safe.is_none() => {
-                        if self.refused.is_none() {
-                            self.report.allocator_refusals += 1;
-                        }
-                        self.refused = Some((bytes, words));
-                        self.allocs.push_front(a);
-                        break;
-                    }
-                    Err(e) => return Err(e),
-                }
-                self.refused = None;
-            }
-            changed = true;
             match a {
                 Alloc::Create(_) if self.cfg.allocate_created => {
-                    self.slots[t].state = State::Resident(mem.expect("granted"));
+                    let Some(mem) = self.try_alloc(a, self.bytes(t), AllocFor::Create)? else {
+                        break;
+                    };
+                    self.slots[t].state = State::Resident(mem);
                 }
                 Alloc::Create(_) => self.slots[t].state = State::Reserved,
                 Alloc::Remake(_) => {
-                    self.slots[t].state = State::Remaking(mem.expect("granted"));
+                    let Some(mem) = self.try_alloc(a, self.slots[t].size, AllocFor::Recompute)?
+                    else {
+                        break;
+                    };
+                    self.slots[t].state = State::Remaking(mem);
                 }
                 Alloc::Prefetch(_, priority) => {
-                    let mem = mem.expect("granted");
+                    let Some(mem) = self.try_alloc(a, self.slots[t].size, AllocFor::Prefetch)?
+                    else {
+                        break;
+                    };
                     let h = match (self.cfg.stream, mem.device().is_some()) {
                         (Some(stream), true) => {
                             self.store.prefetch_after_stream(key(t), mem, priority, stream)?
@@ -1218,9 +1203,32 @@ impl Executor {
                     self.slots[t].state = State::Prefetching(h);
                 }
             }
+            changed = true;
             self.set_used(self.used + self.bytes(t));
         }
         Ok(changed)
+    }
+
+    /// Memory from the caller's allocator for grant `a` (just taken from the queue's front).
+    /// None where the allocator refuses it although the budget has room ([`Error::NoSpace`]
+    /// outside safe mode): the grant goes back to the front and waits until memory goes back
+    /// (`before_kernel` makes room).
+    fn try_alloc(&mut self, a: Alloc, bytes: u64, why: AllocFor) -> Result<Option<TensorMem>> {
+        match self.alloc.alloc(TensorId(a.tensor() as u32), bytes, why) {
+            Ok(mem) => {
+                self.refused = None;
+                Ok(Some(mem))
+            }
+            Err(Error::NoSpace(words)) if self.safe.is_none() => {
+                if self.refused.is_none() {
+                    self.report.allocator_refusals += 1;
+                }
+                self.refused = Some((bytes, words));
+                self.allocs.push_front(a);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn ready(&self, k: usize) -> bool {

@@ -165,10 +165,10 @@ impl Executor {
             if !waiting {
                 return Ok(());
             }
-            if !changed && self.flying.is_empty() && !full && self.refused.is_some() {
-                return Ok(());
-            }
             if !changed && self.flying.is_empty() {
+                if self.refused.is_some() && !full {
+                    return Ok(());
+                }
                 if let Some((need, words)) = self.refused.take() {
                     return Err(Error::NoSpace(format!(
                         "gathering the global tensors: the caller's allocator refused {need} \

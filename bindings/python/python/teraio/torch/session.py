@@ -1091,8 +1091,6 @@ class Session:
             s += f", held back {rec['ahead_wait_s']:.3f} s"
         if "plan" in rec:
             s += f", plan {rec['plan']}{rec.get('plan_budget', '')}"
-        elif rec.get("plan_budget"):
-            s += f", plan refused{rec['plan_budget']}"
         if rec.get("optimizer"):
             s += f", {rec['optimizer']}"
         if rec.get("hardware"):
