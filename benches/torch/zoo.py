@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gzip
 import importlib.util
 import json
 import math
@@ -247,6 +248,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="teraio: what plans leave free for the caching allocator (Session(allocator_allowance=)): "
                          "auto (default), measured (the profiled step's figures), fixed (page_fraction and "
                          "twice the largest tensor), or a number of bytes")
+    ap.add_argument("--save-traces", metavar="DIR", default=None,
+                    help="teraio: save each profiled trace (RUN-N.trace.json.gz) with the hardware model and "
+                         "budget its plan was made for (RUN-N.plan.json), to study plans offline with "
+                         "`teraio simulate`")
     ap.add_argument("--zero-infinity-to", choices=["nvme", "cpu"], default="nvme",
                     help="zero-infinity: where parameters and optimizer states go (default nvme, under --engine-dir)")
     ap.add_argument("--zero-checkpointing", action="store_true",
@@ -388,6 +393,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
                 engine_file_bytes=(64 << 20) if tiny else int(args.engine_file_gib * 2**30),
                 page_min_bytes=0 if tiny else 64 << 10, hw=args.hw, teraio_gather=args.teraio_gather,
                 teraio_allowance=args.teraio_allowance,
+                save_traces=os.path.abspath(args.save_traces) if args.save_traces else None,
                 zero_infinity_to=args.zero_infinity_to, zero_checkpointing=args.zero_checkpointing)
     env = dict(os.environ)
     if args.deterministic:
@@ -430,7 +436,8 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
     # (the settings of other methods)
     drop = {"result", "port", "engine_dir"}
     if spec["method"] != "teraio":
-        drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather", "teraio_allowance"}
+        drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather", "teraio_allowance",
+                 "save_traces"}
     if not spec["method"].startswith("zero-"):
         drop |= {"zero_checkpointing", "zero_infinity_to"}
     if spec["method"] != "zero-infinity":
@@ -873,10 +880,34 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
                 if peaks and len(peaks) == len(t):
                     out["peak_bytes"] = max(peaks)
                     out["peak_source"] = "traced: the executor's peak of the planned timed steps"
+            if spec.get("save_traces"):
+                out["saved_traces"] = save_traces(session, spec["save_traces"], spec["run"])
             session.close()
         return out
 
     return step, finish
+
+
+def save_traces(session, folder, run):
+    """Each profiled trace of `session` as FOLDER/RUN-N.trace.json.gz, beside RUN-N.plan.json: the
+    hardware model, the budgets and the selection its plan was made with (`teraio simulate
+    TRACE --hw HW.json --gpu-mem-gb ...` plans it again). Returns the paths written."""
+    import teraio
+
+    os.makedirs(folder, exist_ok=True)
+    hw = getattr(session, "_hardware_model", None)
+    paths = []
+    for i, entry in enumerate(session.plans.values()):
+        base = os.path.join(folder, f"{run}-{i}")
+        with gzip.open(base + ".trace.json.gz", "wt") as f:
+            json.dump(entry.trace, f)
+        meta = {"hardware": teraio.hardware(hw) if hw is not None else None, "gpu_budget_bytes": session.budget,
+                "executor_bytes": entry.budget, "selection": entry.selection, "refused": entry.refused,
+                "plan": (entry.plan.to_dict().get("policy") if hasattr(entry.plan, "to_dict") else None)}
+        with open(base + ".plan.json", "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+        paths += [base + ".trace.json.gz", base + ".plan.json"]
+    return paths
 
 
 def setup_deepspeed(spec, torch, model, dev, res):

@@ -40,7 +40,8 @@
 mod kernels;
 mod workers;
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 pub use kernels::Isa;
 use kernels::{AdamBufs, AdamScalars, SgdBufs, SgdScalars, Split};
@@ -52,7 +53,7 @@ use crate::{Error, Result};
 /// thread).
 pub const MIN_ELEMENTS_PER_THREAD: usize = 1 << 16;
 
-/// Threads' chunks start at multiples of this many elements (64 bytes: no two threads write
+/// Blocks start at multiples of this many elements (64 bytes: no two threads write
 /// one cache line of an aligned buffer).
 const CHUNK_ALIGN_ELEMENTS: usize = 16;
 
@@ -74,24 +75,53 @@ fn threads_for(n: usize, threads: usize) -> usize {
     asked.min(n.div_ceil(MIN_ELEMENTS_PER_THREAD)).max(1)
 }
 
-/// Run `f` over `bufs` cut into `threads` chunks (on the optimizer's worker threads, started
-/// once: `workers`; the last chunk on the caller's thread). Chunks start at multiples of
+/// Blocks are at most this many elements (1 MiB of each float32 buffer): small enough that a
+/// thread held up by another process's threads (an OpenMP pool spinning after its own work, the
+/// trainer's threads) leaves its share to the others, large enough that taking one costs
+/// nothing against its ~100 µs of memory traffic.
+const MAX_BLOCK_ELEMENTS: usize = 1 << 18;
+
+/// Elements of each block when `n` elements go to `threads` threads: about four blocks a
+/// thread, at least [`MIN_ELEMENTS_PER_THREAD`], at most [`MAX_BLOCK_ELEMENTS`], a multiple of
 /// [`CHUNK_ALIGN_ELEMENTS`].
+fn block_len(n: usize, threads: usize) -> usize {
+    let even = n.div_ceil(threads.max(1) * 4);
+    even.clamp(MIN_ELEMENTS_PER_THREAD, MAX_BLOCK_ELEMENTS).next_multiple_of(CHUNK_ALIGN_ELEMENTS)
+}
+
+/// Run `f` over `bufs` cut into blocks ([`block_len`]) that `threads` threads take one at a
+/// time as they finish the last (the optimizer's worker threads, started once: `workers`, and
+/// the caller's): a thread that gets less of the CPU does fewer blocks instead of holding the
+/// step up with a fixed share. Blocks start at multiples of [`CHUNK_ALIGN_ELEMENTS`].
 fn parallel<B: Split + Send>(bufs: B, threads: usize, f: impl Fn(B) + Sync) {
     let n = bufs.len();
     if threads <= 1 {
         return f(bufs);
     }
-    let chunk = n.div_ceil(threads).next_multiple_of(CHUNK_ALIGN_ELEMENTS);
-    let f = &f;
-    let mut jobs: Vec<Box<dyn FnOnce() + Send + '_>> = Vec::with_capacity(threads);
+    let block = block_len(n, threads);
+    let mut blocks = Vec::with_capacity(n.div_ceil(block));
     let mut rest = bufs;
-    while rest.len() > chunk {
-        let (head, tail) = rest.split_at(chunk);
-        jobs.push(Box::new(move || f(head)));
+    while rest.len() > block {
+        let (head, tail) = rest.split_at(block);
+        blocks.push(Mutex::new(Some(head)));
         rest = tail;
     }
-    workers::scope(jobs, move || f(rest));
+    blocks.push(Mutex::new(Some(rest)));
+    let next = AtomicUsize::new(0);
+    let take = || {
+        while let Some(slot) = blocks.get(next.fetch_add(1, Ordering::Relaxed)) {
+            // Each index is handed out once, so the slot is never contended; a poisoned lock
+            // (a panic in `f` on another block) still holds its block.
+            let b = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(b) = b {
+                f(b);
+            }
+        }
+    };
+    let helpers = threads.min(blocks.len()) - 1;
+    let jobs: Vec<Box<dyn FnOnce() + Send + '_>> =
+        (0..helpers).map(|_| Box::new(&take) as Box<dyn FnOnce() + Send + '_>).collect();
+    workers::scope(jobs, take);
 }
 
 /// `value` of `key` is `>= 0` (NaN is not).

@@ -232,6 +232,46 @@ fn threads_change_nothing() {
     assert!(threads_for(usize::MAX / 2, 0) >= 1);
 }
 
+/// Blocks go to whichever thread is free: a thread held up on its first block leaves every
+/// other block to the rest (a fixed share a thread would hold the step until it is done), and
+/// every element is stepped once.
+#[test]
+fn a_held_up_thread_leaves_the_other_blocks_to_the_rest() {
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+    assert!(default_threads() >= 2, "this test needs two hardware threads");
+    let n = 16 * MAX_BLOCK_ELEMENTS + 5;
+    let block = block_len(n, 2);
+    assert_eq!(block, MAX_BLOCK_ELEMENTS);
+    let blocks = n.div_ceil(block);
+    let (mut param, grad) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let base = param.as_ptr() as usize;
+    let ran = Mutex::new(Vec::new()); // (block, thread)
+    let bufs = SgdBufs { param: &mut param, grad: &grad, momentum_buffer: &mut [] };
+    parallel(bufs, 2, |b: SgdBufs<'_>| {
+        let i = (b.param.as_ptr() as usize - base) / 4 / block;
+        if i == 0 {
+            // Held until the other blocks are done (or 20 s).
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while ran.lock().unwrap().len() < blocks - 1 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        b.param.iter_mut().for_each(|x| *x += 1.0);
+        ran.lock().unwrap().push((i, std::thread::current().id()));
+    });
+    assert!(param.iter().all(|&x| x == 1.0), "every element stepped once");
+    let ran = ran.into_inner().unwrap();
+    let mut seen: Vec<usize> = ran.iter().map(|r| r.0).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..blocks).collect::<Vec<_>>());
+    let held = ran.iter().find(|r| r.0 == 0).unwrap().1;
+    let by_held: Vec<usize> = ran.iter().filter(|r| r.1 == held).map(|r| r.0).collect();
+    assert_eq!(by_held, [0], "the held-up thread ran only its first block");
+    assert_eq!(block_len(10 * MIN_ELEMENTS_PER_THREAD, 8), MIN_ELEMENTS_PER_THREAD);
+    assert_eq!(block_len(40 * MIN_ELEMENTS_PER_THREAD + 1, 2) % CHUNK_ALIGN_ELEMENTS, 0);
+}
+
 /// The math, against steps worked out in f64 (loosely: the rounding is PyTorch's, tested in
 /// Python): Adam's first step moves each parameter by about `lr` against its gradient's sign.
 #[test]

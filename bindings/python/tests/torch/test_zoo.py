@@ -37,11 +37,11 @@ def zoo(tmp_path_factory):
     p = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--sizes", "tiny", "--dtypes", "fp32",
                         "--models", ",".join(MODELS), "--methods", ",".join(RUN + CUDA_ONLY),
                         "--fractions", "1/2", "--steps", "2", "--warmup", "2", "--engine-dir", str(tmp / "engine"),
-                        "--out", str(out), "--json"],
+                        "--out", str(out), "--save-traces", str(tmp / "traces"), "--json"],
                        capture_output=True, text=True, env=_env(), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    return {"rows": rows, "out": out, "stderr": p.stderr, "engine": tmp / "engine"}
+    return {"rows": rows, "out": out, "stderr": p.stderr, "engine": tmp / "engine", "traces": tmp / "traces"}
 
 
 def _row(zoo, model, method):
@@ -87,6 +87,29 @@ def test_teraio_trains_bitwise_like_ideal_within_its_cap(zoo):
         assert tio["trace_peak_bytes"] > t["cap_bytes"]
         assert t["bytes_moved_per_step"] > 0
         assert t["median_step_s"] > 0 and t["pct_of_ideal"] > 0
+
+
+def test_saved_traces_are_the_profiles_the_plans_were_made_of(zoo):
+    import gzip
+
+    import teraio
+    from teraio.torch import peak_bytes
+
+    saved = sorted(os.listdir(zoo["traces"]))
+    # teraio's runs alone save, each its one profile (one shape) beside its plan's settings
+    assert saved == sorted(f"{m}-tiny-fp32-teraio-cap0.5-0.{x}" for m in MODELS
+                           for x in ("trace.json.gz", "plan.json")), saved
+    for m in MODELS:
+        t = _row(zoo, m, "teraio")
+        base = zoo["traces"] / f"{m}-tiny-fp32-teraio-cap0.5-0"
+        assert t["saved_traces"] == [str(base) + ".trace.json.gz", str(base) + ".plan.json"]
+        with gzip.open(str(base) + ".trace.json.gz", "rt") as f:
+            trace = json.load(f)
+        assert peak_bytes(trace) == t["teraio"]["trace_peak_bytes"]
+        assert len(teraio.Trace.from_dict(trace).to_dict()["kernels"]) == len(trace["kernels"])
+        meta = json.loads((zoo["traces"] / f"{m}-tiny-fp32-teraio-cap0.5-0.plan.json").read_text())
+        assert meta["gpu_budget_bytes"] == t["cap_bytes"] and meta["refused"] is None
+        assert meta["hardware"]["pcie_h2d_bytes_per_s"] > 0 and meta["plan"].startswith("auto")
 
 
 def test_checkpointing_runs_and_cuda_only_methods_say_so(zoo):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -200,6 +201,11 @@ class PlanEntry:
     budget: int | None = None
     #: how the plan was selected (``teraio.Selection.info``)
     selection: dict[str, Any] | None = None
+
+    @functools.cached_property
+    def global_bytes(self) -> int:
+        """Bytes of the trace's global tensors (parameters, gradients, optimizer states)."""
+        return sum(t["bytes"] for t in self.trace["tensors"] if t["global"])
 
 
 class PlannedRun:

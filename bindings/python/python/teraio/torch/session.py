@@ -943,7 +943,6 @@ class Session:
             raise WorkingSetTooLarge(nf["kernel"], nf["name"], nf["needed_bytes"], nf["capacity_bytes"],
                                      working_sets(trace)[nf["kernel"]][1])
         entry.budget = budgets["executor_bytes"]
-        rec["plan_budget"] = _budget_summary(entry.budget, self.budget, self._allowance())
         if self.planner is not None:
             entry.plan = self.planner(trace, budgets["planning_bytes"], self.host_budget)
         else:
@@ -963,6 +962,7 @@ class Session:
                 # keep paging, and say why
                 entry.plan = None
                 entry.refused = str(e)
+                rec["plan_budget"] = _budget_summary(entry.budget, self.budget, self._allowance())
                 rec["plan"] = (f"refused: {e} (more or larger engine files, a host tier with "
                                "host_budget_bytes, or a larger gpu_budget_bytes change it)")
                 rec["paging"] = _no_plan(entry)
@@ -1429,7 +1429,7 @@ class _StepMode(TorchDispatchMode):
         away = getattr(run, "_nothing_away", None) if run is not None else None
         if away is None or away():
             return False
-        return sum(t["bytes"] for t in entry.trace["tensors"] if t["global"]) > session.budget
+        return entry.global_bytes > session.budget
 
     def _begin_deciding(self, cands: list[Any], decide_at: int) -> None:
         session = self.session
