@@ -248,6 +248,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="teraio: what plans leave free for the caching allocator (Session(allocator_allowance=)): "
                          "auto (default), measured (the profiled step's figures), fixed (page_fraction and "
                          "twice the largest tensor), or a number of bytes")
+    ap.add_argument("--teraio-optimizer-on", choices=["gpu", "host", "auto"], default="gpu",
+                    help="teraio: where AdamW steps (Session(optimizer_on=)): gpu (default: the states moved "
+                         "by the plan), host (every update on the CPU), auto (chosen per parameter by cost)")
     ap.add_argument("--save-traces", metavar="DIR", default=None,
                     help="teraio: save each profiled trace (RUN-N.trace.json.gz) with the hardware model and "
                          "budget its plan was made for (RUN-N.plan.json), to study plans offline with "
@@ -392,7 +395,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
                 host_bytes=int(host_gib * 2**30), engine_files=2 if tiny else args.engine_files,
                 engine_file_bytes=(64 << 20) if tiny else int(args.engine_file_gib * 2**30),
                 page_min_bytes=0 if tiny else 64 << 10, hw=args.hw, teraio_gather=args.teraio_gather,
-                teraio_allowance=args.teraio_allowance,
+                teraio_allowance=args.teraio_allowance, teraio_optimizer_on=args.teraio_optimizer_on,
                 save_traces=os.path.abspath(args.save_traces) if args.save_traces else None,
                 zero_infinity_to=args.zero_infinity_to, zero_checkpointing=args.zero_checkpointing)
     env = dict(os.environ)
@@ -437,7 +440,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
     drop = {"result", "port", "engine_dir"}
     if spec["method"] != "teraio":
         drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather", "teraio_allowance",
-                 "save_traces"}
+                 "teraio_optimizer_on", "save_traces"}
     if not spec["method"].startswith("zero-"):
         drop |= {"zero_checkpointing", "zero_infinity_to"}
     if spec["method"] != "zero-infinity":
@@ -837,6 +840,7 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
                              host_budget_bytes=spec["host_bytes"], hardware=hw,
                              page_min_bytes=spec["page_min_bytes"], gather_between_steps=gather,
                              allocator_allowance=spec.get("teraio_allowance", "auto"),
+                             optimizer_on=spec.get("teraio_optimizer_on", "gpu"),
                              log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def step(tokens):

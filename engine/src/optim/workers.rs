@@ -1,13 +1,13 @@
 //! The optimizer's worker threads: started once, on the first step that splits a tensor, and
 //! parked (blocked on a channel) between steps.
 //!
-//! A step over one tensor cuts it into a chunk per thread. Starting those threads for every
+//! A step over one tensor cuts it into blocks that several threads take. Starting those threads for every
 //! call (`std::thread::scope`) costs a thread creation each (a stack mapped, a clone, the first
 //! schedule): tens of microseconds, paid by every parameter of every step, which for a model of
 //! a few hundred tensors stepped on 16 threads adds up to milliseconds a step on the critical
-//! path. Here the chunks go to threads that already exist; the caller runs the last chunk
-//! itself and returns only when every chunk is done, so the chunks may borrow the caller's
-//! buffers (as `std::thread::scope`'s threads do).
+//! path. Here the jobs go to threads that already exist; the caller runs one itself and
+//! returns only when every job is done, so the jobs may borrow the caller's buffers (as
+//! `std::thread::scope`'s threads do).
 //!
 //! Any number of callers may step at once (each waits for its own chunks only); a panic in a
 //! chunk is caught on the worker and raised again on the caller once every chunk is done.
