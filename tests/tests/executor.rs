@@ -4,6 +4,7 @@
 //! simulated backend's faults no wrong byte is ever handed back; a caller that leaves the plan
 //! gets `Diverged` and a safe mode that loses nothing.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
@@ -156,6 +157,9 @@ struct Seen {
     /// The trainer gathers within the budget (`gather_globals_within`): what does not fit stays
     /// in the store.
     gather_within: bool,
+    /// Closed (true) while the trainer gathers: the allocator refuses every grant then (a
+    /// [`GateAllocator`]'s gate).
+    gate: Option<Arc<AtomicBool>>,
     /// The most memory the executor held while the global tensors were attached, one at a time.
     attach_peak: u64,
 }
@@ -313,11 +317,14 @@ fn drive_with(
         seen.reports.push(ex.end_iteration()?);
         if gather {
             let before = ex.used_bytes();
+            seen.gate.iter().for_each(|g| g.store(true, Ordering::SeqCst));
             let g = if seen.gather_within {
-                ex.gather_globals_within(budget)?
+                ex.gather_globals_within(budget)
             } else {
-                ex.gather_globals()?
+                ex.gather_globals()
             };
+            seen.gate.iter().for_each(|g| g.store(false, Ordering::SeqCst));
+            let g = g?;
             if seen.gather_within && g.used_bytes > budget.max(before) {
                 seen.wrong.push(format!(
                     "gathered {} bytes within a budget of {budget} ({before} before)",
@@ -1238,6 +1245,37 @@ fn a_grant_the_allocator_refuses_within_the_budget_waits_for_room_and_runs() {
     let (r, _, _) = drive_short(&rig, &trace, &p, budget, most - most / 4, &mut Seen::default());
     let e = r.expect_err("the global tensors do not all fit the allocator");
     assert!(matches!(&e, Error::NoSpace(m) if m.contains("gathering")), "{e:?}");
+}
+
+/// An allocator that refuses every grant while its gate is closed ([`Seen::gate`]).
+struct GateAllocator {
+    tier: Arc<HostTier>,
+    closed: Arc<AtomicBool>,
+}
+
+impl TensorAllocator for GateAllocator {
+    fn alloc(&mut self, _t: TensorId, bytes: u64, _why: AllocFor) -> Result<TensorMem> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::NoSpace("the gate is closed".into()));
+        }
+        self.tier.alloc(bytes)
+    }
+}
+
+/// A gather within a limit whose reads the allocator refuses leaves them queued; the next
+/// iteration starts those tensors on their tier as its plan says (the reads go), so the plan's
+/// own prefetches find them offloaded and every tensor keeps its bytes.
+#[test]
+fn reads_a_limited_gather_could_not_place_give_way_to_the_plan() {
+    let (trace, p, hw, peak) = squeezed_with_host();
+    assert!(!p.initially_offloaded.is_empty(), "the plan starts globals on a tier");
+    let rig = rig_with_host(256 << 20, 8 * peak);
+    let gate = Arc::new(AtomicBool::new(false));
+    let alloc = Box::new(GateAllocator { tier: rig.mem.clone(), closed: gate.clone() });
+    let mut seen = Seen { gather_within: true, gate: Some(gate), ..Seen::default() };
+    drive_with(&rig, alloc, None, &trace, &p, hw.gpu_memory_bytes, 3, true, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    assert_eq!(seen.reports.len(), 3);
 }
 
 /// An allocator with less room than a kernel's own tensors: the kernel stops with `NoSpace`

@@ -232,6 +232,24 @@ impl Executor {
             if !std::mem::take(&mut self.slots[t].regather) {
                 continue;
             }
+            if matches!(self.slots[t].state, State::QueuedPrefetch) {
+                // A read the gather queued that the caller's allocator had no room for (a gather
+                // within a limit leaves it): the plan starts the tensor on its tier, so the read
+                // goes, or the plan's own prefetch would find it already coming back.
+                let before = self.allocs.len();
+                self.allocs.retain(|a| !matches!(a, Alloc::Prefetch(x, _) if *x == t));
+                if self.allocs.len() < before {
+                    self.refused = None;
+                }
+                self.slots[t].state = State::Offloaded;
+                continue;
+            }
+            // A read granted since the gather returned: it lands first, then goes as below.
+            while matches!(self.slots[t].state, State::Prefetching(_)) {
+                if !self.poll()? {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
             match std::mem::replace(&mut self.slots[t].state, State::Absent) {
                 State::Offloading { handle, .. } => {
                     self.slots[t].state = State::Offloading { handle, keep: false };
