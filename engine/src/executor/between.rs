@@ -128,6 +128,21 @@ impl Executor {
         });
         self.gather_cap = None;
         waited?;
+        // A read queued here that the caller's allocator had no room for goes now: the tensor
+        // stays on its tier, where the plan starts it (were it left queued, it could land in
+        // the next iteration just as the plan's own prefetch of it comes due).
+        let mut dropped = false;
+        for &t in &queued {
+            if matches!(self.slots[t].state, State::QueuedPrefetch) {
+                self.allocs.retain(|a| !matches!(a, Alloc::Prefetch(x, _) if *x == t));
+                self.slots[t].state = State::Offloaded;
+                self.slots[t].regather = false;
+                dropped = true;
+            }
+        }
+        if dropped {
+            self.refused = None;
+        }
         for &t in &globals {
             if matches!(self.slots[t].state, State::Offloaded | State::QueuedPrefetch) {
                 rep.left_off += 1;
@@ -231,24 +246,6 @@ impl Executor {
         for (t, tier) in initial {
             if !std::mem::take(&mut self.slots[t].regather) {
                 continue;
-            }
-            if matches!(self.slots[t].state, State::QueuedPrefetch) {
-                // A read the gather queued that the caller's allocator had no room for (a gather
-                // within a limit leaves it): the plan starts the tensor on its tier, so the read
-                // goes, or the plan's own prefetch would find it already coming back.
-                let before = self.allocs.len();
-                self.allocs.retain(|a| !matches!(a, Alloc::Prefetch(x, _) if *x == t));
-                if self.allocs.len() < before {
-                    self.refused = None;
-                }
-                self.slots[t].state = State::Offloaded;
-                continue;
-            }
-            // A read granted since the gather returned: it lands first, then goes as below.
-            while matches!(self.slots[t].state, State::Prefetching(_)) {
-                if !self.poll()? {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
             }
             match std::mem::replace(&mut self.slots[t].state, State::Absent) {
                 State::Offloading { handle, .. } => {
