@@ -82,6 +82,10 @@ class _Host:
     source_version: int = -1
     # update_in_backward: the update made in backward (a future), or None
     updated: Any = None
+    # whether the optimizer's states of the parameter are ours (host tensors this object made
+    # or copied): until its first update here they may be tensors a Session moves (on a CPU
+    # model those are host tensors too, and their storage may be away)
+    adopted: bool = False
 
 
 def _kind(optimizer: torch.optim.Optimizer) -> str:
@@ -279,10 +283,12 @@ class HostOffload:
             h = self.hosts[id(p)] = _Host(master=_pinned(p), grad=_pinned(p))
         return h
 
-    def _state_to_host(self, state: dict[str, Any]) -> None:
-        """States PyTorch put beside the parameter (a loaded ``state_dict``) back to the host."""
+    def _state_to_host(self, state: dict[str, Any], every: bool = False) -> None:
+        """States PyTorch put beside the parameter (a loaded ``state_dict``) back to the host;
+        ``every``: each state copied into a host tensor of ours (the first update here: the
+        states the optimizer's own step made)."""
         for k, v in list(state.items()):
-            if isinstance(v, torch.Tensor) and k != "step" and _off_host(v):
+            if isinstance(v, torch.Tensor) and k != "step" and (every or _off_host(v)):
                 host = _pinned(v)
                 host.copy_(local_tensor(v))
                 state[k] = host
@@ -350,12 +356,13 @@ class HostOffload:
             fresh = False
             if momentum != 0:
                 buf = state.get("momentum_buffer")
-                if buf is not None and _off_host(buf):
-                    self._state_to_host(state)
+                if buf is not None and (_off_host(buf) or not h.adopted):
+                    self._state_to_host(state, every=True)
                     buf = state["momentum_buffer"]
                 if buf is None:
                     fresh = True
                     buf = _pinned(p)
+            h.adopted = True
             teraio.sgd_step(
                 h.master, h.grad, buf, lr=float(group["lr"]), momentum=momentum,
                 dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
@@ -372,7 +379,8 @@ class HostOffload:
             state["exp_avg"] = _pinned(p).zero_()
             state["exp_avg_sq"] = _pinned(p).zero_()
         else:
-            self._state_to_host(state)
+            self._state_to_host(state, every=not h.adopted)
+        h.adopted = True
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = _pinned(p).zero_()
         decoupled = True if self.kind == "adamw" else bool(group.get("decoupled_weight_decay", False))

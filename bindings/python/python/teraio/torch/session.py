@@ -234,14 +234,16 @@ class Session:
     ``optimizer_chunk_bytes``), where it runs (``teraio.place_optimizer``: each choice planned and
     simulated, the CPU a resource the host updates queue on); the chosen parameters go to the
     host as with ``"host"`` (:func:`offload_optimizer` with ``params=``), the others stay with the
-    optimizer's own step, and the next step is profiled again with the updates where they now
-    run. The step's log line says the choice and the model's times (all-GPU, all-host). Where
+    optimizer's own step; the next step makes their host side (buffers, the states copied off
+    the GPU) and is not profiled, the one after it is, with the updates where they now run.
+    The step's log line says the choice and the model's times (all-GPU, all-host). Where
     "auto" cannot choose it leaves every update on the GPU and says why once: a model on the CPU
     (the optimizer already runs there), no budget (no plan to weigh), an optimizer or parameters
     the host step does not take (not AdamW/Adam/SGD, not float32, ``capturable``).
     ``placer`` (tests, or a rule of one's own): ``f(trace_dict, gpu_budget_bytes,
     host_budget_bytes)`` returning the placement dict (``teraio.place_optimizer``'s) that "auto"
-    applies (default: ``teraio.place_optimizer`` with ``policy`` and ``hardware``).
+    applies (default: ``teraio.place_optimizer`` with ``policy`` and ``hardware``); given, it
+    is applied on a CPU model too.
     ``plan_margin`` (default 0): plans are made for this fraction less than the executor's
     budget. On a GPU the host runs ahead of the device, so the executor sees an offload's memory
     freed later than the plan's timing does; the margin is the slack that keeps the host from
@@ -338,8 +340,11 @@ class Session:
         # and why "auto" leaves every update on the GPU, when it cannot choose
         self.placement: dict[str, Any] | None = None
         self._auto_off: str | None = None
+        # the step after a placement makes the host side of the updates it moved (buffers, the
+        # states copied off the GPU) once: it is not the iteration that repeats
+        self._settling = False
         if optimizer_on == "auto":
-            self._auto_off = _auto_unavailable(optimizer, device, gpu_budget_bytes)
+            self._auto_off = _auto_unavailable(optimizer, device, gpu_budget_bytes, placer is not None)
             if self._auto_off is not None:
                 log(f"teraio: optimizer_on='auto': every optimizer update stays on the GPU ({self._auto_off})")
         if optimizer_on == "host":
@@ -880,8 +885,8 @@ class Session:
         entry = self.plans.pop(key, None)
         if entry is not None:
             group = self._groups.get(entry.signatures[0])
-            if group is not None and key in group.keys:
-                group.keys.remove(key)
+            if group is not None:
+                group.remove(key, self.plans)
         if entry and entry.run:
             _finish_run(entry.run)
 
@@ -895,6 +900,11 @@ class Session:
             rec["plan"] = "cached"
             if entry.plan is None and entry.refused:
                 rec["paging"] = _no_plan(entry)
+            return
+        if self._settling:
+            self._settling = False
+            rec["plan"] = ("not yet (this step made the host optimizer's side of the updates placed there: "
+                           "its buffers, their states copied off the GPU)")
             return
         if state_before != _state_count(self.optimizer):
             # the optimizer's first step makes its state; later steps only update it, so this
@@ -1014,7 +1024,9 @@ class Session:
         if not params:
             return False
         offload_optimizer(self.optimizer, params=params)
-        rec["optimizer"] += "; the next step is profiled again with the updates where they run now"
+        self._settling = True
+        rec["optimizer"] += ("; the next step moves their states to the host, the one after is profiled with the "
+                             "updates where they run now")
         return True
 
     def _plan_hardware(self, rec: dict[str, Any]) -> Any:
@@ -1233,11 +1245,13 @@ def _allocator_counts(device: torch.device) -> dict[str, int]:
     return {k: int(st.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
-def _auto_unavailable(optimizer: torch.optim.Optimizer, device: Any, budget: int | None) -> str | None:
-    """Why ``optimizer_on="auto"`` cannot move any update to the host (None: it can choose)."""
+def _auto_unavailable(optimizer: torch.optim.Optimizer, device: Any, budget: int | None,
+                      placer: bool = False) -> str | None:
+    """Why ``optimizer_on="auto"`` cannot move any update to the host (None: it can choose).
+    ``placer``: a placer of one's own decides (on a CPU model too)."""
     first = next((p for g in optimizer.param_groups for p in g["params"]), None)
     where = torch.device(device) if device is not None else (first.device if first is not None else None)
-    if where is None or where.type != "cuda":
+    if (where is None or where.type != "cuda") and not placer:
         return f"the model is on {where}: its optimizer already runs on the host"
     if budget is None:
         return "no gpu_budget_bytes: nothing is planned, so there is no cost to weigh"
@@ -1298,6 +1312,19 @@ class _Group:
             self.decide_at = max(self.decide_at, first)
         if key not in self.keys:
             self.keys.append(key)
+
+    def remove(self, key: Any, plans: dict[Any, PlanEntry]) -> None:
+        """``key``'s plan is gone: ``decide_at`` is made again from the plans left (where a
+        step left the dropped plan says nothing about the others; kept, it would hold every
+        later step of the group in the deciding prefix up to there)."""
+        if key in self.keys:
+            self.keys.remove(key)
+        left = [k for k in self.keys if k in plans]
+        self.keys, self.decide_at = [], 0
+        for k in left:
+            e = plans[k]
+            self.add(k, e.signatures, plans)
+            self.decide_at = max(self.decide_at, e.input_op)
 
 
 def _finish_run(run: PlannedRun) -> None:
