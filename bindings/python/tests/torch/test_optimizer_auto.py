@@ -347,3 +347,34 @@ def test_the_step_after_a_placement_is_not_the_profile(monkeypatch, tmp_path):
     planned = [r["step"] for r in recs if r["mode"] == "planned"]
     assert planned and planned == list(range(planned[0], len(data))), [r["mode"] for r in recs]
     assert planned[0] == placed[0] + 3, [r["mode"] for r in recs]
+
+
+def test_a_dropped_plan_no_longer_holds_its_group_to_where_it_was_left():
+    """Where a step left a plan raises the operator from which steps of its group are told apart
+    (it may have been another shape starting alike); once that plan is dropped, the operator is
+    made again from the plans left: their first difference and where they read the input."""
+    from teraio.torch.planned import PlanEntry
+    from teraio.torch.session import _Group
+
+    def entry(sigs, input_op):
+        return PlanEntry(trace={}, signatures=sigs, created=[[] for _ in sigs], created_at=[[] for _ in sigs],
+                         input_op=input_op)
+
+    a = [("embedding", ()), ("mm", ()), ("add", ()), ("mul", ())]
+    b = [("embedding", ()), ("mm", ()), ("sub", ()), ("mul", ())]
+    c = [("embedding", ()), ("mm", ()), ("add", ()), ("div", ())]
+    plans = {"a": entry(a, 1), "b": entry(b, 1), "c": entry(c, 0)}
+    g = _Group()
+    for k in ("a", "b", "c"):
+        g.add(k, plans[k].signatures, plans)
+    assert g.decide_at == 3  # a and c part at the fourth operator
+    g.decide_at = 40  # a step left plan c at operator 39
+    del plans["c"]
+    g.remove("c", plans)
+    assert g.keys == ["a", "b"] and g.decide_at == 2
+    del plans["b"]
+    g.remove("b", plans)
+    assert g.keys == ["a"] and g.decide_at == 1  # a alone: told at its input
+    del plans["a"]
+    g.remove("a", plans)
+    assert g.keys == [] and g.decide_at == 0
