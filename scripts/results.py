@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +111,7 @@ def plot(rows: list[dict[str, str]], path: str) -> None:
 
     by = setups(rows)
     modes = [m for m in MODES if m != "ideal" and any(m in v for v in by.values())]
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=(max(9.0, 2.1 * len(by)), 4.0))
     width = 0.8 / len(modes)
     colors = {"teraio": "#d62728", "activation checkpointing": "#1f77b4", "save_on_cpu": "#2ca02c",
               "ZeRO-Offload (CPU Adam)": "#8c564b", "ZeRO-Infinity (NVMe)": "#9467bd"}
@@ -130,12 +131,14 @@ def plot(rows: list[dict[str, str]], path: str) -> None:
             ax.text(x, pct + 1, f"{pct:.0f}", ha="center", va="bottom", fontsize=7)
     ax.axhline(100, color="k", lw=0.6, ls="--")
     ax.set_xticks(range(len(by)))
-    ax.set_xticklabels([s.replace(", cap", "\ncap") for s in by], fontsize=7)
+    # (a label a line per clause: the setups' names are long)
+    ax.set_xticklabels([textwrap.fill(s.replace(", cap", "\ncap"), 30, replace_whitespace=False) for s in by],
+                       fontsize=7)
     ax.set_ylabel("% of ideal (unlimited GPU memory)")
     ax.set_ylim(0, 110)
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
-    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper right")
+    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Training step speed under a GPU memory cap (docs/BENCHMARKS.md)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
