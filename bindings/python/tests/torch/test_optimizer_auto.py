@@ -233,6 +233,16 @@ def test_the_planner_places_the_updates_of_a_profiled_pytorch_step():
     assert slow["summary"].startswith(f"optimizer: 0 of {len(names)} parameters")
 
 
+def _steps(s, model, opt, data):
+    """The losses of training steps under Session ``s``, closed after them."""
+    got = []
+    for t in data:
+        with s.step():
+            got.append(train_step(model, opt, t))
+    s.close()
+    return got
+
+
 def test_auto_on_a_cpu_model_leaves_the_optimizer_and_says_why():
     ref_model, ref_opt = make()
     data = gpt_batches(4)
@@ -241,12 +251,7 @@ def test_auto_on_a_cpu_model_leaves_the_optimizer_and_says_why():
     lines = []
     s = tt.Session(model, opt, _hooks=Hooks(store=MemStore()), gpu_budget_bytes=1 << 30, page_min_bytes=0,
                    optimizer_on="auto", log=lines.append)
-    got = []
-    for t in data:
-        with s.step():
-            got.append(train_step(model, opt, t))
-    s.close()
-    assert got == want
+    assert _steps(s, model, opt, data) == want
     assert any("optimizer_on='auto': every optimizer update stays on the GPU (the model is on cpu" in x
                for x in lines), lines
     assert getattr(opt, "_teraio_raw_step", None) is None
@@ -329,12 +334,7 @@ def test_the_step_after_a_placement_is_not_the_profile(monkeypatch, tmp_path):
     monkeypatch.setattr(session_mod, "offload_optimizer", offload)
     s = tt.Session(model, opt, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=budget,
                    page_min_bytes=0, optimizer_on="auto", placer=placer, log=lambda _: None)
-    got = []
-    for t in data:
-        with s.step():
-            got.append(train_step(model, opt, t))
-    s.close()
-    assert got == want
+    assert _steps(s, model, opt, data) == want
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(p, q), n
     assert len(handed) == 1
