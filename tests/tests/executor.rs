@@ -1262,8 +1262,8 @@ impl TensorAllocator for GateAllocator {
     }
 }
 
-/// A gather within a limit whose reads the allocator refuses leaves them queued; the next
-/// iteration starts those tensors on their tier as its plan says (the reads go), so the plan's
+/// A gather within a limit whose reads the allocator refuses drops them before it returns:
+/// those tensors stay on their tier, where the next iteration's plan starts them, so the plan's
 /// own prefetches find them offloaded and every tensor keeps its bytes.
 #[test]
 fn reads_a_limited_gather_could_not_place_give_way_to_the_plan() {

@@ -131,16 +131,17 @@ impl Executor {
         // A read queued here that the caller's allocator had no room for goes now: the tensor
         // stays on its tier, where the plan starts it (were it left queued, it could land in
         // the next iteration just as the plan's own prefetch of it comes due).
-        let mut dropped = false;
-        for &t in &queued {
-            if matches!(self.slots[t].state, State::QueuedPrefetch) {
-                self.allocs.retain(|a| !matches!(a, Alloc::Prefetch(x, _) if *x == t));
+        let unplaced: Vec<usize> = queued
+            .iter()
+            .copied()
+            .filter(|&t| matches!(self.slots[t].state, State::QueuedPrefetch))
+            .collect();
+        if !unplaced.is_empty() {
+            self.allocs.retain(|a| !matches!(a, Alloc::Prefetch(x, _) if unplaced.contains(x)));
+            for &t in &unplaced {
                 self.slots[t].state = State::Offloaded;
                 self.slots[t].regather = false;
-                dropped = true;
             }
-        }
-        if dropped {
             self.refused = None;
         }
         for &t in &globals {

@@ -357,7 +357,7 @@ class HostOffload:
             if momentum != 0:
                 buf = state.get("momentum_buffer")
                 if buf is not None and (_off_host(buf) or not h.adopted):
-                    self._state_to_host(state, every=True)
+                    self._state_to_host(state, every=not h.adopted)
                     buf = state["momentum_buffer"]
                 if buf is None:
                     fresh = True
