@@ -726,7 +726,7 @@ pub(crate) fn plan_from_moves(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analysis::inactive_intervals;
+    use crate::analysis::{InactiveInterval, inactive_intervals};
     use crate::trace::{Kernel, Tensor, TensorKind};
 
     /// Six 1 s kernels; A (1 GB) used by kernels 0 and 5, B (1 GB) by kernel 3 only. One SSD
@@ -908,6 +908,73 @@ mod tests {
             rounds.into_iter().filter(|c| c.0.policy.contains("+anticipate")).collect();
         let after = best(&later);
         assert!(before.is_finite() && after < 0.95 * before, "{after} against {before}");
+    }
+
+    /// A recomputation gap cut twice at neighbouring kernels ([`State::split_drop`]: the
+    /// tensor is an input of recomputations before kernels 5 and 6) leaves an empty gap
+    /// between the cuts; the plan has no recomputation there (one with nothing between its
+    /// drop and its remake is refused by the plan's check) and checks against the trace.
+    #[test]
+    fn a_gap_cut_at_neighbouring_kernels_leaves_no_empty_recomputation() {
+        let mut t = Trace::new("cuts");
+        for i in 0..10 {
+            t.kernels.push(Kernel { name: format!("k{i}"), duration_us: 1e3, layer: None });
+        }
+        let tensor = |id: u32,
+                      global: bool,
+                      created: Option<usize>,
+                      accesses: Vec<usize>,
+                      inputs: Vec<u32>| Tensor {
+            id: TensorId(id),
+            name: format!("t{id}"),
+            bytes: 1 << 20,
+            kind: if global { TensorKind::Weight } else { TensorKind::Activation },
+            global,
+            created_by: created,
+            dies_after: accesses.last().copied().filter(|_| !global),
+            writes: Some(created.into_iter().collect()),
+            producer: (!global).then(|| crate::trace::Producer {
+                inputs: inputs.into_iter().map(TensorId).collect(),
+                duration_us: None,
+            }),
+            accesses,
+        };
+        t.tensors.push(tensor(0, true, None, vec![0, 1, 2], vec![]));
+        // x, made at 0 from the weight, read again at 9; y1 and y2 made from x at 1 and 2,
+        // read again at 5 and 6
+        t.tensors.push(tensor(1, false, Some(0), vec![0, 1, 2, 9], vec![0]));
+        t.tensors.push(tensor(2, false, Some(1), vec![1, 5], vec![1]));
+        t.tensors.push(tensor(3, false, Some(2), vec![2, 6], vec![1]));
+        t.validate().unwrap();
+        let mut hw = Hardware::paper();
+        hw.gpu_memory_bytes = 1 << 20;
+        let ivs = inactive_intervals(&t);
+        let gap = |id: u32, a: usize| {
+            *ivs.iter().find(|v| v.tensor == TensorId(id) && v.last_access == a).unwrap()
+        };
+        let fit = |iv: InactiveInterval| Fit {
+            tier: Tier::Ssd,
+            offload_end: iv.last_access,
+            prefetch_start: iv.next_access,
+            cost_us: 1e3,
+            benefit: 1.0,
+            clean: false,
+            recompute: true,
+        };
+        let mut st = State::new(&t, &hw);
+        for (id, a) in [(1, 2), (2, 1), (3, 2)] {
+            st.accept(gap(id, a), fit(gap(id, a)));
+        }
+        // x's gap (2, 9) cut at 5 and at 6: (2, 5), (5, 6) (empty) and (6, 9)
+        let plan = st.into_plan("cuts", 0);
+        let x: Vec<(usize, usize)> = plan
+            .recomputations
+            .iter()
+            .filter(|r| r.tensor == TensorId(1))
+            .map(|r| (r.drop_at, r.before_kernel))
+            .collect();
+        assert_eq!(x, vec![(3, 5), (7, 9)]);
+        plan.validate(&t).unwrap();
     }
 
     #[test]

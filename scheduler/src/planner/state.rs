@@ -907,6 +907,11 @@ impl<'a> State<'a> {
         let (mut rc_bytes, mut rc_us) = (0u64, 0.0);
         for (iv, fit) in &self.chosen {
             if fit.recompute {
+                if iv.last_access + 1 >= iv.next_access {
+                    // A gap cut down to nothing ([`State::split_drop`] at the kernel right
+                    // after the previous cut): the tensor never leaves between the two.
+                    continue;
+                }
                 recomputations.push(Recompute {
                     tensor: iv.tensor,
                     drop_at: iv.last_access + 1,
