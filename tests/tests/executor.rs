@@ -147,6 +147,8 @@ struct Seen {
     skip_quiet: bool,
     /// Kernels it skipped, per iteration.
     skipped: Vec<u64>,
+    /// Accesses of tensors the plan moves in the kernels it skipped ([`drive_device`]).
+    skipped_moved: u64,
     /// After each kernel it called about: how often `nothing_away` said yes and no (checked
     /// against what is resident each time).
     nothing_away: [u64; 2],
@@ -1068,19 +1070,35 @@ fn drive_device(
     ex.start()?;
     let accesses = trace.accesses_per_kernel();
     let mut got = Vec::new();
+    // (`skip_quiet`: the memory of the tensors the plan never moves stays the trainer's)
+    let mut own: Vec<Option<TensorMem>> = trace.tensors.iter().map(|_| None).collect();
     for _ in 0..iterations {
+        let mut until: Option<usize> = None;
+        let mut skipped = 0;
         for (k, accessed) in accesses.iter().enumerate() {
-            ex.before_kernel(k)?;
+            let skip = until.is_some_and(|u| k <= u);
+            if skip {
+                skipped += 1;
+                seen.skipped_moved +=
+                    accessed.iter().filter(|t| ex.movable()[t.index()]).count() as u64;
+            } else {
+                ex.before_kernel(k)?;
+            }
             seen.max_used = seen.max_used.max(ex.used_bytes());
             for (i, t) in trace.tensors.iter().enumerate() {
                 if !t.global && t.created_by == Some(k) {
                     version[i] += 1;
-                    ex.attach(t.id, new_mem(i, version[i], t.bytes)?)?;
+                    let m = new_mem(i, version[i], t.bytes)?;
+                    if seen.skip_quiet && !ex.movable()[i] {
+                        own[i] = Some(m);
+                    } else {
+                        ex.attach(t.id, m)?;
+                    }
                 }
             }
             for id in accessed {
                 let i = id.index();
-                let Some(mem) = ex.resident(*id) else {
+                let Some(mem) = own[i].as_ref().or(ex.resident(*id)) else {
                     seen.wrong.push(format!("tensor {i} not resident at kernel {k}"));
                     continue;
                 };
@@ -1097,8 +1115,19 @@ fn drive_device(
                     tier.kernel_write(mem, 0, &pattern(i, version[i], mem.len()))?;
                 }
             }
-            ex.after_kernel(k)?;
+            if !skip {
+                ex.after_kernel(k)?;
+                if seen.skip_quiet {
+                    until = Some(ex.quiet_until(k));
+                }
+            }
+            for (i, t) in trace.tensors.iter().enumerate() {
+                if t.dies_after == Some(k) {
+                    own[i] = None;
+                }
+            }
         }
+        seen.skipped.push(skipped);
         seen.reports.push(ex.end_iteration()?);
         seen.gathers.push(ex.gather_globals()?);
         for (i, t) in trace.tensors.iter().enumerate().filter(|(_, t)| t.global) {
@@ -1146,6 +1175,101 @@ fn offloads_queued_on_the_device_hand_memory_back_ordered_after_their_copies() {
             assert_eq!((queued, on_stream), (0, 0));
         }
     }
+}
+
+/// A kernel that reads a tensor the plan moves, while that tensor is resident, needs no call
+/// either (it is quiet): a trainer that skips such kernels on an emulated device whose copies
+/// run only when a fence is waited on or polled reads every byte right. The first kernel after
+/// a read back is called about: its call orders the trainer's stream after the copy (a kernel
+/// skipped before that would read the bytes the copy has not written yet).
+#[test]
+fn kernels_that_read_moved_tensors_are_skipped_only_after_the_copies_they_wait_for() {
+    let (trace, p, hw, peak) = squeezed_with_host();
+    let with_host = rig_with_host(256 << 20, 8 * peak);
+    let tier = HostDeviceTier::deferred(0, 1 << 30, 64);
+    let mut seen = Seen { skip_quiet: true, ..Seen::default() };
+    drive_device(&with_host, &tier, true, &trace, &p, hw.gpu_memory_bytes, 3, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    assert!(tier.faults().is_empty(), "a copy read freed memory: {:?}", tier.faults());
+    assert!(seen.max_used <= hw.gpu_memory_bytes);
+    assert!(seen.skipped.iter().all(|&s| s > 0), "kernels skipped: {:?}", seen.skipped);
+    assert!(seen.skipped_moved > 0, "no skipped kernel read a tensor the plan moves");
+    // and read back from the SSDs through the bounce path (its copies fenced on the device)
+    let (trace, p, budget) = squeezed();
+    let ssd_only = rig(256 << 20);
+    let tier = HostDeviceTier::deferred(0, 1 << 30, 64);
+    let mut seen = Seen { skip_quiet: true, ..Seen::default() };
+    drive_device(&ssd_only, &tier, true, &trace, &p, budget, 3, &mut seen).unwrap();
+    assert!(seen.wrong.is_empty(), "{:?}", seen.wrong);
+    assert!(tier.faults().is_empty(), "a copy read freed memory: {:?}", tier.faults());
+    assert!(seen.skipped_moved > 0, "no skipped kernel read a tensor the plan moves");
+}
+
+/// A fence of work that never finishes on its own (a copy still queued on the device).
+struct Pending;
+
+impl teraio_engine::tier::DeviceFence for Pending {
+    fn wait(&self) -> Result<()> {
+        Ok(())
+    }
+    fn is_done(&self) -> bool {
+        false
+    }
+    fn wait_on_stream(&self, _stream: u64) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A resident tensor whose memory is still being written on the device (its ready fence
+/// pending) is not there for a kernel the caller would skip: `quiet_until` stops before every
+/// kernel that reads one, so that the call before it orders the caller's stream after the
+/// copy. (Every global starts with such a fence here; a call clears the fences of the tensors
+/// its kernel reads. The caller calls about every kernel and checks each stretch offered.)
+#[test]
+fn a_stretch_of_quiet_kernels_ends_before_memory_still_being_written() {
+    let (trace, p, hw, _) = squeezed_with_host();
+    let rig = rig_with_host(256 << 20, 1 << 30);
+    let tier = HostDeviceTier::new(0, 1 << 30);
+    let cfg = ExecutorConfig {
+        gpu_budget_bytes: hw.gpu_memory_bytes,
+        allocate_created: false,
+        stream: Some(0),
+    };
+    let alloc = Box::new(DeviceAllocator { tier: tier.clone(), ordered: true });
+    let mut ex = Executor::new(rig.store.clone(), alloc, trace.clone(), p.clone(), cfg).unwrap();
+    for t in trace.tensors.iter().filter(|t| t.global) {
+        let mut m = tier.alloc(t.bytes).unwrap();
+        if let TensorMem::Device(d) = &mut m {
+            d.set_ready(Some(Box::new(Pending)));
+        }
+        ex.attach(t.id, m).unwrap();
+    }
+    ex.start().unwrap();
+    let accesses = trace.accesses_per_kernel();
+    // globals no called kernel has read yet (their first fence still set)
+    let mut pending: Vec<bool> = trace.tensors.iter().map(|t| t.global).collect();
+    let mut stopped_before_one = 0;
+    for (k, accessed) in accesses.iter().enumerate() {
+        ex.before_kernel(k).unwrap();
+        for t in trace.tensors.iter().filter(|t| !t.global && t.created_by == Some(k)) {
+            ex.attach(t.id, tier.alloc(t.bytes).unwrap()).unwrap();
+        }
+        ex.after_kernel(k).unwrap();
+        for id in accessed {
+            pending[id.index()] = false;
+        }
+        let until = ex.quiet_until(k);
+        let reads_pending = |j: usize| accesses[j].iter().any(|id| pending[id.index()]);
+        for j in k + 1..=until {
+            assert!(!reads_pending(j), "kernel {j} skipped after {k} with a global still arriving");
+        }
+        let next = until + 1;
+        if next < accesses.len() && ex.quiet_kernels()[next] && reads_pending(next) {
+            stopped_before_one += 1;
+        }
+    }
+    ex.end_iteration().unwrap();
+    assert!(stopped_before_one > 0, "no stretch ended at a quiet kernel reading a pending global");
 }
 
 /// A trainer whose allocator runs out of memory within the budget asks the executor to make

@@ -1,9 +1,11 @@
 //! Quiet kernels: the ones a caller may run without calling the executor.
 //!
-//! Most kernels of a plan need nothing from it: no instruction is issued before them, and every
-//! tensor they create, access or end is one the plan never moves (a *staying* tensor: no
-//! offload, prefetch or drop names it). For those the executor only accounts bytes, so a caller
-//! that pays for every call (a Python dispatch mode pays microseconds) skips them:
+//! Most kernels of a plan need nothing from it: no instruction is issued before them, no drop
+//! or recomputation, and every tensor they create or end is one the plan never moves (a
+//! *staying* tensor: no offload, prefetch or drop names it). They may read and write tensors the
+//! plan moves, while those are resident. For those the executor only accounts bytes (and marks
+//! the writes), so a caller that pays for every call (a Python dispatch mode pays microseconds)
+//! skips them:
 //!
 //! ```text
 //! before_kernel(k); ... kernel k ...; after_kernel(k)
@@ -14,7 +16,9 @@
 //! ```
 //!
 //! `quiet_until` skips only what cannot wait for the executor: the skipped kernels' tensors are
-//! resident now (one the executor evicted is not), their new tensors fit the budget left now
+//! resident now (one the executor evicted is not, nor one whose copy back to the GPU the
+//! caller's stream has not been ordered after and has not finished), their new tensors fit
+//! the budget left now
 //! (nothing in flight has to free memory for them), and while a
 //! migration is in flight at most [`POLL_EVERY`] kernels go by before the next call collects
 //! what finished. A staying tensor's memory is the caller's (it is never attached, so the
@@ -26,6 +30,7 @@ use teraio_scheduler::Move;
 
 use super::{Executor, Phase, State};
 use crate::Result;
+use crate::tier::TensorMem;
 
 /// While a migration is in flight, the most kernels a caller skips between two calls.
 pub const POLL_EVERY: usize = 8;
@@ -77,11 +82,7 @@ impl Quiet {
                     && !issues[k]
                     && ex.drops[k].is_empty()
                     && ex.remakes[k].is_empty()
-                    && ex.needs[k]
-                        .iter()
-                        .chain(&ex.creations[k])
-                        .chain(&ex.deaths[k])
-                        .all(|&t| !movable[t])
+                    && ex.creations[k].iter().chain(&ex.deaths[k]).all(|&t| !movable[t])
             })
             .collect();
         let sum = |v: &Vec<usize>| v.iter().map(|&t| ex.trace.tensors[t].bytes).sum::<u64>();
@@ -126,9 +127,13 @@ impl Executor {
         // (A tensor the plan does not move may still be off the GPU: the executor evicted it
         // when memory ran short; the call before its kernel reads it back. Tensors the skipped
         // kernels create are there when their readers run.)
-        let there = |t: usize| {
-            self.slots[t].state.is_resident()
-                || self.trace.tensors[t].created_by.is_some_and(|c| c > k)
+        // A tensor the plan moves that was read back may still be arriving on a copy queue:
+        // the call before its next kernel orders the caller's stream after the copy (and
+        // clears the fence), so a kernel that reads it is skipped only once that happened or
+        // the copy has finished.
+        let there = |t: usize| match &self.slots[t].state {
+            State::Resident(TensorMem::Device(m)) => m.ready().is_none_or(|f| f.is_done()),
+            s => s.is_resident() || self.trace.tensors[t].created_by.is_some_and(|c| c > k),
         };
         while j < limit && q.quiet[j] && self.needs[j].iter().all(|&t| there(t)) {
             net += i128::from(q.create_bytes[j]);
