@@ -251,6 +251,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--teraio-optimizer-on", choices=["gpu", "host", "auto"], default="gpu",
                     help="teraio: where AdamW steps (Session(optimizer_on=)): gpu (default: the states moved "
                          "by the plan), host (every update on the CPU), auto (chosen per parameter by cost)")
+    ap.add_argument("--teraio-time-gpu", action="store_true",
+                    help="teraio (GPU): CUDA events around every operator of planned steps (Session(time_gpu=)); "
+                         "each step's record then says how long the GPU was busy, recomputing and idle, and "
+                         "before which operators it waited longest (a little host time per operator)")
     ap.add_argument("--save-traces", metavar="DIR", default=None,
                     help="teraio: save each profiled trace (RUN-N.trace.json.gz) with the hardware model and "
                          "budget its plan was made for (RUN-N.plan.json), to study plans offline with "
@@ -396,6 +400,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
                 engine_file_bytes=(64 << 20) if tiny else int(args.engine_file_gib * 2**30),
                 page_min_bytes=0 if tiny else 64 << 10, hw=args.hw, teraio_gather=args.teraio_gather,
                 teraio_allowance=args.teraio_allowance, teraio_optimizer_on=args.teraio_optimizer_on,
+                teraio_time_gpu=args.teraio_time_gpu,
                 save_traces=os.path.abspath(args.save_traces) if args.save_traces else None,
                 zero_infinity_to=args.zero_infinity_to, zero_checkpointing=args.zero_checkpointing)
     env = dict(os.environ)
@@ -440,7 +445,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
     drop = {"result", "port", "engine_dir"}
     if spec["method"] != "teraio":
         drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather", "teraio_allowance",
-                 "teraio_optimizer_on", "save_traces"}
+                 "teraio_optimizer_on", "teraio_time_gpu", "save_traces"}
     if not spec["method"].startswith("zero-"):
         drop |= {"zero_checkpointing", "zero_infinity_to"}
     if spec["method"] != "zero-infinity":
@@ -841,6 +846,7 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
                              page_min_bytes=spec["page_min_bytes"], gather_between_steps=gather,
                              allocator_allowance=spec.get("teraio_allowance", "auto"),
                              optimizer_on=spec.get("teraio_optimizer_on", "gpu"),
+                             time_gpu=bool(spec.get("teraio_time_gpu")) and cuda,
                              log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def step(tokens):
@@ -870,6 +876,9 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
                 "stall_s": [r.get("stall_s") for r in recs],
                 "executor_peak_bytes": [(r.get("executor") or {}).get("peak_bytes") for r in recs],
                 "peak_allocated_bytes": [r.get("peak_allocated_bytes") for r in recs],
+                # (time_gpu: where the GPU waited in each planned step)
+                "gpu": [{k: r[k] for k in ("gpu_span_s", "gpu_busy_s", "gpu_recompute_s", "gpu_idle_s", "top_idle")
+                         if k in r} or None for r in recs],
                 "trace_peak_bytes": max((r["trace_peak_bytes"] for r in recs if "trace_peak_bytes" in r), default=None),
                 "plans": rep.get("plans"), "hardware": rep.get("hardware"), "budget_bytes": rep.get("budget_bytes"),
                 "evictions": rep.get("evictions"), "fetches": rep.get("fetches"),
