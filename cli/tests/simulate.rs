@@ -260,3 +260,35 @@ fn the_optimizers_placement_is_shown_and_explained() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("one --policy"));
 }
+
+/// `--checkpoint-layers`: named layers checkpointed (their forward run again: a slower ideal,
+/// less memory), `auto` says its choice first, and a bad value names the flag.
+#[test]
+fn checkpoint_layers_rewrite_the_trace_and_auto_says_its_choice() {
+    let plain = json_of(&teraio(&["simulate", "preset:gpt2-small", "--policy", "ideal", "--json"]));
+    let out = teraio(&[
+        "simulate",
+        "preset:gpt2-small",
+        "--policy",
+        "ideal",
+        "--checkpoint-layers",
+        "0-11",
+        "--json",
+    ]);
+    let ckpt = json_of(&out);
+    // (one policy: one report object)
+    let (p, c) = (&plain, &ckpt);
+    assert!(secs(c) > secs(p) * 1.1, "{} vs {}", secs(c), secs(p));
+    let peak = |r: &serde_json::Value| r["peak_gpu_bytes"].as_u64().unwrap();
+    assert!(peak(c) < peak(p), "{} vs {}", peak(c), peak(p));
+    let out = teraio(&["simulate", "preset:gpt2-small", "--checkpoint-layers", "auto"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--checkpoint-layers auto: no checkpointing"), "{err}");
+    for (bad, says) in [("3-x", "\"3-x\" is not a layer"), ("40", "checkpoint layer 40")] {
+        let out = teraio(&["simulate", "preset:gpt2-small", "--checkpoint-layers", bad]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("--checkpoint-layers {bad}")) && err.contains(says), "{err}");
+    }
+}

@@ -12,6 +12,9 @@
 //! - [`select::choose`]: plan selection, the one entry point of the front ends (CLI, C ABI,
 //!   teraio.torch): the budget and its allowance, working-set checks, the policy's checked
 //!   plan, the second plan for slower transfers, and the pager's schedule as a fallback.
+//! - [`checkpoint::choose_layers`]: which layers to checkpoint (their forward run again in
+//!   backward) so that the selected plan of the rest simulates fastest; [`checkpoint::rewrite`]
+//!   makes the trace checkpointing those layers gives.
 //! - [`bound::lower_bound`]: no plan's iteration is faster than this.
 //! - [`sim::simulate`]: discrete-event replay of a plan on a [`Hardware`] model.
 //! - [`optimizer::place`]: which parameters' optimizer updates run on the host CPU instead
@@ -38,6 +41,7 @@
 pub mod advise;
 pub mod analysis;
 pub mod bound;
+pub mod checkpoint;
 mod error;
 pub mod fsdp;
 pub mod hardware;

@@ -254,6 +254,15 @@ pub fn select(trace: &Trace, hw: &Hardware, request: &SelectRequest) -> Result<(
     Ok((sel.plan, v))
 }
 
+/// The layers to checkpoint so that the selected plan of the rest simulates fastest
+/// (`teraio_scheduler::checkpoint::choose_layers`, with the options `select` takes), as JSON:
+/// `layers`, `iteration_time_us`, `without_us`, `tried` and `why`.
+pub fn choose_checkpoint(trace: &Trace, hw: &Hardware, request: &SelectRequest) -> Result<Value> {
+    let opts = request.options(hw)?;
+    let c = teraio_scheduler::checkpoint::choose_layers(trace, hw, &opts)?;
+    Ok(serde_json::to_value(c).expect("the choice serializes"))
+}
+
 /// The budgets of a selection without planning: `(executor bytes, planning bytes)` for a trace
 /// whose largest tensor is `largest_tensor_bytes` (`teraio_scheduler::Budget`).
 pub fn budgets(request: &SelectRequest, largest_tensor_bytes: u64) -> Result<(u64, u64)> {

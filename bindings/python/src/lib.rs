@@ -636,6 +636,26 @@ fn select(
     Ok((NativePlan { plan: Arc::new(p) }, v.to_string()))
 }
 
+/// The layers to checkpoint (the scheduler's `checkpoint::choose_layers`) as JSON; options
+/// as `select` takes them.
+#[pyfunction]
+#[pyo3(signature = (trace, hardware, overrides_json=None, options_json=None))]
+fn choose_checkpoint(
+    py: Python<'_>,
+    trace: &NativeTrace,
+    hardware: String,
+    overrides_json: Option<String>,
+    options_json: Option<String>,
+) -> PyRes<String> {
+    let t = trace.trace.clone();
+    let v = run(py, "teraio.choose_checkpoint", || {
+        let h = hw(&hardware, overrides_json.as_deref())?;
+        let req = core::sched::SelectRequest::from_json(options_json.as_deref().unwrap_or("{}"))?;
+        core::sched::choose_checkpoint(&t, &h, &req)
+    })?;
+    Ok(v.to_string())
+}
+
 /// The budgets of a selection (executor bytes, planning bytes) for a trace whose largest
 /// tensor is `largest_tensor_bytes`; options as JSON, as `select` takes them.
 #[pyfunction]
@@ -1323,6 +1343,7 @@ fn _teraio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(select, m)?)?;
+    m.add_function(wrap_pyfunction!(choose_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(select_budgets, m)?)?;
     m.add_function(wrap_pyfunction!(select_trace_budgets, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;

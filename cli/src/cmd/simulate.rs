@@ -31,6 +31,8 @@ Examples:
       --policy teraio,teraio+checkpointing,zero-infinity     # ZeRO-Infinity as DeepSpeed runs it
   teraio simulate preset:llama3-8b,dtype=tf32,selective-recompute --ssds 8 --policy teraio,teraio-hybrid
   teraio simulate preset:llama3-70b --stalls 10                # where the plan makes the GPU wait
+  teraio simulate step.trace.json --gpu-mem-gb 6 --checkpoint-layers auto
+                                          # which layers to checkpoint, the rest planned
   teraio simulate preset:gpt2-small,dtype=bf16,micro-batch=1 --gpu-mem-gb 0.9 --optimizer-on auto
                                           # which parameters' optimizer updates go to the host CPU
   teraio simulate preset:llama3-8b,fsdp-ranks=8 --gpu-mem-gb 40   # one rank of FSDP2 over 8 GPUs
@@ -101,6 +103,14 @@ pub struct Args {
     /// CPUOffloadPolicy; per rank and the whole job's tokens/s (docs/FSDP.md).
     #[arg(long, value_name = "N,N,...", conflicts_with_all = ["plan", "checkpointed_trace", "plot", "stalls"])]
     pub fsdp_ranks: Option<String>,
+    /// Checkpoint these layers of the trace (`Kernel::layer`; e.g. `0-5,8`, `all`) and plan
+    /// the rest: the trace is rewritten as checkpointing them makes it (their activations
+    /// that backward reads made again by a copy of their forward kernels right before the
+    /// first one is read). `auto`: the layers whose checkpointing makes the `auto` plan's
+    /// simulated iteration fastest, or none (printed first). `% ideal` is then against the
+    /// rewritten trace; `iter s` compares with the trace's own.
+    #[arg(long, value_name = "LAYERS|auto", conflicts_with_all = ["plan", "checkpointed_trace", "fsdp_ranks", "optimizer_on"])]
+    pub checkpoint_layers: Option<String>,
 }
 
 /// One kernel's wait, as `--stalls` lists it.
@@ -206,6 +216,10 @@ pub fn run(args: Args) -> Result<()> {
     let trace = crate::cmd::trace::load(&args.trace)?;
     let hw = args.hw.hardware()?;
     let plan_opts = args.planner.options()?;
+    let trace = match &args.checkpoint_layers {
+        Some(spec) => checkpointed(&args, trace, &hw, &plan_opts, spec)?,
+        None => trace,
+    };
     if args.optimizer_on == "auto" {
         return place_optimizer(&args, &trace, &hw, plan_opts);
     }
@@ -490,4 +504,67 @@ fn place_optimizer(
         outln!("{} updates stay on the GPU: {}", not.len(), not[0]);
     }
     Ok(())
+}
+
+/// `--checkpoint-layers`: the trace with those layers checkpointed (`auto`: chosen by
+/// `checkpoint::choose_layers`), the choice said on stderr (stdout with `--json` stays JSON).
+fn checkpointed(
+    args: &Args,
+    trace: teraio_scheduler::Trace,
+    hw: &teraio_scheduler::Hardware,
+    plan_opts: &teraio_scheduler::PlanOptions,
+    spec: &str,
+) -> Result<teraio_scheduler::Trace> {
+    use teraio_scheduler::checkpoint::{choose_layers, forward_layers, rewrite};
+    let known: Vec<u32> =
+        forward_layers(&trace).map(|f| f.spans.into_keys().collect()).unwrap_or_default();
+    let layers: Vec<u32> = match spec {
+        "auto" => {
+            let select = SelectOptions::cli(Policy::Auto, plan_opts.clone(), hw.gpu_memory_bytes);
+            let c = choose_layers(&trace, hw, &select)?;
+            eprintln!("--checkpoint-layers auto: {}", c.why);
+            c.layers
+        }
+        "all" => known.clone(),
+        _ => parse_layers(spec)?,
+    };
+    if layers.is_empty() {
+        return Ok(trace);
+    }
+    let before = trace.iteration_time_us();
+    let out = rewrite(&trace, &layers)
+        .map_err(|e| CliError::Usage(format!("--checkpoint-layers {spec}: {e}")))?;
+    if !args.json {
+        eprintln!(
+            "checkpointing layers {layers:?}: {} kernels run again (+{:.3} s); the trace's own ideal \
+             iteration is {:.3} s",
+            out.kernels.len() - trace.kernels.len(),
+            (out.iteration_time_us() - before) / 1e6,
+            before / 1e6
+        );
+    }
+    Ok(out)
+}
+
+/// `0-5,8` -> [0, 1, 2, 3, 4, 5, 8].
+fn parse_layers(spec: &str) -> Result<Vec<u32>> {
+    let bad = |part: &str| {
+        CliError::Usage(format!(
+            "--checkpoint-layers {spec}: {part:?} is not a layer or a range such as 0-5 \
+             (or give all, or auto)"
+        ))
+    };
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim) {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let (lo, hi): (u32, u32) =
+            (lo.parse().map_err(|_| bad(part))?, hi.parse().map_err(|_| bad(part))?);
+        if lo > hi {
+            return Err(bad(part));
+        }
+        out.extend(lo..=hi);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
 }

@@ -293,6 +293,18 @@ def select(
     paging_fallback: Optional[bool] = ...,
     **overrides: Any,
 ) -> Selection: ...
+def choose_checkpoint(
+    trace: Trace,
+    policy: str = ...,
+    hardware: Hardware = ...,
+    *,
+    gpu_budget_bytes: Optional[int] = ...,
+    allowance: Optional[Dict[str, Any]] = ...,
+    reserved_bytes: int = ...,
+    plan_margin: float = ...,
+    paging_fallback: Optional[bool] = ...,
+    **overrides: Any,
+) -> Dict[str, Any]: ...
 def select_budgets(
     gpu_budget_bytes: int,
     *,

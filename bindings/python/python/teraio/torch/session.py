@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_key, storage_of
 from .fsdp import claim as claim_fsdp
 from .fsdp import named_parameters
+from .checkpoint import Checkpointed, layer_modules
 from .host_offload import offload_optimizer
 from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, make_plannable, working_sets
 from .planned import Diverged, PlanEntry, PlannedRun, Results, keep_last
@@ -244,6 +245,16 @@ class Session:
     host_budget_bytes)`` returning the placement dict (``teraio.place_optimizer``'s) that "auto"
     applies (default: ``teraio.place_optimizer`` with ``policy`` and ``hardware``); given, it
     is applied on a CPU model too.
+    ``checkpoint_layers`` (default None: none): layers (the entries of the model's outermost
+    ``ModuleList``) whose activations are not kept but made again in backward by running the
+    layer's forward once more (``torch.utils.checkpoint``, non-reentrant; the results are the same
+    bits), the plan moving or recomputing the rest. A list: those layers, from the first step.
+    ``"auto"`` (with a ``gpu_budget_bytes``): the first profiled step's trace decides
+    (``teraio.choose_checkpoint``: the trace rewritten as checkpointing each of a few layer sets
+    would make it, each planned and simulated on the hardware model; chosen only where that is
+    at least 2% faster than the plan without); the chosen layers are checkpointed from the next
+    step, which is profiled and planned. The step's record says the choice (``"checkpoint"``),
+    the log says it once; :attr:`checkpointed_layers` holds the layers.
     ``plan_margin`` (default 0): plans are made for this fraction less than the executor's
     budget. On a GPU the host runs ahead of the device, so the executor sees an offload's memory
     freed later than the plan's timing does; the margin is the slack that keeps the host from
@@ -300,6 +311,7 @@ class Session:
         host_waits: bool = False,
         traffic_margin: float = 0.03,
         plan_margin: float = 0.0,
+        checkpoint_layers: Any = None,
         keep_steps: int = 1000,
         bounded_shapes: bool = True,
         verify_recompute: bool = True,
@@ -389,6 +401,30 @@ class Session:
         self.planner = planner
         self.profiler = Profiler(model, optimizer, device=device, producers=recompute)
         self.device = self.profiler.device
+        # checkpoint_layers: the layers checkpointed (a Checkpointed, undone at close), and
+        # whether "auto" still has to choose (at the first profiled step)
+        self._checkpointed: Checkpointed | None = None
+        self._choose_checkpoint = False
+        ckpt_now: list[int] = []
+        if checkpoint_layers == "auto":
+            if gpu_budget_bytes is None:
+                raise ValueError("checkpoint_layers='auto' weighs plans under a budget: give gpu_budget_bytes, "
+                                 "or a list of layers")
+            layer_modules(model)  # (a model without a clear list of layers: said now)
+            self._choose_checkpoint = True
+        elif checkpoint_layers is not None:
+            if isinstance(checkpoint_layers, (str, bytes)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in checkpoint_layers):
+                raise ValueError(f"checkpoint_layers must be None, 'auto' or a list of layer numbers, "
+                                 f"got {checkpoint_layers!r}")
+            if checkpoint_layers:
+                layers = list(checkpoint_layers)
+                n = len(layer_modules(model))
+                bad = [i for i in layers if not 0 <= i < n]
+                if bad:
+                    raise ValueError(f"checkpoint_layers: layer {bad[0]} is not one of the model's {n} layers "
+                                     f"(0 to {n - 1})")
+                ckpt_now = layers
         # under FSDP2 (teraio.torch.fsdp): FSDP's unsharded parameter storages are FSDP's, not
         # traced nor moved; their peak, sampled in profiled steps, is kept out of plans' budget
         self.fsdp = claim_fsdp(model)
@@ -459,6 +495,8 @@ class Session:
         self._alloc_counts: dict[str, int] | None = None
         self.step_count = 0  # steps begun (``steps`` keeps the latest ``keep_steps``)
         self.closed = False
+        if ckpt_now:
+            self._checkpointed = Checkpointed(model, ckpt_now)
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -926,6 +964,14 @@ class Session:
             # profiled again, then planned
             return
         rec["trace_peak_bytes"] = peak_bytes(trace)
+        if self.budget is not None:
+            if self.device.type == "cuda":
+                # (the fixed allowance keeps twice it free: the caching allocator must place it)
+                self._largest_tensor = max((t["bytes"] for t in trace["tensors"]), default=0)
+            self._measure_allowance()
+            if self._choose_checkpoint and self._checkpoint_some(trace, rec):
+                # the next step runs those layers checkpointed: profiled again, then planned
+                return
         entry = PlanEntry(trace=trace, signatures=sigs, plan=None,
                           created=self.profiler.created_ids, created_at=self.profiler.created_positions,
                           marks=list(self.profiler.marks))
@@ -938,10 +984,6 @@ class Session:
         group.decide_at = max(group.decide_at, entry.input_op)
         if self.budget is None:
             return
-        if self.device.type == "cuda":
-            # (the fixed allowance keeps twice it free: the caching allocator must place it)
-            self._largest_tensor = max((t["bytes"] for t in trace["tensors"]), default=0)
-        self._measure_allowance()
         import teraio
 
         t0 = time.perf_counter()
@@ -996,6 +1038,36 @@ class Session:
             rec["plan"] += f", the pager's schedule as a plan: {sel_info['why']}"
             self.log(f"teraio: no plan of policy {self.policy!r} runs in the budget; the steps run the pager's "
                      f"schedule as a plan ({sel_info['why']})")
+
+    def _checkpoint_some(self, trace: dict[str, Any], rec: dict[str, Any]) -> bool:
+        """checkpoint_layers="auto": choose the layers to checkpoint from ``trace`` (once) and
+        checkpoint them; whether any are. ``rec`` (the step's record) says the choice."""
+        import teraio
+
+        self._choose_checkpoint = False
+        hw = self._plan_hardware(rec)
+        over: dict[str, Any] = {"host_memory_cap_bytes": self.host_budget}
+        capacity = getattr(self.store, "capacity_bytes", None)
+        if isinstance(capacity, int) and capacity > 0:
+            over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
+        try:
+            c = teraio.choose_checkpoint(teraio.Trace.from_dict(trace), self.policy, hw,
+                                         gpu_budget_bytes=self.budget, paging_fallback=True,
+                                         **self._budget_options(), **over)
+        except teraio.TeraioError as e:
+            c = {"layers": [], "why": f"no checkpointing ({e})"}
+        rec["checkpoint"] = c["why"]
+        self.log(f"teraio: checkpoint_layers='auto': {c['why']}")
+        if not c["layers"]:
+            return False
+        self._checkpointed = Checkpointed(self.model, c["layers"])
+        rec["plan"] = "not yet (the next step runs with those layers checkpointed: profiled again, then planned)"
+        return True
+
+    @property
+    def checkpointed_layers(self) -> list[int]:
+        """The layers checkpointed now (``checkpoint_layers``), ascending."""
+        return list(self._checkpointed.layers) if self._checkpointed is not None else []
 
     def _place_optimizer(self, trace: dict[str, Any], rec: dict[str, Any]) -> bool:
         """optimizer_on="auto": choose where each update runs from ``trace`` and apply it (the
@@ -1145,6 +1217,8 @@ class Session:
             self._engine.close()
         if self.fsdp is not None:
             self.fsdp.release()
+        if self._checkpointed is not None:
+            self._checkpointed.undo()
         self.closed = True
 
     def __enter__(self) -> "Session":

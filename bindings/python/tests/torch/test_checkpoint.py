@@ -1,0 +1,138 @@
+"""Session(checkpoint_layers=): layers checkpointed by the plan's choice (or the caller's) train
+bitwise as plain training does, and the choice is made only where the model finds it faster."""
+
+import pytest
+import torch
+
+import teraio.torch as tt
+from teraio.torch.checkpoint import layer_modules
+from teraio.torch.session import _TestHooks as Hooks
+
+from models import batches, make, train_step
+from test_session import _SLOW, engine_store, params_bytes
+
+
+def _run(tmp_path, n=6, layers=4, mult=10, **kw):
+    """(reference losses and model, the Session's losses, model and session) over ``n`` steps
+    of the tiny GPT at a budget of ``mult`` times its parameters' bytes."""
+    data = batches(n, batch=16, seq=64)
+    ref_m, ref_o = make(seq=64, layers=layers)
+    ref = [train_step(ref_m, ref_o, t) for t in data]
+    m, o = make(seq=64, layers=layers)
+    budget = int(mult * params_bytes(m))
+    s = tt.Session(m, o, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=budget, page_min_bytes=0,
+                   hardware=dict(_SLOW, gpu_memory_bytes=budget), log=lambda _: None, **kw)
+    got = []
+    for t in data:
+        with s.step():
+            got.append(train_step(m, o, t))
+    return ref, ref_m, got, m, s
+
+
+def _gelus_in_backward(entry):
+    """The forward GELUs a plan's trace runs during backward: one per checkpointed layer of the
+    tiny GPT (plain backward runs ``gelu_backward`` only)."""
+    return sum(k["name"] == "bwd.gelu" for k in entry.trace["kernels"])
+
+
+def _same(ref_m, m):
+    return all(torch.equal(p, q) for p, q in zip(ref_m.parameters(), m.parameters()))
+
+
+def test_chosen_layers_are_checkpointed_from_the_next_step_and_train_bitwise(tmp_path):
+    # slow transfers: the model finds remaking a layer cheaper than moving its activations
+    ref, ref_m, got, m, s = _run(tmp_path, checkpoint_layers="auto")
+    assert s.checkpointed_layers, [r.get("checkpoint") for r in s.steps]
+    said = [r["checkpoint"] for r in s.steps if r.get("checkpoint")]
+    assert len(said) == 1 and said[0].startswith("checkpointing"), said
+    # the step that chose is not planned; the next is profiled with the layers checkpointed
+    modes = [r["mode"] for r in s.steps]
+    assert modes[-3:] == ["planned"] * 3, modes
+    assert got == ref and _same(ref_m, m)
+    (entry,) = [e for e in s.plans.values() if e.plan is not None]
+    # the planned trace runs each checkpointed layer's forward again in backward (its GELU)
+    assert _gelus_in_backward(entry) == len(s.checkpointed_layers)
+    s.close()
+    # the model's forward is its own again
+    assert all("forward" not in mod.__dict__ for mod in layer_modules(m))
+
+
+def test_with_room_for_everything_no_layer_is_checkpointed(tmp_path):
+    ref, ref_m, got, m, s = _run(tmp_path, n=4, mult=1000, checkpoint_layers="auto")
+    assert s.checkpointed_layers == []
+    (said,) = [r["checkpoint"] for r in s.steps if r.get("checkpoint")]
+    assert said.startswith("no checkpointing"), said
+    assert got == ref and _same(ref_m, m)
+    s.close()
+
+
+def test_layers_the_caller_names_are_checkpointed_from_the_first_step(tmp_path):
+    ref, ref_m, got, m, s = _run(tmp_path, n=5, layers=3, checkpoint_layers=[0, 2])
+    assert s.checkpointed_layers == [0, 2]
+    mods = layer_modules(m)
+    assert "forward" in mods[0].__dict__ and "forward" not in mods[1].__dict__
+    assert got == ref and _same(ref_m, m)
+    assert [r["mode"] for r in s.steps][-2:] == ["planned"] * 2
+    (entry,) = [e for e in s.plans.values() if e.plan is not None]
+    assert _gelus_in_backward(entry) == 2
+    s.close()
+    assert all("forward" not in mod.__dict__ for mod in mods)
+
+
+def test_a_transformers_llama_chooses_and_trains_bitwise(tmp_path):
+    """A model nobody here wrote: a transformers Llama (GQA, RoPE, RMSNorm, SwiGLU)."""
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                       tie_word_embeddings=False)
+        cfg._attn_implementation = "eager"
+        m = transformers.LlamaForCausalLM(cfg)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 512, (8, 64), generator=g) for _ in range(6)]
+
+    def train(m, opt, t):
+        loss = m(input_ids=t, labels=t).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    ref_m, ref_o = build()
+    ref = [train(ref_m, ref_o, t) for t in data]
+    m, o = build()
+    budget = 5 * params_bytes(m)
+    s = tt.Session(m, o, _hooks=Hooks(store=engine_store(tmp_path)), gpu_budget_bytes=budget, page_min_bytes=0,
+                   hardware=dict(_SLOW, gpu_memory_bytes=budget), checkpoint_layers="auto", log=lambda _: None)
+    got = []
+    for t in data:
+        with s.step():
+            got.append(train(m, o, t))
+    assert s.checkpointed_layers, [r.get("checkpoint") for r in s.steps]
+    assert "planned" in [r["mode"] for r in s.steps]
+    assert got == ref and _same(ref_m, m)
+    # the library's own per-layer switch was used (its rules: no key-value cache while
+    # checkpointing), and is off again after the session
+    mods = layer_modules(m)
+    assert all(mods[i].gradient_checkpointing for i in s.checkpointed_layers)
+    s.close()
+    assert all("forward" not in mod.__dict__ and not mod.gradient_checkpointing for mod in mods)
+
+
+def test_bad_checkpoint_layers_are_errors_naming_the_argument():
+    m, o = make()
+    with pytest.raises(ValueError, match=r"layer 7 is not one of the model's 3 layers"):
+        tt.Session(m, o, checkpoint_layers=[7], log=lambda _: None)
+    with pytest.raises(ValueError, match=r"'auto' weighs plans under a budget"):
+        tt.Session(m, o, checkpoint_layers="auto", log=lambda _: None)
+    with pytest.raises(ValueError, match=r"None, 'auto' or a list of layer numbers"):
+        tt.Session(m, o, checkpoint_layers="all", log=lambda _: None)
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"no torch.nn.ModuleList of layers"):
+        tt.Session(flat, torch.optim.SGD(flat.parameters(), lr=0.1), checkpoint_layers=[0], log=lambda _: None)
+    # nothing was wrapped by the refused sessions
+    assert all("forward" not in mod.__dict__ for mod in layer_modules(m))
