@@ -80,6 +80,13 @@ const SCALAR_STATE_BYTES: u64 = 64;
 /// The most candidates [`place`] simulates.
 pub const CANDIDATES_MAX: usize = 64;
 
+/// Fraction by which a placement with updates on the host must simulate faster than all-GPU to
+/// be chosen ([`place`]). The host's side rests on a modelled CPU throughput and copies that
+/// contend with the GPU's own transfers: on an H100 (2026-12-07, docs/BENCHMARKS.md) a
+/// placement the model found 1.7% faster (25 of 111 parameters of a Llama 200 M in fp32) ran
+/// 10% slower than all-GPU.
+pub const HOST_MIN_GAIN: f64 = 0.05;
+
 /// The optimizer's work on a set of parameters stepped together (see the module).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Update {
@@ -579,8 +586,9 @@ pub fn lower_bound(trace: &Trace, hw: &Hardware) -> Result<f64> {
 
 /// Choose which updates run on the host (module documentation): the fastest simulated
 /// placement among all-GPU, all-host and the first `m` of [`host_order`] for `m` on a grid of
-/// `opts.candidates` points (refined around the best). An error where no placement has a plan
-/// that runs (the error of all-GPU's), or for bad options.
+/// `opts.candidates` points (refined around the best), unless it is within [`HOST_MIN_GAIN`]
+/// of all-GPU (then all-GPU). An error where no placement has a plan that runs (the error of
+/// all-GPU's), or for bad options.
 pub fn place(trace: &Trace, hw: &Hardware, opts: &PlaceOptions) -> Result<Placement> {
     if !(2..=CANDIDATES_MAX).contains(&opts.candidates) {
         return Err(Error::InvalidArgument(format!(
@@ -657,6 +665,11 @@ pub fn place(trace: &Trace, hw: &Hardware, opts: &PlaceOptions) -> Result<Placem
             "no placement of the optimizer's updates has a plan that runs on this hardware \
              (all on the GPU: {why})"
         )));
+    };
+    // (a near tie stays on the GPU: HOST_MIN_GAIN)
+    let best = match (all_gpu_us, at(best)) {
+        (Some(g), Some(b)) if best > 0 && b > g * (1.0 - HOST_MIN_GAIN) => 0,
+        _ => best,
     };
     let idx = tried.iter().position(|(m, _)| *m == best).expect("tried");
     let (_, r) = tried.swap_remove(idx);
