@@ -251,6 +251,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--teraio-optimizer-on", choices=["gpu", "host", "auto"], default="gpu",
                     help="teraio: where AdamW steps (Session(optimizer_on=)): gpu (default: the states moved "
                          "by the plan), host (every update on the CPU), auto (chosen per parameter by cost)")
+    ap.add_argument("--teraio-checkpoint", choices=["none", "auto"], default="none",
+                    help="teraio: layers checkpointed (Session(checkpoint_layers=)): none (default), or auto (the "
+                         "layers whose checkpointing makes the plan of the rest simulate fastest, chosen from the "
+                         "first profiled step)")
     ap.add_argument("--teraio-time-gpu", action="store_true",
                     help="teraio (GPU): CUDA events around every operator of planned steps (Session(time_gpu=)); "
                          "each step's record then says how long the GPU was busy, recomputing and idle, and "
@@ -400,7 +404,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
                 engine_file_bytes=(64 << 20) if tiny else int(args.engine_file_gib * 2**30),
                 page_min_bytes=0 if tiny else 64 << 10, hw=args.hw, teraio_gather=args.teraio_gather,
                 teraio_allowance=args.teraio_allowance, teraio_optimizer_on=args.teraio_optimizer_on,
-                teraio_time_gpu=args.teraio_time_gpu,
+                teraio_time_gpu=args.teraio_time_gpu, teraio_checkpoint=args.teraio_checkpoint,
                 save_traces=os.path.abspath(args.save_traces) if args.save_traces else None,
                 zero_infinity_to=args.zero_infinity_to, zero_checkpointing=args.zero_checkpointing)
     env = dict(os.environ)
@@ -445,7 +449,7 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
     drop = {"result", "port", "engine_dir"}
     if spec["method"] != "teraio":
         drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather", "teraio_allowance",
-                 "teraio_optimizer_on", "teraio_time_gpu", "save_traces"}
+                 "teraio_optimizer_on", "teraio_time_gpu", "teraio_checkpoint", "save_traces"}
     if not spec["method"].startswith("zero-"):
         drop |= {"zero_checkpointing", "zero_infinity_to"}
     if spec["method"] != "zero-infinity":
@@ -841,13 +845,15 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
         if hw and os.path.exists(hw):
             hw = os.path.abspath(hw)
         gather = {"budget": "budget", "all": True, "none": False}[spec["teraio_gather"]]
+        # (given only when asked for: a wheel from before checkpoint_layers runs the others)
+        more = {"checkpoint_layers": "auto"} if spec.get("teraio_checkpoint") == "auto" else {}
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=spec["cap_bytes"],
                              host_budget_bytes=spec["host_bytes"], hardware=hw,
                              page_min_bytes=spec["page_min_bytes"], gather_between_steps=gather,
                              allocator_allowance=spec.get("teraio_allowance", "auto"),
                              optimizer_on=spec.get("teraio_optimizer_on", "gpu"),
                              time_gpu=bool(spec.get("teraio_time_gpu")) and cuda,
-                             log=lambda line: print(line, file=sys.stderr, flush=True))
+                             log=lambda line: print(line, file=sys.stderr, flush=True), **more)
 
     def step(tokens):
         moved["steps"] += 1
@@ -883,6 +889,8 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
                 "plans": rep.get("plans"), "hardware": rep.get("hardware"), "budget_bytes": rep.get("budget_bytes"),
                 "evictions": rep.get("evictions"), "fetches": rep.get("fetches"),
                 "plan": next((r["plan"] for r in recs if str(r.get("plan", "")).startswith("made")), None),
+                "checkpoint": next((r["checkpoint"] for r in recs if r.get("checkpoint")), None),
+                "checkpointed_layers": getattr(session, "checkpointed_layers", None),
             }
             if t:
                 out["bytes_moved_per_step"] = statistics.mean(r.get("bytes_moved", 0) for r in t)
