@@ -95,3 +95,21 @@ def test_select_is_the_checked_plan_with_its_budgets_and_names_a_kernel_that_nev
         teraio.select(trace, gpu_budget_bytes=1000)
     with pytest.raises(teraio.InvalidArgumentError, match="traffic_margin"):
         teraio.select(trace, gpu_budget_bytes=cap, traffic_margin=2.0)
+
+
+def test_choose_checkpoint_weighs_layer_sets_with_the_select_options(trace):
+    # slow transfers and a squeezed GPU: remaking a layer beats moving its activations
+    slow = dict(pcie_h2d_bytes_per_s=1e8, pcie_d2h_bytes_per_s=1e8, ssd_read_bytes_per_s=1e7,
+                ssd_write_bytes_per_s=1e7, host_memory_cap_bytes=0)
+    cap = trace.peak_resident_bytes * 3 // 4
+    c = teraio.choose_checkpoint(trace, "auto", "paper", gpu_budget_bytes=cap, **slow)
+    assert c["layers"] and set(c["layers"]) <= {0, 1}, c["why"]
+    assert c["why"].startswith("checkpointing") and c["tried"][0]["layers"] == []
+    assert c["without_us"] is None or c["iteration_time_us"] < c["without_us"]
+    # room for everything: nothing to gain
+    roomy = teraio.choose_checkpoint(trace, "auto", "paper", gpu_budget_bytes=trace.peak_resident_bytes * 4)
+    assert roomy["layers"] == [] and roomy["iteration_time_us"] == roomy["without_us"], roomy["why"]
+    # no set runs in 1000 bytes: none is chosen, and each one's refusal names the kernel
+    bad = teraio.choose_checkpoint(trace, "auto", "paper", gpu_budget_bytes=1000)
+    assert bad["layers"] == [] and bad["without_us"] is None and bad["iteration_time_us"] is None
+    assert all("GPU memory too small: kernel" in t["refused"] for t in bad["tried"]), bad["tried"]

@@ -959,6 +959,20 @@ class Selection:
         return f"Selection({self.plan.policy!r}, {self.choice!r}: {self.why})"
 
 
+def _select_options(policy: str, gpu_budget_bytes: Optional[int], allowance: Optional[Dict[str, Any]],
+                    reserved_bytes: int, plan_margin: float, paging_fallback: Optional[bool]) -> Dict[str, Any]:
+    """The scheduler's selection options as :func:`select` and :func:`choose_checkpoint` send
+    them (``SelectRequest``)."""
+    opts: Dict[str, Any] = {"policy": policy, "reserved_bytes": int(reserved_bytes), "plan_margin": float(plan_margin)}
+    if gpu_budget_bytes is not None:
+        opts["gpu_budget_bytes"] = int(gpu_budget_bytes)
+    if allowance is not None:
+        opts["allowance"] = allowance
+    if paging_fallback is not None:
+        opts["paging_fallback"] = bool(paging_fallback)
+    return opts
+
+
 def select(
     trace: Trace,
     policy: str = "auto",
@@ -981,14 +995,8 @@ def select(
     less and simulates within ``traffic_margin`` (0: not made), and, where the policy's plan
     does not run, the pager's schedule as a plan (``paging_fallback``; default: with
     ``"auto"``). ``overrides``: hardware fields, as :func:`plan` takes them."""
-    opts: Dict[str, Any] = {"policy": policy, "reserved_bytes": int(reserved_bytes),
-                            "plan_margin": float(plan_margin), "traffic_margin": float(traffic_margin)}
-    if gpu_budget_bytes is not None:
-        opts["gpu_budget_bytes"] = int(gpu_budget_bytes)
-    if allowance is not None:
-        opts["allowance"] = allowance
-    if paging_fallback is not None:
-        opts["paging_fallback"] = bool(paging_fallback)
+    opts = _select_options(policy, gpu_budget_bytes, allowance, reserved_bytes, plan_margin, paging_fallback)
+    opts["traffic_margin"] = float(traffic_margin)
     native, info = _teraio.select(trace._native, _hw(hardware), _overrides(overrides), json.dumps(opts))
     return Selection(Plan(native), json.loads(info))
 
@@ -1011,14 +1019,7 @@ def choose_checkpoint(
     layer, ``k`` layers spread evenly for each ``k``, then each layer toggled from the best.
     Returns ``{"layers": [...], "iteration_time_us", "without_us", "tried": [...], "why"}``;
     ``layers`` is empty unless checkpointing simulates at least 2% faster."""
-    opts: Dict[str, Any] = {"policy": policy, "reserved_bytes": int(reserved_bytes),
-                            "plan_margin": float(plan_margin)}
-    if gpu_budget_bytes is not None:
-        opts["gpu_budget_bytes"] = int(gpu_budget_bytes)
-    if allowance is not None:
-        opts["allowance"] = allowance
-    if paging_fallback is not None:
-        opts["paging_fallback"] = bool(paging_fallback)
+    opts = _select_options(policy, gpu_budget_bytes, allowance, reserved_bytes, plan_margin, paging_fallback)
     return json.loads(_teraio.choose_checkpoint(trace._native, _hw(hardware), _overrides(overrides),
                                                 json.dumps(opts)))
 

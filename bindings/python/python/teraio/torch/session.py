@@ -999,12 +999,7 @@ class Session:
             entry.plan = self.planner(trace, budgets["planning_bytes"], self.host_budget)
         else:
             hw = self._plan_hardware(rec)
-            over: dict[str, Any] = {"host_memory_cap_bytes": self.host_budget}
-            capacity = getattr(self.store, "capacity_bytes", None)
-            if isinstance(capacity, int) and capacity > 0:
-                # the plan must fit the engine's array: the planner keeps its SSD footprint under
-                # the capacity (per SSD of the hardware model) or refuses the plan
-                over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
+            over = self._tier_overrides(hw)
             try:
                 sel = teraio.select(tr, self.policy, hw, gpu_budget_bytes=self.budget,
                                     traffic_margin=self.traffic_margin, paging_fallback=True,
@@ -1046,10 +1041,7 @@ class Session:
 
         self._choose_checkpoint = False
         hw = self._plan_hardware(rec)
-        over: dict[str, Any] = {"host_memory_cap_bytes": self.host_budget}
-        capacity = getattr(self.store, "capacity_bytes", None)
-        if isinstance(capacity, int) and capacity > 0:
-            over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
+        over = self._tier_overrides(hw)
         try:
             c = teraio.choose_checkpoint(teraio.Trace.from_dict(trace), self.policy, hw,
                                          gpu_budget_bytes=self.budget, paging_fallback=True,
@@ -1079,11 +1071,7 @@ class Session:
             placement = self.placer(trace, self.planning_budget, self.host_budget)
         else:
             hw = self._plan_hardware(rec)
-            over: dict[str, Any] = {"gpu_memory_bytes": self.planning_budget,
-                                    "host_memory_cap_bytes": self.host_budget}
-            capacity = getattr(self.store, "capacity_bytes", None)
-            if isinstance(capacity, int) and capacity > 0:
-                over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
+            over = dict(self._tier_overrides(hw), gpu_memory_bytes=self.planning_budget)
             try:
                 placement = teraio.place_optimizer(teraio.Trace.from_dict(trace), self.policy, hw, **over)
             except teraio.TeraioError as e:
@@ -1100,6 +1088,18 @@ class Session:
         rec["optimizer"] += ("; the next step moves their states to the host, the one after is profiled with the "
                              "updates where they run now")
         return True
+
+    def _tier_overrides(self, hw: Any) -> dict[str, Any]:
+        """The hardware fields plans take from this Session beside the model ``hw``: the host
+        tier's cap, and the engine's array as each SSD's capacity (the planner keeps a plan's SSD
+        footprint under it or refuses the plan)."""
+        import teraio
+
+        over: dict[str, Any] = {"host_memory_cap_bytes": self.host_budget}
+        capacity = getattr(self.store, "capacity_bytes", None)
+        if isinstance(capacity, int) and capacity > 0:
+            over["ssd_capacity_bytes"] = capacity // max(1, int(teraio.hardware(hw).get("ssd_count", 1)))
+        return over
 
     def _plan_hardware(self, rec: dict[str, Any]) -> Any:
         """The hardware model plans are made for: as given, or this machine's (measured, or read
