@@ -150,6 +150,15 @@ fn print_text(m: &Measurement, output: Option<&std::path::Path>) {
         r.host_copy.threads,
         r.host_copy.bytes / 1_000_000
     );
+    match r.cpu_adam.params_per_s {
+        Some(p) => outln!(
+            "host AdamW   {:.2} G parameters/s ({} threads, {} M parameters)",
+            p / 1e9,
+            r.cpu_adam.threads,
+            r.cpu_adam.params / 1_000_000
+        ),
+        None => outln!("host AdamW   not measured"),
+    }
     match r.gpu.kind {
         GpuKind::None => outln!("GPU          none"),
         _ => outln!(
@@ -166,7 +175,7 @@ fn print_text(m: &Measurement, output: Option<&std::path::Path>) {
     let hw = &m.hardware;
     outln!(
         "model        {} SSDs of {} read / {} write each{}; PCIe {} up / {} down; host memory {}; \
-         GPUDirect {}",
+         host AdamW {:.2} G parameters/s; GPUDirect {}",
         hw.ssd_count,
         gbps(hw.ssd_read_bytes_per_s),
         gbps(hw.ssd_write_bytes_per_s),
@@ -175,6 +184,7 @@ fn print_text(m: &Measurement, output: Option<&std::path::Path>) {
         gbps(hw.pcie_h2d_bytes_per_s),
         gbps(hw.pcie_d2h_bytes_per_s),
         gbps(hw.host_memory_bytes_per_s),
+        hw.cpu_adam_params_per_s / 1e9,
         if hw.gpudirect { "yes" } else { "no" }
     );
     outln!("             from the `dev` preset: {}", r.from_default.join(", "));

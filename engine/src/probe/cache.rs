@@ -8,7 +8,7 @@
 //!
 //! ```json
 //! { "gpu_memory_bytes": ..., "ssd_count": 4, "ssd_read_bytes_per_s": ..., ...,
-//!   "teraio_probe": { "format": 1, "key": { "hostname": ..., "cpu_model": ..., "gpu": ...,
+//!   "teraio_probe": { "format": 2, "key": { "hostname": ..., "cpu_model": ..., "gpu": ...,
 //!     "backend": "uring", "devices": 4, "array": ["/mnt/nvme0/teraio/dev0", ...] },
 //!     "measured_unix_s": ..., "report": { ... } } }
 //! ```
@@ -31,8 +31,10 @@ use teraio_scheduler::Hardware;
 use super::{Measurement, ProbeOptions, ProbeReport, Source, engine_fields, measure};
 use crate::{Engine, Error, Result};
 
-/// Version of the `teraio_probe` section; a file of another is measured again.
-pub const FORMAT: u32 = 1;
+/// Version of the `teraio_probe` section; a file of another is measured again. 2 (2026-12-07):
+/// the host's AdamW is measured (`cpu_adam_params_per_s`), so models of format 1 hold the
+/// default CPU figure.
+pub const FORMAT: u32 = 2;
 
 /// The environment variable naming the cache folder (first choice).
 pub const CACHE_DIR_ENV: &str = "TERAIO_CACHE_DIR";

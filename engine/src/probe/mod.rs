@@ -9,6 +9,10 @@
 //!   store (O_DIRECT, striped, checksummed: what an offload and a prefetch pay), from host
 //!   buffers, with up to [`ProbeOptions::array_bytes`] each way;
 //! - host memory copies, on as many threads as the engine has workers;
+//! - the host's AdamW (teraio's own, `crate::optim`, on its default threads) over buffers of
+//!   a quarter of [`ProbeOptions::copy_bytes`] each: the parameters a second an optimizer
+//!   update on the host runs at (`cpu_adam_params_per_s`, which the optimizer's placement
+//!   weighs);
 //! - with a GPU, pinned host <-> device copies each way alone and both at once, on the engine's
 //!   copy queues (as prefetches and offloads go). On a CPU-only engine the "GPU" is host memory:
 //!   its copy rates are the host copy rate, and the report says so.
@@ -105,6 +109,17 @@ pub struct HostCopyRates {
     pub bytes_per_s: Option<f64>,
 }
 
+/// The host's AdamW.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CpuAdamRate {
+    /// Parameters of one timed step.
+    pub params: u64,
+    /// Threads of the step.
+    pub threads: usize,
+    /// Parameters updated per second.
+    pub params_per_s: Option<f64>,
+}
+
 /// What stands in the GPU's place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -141,6 +156,9 @@ pub struct ProbeReport {
     pub array: ArrayRates,
     /// Host memory copies.
     pub host_copy: HostCopyRates,
+    /// The host's AdamW.
+    #[serde(default)]
+    pub cpu_adam: CpuAdamRate,
     /// The GPU, or what stands in for it.
     pub gpu: GpuRates,
     /// Fields of the model that were neither measured nor taken from the engine's
@@ -182,7 +200,14 @@ impl ProbeReport {
                 rate(self.gpu.both_bytes_per_s)
             ),
         };
-        format!("{array}; host copies {}; {gpu}", rate(self.host_copy.bytes_per_s))
+        let adam = self.cpu_adam.params_per_s.map_or_else(
+            || "not measured".to_string(),
+            |r| format!("{:.2} G parameters/s", r / 1e9),
+        );
+        format!(
+            "{array}; host copies {}; host AdamW {adam}; {gpu}",
+            rate(self.host_copy.bytes_per_s)
+        )
     }
 }
 
@@ -288,9 +313,22 @@ pub fn measure(engine: &Engine, options: &ProbeOptions) -> Measurement {
         },
     };
     let gpu = measure_gpu(engine, options, &host_copy, &mut notes);
+    let params = options.copy_bytes / 16;
+    let cpu_adam = CpuAdamRate {
+        params,
+        threads: crate::optim::default_threads(),
+        params_per_s: match cpu_adam_rate(params, options.phase_time_max) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                notes.push(format!("host AdamW: not measured ({e})"));
+                None
+            }
+        },
+    };
     let report = ProbeReport {
         array,
         host_copy,
+        cpu_adam,
         gpu,
         from_default: Vec::new(),
         notes,
@@ -380,7 +418,11 @@ fn model(engine: &Engine, mut report: ProbeReport) -> (Hardware, ProbeReport) {
             });
         }
     }
-    default.extend(["ssd_latency_us", "cpu_adam_params_per_s", "ssd_endurance_tbw"]);
+    match report.cpu_adam.params_per_s {
+        Some(r) => hw.cpu_adam_params_per_s = r,
+        None => default.push("cpu_adam_params_per_s"),
+    }
+    default.extend(["ssd_latency_us", "ssd_endurance_tbw"]);
     report.from_default = default.into_iter().map(str::to_owned).collect();
     debug_assert!(hw.validate().is_ok(), "a measured model is valid: {hw:?}");
     (hw, report)
@@ -628,6 +670,35 @@ fn host_copy_rate(bytes: u64, threads: usize, phase: Duration) -> Result<f64> {
         }
     }
     Ok(bytes as f64 / best.as_secs_f64().max(1e-9))
+}
+
+/// Parameters a second of teraio's host AdamW over `params` parameters (four buffers of that
+/// many f32: parameter, gradient, two states), on its default threads: the best of up to 8
+/// steps after one untimed, within `phase`.
+fn cpu_adam_rate(params: u64, phase: Duration) -> Result<f64> {
+    let n = usize::try_from(params)
+        .ok()
+        .filter(|&n| n >= 1024)
+        .ok_or_else(|| Error::InvalidArgument(format!("{params} parameters is below 1024")))?;
+    let mut param = vec![0.5f32; n];
+    let grad = vec![0.01f32; n];
+    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+    let adam = crate::optim::AdamW::default();
+    let mut step = |k: u64| -> Result<Duration> {
+        let start = Instant::now();
+        adam.step(k, &mut param, &grad, &mut m, &mut v, None)?;
+        Ok(start.elapsed())
+    };
+    step(1)?;
+    let started = Instant::now();
+    let mut best = Duration::MAX;
+    for k in 2..10 {
+        best = best.min(step(k)?);
+        if k >= 4 && started.elapsed() >= phase {
+            break;
+        }
+    }
+    Ok(params as f64 / best.as_secs_f64().max(1e-9))
 }
 
 /// The GPU's part: pinned copies on the engine's copy queues; on a CPU-only engine, what stands

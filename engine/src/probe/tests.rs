@@ -52,6 +52,12 @@ fn measured_on(engine: &Engine) {
         assert!(r.is_some_and(|r| r.is_finite() && r > 0.0), "{a:?} {:?}", m.report.notes);
     }
     assert!(m.report.host_copy.bytes_per_s.is_some_and(|r| r > 0.0));
+    // the host's AdamW measured, and the model's CPU figure is it
+    let adam = m.report.cpu_adam.params_per_s.expect("measured");
+    assert!(adam.is_finite() && adam > 0.0 && m.report.cpu_adam.params == 1 << 18);
+    assert_eq!(m.hardware.cpu_adam_params_per_s, adam);
+    assert!(!m.report.from_default.iter().any(|f| f == "cpu_adam_params_per_s"), "{:?}", m.report);
+    assert!(m.report.summary().contains("host AdamW"), "{}", m.report.summary());
     assert_eq!(m.report.gpu.kind, GpuKind::None);
     assert!(m.report.notes.iter().any(|n| n.contains("host memory")), "{:?}", m.report.notes);
     let hw = &m.hardware;
@@ -155,8 +161,11 @@ fn a_corrupt_or_foreign_cache_file_is_measured_again_with_a_notice() {
         ("{\"gpu_memory_bytes\": 1", "not JSON"),
         ("{\"ssd_count\": 1}", "no `teraio_probe`"),
         ("{\"teraio_probe\": {\"format\": 99}}", "another format"),
-        ("{\"teraio_probe\": {\"format\": 1, \"key\": 3}}", "damaged"),
+        // (a model measured before the host's AdamW was)
+        ("{\"teraio_probe\": {\"format\": 1, \"key\": 3}}", "another format"),
+        ("{\"teraio_probe\": {\"format\": 2, \"key\": 3}}", "damaged"),
     ] {
+        assert_eq!(super::cache::FORMAT, 2, "the cases above name the format");
         std::fs::write(&path, bad).unwrap();
         let m = measure_cached_in(&engine, &opts, CacheMode::Use, Some(&cache));
         assert_eq!(m.source, Source::Measured, "{bad}");
