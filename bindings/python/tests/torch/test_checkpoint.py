@@ -39,24 +39,6 @@ def _same(ref_m, m):
     return all(torch.equal(p, q) for p, q in zip(ref_m.parameters(), m.parameters()))
 
 
-def test_chosen_layers_are_checkpointed_from_the_next_step_and_train_bitwise(tmp_path):
-    # slow transfers: the model finds remaking a layer cheaper than moving its activations
-    ref, ref_m, got, m, s = _run(tmp_path, checkpoint_layers="auto")
-    assert s.checkpointed_layers, [r.get("checkpoint") for r in s.steps]
-    said = [r["checkpoint"] for r in s.steps if r.get("checkpoint")]
-    assert len(said) == 1 and said[0].startswith("checkpointing"), said
-    # the step that chose is not planned; the next is profiled with the layers checkpointed
-    modes = [r["mode"] for r in s.steps]
-    assert modes[-3:] == ["planned"] * 3, modes
-    assert got == ref and _same(ref_m, m)
-    (entry,) = [e for e in s.plans.values() if e.plan is not None]
-    # the planned trace runs each checkpointed layer's forward again in backward (its GELU)
-    assert _gelus_in_backward(entry) == len(s.checkpointed_layers)
-    s.close()
-    # the model's forward is its own again
-    assert all("forward" not in mod.__dict__ for mod in layer_modules(m))
-
-
 def test_with_room_for_everything_no_layer_is_checkpointed(tmp_path):
     ref, ref_m, got, m, s = _run(tmp_path, n=4, mult=1000, checkpoint_layers="auto")
     assert s.checkpointed_layers == []
@@ -79,7 +61,7 @@ def test_layers_the_caller_names_are_checkpointed_from_the_first_step(tmp_path):
     assert all("forward" not in mod.__dict__ for mod in mods)
 
 
-def test_a_transformers_llama_chooses_and_trains_bitwise(tmp_path):
+def test_a_transformers_llama_chooses_layers_checkpoints_them_from_the_next_step_and_trains_bitwise(tmp_path):
     """A model nobody here wrote: a transformers Llama (GQA, RoPE, RMSNorm, SwiGLU)."""
     transformers = pytest.importorskip("transformers")
 
@@ -112,8 +94,20 @@ def test_a_transformers_llama_chooses_and_trains_bitwise(tmp_path):
     for t in data:
         with s.step():
             got.append(train(m, o, t))
+    # slow transfers, and a budget that holds little more than the weights and states: the
+    # model finds remaking layers far cheaper than moving their activations (by 4x here, so
+    # the choice does not hang on the CPU's timing of the operators)
     assert s.checkpointed_layers, [r.get("checkpoint") for r in s.steps]
-    assert "planned" in [r["mode"] for r in s.steps]
+    said = [r["checkpoint"] for r in s.steps if r.get("checkpoint")]
+    assert len(said) == 1 and said[0].startswith("checkpointing"), said
+    # the step that chose is not planned; the next is profiled with the layers checkpointed,
+    # then planned
+    modes = [r["mode"] for r in s.steps]
+    assert modes[-3:] == ["planned"] * 3, modes
+    (entry,) = [e for e in s.plans.values() if e.plan is not None]
+    # the planned trace runs each checkpointed layer's forward again in backward (its SiLU;
+    # plain backward runs silu_backward only)
+    assert sum(k["name"] == "bwd.silu" for k in entry.trace["kernels"]) == len(s.checkpointed_layers)
     assert got == ref and _same(ref_m, m)
     # the library's own per-layer switch was used (its rules: no key-value cache while
     # checkpointing), and is off again after the session
