@@ -651,30 +651,40 @@ fn host_copy_rate(bytes: u64, threads: usize, phase: Duration) -> Result<f64> {
     let src = vec![0x5au8; len];
     let mut dst = vec![0u8; len];
     let chunk = len.div_ceil(threads.max(1));
-    let mut round = || {
+    let best = best_round(16, phase, || {
         let start = Instant::now();
         std::thread::scope(|s| {
             for (d, from) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
                 s.spawn(move || d.copy_from_slice(from));
             }
         });
-        start.elapsed()
-    };
-    round();
+        Ok(start.elapsed())
+    })?;
+    Ok(bytes as f64 / best.as_secs_f64().max(1e-9))
+}
+
+/// The shortest of `round`'s times: one untimed round first, then at least 3 and at most
+/// `rounds`, stopping after `phase` once 3 ran.
+fn best_round(
+    rounds: usize,
+    phase: Duration,
+    mut round: impl FnMut() -> Result<Duration>,
+) -> Result<Duration> {
+    round()?;
     let started = Instant::now();
     let mut best = Duration::MAX;
-    for i in 0..16 {
-        best = best.min(round());
+    for i in 0..rounds {
+        best = best.min(round()?);
         if i >= 2 && started.elapsed() >= phase {
             break;
         }
     }
-    Ok(bytes as f64 / best.as_secs_f64().max(1e-9))
+    Ok(best)
 }
 
 /// Parameters a second of teraio's host AdamW over `params` parameters (four buffers of that
 /// many f32: parameter, gradient, two states), on its default threads: the best of up to 8
-/// steps after one untimed, within `phase`.
+/// steps after one untimed, within `phase` ([`best_round`]).
 fn cpu_adam_rate(params: u64, phase: Duration) -> Result<f64> {
     let n = usize::try_from(params)
         .ok()
@@ -684,20 +694,13 @@ fn cpu_adam_rate(params: u64, phase: Duration) -> Result<f64> {
     let grad = vec![0.01f32; n];
     let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
     let adam = crate::optim::AdamW::default();
-    let mut step = |k: u64| -> Result<Duration> {
+    let mut k = 0;
+    let best = best_round(8, phase, || {
+        k += 1;
         let start = Instant::now();
         adam.step(k, &mut param, &grad, &mut m, &mut v, None)?;
         Ok(start.elapsed())
-    };
-    step(1)?;
-    let started = Instant::now();
-    let mut best = Duration::MAX;
-    for k in 2..10 {
-        best = best.min(step(k)?);
-        if k >= 4 && started.elapsed() >= phase {
-            break;
-        }
-    }
+    })?;
     Ok(params as f64 / best.as_secs_f64().max(1e-9))
 }
 
