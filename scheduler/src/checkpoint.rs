@@ -64,16 +64,21 @@ pub fn forward_layers(trace: &Trace) -> Option<ForwardLayers> {
     Some(ForwardLayers { spans, end: boundary.checked_sub(1)? })
 }
 
-/// The trace as checkpointing `layers` makes it (see the module's doc). Layers that backward
-/// reads nothing of are left as they are. An error names a layer the trace has no forward of.
-pub fn rewrite(trace: &Trace, layers: &[u32]) -> Result<Trace> {
-    let ForwardLayers { spans, end } = forward_layers(trace).ok_or_else(|| {
+/// [`forward_layers`], or the error that says why none can be checkpointed.
+fn layers_of(trace: &Trace) -> Result<ForwardLayers> {
+    forward_layers(trace).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "trace {:?}: no backward kernel (a name starting with `bwd.`, or holding `.bwd.` or \
              ending in `.bwd`), so no layer can be checkpointed",
             trace.name
         ))
-    })?;
+    })
+}
+
+/// The trace as checkpointing `layers` makes it (see the module's doc). Layers that backward
+/// reads nothing of are left as they are. An error names a layer the trace has no forward of.
+pub fn rewrite(trace: &Trace, layers: &[u32]) -> Result<Trace> {
+    let ForwardLayers { spans, end } = layers_of(trace)?;
     let n = trace.kernels.len();
     let mut chosen = Vec::new();
     for &l in layers {
@@ -247,12 +252,7 @@ pub const MIN_GAIN: f64 = 0.02;
 /// Errors: only the trace's own (invalid) or a trace without layers or backward.
 pub fn choose_layers(trace: &Trace, hw: &Hardware, opts: &SelectOptions) -> Result<LayerChoice> {
     trace.validate()?;
-    let ForwardLayers { spans, .. } = forward_layers(trace).ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "trace {:?}: no backward kernel, so no layer can be checkpointed",
-            trace.name
-        ))
-    })?;
+    let ForwardLayers { spans, .. } = layers_of(trace)?;
     let all: Vec<u32> = spans.keys().copied().collect();
     if all.is_empty() {
         return Err(Error::InvalidArgument(format!(

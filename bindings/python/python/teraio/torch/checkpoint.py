@@ -45,15 +45,22 @@ def layer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def checked_layers(model: torch.nn.Module, layers: list[int]) -> list[torch.nn.Module]:
+    """The model's layers (:func:`layer_modules`), once every one of ``layers`` is one of them;
+    else ``ValueError`` naming the first that is not."""
+    mods = layer_modules(model)
+    bad = [i for i in layers if not 0 <= i < len(mods)]
+    if bad:
+        raise ValueError(f"checkpoint_layers: layer {bad[0]} is not one of the model's {len(mods)} layers "
+                         f"(0 to {len(mods) - 1})")
+    return mods
+
+
 class Checkpointed:
     """Layers of a model checkpointed (their ``forward`` wrapped) until :meth:`undo`."""
 
     def __init__(self, model: torch.nn.Module, layers: list[int]) -> None:
-        mods = layer_modules(model)
-        bad = [i for i in layers if not 0 <= i < len(mods)]
-        if bad:
-            raise ValueError(f"checkpoint_layers: layer {bad[0]} is not one of the model's {len(mods)} layers "
-                             f"(0 to {len(mods) - 1})")
+        mods = checked_layers(model, layers)
         self.layers = sorted(set(layers))
         # (module, attribute, the instance's own value before or _ABSENT)
         self._undo: list[tuple[torch.nn.Module, str, Any]] = []

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._storages import covers, flat_args, run_op, set_trainer_stream, signature, storage_key, storage_of
 from .fsdp import claim as claim_fsdp
 from .fsdp import named_parameters
-from .checkpoint import Checkpointed, layer_modules
+from .checkpoint import Checkpointed, checked_layers, layer_modules
 from .host_offload import offload_optimizer
 from .optimizer import WorkingSetTooLarge, auto_chunk_bytes, make_plannable, working_sets
 from .planned import Diverged, PlanEntry, PlannedRun, Results, keep_last
@@ -417,14 +417,9 @@ class Session:
                     isinstance(i, int) and not isinstance(i, bool) for i in checkpoint_layers):
                 raise ValueError(f"checkpoint_layers must be None, 'auto' or a list of layer numbers, "
                                  f"got {checkpoint_layers!r}")
-            if checkpoint_layers:
-                layers = list(checkpoint_layers)
-                n = len(layer_modules(model))
-                bad = [i for i in layers if not 0 <= i < n]
-                if bad:
-                    raise ValueError(f"checkpoint_layers: layer {bad[0]} is not one of the model's {n} layers "
-                                     f"(0 to {n - 1})")
-                ckpt_now = layers
+            ckpt_now = list(checkpoint_layers)
+            if ckpt_now:
+                checked_layers(model, ckpt_now)  # (wrapped at the end, once nothing else can fail)
         # under FSDP2 (teraio.torch.fsdp): FSDP's unsharded parameter storages are FSDP's, not
         # traced nor moved; their peak, sampled in profiled steps, is kept out of plans' budget
         self.fsdp = claim_fsdp(model)
