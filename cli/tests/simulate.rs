@@ -285,7 +285,12 @@ fn checkpoint_layers_rewrite_the_trace_and_auto_says_its_choice() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--checkpoint-layers auto: no checkpointing"), "{err}");
-    for (bad, says) in [("3-x", "\"3-x\" is not a layer"), ("40", "checkpoint layer 40")] {
+    for (bad, says) in [
+        ("3-x", "\"3-x\" is not a layer"),
+        ("40", "layer 40 is not in the trace (its layers: 0-11)"),
+        // (named, not expanded into four billion layers)
+        ("0-4000000000", "layer 4000000000 is not in the trace"),
+    ] {
         let out = teraio(&["simulate", "preset:gpt2-small", "--checkpoint-layers", bad]);
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);

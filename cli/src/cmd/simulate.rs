@@ -525,8 +525,8 @@ fn checkpointed(
             eprintln!("--checkpoint-layers auto: {}", c.why);
             c.layers
         }
-        "all" => known.clone(),
-        _ => parse_layers(spec)?,
+        "all" => known,
+        _ => parse_layers(spec, &known)?,
     };
     if layers.is_empty() {
         return Ok(trace);
@@ -546,8 +546,9 @@ fn checkpointed(
     Ok(out)
 }
 
-/// `0-5,8` -> [0, 1, 2, 3, 4, 5, 8].
-fn parse_layers(spec: &str) -> Result<Vec<u32>> {
+/// `0-5,8` -> [0, 1, 2, 3, 4, 5, 8]; a range past the trace's last layer (`known`) is an
+/// error naming it (and is not expanded).
+fn parse_layers(spec: &str, known: &[u32]) -> Result<Vec<u32>> {
     let bad = |part: &str| {
         CliError::Usage(format!(
             "--checkpoint-layers {spec}: {part:?} is not a layer or a range such as 0-5 \
@@ -561,6 +562,15 @@ fn parse_layers(spec: &str) -> Result<Vec<u32>> {
             (lo.parse().map_err(|_| bad(part))?, hi.parse().map_err(|_| bad(part))?);
         if lo > hi {
             return Err(bad(part));
+        }
+        if known.last().is_none_or(|&last| hi > last) {
+            return Err(CliError::Usage(format!(
+                "--checkpoint-layers {spec}: layer {hi} is not in the trace (its layers: {})",
+                match (known.first(), known.last()) {
+                    (Some(a), Some(b)) => format!("{a}-{b}"),
+                    _ => "none".into(),
+                }
+            )));
         }
         out.extend(lo..=hi);
     }
