@@ -537,6 +537,30 @@ teraio_status teraio_select(teraio_trace *trace,
                             char **out_plan_json,
                             char **out_selection_json);
 
+// Which of the trace's layers to checkpoint (their forward run again in backward, as
+// `torch.utils.checkpoint` does) so that the plan `teraio_select` makes of the rest, with the
+// same `options_json`, simulates fastest on `hardware` (the scheduler's
+// `checkpoint::choose_layers`; teraio.torch's `checkpoint_layers="auto"`, `teraio simulate
+// --checkpoint-layers auto`): no layer, `k` layers spread evenly for each `k`, then each layer
+// toggled from the best. `options_json` as `teraio_select` takes it (`traffic_margin` is not
+// used: one plan per layer set); an unknown key is `TERAIO_ERR_INVALID_ARGUMENT` naming it.
+// On success the choice as JSON: `layers` (ascending; empty unless checkpointing simulates at
+// least 2% faster), `iteration_time_us` and `without_us` (the simulated iteration with those
+// layers and without checkpointing; null where no plan ran), `tried` (every layer set planned:
+// `layers`, `iteration_time_us`, and `refused` naming why no plan ran, e.g. a kernel that never
+// fits the budget, which is not an error here) and `why` (a sentence). A trace without a
+// backward kernel (a name starting with `bwd.`, holding `.bwd.` or ending in `.bwd`) or whose
+// kernels name no layer (`Kernel::layer`) is `TERAIO_ERR_INVALID_ARGUMENT` with the message
+// naming the trace and what it lacks; an unknown `policy` is `TERAIO_ERR_INVALID_ARGUMENT`.
+//
+// # Safety
+// `hardware` and `options_json` are NULL or NUL-terminated strings; `out_choice_json` is
+// valid for a write of a pointer.
+teraio_status teraio_choose_checkpoint(teraio_trace *trace,
+                                       const char *hardware,
+                                       const char *options_json,
+                                       char **out_choice_json);
+
 // Simulate a plan (JSON, as `teraio_plan` returns it) of `trace` on `hardware` for
 // `iterations` (1 to 1000, else `TERAIO_ERR_INVALID_ARGUMENT` at once; the last is reported).
 // The report as JSON (the simulator's `SimReport`:

@@ -498,6 +498,151 @@ fn the_scheduler_plans_and_simulates_a_trace_and_names_bad_input() {
     }
 }
 
+/// A trace of two kernels named `first` and `second`, one activation living across them
+/// (no layer on any kernel).
+fn two_kernel_trace(first: &str, second: &str) -> *mut teraio_trace {
+    let json = cs(&format!(
+        "{{\"format\": \"teraio-trace\", \"version\": 1, \"name\": \"two\", \"kernels\": [\
+         {{\"name\": \"{first}\", \"duration_us\": 100}}, \
+         {{\"name\": \"{second}\", \"duration_us\": 100}}], \"tensors\": [\
+         {{\"id\": 0, \"name\": \"a0\", \"bytes\": 65536, \"kind\": \"activation\", \
+         \"global\": false, \"created_by\": 0, \"accesses\": [0, 1], \"dies_after\": 1, \
+         \"writes\": [0]}}]}}"
+    ));
+    let mut t = null_mut();
+    // SAFETY: valid string and out-pointer.
+    let s = unsafe { teraio_trace_from_json(json.as_ptr(), &mut t) };
+    assert_eq!(s, TERAIO_OK, "{}", last_error());
+    t
+}
+
+#[test]
+fn checkpoint_layers_are_chosen_as_the_shared_implementation_chooses_them() {
+    // Slow transfers and a squeezed GPU (as Python's test of `teraio.choose_checkpoint`):
+    // remaking a layer beats moving its activations.
+    let spec = "preset:gpt2-small,layers=2,micro-batch=2";
+    let trace = teraio_bindings_core::sched::load_trace(spec).unwrap();
+    let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
+    let mut hw =
+        serde_json::to_value(teraio_scheduler::Hardware::preset("paper").unwrap()).unwrap();
+    for (k, v) in [
+        ("pcie_h2d_bytes_per_s", 1e8),
+        ("pcie_d2h_bytes_per_s", 1e8),
+        ("ssd_read_bytes_per_s", 1e7),
+        ("ssd_write_bytes_per_s", 1e7),
+    ] {
+        hw[k] = serde_json::json!(v);
+    }
+    hw["host_memory_cap_bytes"] = serde_json::json!(0);
+    let hw_text = hw.to_string();
+    let options = format!("{{\"policy\": \"auto\", \"gpu_budget_bytes\": {}}}", peak * 3 / 4);
+    let (c_spec, c_hw, c_options) = (cs(spec), cs(&hw_text), cs(&options));
+    let mut t = null_mut();
+    // SAFETY: valid strings and out-pointers throughout; the handles are the cases tested.
+    unsafe {
+        assert_eq!(teraio_trace_load(c_spec.as_ptr(), &mut t), TERAIO_OK, "{}", last_error());
+        let mut out = null_mut();
+        assert_eq!(
+            teraio_choose_checkpoint(t, c_hw.as_ptr(), c_options.as_ptr(), &mut out),
+            TERAIO_OK,
+            "{}",
+            last_error()
+        );
+        let choice: serde_json::Value = serde_json::from_str(&take_string(out)).unwrap();
+        let layers = choice["layers"].as_array().expect("layers is an array");
+        assert!(!layers.is_empty(), "{}", choice["why"]);
+        assert!(layers.iter().all(|l| l.as_u64().is_some_and(|l| l < 2)), "{choice}");
+        let with = choice["iteration_time_us"].as_f64().unwrap();
+        // (`without_us` is null where the trace's own plan does not run)
+        if let Some(without) = choice["without_us"].as_f64() {
+            assert!(with <= without, "{choice}");
+        }
+        assert_eq!(choice["tried"][0]["layers"], serde_json::json!([]), "{choice}");
+        // The same as the implementation Python and the CLI call, for the same inputs.
+        let expected = teraio_bindings_core::sched::choose_checkpoint(
+            &trace,
+            &teraio_bindings_core::sched::hardware(&hw_text, None).unwrap(),
+            &teraio_bindings_core::sched::SelectRequest::from_json(&options).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(choice, expected);
+        // Defaults (NULL hardware: `paper`; NULL options: its GPU memory): room for everything,
+        // nothing to gain.
+        assert_eq!(
+            teraio_choose_checkpoint(t, std::ptr::null(), std::ptr::null(), &mut out),
+            TERAIO_OK,
+            "{}",
+            last_error()
+        );
+        let roomy: serde_json::Value = serde_json::from_str(&take_string(out)).unwrap();
+        assert_eq!(roomy["layers"], serde_json::json!([]), "{roomy}");
+        assert_eq!(roomy["iteration_time_us"], roomy["without_us"], "{roomy}");
+
+        // An unknown option key: named, nothing written.
+        let unknown = cs("{\"budget\": 1}");
+        out = null_mut();
+        assert_eq!(
+            teraio_choose_checkpoint(t, c_hw.as_ptr(), unknown.as_ptr(), &mut out),
+            TERAIO_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("budget"), "{}", last_error());
+        assert!(out.is_null(), "nothing written on failure");
+        let policy = cs("{\"policy\": \"magic\"}");
+        assert_eq!(
+            teraio_choose_checkpoint(t, c_hw.as_ptr(), policy.as_ptr(), &mut out),
+            TERAIO_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("magic"), "{}", last_error());
+        // A NULL out-parameter.
+        assert_eq!(
+            teraio_choose_checkpoint(t, c_hw.as_ptr(), c_options.as_ptr(), null_mut()),
+            TERAIO_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("out_choice_json"), "{}", last_error());
+        // Traces without backward kernels, or without layers: named.
+        let forward = two_kernel_trace("fwd.a", "fwd.b");
+        assert_eq!(
+            teraio_choose_checkpoint(forward, std::ptr::null(), std::ptr::null(), &mut out),
+            TERAIO_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("no backward kernel"), "{}", last_error());
+        let unlayered = two_kernel_trace("fwd.a", "bwd.a");
+        assert_eq!(
+            teraio_choose_checkpoint(unlayered, std::ptr::null(), std::ptr::null(), &mut out),
+            TERAIO_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("no kernel names a layer"), "{}", last_error());
+        assert!(out.is_null(), "nothing written on failure");
+        assert_eq!(teraio_trace_free(forward), TERAIO_OK);
+        assert_eq!(teraio_trace_free(unlayered), TERAIO_OK);
+        // NULL, made-up, wrong-kind and freed trace handles.
+        assert_eq!(
+            teraio_choose_checkpoint(null_mut(), std::ptr::null(), std::ptr::null(), &mut out),
+            TERAIO_ERR_INVALID_HANDLE
+        );
+        assert!(last_error().contains("NULL"), "{}", last_error());
+        let bogus = 0xdead_beef_usize as *mut teraio_trace;
+        assert_eq!(
+            teraio_choose_checkpoint(bogus, std::ptr::null(), std::ptr::null(), &mut out),
+            TERAIO_ERR_INVALID_HANDLE
+        );
+        let mut buf = null_mut();
+        assert_eq!(teraio_buffer_alloc(10, &mut buf), TERAIO_OK);
+        assert_eq!(
+            teraio_choose_checkpoint(buf.cast(), std::ptr::null(), std::ptr::null(), &mut out),
+            TERAIO_ERR_INVALID_HANDLE
+        );
+        assert_eq!(teraio_buffer_free(buf), TERAIO_OK);
+        assert_eq!(teraio_trace_free(t), TERAIO_OK);
+        assert_eq!(
+            teraio_choose_checkpoint(t, c_hw.as_ptr(), c_options.as_ptr(), &mut out),
+            TERAIO_ERR_INVALID_HANDLE
+        );
+        assert!(last_error().contains("already freed"), "{}", last_error());
+        assert!(out.is_null(), "nothing written on failure");
+    }
+}
+
 /// A C-style allocator for the executor: heap memory, counted.
 struct Heap {
     allocs: std::sync::atomic::AtomicU64,

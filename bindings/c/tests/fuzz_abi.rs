@@ -1,5 +1,5 @@
 //! A seeded random fuzzer over the C ABI's argument space, in-process through the `extern "C"`
-//! functions: every one of the 61 exported functions, called in random order with live, stale
+//! functions: every one of the 62 exported functions, called in random order with live, stale
 //! (closed, freed), wrong-kind, NULL and made-up handles; NULL, valid and misaligned pointers;
 //! lengths from 0 to `SIZE_MAX`; valid and mangled configurations, traces, plans, hardware and
 //! policy names. The contract it checks: every call returns a known status and never
@@ -760,6 +760,7 @@ impl Fuzz {
             42..=43 => self.executor_new(&mut slot),
             44..=47 => self.executor_episode(),
             48..=49 => self.optim_call(),
+            60..=61 if self.rng.chance(25) => self.choose_checkpoint_call(&mut slot),
             60..=61 => self.select_call(&mut slot),
             _ => self.executor_call(&mut slot),
         }
@@ -840,6 +841,39 @@ impl Fuzz {
             }
             self.strings.push(p);
             self.strings.push(q);
+        }
+    }
+
+    /// `teraio_choose_checkpoint`: a trace handle (the fuzzer's own JSON traces have neither
+    /// backward kernels nor layers, the presets both), a hardware model, options as
+    /// `teraio_select` takes them, valid and mangled, an out-parameter (NULL, misaligned or
+    /// valid).
+    fn choose_checkpoint_call(&mut self, slot: &mut [u8; 64]) {
+        let t = self.handle(&self.traces.clone());
+        let hw = self.hardware();
+        let options = self.string(&[
+            "{}",
+            "{\"policy\": \"teraio\"}",
+            "{\"policy\": \"auto\", \"gpu_budget_bytes\": 1}",
+            "{\"gpu_budget_bytes\": 18446744073709551615}",
+            "{\"allowance\": {\"kind\": \"fixed\", \"keep_fraction\": 0.85}, \"plan_margin\": 0.1}",
+            "{\"policy\": \"nope\"}",
+            "{\"no_such_key\": 1}",
+            "[1, 2]",
+            "{",
+        ]);
+        self.begin(format!("choose_checkpoint {t:p} {hw:?} {options:?}"));
+        let out: *mut *mut c_char = self.out(slot);
+        // SAFETY: NULL or valid strings; out NULL or valid for a (possibly misaligned) write.
+        let s = unsafe { teraio_choose_checkpoint(t, opt(&hw), opt(&options), out) };
+        self.end("choose_checkpoint", s);
+        if s == TERAIO_OK {
+            // SAFETY: written on success; a string teraio returned.
+            let p = unsafe { out.read_unaligned() };
+            if p.is_null() {
+                self.fail("choose_checkpoint OK with a NULL choice");
+            }
+            self.strings.push(p);
         }
     }
 
