@@ -55,6 +55,7 @@ import json
 import math
 import os
 import shutil
+import shlex
 import signal
 import socket
 import statistics
@@ -126,6 +127,10 @@ EXAMPLES = """examples:
   # one cell again, printing its rows as JSON lines
   python benches/torch/zoo.py --models llama --sizes 200m --dtypes bf16 --fractions 1/2 \\
       --methods ideal,teraio,checkpointing --json --out zoo-llama
+
+  # teraio with and without an option, alternated three times against one ideal run
+  python benches/torch/zoo.py --models llama --sizes 200m --dtypes fp32 --fractions 1/2.5 --methods ideal,teraio \
+      --variants 'gpu:--teraio-optimizer-on gpu;auto:--teraio-optimizer-on auto' --rounds 3 --out zoo-ab
 """
 
 
@@ -259,10 +264,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="teraio (GPU): CUDA events around every operator of planned steps (Session(time_gpu=)); "
                          "each step's record then says how long the GPU was busy, recomputing and idle, and "
                          "before which operators it waited longest (a little host time per operator)")
+    ap.add_argument("--teraio-profile-gpu-time", action="store_true",
+                    help="teraio (GPU): profiled operators timed by their kernels alone (Session(profile_gpu_time=)); "
+                         "without it an operator launched while the GPU waited counts its launch too")
     ap.add_argument("--save-traces", metavar="DIR", default=None,
                     help="teraio: save each profiled trace (RUN-N.trace.json.gz) with the hardware model and "
                          "budget its plan was made for (RUN-N.plan.json), to study plans offline with "
                          "`teraio simulate`")
+    ap.add_argument("--variants", type=_variants, default=None, metavar="NAME:FLAGS;NAME:FLAGS",
+                    help="teraio runs of each capped cell under several sets of teraio options, e.g. "
+                         "'plain:;ckpt:--teraio-checkpoint auto' (each NAME's FLAGS are added to the command "
+                         "line for its runs); with --rounds they alternate, so machine noise falls on each alike")
+    ap.add_argument("--rounds", type=_positive(1), default=1,
+                    help="teraio runs of each capped cell (each variant, in turn) this many times (default 1)")
     ap.add_argument("--zero-infinity-to", choices=["nvme", "cpu"], default="nvme",
                     help="zero-infinity: where parameters and optimizer states go (default nvme, under --engine-dir)")
     ap.add_argument("--zero-checkpointing", action="store_true",
@@ -275,6 +289,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print every run's JSON line on stdout at the end")
     ap.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # (one run, in this process)
     args = ap.parse_args(argv)
+    if args.variants:
+        # each variant's options: the command line with its flags added (they win)
+        base = list(sys.argv[1:] if argv is None else argv)
+        got = []
+        for name, flags in args.variants:
+            extra = shlex.split(flags)
+            bad = [f for f in extra if f.startswith("--") and not f.startswith("--teraio-")]
+            if bad:
+                ap.error(f"argument --variants: variant {name!r} sets {bad[0]}: a variant sets only --teraio-* "
+                         "options (the cell, methods and steps are the command's)")
+            got.append((name, ap.parse_args(base + extra)))
+        args.variants = got
     if args.host_gib is not None and args.host_gib < 0:
         ap.error(f"argument --host-gib: {args.host_gib:g} is negative")
     if args.engine_file_gib <= 0:
@@ -324,7 +350,16 @@ def drive(args: argparse.Namespace) -> list[dict]:
         except PackageNotFoundError:
             meta[pkg] = "?"
     cells = [(m, s, d) for m in args.models for s in sizes for d in args.dtypes]
-    total = len(cells) * (1 + len(args.fractions) * (len(methods) - 1))
+    # the runs of each capped cell, in order: (method, its options, variant, round)
+    variants = args.variants or [(None, args)]
+    order = []
+    for r in range(args.rounds):
+        for method in methods[1:]:
+            if method == "teraio":
+                order += [(method, a, name, r + 1 if args.rounds > 1 else None) for name, a in variants]
+            elif r == 0:
+                order.append((method, args, None, None))
+    total = len(cells) * (1 + len(args.fractions) * len(order))
     print(f"zoo: {total} runs ({len(cells)} model/size/precision cells) on {meta['device_name']}; "
           f"logs in {os.path.join(args.out, 'logs')}", file=sys.stderr, flush=True)
     rows: list[dict] = []
@@ -344,16 +379,20 @@ def drive(args: argparse.Namespace) -> list[dict]:
             _write(args.out, rows, meta)
             peak = ideal.get("peak_bytes")
             for label, frac in args.fractions:
-                for method in methods[1:]:
+                for method, margs, variant, rnd in order:
                     n += 1
                     spec = dict(base, method=method, fraction=frac, fraction_label=label,
                                 ideal_peak_bytes=peak, cap_bytes=int(peak * frac) if peak else None)
+                    if variant is not None:
+                        spec["variant"] = variant
+                    if rnd is not None:
+                        spec["round"] = rnd
                     skip = _skip(method, cuda, ideal, peak)
                     if skip:
                         row = dict(spec, run=_run_id(spec), status=skip[0], reason=skip[1], oom=False,
                                    params=ideal.get("params"))
                     else:
-                        row = run(args, spec, engine_root, host_gib)
+                        row = run(margs, spec, engine_root, host_gib)
                     finish_row(row, ideal)
                     rows.append(row)
                     progress(n, total, row)
@@ -385,9 +424,27 @@ def _skip(method: str, cuda: bool, ideal: dict, peak) -> tuple[str, str] | None:
 
 def _run_id(spec: dict) -> str:
     rid = f"{spec['model']}-{spec['size']}-{spec['dtype']}-{spec['method']}"
+    if spec.get("variant"):
+        rid += f"-{spec['variant']}"
     if spec.get("fraction") is not None:
         rid += f"-cap{spec['fraction']:.4g}"
+    if spec.get("round"):
+        rid += f"-r{spec['round']}"
     return rid
+
+
+def _variants(text: str) -> list[tuple[str, str]]:
+    """``NAME:FLAGS;NAME:FLAGS`` -> [(name, flags)] (names unique, letters, digits, - and _)."""
+    out = []
+    for part in text.split(";"):
+        name, sep, flags = part.strip().partition(":")
+        if not sep or not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not NAME:FLAGS (e.g. 'ckpt:--teraio-checkpoint "
+                                             "auto'; NAME of letters, digits, - and _)")
+        if name in (n for n, _ in out):
+            raise argparse.ArgumentTypeError(f"variant {name!r} is named twice")
+        out.append((name, flags))
+    return out
 
 
 def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
@@ -404,7 +461,8 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
                 engine_file_bytes=(64 << 20) if tiny else int(args.engine_file_gib * 2**30),
                 page_min_bytes=0 if tiny else 64 << 10, hw=args.hw, teraio_gather=args.teraio_gather,
                 teraio_allowance=args.teraio_allowance, teraio_optimizer_on=args.teraio_optimizer_on,
-                teraio_time_gpu=args.teraio_time_gpu, teraio_checkpoint=args.teraio_checkpoint,
+                teraio_time_gpu=args.teraio_time_gpu,
+                teraio_profile_gpu_time=args.teraio_profile_gpu_time, teraio_checkpoint=args.teraio_checkpoint,
                 save_traces=os.path.abspath(args.save_traces) if args.save_traces else None,
                 zero_infinity_to=args.zero_infinity_to, zero_checkpointing=args.zero_checkpointing)
     env = dict(os.environ)
@@ -449,7 +507,8 @@ def run(args, spec: dict, engine_root: str, host_gib: float) -> dict:
     drop = {"result", "port", "engine_dir"}
     if spec["method"] != "teraio":
         drop |= {"host_bytes", "engine_files", "engine_file_bytes", "page_min_bytes", "hw", "teraio_gather", "teraio_allowance",
-                 "teraio_optimizer_on", "teraio_time_gpu", "teraio_checkpoint", "save_traces"}
+                 "teraio_optimizer_on", "teraio_time_gpu", "teraio_profile_gpu_time", "teraio_checkpoint",
+                 "save_traces"}
     if not spec["method"].startswith("zero-"):
         drop |= {"zero_checkpointing", "zero_infinity_to"}
     if spec["method"] != "zero-infinity":
@@ -551,8 +610,18 @@ def _same_text(r: dict) -> str:
     return f"no (max diff {r['max_abs_loss_diff']:.2e})"
 
 
+def _method(r: dict) -> str:
+    """The method, with its variant and round (``--variants``, ``--rounds``) where it has them."""
+    m = r["method"]
+    if r.get("variant"):
+        m += f" [{r['variant']}]"
+    if r.get("round"):
+        m += f" #{r['round']}"
+    return m
+
+
 def progress(i: int, total: int, r: dict) -> None:
-    bits = [f"zoo [{i}/{total}] {r['model']} {r['size']} {r['dtype']} {r['method']}",
+    bits = [f"zoo [{i}/{total}] {r['model']} {r['size']} {r['dtype']} {_method(r)}",
             f"cap {_cap_text(r)}:" if r.get("fraction") is not None else "no cap:", _status_text(r)]
     if r.get("status") == "ok":
         bits.append(f"{r['median_step_s']:.3f} s/step")
@@ -578,7 +647,7 @@ def table(rows: list[dict], meta: dict) -> str:
         moved = r.get("bytes_moved_per_step")
         lines.append(" | ".join([
             f"| {r['model']}", r["size"] + _params(r.get("params")),
-            r["dtype"], r["method"], _cap_text(r), _status_text(r).replace("|", "/"),
+            r["dtype"], _method(r), _cap_text(r), _status_text(r).replace("|", "/"),
             f"{r['median_step_s']:.3f}" if ok and r.get("median_step_s") else "-",
             f"{r['tokens_per_s']:.0f}" if ok and r.get("tokens_per_s") else "-",
             f"{r['pct_of_ideal']:.1f}" if r.get("pct_of_ideal") is not None else "-",
@@ -610,7 +679,7 @@ def svg(rows: list[dict]) -> str:
             out.append(f'<text x="4" y="{y + 11}" font-weight="bold">{r["model"]} {r["size"]} {r["dtype"]}, '
                        f'cap {r["fraction_label"]} of ideal\'s peak</text>')
             y += bar + 2
-        out.append(f'<text x="{left - 6}" y="{y + 11}" text-anchor="end">{r["method"]}</text>')
+        out.append(f'<text x="{left - 6}" y="{y + 11}" text-anchor="end">{_xml(_method(r))}</text>')
         if r.get("pct_of_ideal") is not None:
             w = width * r["pct_of_ideal"] / top
             out.append(f'<rect x="{left}" y="{y}" width="{w:.1f}" height="{bar}" '
@@ -847,6 +916,8 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
         gather = {"budget": "budget", "all": True, "none": False}[spec["teraio_gather"]]
         # (given only when asked for: a wheel from before checkpoint_layers runs the others)
         more = {"checkpoint_layers": "auto"} if spec.get("teraio_checkpoint") == "auto" else {}
+        if spec.get("teraio_profile_gpu_time") and cuda:
+            more["profile_gpu_time"] = True
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=spec["cap_bytes"],
                              host_budget_bytes=spec["host_bytes"], hardware=hw,
                              page_min_bytes=spec["page_min_bytes"], gather_between_steps=gather,
@@ -890,6 +961,8 @@ def setup_torch(spec, torch, model, opt, autocast, dev, res):
                 "evictions": rep.get("evictions"), "fetches": rep.get("fetches"),
                 "plan": next((r["plan"] for r in recs if str(r.get("plan", "")).startswith("made")), None),
                 "checkpoint": next((r["checkpoint"] for r in recs if r.get("checkpoint")), None),
+                # each profiled step's operator durations added up, its wall time, spin kernels
+                "profiles": [r["profile"] for r in recs if r.get("profile")],
                 "checkpointed_layers": getattr(session, "checkpointed_layers", None),
             }
             if t:

@@ -87,6 +87,9 @@ def test_teraio_trains_bitwise_like_ideal_within_its_cap(zoo):
         assert tio["trace_peak_bytes"] > t["cap_bytes"]
         assert t["bytes_moved_per_step"] > 0
         assert t["median_step_s"] > 0 and t["pct_of_ideal"] > 0
+        # the profiled step's record: its operators' durations added up within its wall time
+        (prof,) = tio["profiles"]
+        assert 0 < prof["kernels_s"] <= prof["wall_s"] and prof["sleeps"] == 0, prof
 
 
 def test_saved_traces_are_the_profiles_the_plans_were_made_of(zoo):
@@ -149,6 +152,10 @@ def test_the_table_lists_every_row(zoo):
     (["--fractions", "1/0"], "'1/0'"),
     (["--device", "tpu"], "'tpu'"),
     (["--steps", "0"], "--steps"),
+    (["--variants", "plain"], "'plain'"),
+    (["--variants", "a:;a:--teraio-gather all"], "'a'"),
+    (["--variants", "a:--steps 3"], "--steps"),
+    (["--rounds", "0"], "--rounds"),
 ])
 def test_bad_arguments_exit_with_an_error_naming_them(argv, named):
     p = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, env=_env(), timeout=60)
@@ -172,3 +179,29 @@ def test_deterministic_runs_build_eager_attention(model):
     assert cfg._attn_implementation == "eager"
     _, cfg = zoo.build_model(dict(run, deterministic=False), torch)
     assert cfg._attn_implementation != "eager"
+
+
+def test_variants_alternate_their_teraio_runs_against_one_ideal(tmp_path):
+    """--variants and --rounds: each capped cell's teraio runs under each variant's options in
+    turn, round after round, beside one ideal run; every row names its variant and round, runs
+    its own options (here the gathering between steps) and trains bitwise like ideal."""
+    pytest.importorskip("teraio")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--sizes", "tiny", "--dtypes", "fp32",
+                        "--models", "llama", "--methods", "ideal,teraio", "--fractions", "1/2", "--steps", "1",
+                        "--warmup", "2", "--engine-dir", str(tmp_path / "engine"), "--out", str(out),
+                        "--variants", "all:--teraio-gather all;none:--teraio-gather none", "--rounds", "2",
+                        "--json"], capture_output=True, text=True, env=_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert [(r["method"], r.get("variant"), r.get("round")) for r in rows] == [
+        ("ideal", None, None), ("teraio", "all", 1), ("teraio", "none", 1), ("teraio", "all", 2),
+        ("teraio", "none", 2)]
+    assert len({r["run"] for r in rows}) == len(rows)  # (each its own log)
+    for r in rows[1:]:
+        assert r["status"] == "ok" and r["losses_equal_ideal"] is True, r.get("error")
+        assert r["teraio_gather"] == r["variant"]
+    table = (out / "table.md").read_text()
+    for name, rnd in (("all", 1), ("none", 1), ("all", 2), ("none", 2)):
+        assert table.count(f"| teraio [{name}] #{rnd} |") == 1, table
+    assert "zoo [5/5]" in p.stderr

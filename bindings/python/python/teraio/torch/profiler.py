@@ -50,6 +50,9 @@ from .fsdp import named_parameters
 
 TRACE_FORMAT = "teraio-trace"
 TRACE_VERSION = 1
+# the spin kernel a ``gpu_time`` profile queues where the GPU caught up with the host (about
+# twice the host's time per operator while recording, so the queue stays ahead for a while)
+SLEEP_US = 200
 
 
 @dataclass
@@ -117,8 +120,20 @@ class Profiler:
         name: str = "torch",
         pager: Any = None,
         producers: bool = True,
+        gpu_time: bool = False,
     ) -> None:
         self.model = model
+        # on a GPU, ``gpu_time``: each operator's duration is its kernels' own time. Without it,
+        # an operator launched while the GPU waits for the host (the profiler's bookkeeping
+        # between operators keeps it waiting) also counts its launch (the host's time from the
+        # event before it to its kernels), which makes durations of short kernels several times
+        # their GPU time. With it, where the GPU has caught up with the host (the last
+        # operator's end event done), a spin kernel of SLEEP_US is queued first, so the
+        # operator's start event and kernels wait in the queue behind it and the events measure
+        # the kernels alone. The spin costs no wall time where the host sets the pace anyway.
+        self.gpu_time = gpu_time
+        self._sleep_cycles = 0
+        self.sleeps = 0  # spin kernels queued in the last recorded iteration
         self.producers = producers
         # operators whose recomputation did not reproduce their bytes on this device (a
         # session's check, ``PlannedRun.unstable``): their results get no producer
@@ -162,6 +177,7 @@ class Profiler:
         self.created_positions: list[list[int]] = []
         self.wall_s = 0.0
         self.gpu_span_s = 0.0
+        self.sleeps = 0
 
     # ---- recording -------------------------------------------------------------------
 
@@ -184,10 +200,35 @@ class Profiler:
         self._reset()
         self._hooks = self._install_hooks()
         if self.device.type == "cuda":
+            if self.gpu_time and not self._sleep_cycles:
+                self._sleep_cycles = self._calibrate_sleep()
             torch.cuda.synchronize(self.device)
         self._t0 = time.perf_counter()
         if seed_pager:
             self.seed_pager()
+
+    def _calibrate_sleep(self) -> int:
+        """Clock cycles of ``torch.cuda._sleep`` that spin about SLEEP_US on this GPU."""
+        cycles = 1 << 20
+        with torch.cuda.device(self.device):
+            torch.cuda._sleep(cycles)  # (a first launch: the clock up, the kernel loaded)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(cycles)
+            b.record()
+            b.synchronize()
+            us = a.elapsed_time(b) * 1000.0
+        return max(1, int(cycles * SLEEP_US / max(us, 1e-3)))
+
+    def _start(self, ev: Any) -> None:
+        """Record operator's start event ``ev``; with ``gpu_time``, behind a spin kernel where
+        the GPU has caught up with the host (so the event and the kernels after it queue)."""
+        if self.gpu_time:
+            ends = self._ends
+            if not ends or ends[-1].query():
+                torch.cuda._sleep(self._sleep_cycles)
+                self.sleeps += 1
+        ev.record()
 
     def seed_pager(self) -> None:
         """The pager learns the global tensors' storages (before the first operator)."""
@@ -336,10 +377,10 @@ class Profiler:
         cuda = self.device.type == "cuda"
         if cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            self._start(ev)
             self._events.append(ev)
             # an operator the pager runs again after paging out: its clock restarts there
-            out = pager.run_op(func, args, kwargs, stor, op, again=ev.record) if pager is not None \
+            out = pager.run_op(func, args, kwargs, stor, op, again=lambda: self._start(ev)) if pager is not None \
                 else run() if run is not None else run_op(func, args, kwargs)
             end = torch.cuda.Event(enable_timing=True)
             end.record()

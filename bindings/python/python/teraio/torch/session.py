@@ -261,6 +261,10 @@ class Session:
     waiting for it (the plan moves or recomputes a little more instead).
     ``time_gpu`` (GPU, planned steps): CUDA events around every operator, so each step reports
     the GPU's own busy time and where it waited (``gpu_busy_s``, ``gpu_gap_s``, ``top_gaps``).
+    ``profile_gpu_time`` (GPU, profiled steps; default False): each operator's duration in the
+    trace is its kernels' own GPU time (a spin kernel queued where the GPU caught up with the
+    host keeps the launch out of it); without it, an operator launched while the GPU waited for
+    the host counts its launch too, so plans see the host's pace where it is slower.
     ``host_waits`` (GPU, planned steps; default False): the engine's workers wait for the GPU
     and copy an offload to the host tier themselves, and the executor waits on the host until
     the copy is done before the memory is reused (as before 2026-12-02); by default the copy is
@@ -308,6 +312,7 @@ class Session:
         max_ahead: int = 0,
         recompute: bool = True,
         time_gpu: bool = False,
+        profile_gpu_time: bool = False,
         host_waits: bool = False,
         traffic_margin: float = 0.03,
         plan_margin: float = 0.0,
@@ -399,7 +404,7 @@ class Session:
             raise ValueError(f"traffic_margin must be in [0, 1), got {traffic_margin}")
         self.traffic_margin = traffic_margin
         self.planner = planner
-        self.profiler = Profiler(model, optimizer, device=device, producers=recompute)
+        self.profiler = Profiler(model, optimizer, device=device, producers=recompute, gpu_time=profile_gpu_time)
         self.device = self.profiler.device
         # checkpoint_layers: the layers checkpointed (a Checkpointed, undone at close), and
         # whether "auto" still has to choose (at the first profiled step)
@@ -949,6 +954,10 @@ class Session:
         # each profiled step's operator times, for the median the plan is made with
         times = self._profiled_times.setdefault(key, [])
         times.append((self.profiler.op_signatures(), [k["duration_us"] for k in trace["kernels"]]))
+        # what the profile measured: its operators' durations added up against the step's wall
+        # time (profile_gpu_time: the spin kernels it queued)
+        rec["profile"] = {"kernels_s": sum(times[-1][1]) / 1e6, "wall_s": self.profiler.wall_s,
+                          "sleeps": self.profiler.sleeps}
         if self._profiled[key] < self.profile_steps:
             return
         _median_durations(trace, times)
