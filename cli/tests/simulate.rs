@@ -259,6 +259,16 @@ fn the_optimizers_placement_is_shown_and_explained() {
     let out = teraio(&bad);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("one --policy"));
+    // updates run during backward: all-host can only be as fast or faster than at the step
+    let mut early = base.to_vec();
+    early.extend(["--cpu-adam", "1e8", "--updates-in-backward"]);
+    let early = json_of(&teraio(&early));
+    let at_step = run("1e8");
+    let host = |p: &serde_json::Value| p["all_host_us"].as_f64().unwrap();
+    assert!(host(&early) < host(&at_step), "{} vs {}", host(&early), host(&at_step));
+    let out = teraio(&["simulate", "preset:gpt2-small", "--updates-in-backward"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--optimizer-on auto"));
 }
 
 /// `--checkpoint-layers`: named layers checkpointed (their forward run again: a slower ideal,

@@ -17,9 +17,12 @@
 //!   parameters' last GPU access before the optimizer is done, each gradient is copied down
 //!   (its bytes: 4 a parameter in fp32, 2 in bf16), the CPU updates them in
 //!   `parameters / hardware.cpu_adam_params_per_s` seconds, queued behind the other host
-//!   updates (the CPU runs one at a time), and each weight is copied up (its bytes); the GPU
-//!   runs the rest of backward and the next forward meanwhile, and a kernel that uses a weight
-//!   waits for its copy ([`crate::plan::HostUpdate`], simulated by [`crate::sim`]).
+//!   updates (the CPU runs one at a time) and not before the optimizer's step reaches the
+//!   update (where its kernels were; [`PlaceOptions::in_backward`]: as soon as its gradients
+//!   arrived, a trainer that updates during backward), and each weight is copied up (its
+//!   bytes); the GPU runs the rest of the step and the next forward meanwhile, and a kernel
+//!   that uses a weight waits for its copy ([`crate::plan::HostUpdate`], simulated by
+//!   [`crate::sim`]).
 //!
 //! [`host_trace`] makes the GPU's trace for a choice (the host updates' states and optimizer
 //! kernels gone, those kernels kept as empty slots of no time so kernel indices stay) and
@@ -84,7 +87,9 @@ pub const CANDIDATES_MAX: usize = 64;
 /// be chosen ([`place`]). The host's side rests on a modelled CPU throughput and copies that
 /// contend with the GPU's own transfers: on an H100 (2026-12-07, docs/BENCHMARKS.md) a
 /// placement the model found 1.7% faster (25 of 111 parameters of a Llama 200 M in fp32) ran
-/// 10% slower than all-GPU.
+/// 10% slower than all-GPU, and one it found 5.2% faster (all 111, when the model still ran
+/// host updates during backward while teraio.torch runs them at the optimizer's step) 12%
+/// slower.
 pub const HOST_MIN_GAIN: f64 = 0.05;
 
 /// The optimizer's work on a set of parameters stepped together (see the module).
@@ -426,6 +431,8 @@ pub fn host_trace(
             gradients: map(&u.gradients),
             weights: map(&u.weights),
             cpu_us: u.cpu_us,
+            // (at the optimizer's step: when the GPU reached its slots)
+            cpu_after_kernel: u.kernels.first().map(|&k| k.saturating_sub(1).max(u.after_kernel)),
         })
         .collect();
     host.sort_by_key(|h| h.after_kernel);
@@ -443,11 +450,20 @@ pub struct PlaceOptions {
     /// Grid points simulated (including all-GPU and all-host), at least 2 and at most
     /// [`CANDIDATES_MAX`]; up to 4 more refine around the best.
     pub candidates: usize,
+    /// Whether the trainer runs a host update as soon as its gradients arrived, during
+    /// backward (teraio.torch's `offload_optimizer(update_in_backward=True)`); false (the
+    /// default): at the optimizer's step, where its kernels were ([`HostUpdate::cpu_after_kernel`]).
+    pub in_backward: bool,
 }
 
 impl Default for PlaceOptions {
     fn default() -> Self {
-        PlaceOptions { policy: Policy::Auto, plan: PlanOptions::default(), candidates: 6 }
+        PlaceOptions {
+            policy: Policy::Auto,
+            plan: PlanOptions::default(),
+            candidates: 6,
+            in_backward: false,
+        }
     }
 }
 
@@ -534,7 +550,12 @@ pub fn simulate_choice(
     on_host: &[bool],
     opts: &PlaceOptions,
 ) -> Result<std::result::Result<Simulated, String>> {
-    let (gpu_trace, host, _) = host_trace(trace, updates, on_host)?;
+    let (gpu_trace, mut host, _) = host_trace(trace, updates, on_host)?;
+    if opts.in_backward {
+        for h in &mut host {
+            h.cpu_after_kernel = None;
+        }
+    }
     let checked = match plan_checked(&gpu_trace, hw, opts.policy, &opts.plan) {
         Ok(c) => c,
         Err(

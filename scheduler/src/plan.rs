@@ -228,6 +228,12 @@ pub struct HostUpdate {
     pub weights: Vec<TensorId>,
     /// CPU time of the update, microseconds.
     pub cpu_us: f64,
+    /// The kernel after which the CPU may run it, once its gradients arrived (None: as soon as
+    /// they arrived). A trainer that updates at its optimizer step (teraio.torch's
+    /// `offload_optimizer` without `update_in_backward`) runs it when its step reaches the
+    /// update's place: after the kernel before the update's own (empty) slots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_after_kernel: Option<usize>,
 }
 
 /// A tensor dropped and recomputed instead of kept or moved (see the module documentation).
@@ -493,7 +499,8 @@ impl Plan {
         Ok(())
     }
 
-    /// The rules of [`Plan::host_updates`]: sorted, kernels and tensors in range, at least one
+    /// The rules of [`Plan::host_updates`]: sorted, kernels (a CPU gate at or after the update's
+    /// start) and tensors in range, at least one
     /// gradient and one weight each, no tensor in two updates, a finite CPU time.
     fn check_host_updates(&self, trace: &Trace) -> Result<()> {
         let n = trace.kernel_count();
@@ -504,6 +511,18 @@ impl Plan {
                 return Err(Error::plan(
                     format!("{path}.after_kernel"),
                     format!("no kernel {} (trace has {n})", u.after_kernel),
+                ));
+            }
+            if let Some(g) = u.cpu_after_kernel
+                && (g >= n || g < u.after_kernel)
+            {
+                return Err(Error::plan(
+                    format!("{path}.cpu_after_kernel"),
+                    format!(
+                        "kernel {g} is not between its after_kernel {} and the trace's last ({})",
+                        u.after_kernel,
+                        n - 1
+                    ),
                 ));
             }
             if i > 0 && u.after_kernel < self.host_updates[i - 1].after_kernel {

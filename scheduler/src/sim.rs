@@ -28,7 +28,8 @@
 //! `host_memory`; from the SSD array over its read path), sharing bandwidth fairly with the
 //! plan's migrations; once they are done the update joins the CPU's queue and runs for its
 //! `cpu_us` when the CPU is free (one update at a time, first ready first, overlapping the
-//! GPU's kernels); then its weights' copies start (into GPU memory over `host_memory` +
+//! GPU's kernels; an update with a `cpu_after_kernel` also waits for that kernel to finish, as
+//! a trainer's optimizer step reaches it); then its weights' copies start (into GPU memory over `host_memory` +
 //! `pcie_h2d` + `pcie_duplex`, or into the tier copy where the plan has the weight offloaded
 //! then). A GPU kernel that accesses one of these tensors waits until its copy completed
 //! ([`SimReport::host_update_us`] is the CPU's busy time). A weight written this way while
@@ -311,6 +312,14 @@ struct Sim<'a> {
     held: Vec<u32>,
     /// Host updates started: (update, copies of its current stage still in flight).
     jobs: Vec<(usize, usize)>,
+    /// Per job: the iteration it started in.
+    job_iteration: Vec<usize>,
+    /// Per kernel: jobs whose gradients arrived, waiting for it to finish before the CPU may
+    /// run them ([`HostUpdate::cpu_after_kernel`]).
+    cpu_gated: Vec<Vec<usize>>,
+    /// The iteration running and the last kernel finished in it (None: none yet).
+    now_iteration: usize,
+    last_done: Option<usize>,
     /// Jobs whose gradients arrived, waiting for the CPU, first ready first.
     cpu_queue: VecDeque<usize>,
     /// The job the CPU runs and when it is done.
@@ -414,6 +423,10 @@ impl<'a> Sim<'a> {
             },
             held: vec![0; trace.tensors.len()],
             jobs: Vec::new(),
+            job_iteration: Vec::new(),
+            cpu_gated: vec![Vec::new(); n],
+            now_iteration: 0,
+            last_done: None,
             cpu_queue: VecDeque::new(),
             cpu_running: None,
             host_update_us: 0.0,
@@ -426,6 +439,7 @@ impl<'a> Sim<'a> {
         let job = self.jobs.len();
         let grads = self.plan.host_updates[u].gradients.clone();
         self.jobs.push((u, grads.len()));
+        self.job_iteration.push(self.now_iteration);
         for w in &self.plan.host_updates[u].weights {
             self.held[w.index()] += 1;
         }
@@ -471,6 +485,16 @@ impl<'a> Sim<'a> {
         // The gradients arrived (the update is not running yet): queue for the CPU. The
         // weights' copies are the last stage: the job is done.
         if self.plan.host_updates[u].gradients.contains(&tensor) {
+            // (its CPU work waits for the kernel it runs after, when that one has not finished
+            // in the job's iteration yet)
+            if let Some(gate) = self.plan.host_updates[u].cpu_after_kernel {
+                let passed = self.job_iteration[job] < self.now_iteration
+                    || self.last_done.is_some_and(|d| d >= gate);
+                if !passed {
+                    self.cpu_gated[gate].push(job);
+                    return;
+                }
+            }
             self.cpu_queue.push_back(job);
             self.start_cpu();
         }
@@ -1134,10 +1158,18 @@ impl<'a> Sim<'a> {
                     let u = self.updates_after[k][i];
                     self.start_update(u);
                 }
+                self.last_done = Some(k);
+                if !self.cpu_gated[k].is_empty() {
+                    let ready = std::mem::take(&mut self.cpu_gated[k]);
+                    self.cpu_queue.extend(ready);
+                    self.start_cpu();
+                }
                 k += 1;
                 if k == n {
                     self.issue(n);
                     iteration += 1;
+                    self.now_iteration = iteration;
+                    self.last_done = None;
                     k = 0;
                     if iteration == self.opts.iterations {
                         let time = self.t - self.iter_start;

@@ -137,6 +137,59 @@ fn kernels_that_do_not_use_the_weight_run_beside_the_update() {
     assert!((r.stall_us - 250.0).abs() < 1e-3, "{}", r.stall_us);
 }
 
+/// A host update runs where the trainer runs it: at the optimizer's step by default (its CPU
+/// work waits for the backward kernel between its gradient and its step, 2 ms here), during
+/// backward with `cpu_after_kernel` None (`PlaceOptions::in_backward`).
+#[test]
+fn a_host_update_at_the_step_waits_for_the_rest_of_backward() {
+    let mut t = Trace::new("hand");
+    t.kernels = [10.0, 10.0, 2000.0, 5.0, 5.0]
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| Kernel { name: format!("k{i}"), duration_us: d, layer: None })
+        .collect();
+    let b = 1_000_000;
+    t.tensors.push(tensor(0, b, TensorKind::Weight, vec![0, 1, 3]));
+    let mut g = tensor(1, b, TensorKind::Gradient, vec![1, 3]);
+    g.global = false;
+    g.created_by = Some(1);
+    g.dies_after = Some(3);
+    t.tensors.push(g);
+    t.tensors.push(tensor(2, b, TensorKind::OptimizerState, vec![3]));
+    t.tensors.push(tensor(3, b, TensorKind::OptimizerState, vec![3]));
+    t.tensors.push(tensor(4, 8, TensorKind::Workspace, vec![2]));
+    t.validate().unwrap();
+    let ups = updates(&t, &hw()).unwrap();
+    let (gpu, host, _) = host_trace(&t, &ups, &[true]).unwrap();
+    assert_eq!((host[0].after_kernel, host[0].cpu_after_kernel), (1, Some(2)));
+    let run = |gate: Option<usize>| {
+        let mut plan = Plan::empty("none", &gpu);
+        plan.host_updates = host.clone();
+        plan.host_updates[0].cpu_after_kernel = gate;
+        plan.validate(&gpu).unwrap();
+        simulate(&gpu, &plan, &hw(), &SimOptions { iterations: 3, record_timeline: false })
+            .unwrap()
+            .iteration_time_us
+    };
+    // at the step: k0 + k1, k2's 2 ms (the gradient down meanwhile), CPU 250 us, weight up 1 ms
+    let at_step = run(Some(2));
+    assert!((at_step - (20.0 + 2000.0 + 250.0 + 1000.0)).abs() < 1e-3, "{at_step}");
+    // in backward: gradient down, CPU and weight up behind k2: 20 + 1000 + 250 + 1000
+    let in_backward = run(None);
+    assert!((in_backward - 2270.0).abs() < 1e-3, "{in_backward}");
+    // place() simulates the one its options say
+    let one = |in_backward: bool| {
+        let o = PlaceOptions {
+            policy: Policy::Teraio,
+            candidates: 2,
+            in_backward,
+            ..PlaceOptions::default()
+        };
+        place(&t, &hw(), &o).unwrap().all_host_us.unwrap()
+    };
+    assert!((one(false) - at_step).abs() < 1e-3 && (one(true) - in_backward).abs() < 1e-3);
+}
+
 fn tight(trace: &Trace, fraction: f64) -> u64 {
     let peak = trace.resident_memory_per_kernel().into_iter().max().unwrap();
     let (_, ws) = teraio_scheduler::analysis::largest_working_set(trace);
@@ -239,9 +292,23 @@ fn bad_options_and_choices_are_refused_by_name() {
         gradients: vec![],
         weights: vec![TensorId(0)],
         cpu_us: 1.0,
+        cpu_after_kernel: None,
     }];
     let e = plan.validate(&t).unwrap_err().to_string();
     assert!(e.contains("host_updates[0].gradients"), "{e}");
+    // a CPU gate before the update's start or past the trace
+    let ups = updates(&t, &h).unwrap();
+    let (gpu, host, _) = host_trace(&t, &ups, &vec![true; ups.len()]).unwrap();
+    for gate in [host[0].after_kernel - 1, gpu.kernels.len()] {
+        let mut plan = Plan::empty("none", &gpu);
+        plan.host_updates = host.clone();
+        plan.host_updates[0].cpu_after_kernel = Some(gate);
+        let e = plan.validate(&gpu).unwrap_err().to_string();
+        assert!(
+            e.contains("host_updates[0].cpu_after_kernel") && e.contains(&format!("kernel {gate}")),
+            "{e}"
+        );
+    }
 }
 
 fn arbitrary_case() -> impl Strategy<Value = (Dtype, u32, f64, f64, f64, u64)> {

@@ -390,13 +390,16 @@ pub fn compare(trace: &Trace, hw: &Hardware, policies: &[Policy]) -> Result<Vec<
 /// the choice, of all-GPU and all-host (`null` where no plan runs), the ideal and the lower
 /// bound (microseconds), every candidate simulated, and per update its weights' names, whether
 /// it is on the host, and why not where it cannot be. `candidates`: grid points (at least 2).
+/// `in_backward`: the trainer runs a host update as soon as its gradients arrived (else at its
+/// optimizer step; `PlaceOptions::in_backward`).
 pub fn place_optimizer(
     trace: &Trace,
     hw: &Hardware,
     policy: Policy,
     candidates: usize,
+    in_backward: bool,
 ) -> Result<Value> {
-    let opts = PlaceOptions { policy, candidates, ..PlaceOptions::default() };
+    let opts = PlaceOptions { policy, candidates, in_backward, ..PlaceOptions::default() };
     let p = optimizer::place(trace, hw, &opts)?;
     let name = |t: &TensorId| trace.tensor(*t).name.clone();
     let updates: Vec<Value> = p
@@ -481,7 +484,7 @@ mod tests {
             Some(&serde_json::json!({"gpu_memory_bytes": peak * 3 / 4, "cpu_adam_params_per_s": 1e13})),
         )
         .unwrap();
-        let v = place_optimizer(&t, &hw, Policy::Teraio, 3).unwrap();
+        let v = place_optimizer(&t, &hw, Policy::Teraio, 3, false).unwrap();
         let names = v["host_weights"].as_array().unwrap();
         let ids = v["host_weight_ids"].as_array().unwrap();
         assert_eq!(names.len(), ids.len());
@@ -491,7 +494,7 @@ mod tests {
             assert_eq!(n.as_str().unwrap(), t.tensors[id].name);
         }
         assert!(v["summary"].as_str().unwrap().starts_with("optimizer: "), "{v}");
-        let e = place_optimizer(&t, &hw, Policy::Teraio, 0).unwrap_err();
+        let e = place_optimizer(&t, &hw, Policy::Teraio, 0, false).unwrap_err();
         assert_eq!(e.status(), Status::InvalidArgument);
         assert!(e.to_string().contains("candidates 0"), "{e}");
     }

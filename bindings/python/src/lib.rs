@@ -704,7 +704,7 @@ fn simulate(
 /// Where each optimizer update of a trace runs (host or GPU), chosen by simulated cost; the
 /// placement (JSON object, `core::sched::place_optimizer`).
 #[pyfunction]
-#[pyo3(signature = (trace, policy, hardware, overrides_json=None, candidates=6))]
+#[pyo3(signature = (trace, policy, hardware, overrides_json=None, candidates=6, in_backward=false))]
 fn place_optimizer(
     py: Python<'_>,
     trace: &NativeTrace,
@@ -712,12 +712,13 @@ fn place_optimizer(
     hardware: String,
     overrides_json: Option<String>,
     candidates: usize,
+    in_backward: bool,
 ) -> PyRes<String> {
     let t = trace.trace.clone();
     run(py, "teraio.place_optimizer", || {
         let h = hw(&hardware, overrides_json.as_deref())?;
         let policy = core::sched::policy(&policy)?;
-        let v = core::sched::place_optimizer(&t, &h, policy, candidates)?;
+        let v = core::sched::place_optimizer(&t, &h, policy, candidates, in_backward)?;
         Ok(v.to_string())
     })
 }

@@ -113,3 +113,15 @@ def test_choose_checkpoint_weighs_layer_sets_with_the_select_options(trace):
     bad = teraio.choose_checkpoint(trace, "auto", "paper", gpu_budget_bytes=1000)
     assert bad["layers"] == [] and bad["without_us"] is None and bad["iteration_time_us"] is None
     assert all("GPU memory too small: kernel" in t["refused"] for t in bad["tried"]), bad["tried"]
+
+
+def test_host_updates_run_at_the_step_unless_in_backward():
+    """place_optimizer: a host update's CPU work starts at the optimizer's step (where
+    offload_optimizer runs it) by default, as soon as its gradients arrived with
+    ``in_backward=True`` (update_in_backward): there all-host hides behind backward."""
+    t = teraio.load_trace("preset:gpt2-small,dtype=bf16,micro-batch=1,layers=2")
+    hw = teraio.hardware("paper", gpu_memory_bytes=int(0.8e9), cpu_adam_params_per_s=1e8)
+    at_step = teraio.place_optimizer(t, "teraio", hw, candidates=2)
+    early = teraio.place_optimizer(t, "teraio", hw, candidates=2, in_backward=True)
+    assert early["all_host_us"] < at_step["all_host_us"], (early["summary"], at_step["summary"])
+    assert early["all_gpu_us"] == at_step["all_gpu_us"]

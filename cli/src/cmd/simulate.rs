@@ -43,7 +43,8 @@ Examples:
 generated trace) run on the host CPU instead of the GPU, from none to every one, the trace is
 planned with --policy and simulated with the host updates: gradient copied down when backward
 is done with it, the update queued on the CPU (at --cpu-adam parameters a second; one update
-at a time), the weight copied up before its next use. It prints the choice, the iteration of
+at a time) when the optimizer's step reaches it (--updates-in-backward: as soon as its gradient
+arrived), the weight copied up before its next use. It prints the choice, the iteration of
 all-GPU and all-host, the lower bound, and every choice simulated (--json: all of it). The
 CPU's speed is the hardware model's `cpu_adam_params_per_s` (--cpu-adam overrides it).
 
@@ -95,6 +96,11 @@ pub struct Args {
     /// chooses per parameter between the GPU and the host CPU by simulated cost; one policy).
     #[arg(long, default_value = "gpu", value_parser = ["gpu", "auto"])]
     pub optimizer_on: String,
+    /// With `--optimizer-on auto`: the trainer runs a host update as soon as its gradients
+    /// arrived, during backward (teraio.torch's `update_in_backward=True`); without it, at the
+    /// optimizer's step, where the update's kernels were.
+    #[arg(long)]
+    pub updates_in_backward: bool,
     /// FSDP2 over each of these rank counts (e.g. `1,2,4,8`), each rank with its own GPU cap,
     /// SSD array and host tier (this hardware model): one rank's trace of the `preset:` model
     /// (sharded parameters, gradients and optimizer states; FSDP's gathered parameters kept;
@@ -222,6 +228,12 @@ pub fn run(args: Args) -> Result<()> {
     };
     if args.optimizer_on == "auto" {
         return place_optimizer(&args, &trace, &hw, plan_opts);
+    }
+    if args.updates_in_backward {
+        return Err(CliError::Usage(
+            "--updates-in-backward says when host updates run: it goes with --optimizer-on auto"
+                .into(),
+        ));
     }
     let opts = SimOptions {
         iterations: args.iterations,
@@ -479,7 +491,9 @@ fn place_optimizer(
         ));
     }
     let policy = args.policy.parse::<Policy>()?;
-    let p = place(trace, hw, &PlaceOptions { policy, plan, ..PlaceOptions::default() })?;
+    let in_backward = args.updates_in_backward;
+    let p =
+        place(trace, hw, &PlaceOptions { policy, plan, in_backward, ..PlaceOptions::default() })?;
     if args.json {
         let mut v = serde_json::to_value(&p).expect("a placement serializes");
         if let Some(o) = v.as_object_mut() {

@@ -1080,6 +1080,7 @@ def place_optimizer(
     hardware: Union[str, Dict[str, Any]] = "paper",
     *,
     candidates: int = 6,
+    in_backward: bool = False,
     **overrides: Any,
 ) -> Dict[str, Any]:
     """Where each optimizer update of ``trace`` runs, on the GPU (its states moved by the plan)
@@ -1087,12 +1088,16 @@ def place_optimizer(
     model's ``cpu_adam_params_per_s``), chosen by simulated cost (``teraio simulate
     --optimizer-on auto``; docs/TORCH.md, "Where the optimizer runs"). ``policy`` plans each
     candidate; ``candidates`` grid points from all-GPU to all-host are simulated (at least 2).
+    A host update's CPU work runs at the optimizer's step, where its kernels were (as
+    :func:`teraio.torch.offload_optimizer` runs it); ``in_backward=True``: as soon as its
+    gradients arrived (``offload_optimizer(update_in_backward=True)``).
     Returns a dict: ``summary`` (one line), ``host_weights`` (the trace's names of the weights
     updated on the host) and ``host_weight_ids``, ``host_params`` / ``total_params``, the
     simulated ``iteration_us`` of the choice, ``all_gpu_us`` and ``all_host_us`` (None where no
     plan runs), ``ideal_us``, ``bound_us``, ``candidates`` and per update its ``weights``,
     ``on_host``, ``eligible`` and ``reason``."""
-    text = _teraio.place_optimizer(trace._native, policy, _hw(hardware), _overrides(overrides), int(candidates))
+    text = _teraio.place_optimizer(trace._native, policy, _hw(hardware), _overrides(overrides), int(candidates),
+                                    bool(in_backward))
     return json.loads(text)
 
 

@@ -334,6 +334,7 @@ def place_optimizer(
     hardware: Hardware = ...,
     *,
     candidates: int = ...,
+    in_backward: bool = ...,
     **overrides: Any,
 ) -> Dict[str, Any]: ...
 def adamw_step(
