@@ -130,3 +130,26 @@ def test_bad_checkpoint_layers_are_errors_naming_the_argument():
         tt.Session(flat, torch.optim.SGD(flat.parameters(), lr=0.1), checkpoint_layers=[0], log=lambda _: None)
     # nothing was wrapped by the refused sessions
     assert all("forward" not in mod.__dict__ for mod in layer_modules(m))
+
+
+def test_auto_profiles_by_the_gpus_time_unless_told(tmp_path):
+    """profile_gpu_time's default follows checkpoint_layers="auto" (its choice is made on the
+    GPU's time); given, it is kept; anything but a bool or None is an error naming it."""
+    made = []
+
+    def session(**kw):
+        m, o = make()
+        d = tmp_path / f"s{len(made)}"
+        d.mkdir()
+        made.append(d)
+        return tt.Session(m, o, _hooks=Hooks(store=engine_store(d)), gpu_budget_bytes=1 << 30,
+                          log=lambda _: None, **kw)
+
+    for kw, want in [({}, False), ({"checkpoint_layers": "auto"}, True), ({"checkpoint_layers": [0]}, False),
+                     ({"checkpoint_layers": "auto", "profile_gpu_time": False}, False),
+                     ({"profile_gpu_time": True}, True)]:
+        s = session(**kw)
+        assert s.profiler.gpu_time is want, kw
+        s.close()
+    with pytest.raises(ValueError, match=r"profile_gpu_time must be True, False or None.*got 'yes'"):
+        session(profile_gpu_time="yes")
