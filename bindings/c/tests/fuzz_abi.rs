@@ -806,20 +806,7 @@ impl Fuzz {
     fn select_call(&mut self, slot: &mut [u8; 64]) {
         let t = self.handle(&self.traces.clone());
         let hw = self.hardware();
-        let options = self.string(&[
-            "{}",
-            "{\"policy\": \"teraio\"}",
-            "{\"policy\": \"auto\", \"gpu_budget_bytes\": 1}",
-            "{\"gpu_budget_bytes\": 18446744073709551615}",
-            "{\"allowance\": {\"kind\": \"fixed\", \"keep_fraction\": 0.85}, \"traffic_margin\": 0.03}",
-            "{\"allowance\": {\"kind\": \"measured\", \"bytes\": 4096}, \"paging_fallback\": true}",
-            "{\"allowance\": {\"kind\": \"other\"}}",
-            "{\"plan_margin\": -1, \"recompute\": false}",
-            "{\"wear_tolerance\": \"high\"}",
-            "{\"no_such_key\": 1}",
-            "[1, 2]",
-            "{",
-        ]);
+        let options = self.string(SELECT_OPTIONS);
         self.begin(format!("select {t:p} {hw:?} {options:?}"));
         let mut slot2 = [0u8; 64];
         let out_plan: *mut *mut c_char = self.out(slot);
@@ -851,17 +838,7 @@ impl Fuzz {
     fn choose_checkpoint_call(&mut self, slot: &mut [u8; 64]) {
         let t = self.handle(&self.traces.clone());
         let hw = self.hardware();
-        let options = self.string(&[
-            "{}",
-            "{\"policy\": \"teraio\"}",
-            "{\"policy\": \"auto\", \"gpu_budget_bytes\": 1}",
-            "{\"gpu_budget_bytes\": 18446744073709551615}",
-            "{\"allowance\": {\"kind\": \"fixed\", \"keep_fraction\": 0.85}, \"plan_margin\": 0.1}",
-            "{\"policy\": \"nope\"}",
-            "{\"no_such_key\": 1}",
-            "[1, 2]",
-            "{",
-        ]);
+        let options = self.string(SELECT_OPTIONS);
         self.begin(format!("choose_checkpoint {t:p} {hw:?} {options:?}"));
         let out: *mut *mut c_char = self.out(slot);
         // SAFETY: NULL or valid strings; out NULL or valid for a (possibly misaligned) write.
@@ -1399,3 +1376,21 @@ fn the_c_abi_survives_random_calls_with_random_arguments() {
     assert!(f.calls > 1000 && functions > 30, "{} calls of {functions} kinds", f.calls);
     assert_eq!(OTHER_PANICS.load(Ordering::SeqCst), 0, "panics outside the calls (above)");
 }
+
+/// Plan selection options, valid and mangled (unknown keys, wrong types, budgets from 0 up), as
+/// `teraio_select` and `teraio_choose_checkpoint` take them.
+const SELECT_OPTIONS: &[&str] = &[
+    "{}",
+    "{\"policy\": \"teraio\"}",
+    "{\"policy\": \"auto\", \"gpu_budget_bytes\": 1}",
+    "{\"gpu_budget_bytes\": 18446744073709551615}",
+    "{\"allowance\": {\"kind\": \"fixed\", \"keep_fraction\": 0.85}, \"traffic_margin\": 0.03}",
+    "{\"allowance\": {\"kind\": \"measured\", \"bytes\": 4096}, \"paging_fallback\": true}",
+    "{\"allowance\": {\"kind\": \"other\"}}",
+    "{\"plan_margin\": -1, \"recompute\": false}",
+    "{\"wear_tolerance\": \"high\"}",
+    "{\"policy\": \"nope\"}",
+    "{\"no_such_key\": 1}",
+    "[1, 2]",
+    "{",
+];
