@@ -89,8 +89,10 @@ pub const CANDIDATES_MAX: usize = 64;
 /// placement the model found 1.7% faster (25 of 111 parameters of a Llama 200 M in fp32) ran
 /// 10% slower than all-GPU, and one it found 5.2% faster (all 111, when the model still ran
 /// host updates during backward while teraio.torch runs them at the optimizer's step) 12%
-/// slower.
-pub const HOST_MIN_GAIN: f64 = 0.05;
+/// slower: the model finds all-host about 18% faster against all-GPU than it runs there. With
+/// the updates at the step modelled, all-host still simulated 4.9% faster on that machine. So
+/// a placement must win by more than that error.
+pub const HOST_MIN_GAIN: f64 = 0.20;
 
 /// The optimizer's work on a set of parameters stepped together (see the module).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

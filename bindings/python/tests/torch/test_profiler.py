@@ -162,3 +162,54 @@ def test_producers_of_deterministic_results_only():
     masks = [t for t in local if len(t["writes"]) > 1 or "dropout" in name(t)]
     assert masks and all("producer" not in t for t in masks)
     assert all("producer" not in t for t in local if name(t).startswith("bwd."))
+
+
+class _Event:
+    """A stand-in for a CUDA event: done or not, recorded in order with the spins."""
+
+    def __init__(self, log, done=False, ms=0.0):
+        self.log, self.done, self.ms = log, done, ms
+
+    def query(self):
+        return self.done
+
+    def record(self):
+        self.log.append("record")
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.ms
+
+
+def test_gpu_time_queues_a_long_spin_where_the_gpu_caught_up_and_a_short_one_elsewhere(monkeypatch):
+    """Profiler(gpu_time=True) (the CUDA path, its logic on stand-ins): the spin kernel's cycles
+    calibrated from one timed spin, SLEEP_US of them before an operator whose predecessor is
+    done (the GPU idle: its launch would count), SPIN_US of them before every other one (the GPU
+    may drain what is queued before the launch), the start event recorded after the spin;
+    without gpu_time no spin at all."""
+    from teraio.torch import profiler as P
+
+    log = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)))
+    # a spin of 2**20 cycles timed at 0.5 ms: 2097 cycles a microsecond
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _Event(log, ms=0.5))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    prof = Profiler(gpu_time=True)
+    long, short = prof._calibrate_sleep()
+    per_us = (1 << 20) / 500.0
+    assert long == int(per_us * P.SLEEP_US) and short == int(per_us * P.SPIN_US) and long > short > 0
+    prof._sleep_cycles, prof._spin_cycles = long, short
+    log.clear()
+    prof._start(_Event(log))  # the first operator: nothing queued before it
+    prof._ends = [_Event(log, done=False)]
+    prof._start(_Event(log))  # its predecessor still queued
+    prof._ends = [_Event(log, done=True)]
+    prof._start(_Event(log))  # its predecessor done: the GPU waits
+    assert log == [("spin", long), "record", ("spin", short), "record", ("spin", long), "record"]
+    assert prof.sleeps == 2
+    off = Profiler(gpu_time=False)
+    log.clear()
+    off._start(_Event(log))
+    assert log == ["record"] and off.sleeps == 0

@@ -51,8 +51,11 @@ from .fsdp import named_parameters
 TRACE_FORMAT = "teraio-trace"
 TRACE_VERSION = 1
 # the spin kernel a ``gpu_time`` profile queues where the GPU caught up with the host (about
-# twice the host's time per operator while recording, so the queue stays ahead for a while)
+# twice the host's time per operator while recording, so the queue stays ahead for a while),
+# and the short one before every other operator: the GPU may finish what is queued between the
+# check and the operator's launch (tens of microseconds of host time under the profiler)
 SLEEP_US = 200
+SPIN_US = 40
 
 
 @dataclass
@@ -132,7 +135,7 @@ class Profiler:
         # operator's start event and kernels wait in the queue behind it and the events measure
         # the kernels alone. The spin costs no wall time where the host sets the pace anyway.
         self.gpu_time = gpu_time
-        self._sleep_cycles = 0
+        self._sleep_cycles = self._spin_cycles = 0
         self.sleeps = 0  # spin kernels queued in the last recorded iteration
         self.producers = producers
         # operators whose recomputation did not reproduce their bytes on this device (a
@@ -201,14 +204,14 @@ class Profiler:
         self._hooks = self._install_hooks()
         if self.device.type == "cuda":
             if self.gpu_time and not self._sleep_cycles:
-                self._sleep_cycles = self._calibrate_sleep()
+                self._sleep_cycles, self._spin_cycles = self._calibrate_sleep()
             torch.cuda.synchronize(self.device)
         self._t0 = time.perf_counter()
         if seed_pager:
             self.seed_pager()
 
-    def _calibrate_sleep(self) -> int:
-        """Clock cycles of ``torch.cuda._sleep`` that spin about SLEEP_US on this GPU."""
+    def _calibrate_sleep(self) -> tuple[int, int]:
+        """Clock cycles of ``torch.cuda._sleep`` that spin about SLEEP_US and SPIN_US on this GPU."""
         cycles = 1 << 20
         with torch.cuda.device(self.device):
             torch.cuda._sleep(cycles)  # (a first launch: the clock up, the kernel loaded)
@@ -218,7 +221,8 @@ class Profiler:
             b.record()
             b.synchronize()
             us = a.elapsed_time(b) * 1000.0
-        return max(1, int(cycles * SLEEP_US / max(us, 1e-3)))
+        per_us = cycles / max(us, 1e-3)
+        return max(1, int(per_us * SLEEP_US)), max(1, int(per_us * SPIN_US))
 
     def _start(self, ev: Any) -> None:
         """Record operator's start event ``ev``; with ``gpu_time``, behind a spin kernel where
@@ -228,6 +232,8 @@ class Profiler:
             if not ends or ends[-1].query():
                 torch.cuda._sleep(self._sleep_cycles)
                 self.sleeps += 1
+            else:
+                torch.cuda._sleep(self._spin_cycles)
         ev.record()
 
     def seed_pager(self) -> None:
