@@ -131,12 +131,13 @@ class Profiler:
         # between operators keeps it waiting) also counts its launch (the host's time from the
         # event before it to its kernels), which makes durations of short kernels several times
         # their GPU time. With it, where the GPU has caught up with the host (the last
-        # operator's end event done), a spin kernel of SLEEP_US is queued first, so the
-        # operator's start event and kernels wait in the queue behind it and the events measure
-        # the kernels alone. The spin costs no wall time where the host sets the pace anyway.
+        # operator's end event done), a spin kernel of SLEEP_US is queued first, elsewhere one
+        # of SPIN_US, so the operator's start event and kernels wait in the queue behind it and
+        # the events measure the kernels alone. The spins cost no wall time where the host sets
+        # the pace anyway (a profiled step's bookkeeping does). ``sleeps``: the long spins
+        # queued in the last recorded iteration.
         self.gpu_time = gpu_time
         self._sleep_cycles = self._spin_cycles = 0
-        self.sleeps = 0  # spin kernels queued in the last recorded iteration
         self.producers = producers
         # operators whose recomputation did not reproduce their bytes on this device (a
         # session's check, ``PlannedRun.unstable``): their results get no producer
@@ -225,8 +226,9 @@ class Profiler:
         return max(1, int(per_us * SLEEP_US)), max(1, int(per_us * SPIN_US))
 
     def _start(self, ev: Any) -> None:
-        """Record operator's start event ``ev``; with ``gpu_time``, behind a spin kernel where
-        the GPU has caught up with the host (so the event and the kernels after it queue)."""
+        """Record an operator's start event ``ev``; with ``gpu_time``, behind a spin kernel (a
+        long one where the GPU has caught up with the host), so the event and the operator's
+        kernels queue behind it."""
         if self.gpu_time:
             ends = self._ends
             if not ends or ends[-1].query():
