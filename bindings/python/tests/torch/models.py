@@ -134,6 +134,24 @@ class TinyLlama(torch.nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def hf_llama(vocab: int, hidden: int, ffn: int, layers: int, max_len: int, eager: bool = False,
+             seed: int | None = 0):
+    """A model nobody here wrote: transformers' ``LlamaForCausalLM`` from a config (GQA with 4
+    heads over 2 KV heads, RoPE, RMSNorm, SwiGLU; embeddings not tied). ``eager``: eager
+    attention (matmuls: bitwise when recomputed); ``seed``: the seed set before it is built
+    (None: the caller's)."""
+    import transformers
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=max_len, tie_word_embeddings=False)
+    if eager:
+        cfg._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def make_llama(seed: int = 0, **kw):
     torch.manual_seed(seed)
     model = TinyLlama(**kw)

@@ -8,7 +8,7 @@ import teraio.torch as tt
 from teraio.torch.checkpoint import layer_modules
 from teraio.torch.session import _TestHooks as Hooks
 
-from models import batches, make, train_step
+from models import batches, hf_llama, make, train_step
 from test_session import _SLOW, engine_store, params_bytes
 
 
@@ -63,15 +63,10 @@ def test_layers_the_caller_names_are_checkpointed_from_the_first_step(tmp_path):
 
 def test_a_transformers_llama_chooses_layers_checkpoints_them_from_the_next_step_and_trains_bitwise(tmp_path):
     """A model nobody here wrote: a transformers Llama (GQA, RoPE, RMSNorm, SwiGLU)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
 
     def build():
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                       tie_word_embeddings=False)
-        cfg._attn_implementation = "eager"
-        m = transformers.LlamaForCausalLM(cfg)
+        m = hf_llama(vocab=512, hidden=64, ffn=172, layers=4, max_len=256, eager=True)
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
 
     g = torch.Generator().manual_seed(1)

@@ -29,7 +29,7 @@ import torch
 import teraio.torch as tt
 from teraio.torch.session import _TestHooks as Hooks
 
-from models import TinyGPT, TinyLlama
+from models import TinyGPT, TinyLlama, hf_llama
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -97,10 +97,7 @@ def _model(case):
     if case["model"] == "gpt":
         model = TinyGPT(vocab=VOCAB, d=32, layers=2, seq=MAX_SEQ)
     elif case["model"] == "hf-llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       tie_word_embeddings=False)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = hf_llama(vocab=VOCAB, hidden=32, ffn=64, layers=2, max_len=64, seed=None)
     else:
         model = TinyLlama(vocab=VOCAB, d=32, layers=2, heads=4, kv_heads=2, ffn=64)
     model = model.to(DEVICE)

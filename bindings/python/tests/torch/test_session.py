@@ -10,7 +10,7 @@ import torch
 import teraio.torch as tt
 from teraio.torch.session import _TestHooks as Hooks
 
-from models import batches, make, train_step
+from models import batches, hf_llama, make, train_step
 
 
 class _Done:
@@ -712,15 +712,11 @@ def test_chains_remade_under_a_longer_shapes_plan_are_bitwise_in_bf16(tmp_path):
     memory the input had not been made in yet; the bitwise check of recomputations caught it
     (``unstable_recompute``). A transformers Llama under bf16 autocast, four lengths, a slow
     disk and PCIe in the hardware model (plans recompute chains)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import random
 
     def build():
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                       tie_word_embeddings=False)
-        m = transformers.LlamaForCausalLM(cfg)
+        m = hf_llama(vocab=1000, hidden=128, ffn=344, layers=2, max_len=512)
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
     rng = random.Random(0)
