@@ -335,6 +335,15 @@ pub fn choose_layers(trace: &Trace, hw: &Hardware, opts: &SelectOptions) -> Resu
             s(without)
         );
         (best, best_us, why)
+    } else if best_us.is_none() && without.is_none() {
+        // (say why no plan runs, as the plan without checkpointing found it)
+        let refused = tried[0].refused.as_deref().unwrap_or("no plan");
+        let why = format!(
+            "no checkpointing: none of the {} layer sets has a plan, nor the trace without \
+             checkpointing: {refused}",
+            tried.len() - 1
+        );
+        (Vec::new(), None, why)
     } else {
         let why = format!(
             "no checkpointing: the fastest of {} layer sets ({}) is not {:.0}% faster than the \
@@ -501,5 +510,15 @@ mod tests {
         assert!(roomy.layers.is_empty(), "{roomy:?}");
         assert_eq!(roomy.iteration_time_us, roomy.without_us);
         assert!(roomy.why.starts_with("no checkpointing"), "{}", roomy.why);
+        // a budget no plan fits: no layers, and the reason the plan without gave
+        let none = choose_layers(&t, &hw, &opts(GB / 100)).unwrap();
+        assert!(none.layers.is_empty() && none.iteration_time_us.is_none(), "{none:?}");
+        let refused = none.tried[0].refused.clone().unwrap();
+        assert!(none.tried.iter().all(|x| x.iteration_time_us.is_none()), "{none:?}");
+        assert!(
+            none.why.starts_with("no checkpointing: none of the") && none.why.ends_with(&refused),
+            "{}",
+            none.why
+        );
     }
 }
