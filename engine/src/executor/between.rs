@@ -84,12 +84,14 @@ impl Executor {
         // (in safe mode nothing is planned: everything comes back)
         let limit = if planned { limit } else { u64::MAX };
         // Offloads still being written keep their memory (accounted already); reads come after.
+        // (one the plan already keeps, its prefetch issued while the write was in flight, is
+        // counted too: it holds its GPU memory, not resident until the write completes)
         for &t in &globals {
-            if let State::Offloading { keep, .. } = &mut self.slots[t].state
-                && !*keep
-            {
-                *keep = true;
-                self.slots[t].regather = planned;
+            if let State::Offloading { keep, .. } = &mut self.slots[t].state {
+                if !*keep {
+                    *keep = true;
+                    self.slots[t].regather = planned;
+                }
                 rep.kept_in_flight += 1;
             }
         }
