@@ -4,9 +4,9 @@
 //! a time; at each boundary the plan's instructions are issued in order; offloads release GPU
 //! memory when their copy completes; prefetches and tensor creations allocate GPU memory in
 //! issue order (FIFO), waiting while memory is full; a kernel starts once its creations are
-//! allocated and every tensor it accesses is resident. A prefetch issued while the same tensor's offload is
-//! still copying keeps the GPU copy: the offload completes (the tier copy is written) and the
-//! tensor is resident again without a read. A clean drop ([`crate::Instruction::clean`])
+//! allocated and every tensor it accesses is resident. A prefetch issued while the same
+//! tensor's offload is still copying keeps the GPU copy: the offload completes (the tier copy
+//! is written) and the tensor is resident again without a read. A clean drop ([`crate::Instruction::clean`])
 //! releases the GPU memory when issued and moves nothing (a valid plan drops only resident
 //! tensors).
 //!
@@ -29,9 +29,9 @@
 //! plan's migrations; once they are done the update joins the CPU's queue and runs for its
 //! `cpu_us` when the CPU is free (one update at a time, first ready first, overlapping the
 //! GPU's kernels; an update with a `cpu_after_kernel` also waits for that kernel to finish, as
-//! a trainer's optimizer step reaches it); then its weights' copies start (into GPU memory over `host_memory` +
-//! `pcie_h2d` + `pcie_duplex`, or into the tier copy where the plan has the weight offloaded
-//! then). A GPU kernel that accesses one of these tensors waits until its copy completed
+//! a trainer's optimizer step reaches it); then its weights' copies start (into GPU memory
+//! over `host_memory` + `pcie_h2d` + `pcie_duplex`, or into the tier copy where the plan has
+//! the weight offloaded then). A GPU kernel that accesses one of these tensors waits until its copy completed
 //! ([`SimReport::host_update_us`] is the CPU's busy time). A weight written this way while
 //! resident makes its SSD copy stale: a later clean drop of it writes.
 //!
@@ -260,6 +260,14 @@ pub fn simulate(trace: &Trace, plan: &Plan, hw: &Hardware, opts: &SimOptions) ->
     Sim::new(trace, plan, hw, opts).run()
 }
 
+/// A host update started: which one, copies of its current stage still in flight, and the
+/// iteration it started in.
+struct Job {
+    update: usize,
+    left: usize,
+    iteration: usize,
+}
+
 struct Sim<'a> {
     trace: &'a Trace,
     plan: &'a Plan,
@@ -310,15 +318,13 @@ struct Sim<'a> {
     updates_after: Vec<Vec<usize>>,
     /// Per tensor: host-update copies of it not completed (a GPU kernel using it waits).
     held: Vec<u32>,
-    /// Host updates started: (update, copies of its current stage still in flight).
-    jobs: Vec<(usize, usize)>,
-    /// Per job: the iteration it started in.
-    job_iteration: Vec<usize>,
+    /// Host updates started, in start order.
+    jobs: Vec<Job>,
     /// Per kernel: jobs whose gradients arrived, waiting for it to finish before the CPU may
     /// run them ([`HostUpdate::cpu_after_kernel`]).
     cpu_gated: Vec<Vec<usize>>,
-    /// The iteration running and the last kernel finished in it (None: none yet).
-    now_iteration: usize,
+    /// The iteration running (from 0) and the last kernel finished in it (None: none yet).
+    iteration: usize,
     last_done: Option<usize>,
     /// Jobs whose gradients arrived, waiting for the CPU, first ready first.
     cpu_queue: VecDeque<usize>,
@@ -423,9 +429,8 @@ impl<'a> Sim<'a> {
             },
             held: vec![0; trace.tensors.len()],
             jobs: Vec::new(),
-            job_iteration: Vec::new(),
             cpu_gated: vec![Vec::new(); n],
-            now_iteration: 0,
+            iteration: 0,
             last_done: None,
             cpu_queue: VecDeque::new(),
             cpu_running: None,
@@ -438,8 +443,7 @@ impl<'a> Sim<'a> {
     fn start_update(&mut self, u: usize) {
         let job = self.jobs.len();
         let grads = self.plan.host_updates[u].gradients.clone();
-        self.jobs.push((u, grads.len()));
-        self.job_iteration.push(self.now_iteration);
+        self.jobs.push(Job { update: u, left: grads.len(), iteration: self.iteration });
         for w in &self.plan.host_updates[u].weights {
             self.held[w.index()] += 1;
         }
@@ -476,19 +480,19 @@ impl<'a> Sim<'a> {
     /// A copy of job `job` of `tensor` completed.
     fn job_copy_done(&mut self, job: usize, tensor: TensorId) {
         self.held[tensor.index()] -= 1;
-        let (u, left) = &mut self.jobs[job];
-        *left -= 1;
-        if *left > 0 {
+        let j = &mut self.jobs[job];
+        j.left -= 1;
+        if j.left > 0 {
             return;
         }
-        let u = *u;
+        let u = j.update;
         // The gradients arrived (the update is not running yet): queue for the CPU. The
         // weights' copies are the last stage: the job is done.
         if self.plan.host_updates[u].gradients.contains(&tensor) {
             // (its CPU work waits for the kernel it runs after, when that one has not finished
             // in the job's iteration yet)
             if let Some(gate) = self.plan.host_updates[u].cpu_after_kernel {
-                let passed = self.job_iteration[job] < self.now_iteration
+                let passed = self.jobs[job].iteration < self.iteration
                     || self.last_done.is_some_and(|d| d >= gate);
                 if !passed {
                     self.cpu_gated[gate].push(job);
@@ -506,7 +510,7 @@ impl<'a> Sim<'a> {
             return;
         }
         if let Some(job) = self.cpu_queue.pop_front() {
-            let us = self.plan.host_updates[self.jobs[job].0].cpu_us;
+            let us = self.plan.host_updates[self.jobs[job].update].cpu_us;
             if self.measuring {
                 self.host_update_us += us;
             }
@@ -517,9 +521,9 @@ impl<'a> Sim<'a> {
     /// The CPU finished job `job`: its weights' copies start where each weight is.
     fn cpu_done(&mut self, job: usize) {
         self.cpu_running = None;
-        let u: &HostUpdate = &self.plan.host_updates[self.jobs[job].0];
+        let u: &HostUpdate = &self.plan.host_updates[self.jobs[job].update];
         let weights = u.weights.clone();
-        self.jobs[job].1 = weights.len();
+        self.jobs[job].left = weights.len();
         for w in weights {
             let i = w.index();
             let path = match self.state[i] {
@@ -642,8 +646,11 @@ impl<'a> Sim<'a> {
             let ti = ins.tensor.index();
             let bytes = self.trace.tensor(ins.tensor).bytes;
             match (ins.op, self.state[ti]) {
-                // A clean drop: the SSD copy is valid, release the memory without writing.
-                (Move::Offload { dest }, TState::Resident) if ins.clean && !self.stale_ssd[ti] => {
+                // A clean drop: the SSD copy is valid, release the memory without writing. With
+                // no copy yet (a run's first iteration) it writes one, as the executor does.
+                (Move::Offload { dest }, TState::Resident)
+                    if ins.clean && self.ssd_copy[ti] && !self.stale_ssd[ti] =>
+                {
                     self.state[ti] = TState::Offloaded(dest);
                     self.set_used(self.used - bytes);
                     if self.measuring {
@@ -893,9 +900,19 @@ impl<'a> Sim<'a> {
         for p in &self.plan.initially_offloaded {
             initial[p.tensor.index()] = Some(p.tier);
         }
+        // A global the plan drops clean holds an SSD copy in the steady state (written by a
+        // run's first iteration, kept since: nothing writes it after).
+        let mut dropped_clean = vec![false; self.trace.tensors.len()];
+        for ins in self.plan.instructions.iter().filter(|i| i.is_clean_drop()) {
+            dropped_clean[ins.tensor.index()] = true;
+        }
         let mut used = 0u64;
         let mut host = 0u64;
         for t in self.trace.tensors.iter().filter(|t| t.global) {
+            if dropped_clean[t.id.index()] && initial[t.id.index()] != Some(Tier::Ssd) {
+                self.ssd_copy[t.id.index()] = true;
+                self.ssd_used += t.bytes;
+            }
             match initial[t.id.index()] {
                 Some(tier) => {
                     self.state[t.id.index()] = TState::Offloaded(tier);
@@ -937,7 +954,6 @@ impl<'a> Sim<'a> {
         let mut recompute = 0.0;
         let mut host_step = 0.0;
         let mut started_at = 0.0;
-        let mut iteration = 0;
         let mut k = 0;
         let mut running_until: Option<f64> = None;
         // Stage of a host kernel that is not pipelined: 0 reading, 1 computing, 2 writing.
@@ -1041,7 +1057,7 @@ impl<'a> Sim<'a> {
                     let (Alloc::Create(t) | Alloc::Prefetch(t)) = a;
                     return Ok(self.report(
                         Outcome::OutOfMemory {
-                            iteration,
+                            iteration: self.iteration,
                             kernel: k,
                             needed_bytes: self.trace.tensor(t).bytes,
                             used_bytes: self.used,
@@ -1075,7 +1091,11 @@ impl<'a> Sim<'a> {
                         self.transfers.len()
                     )
                 };
-                return Err(Error::SimulationStuck { iteration, kernel: k, detail });
+                return Err(Error::SimulationStuck {
+                    iteration: self.iteration,
+                    kernel: k,
+                    detail,
+                });
             }
             // Advance.
             for tr in &mut self.transfers {
@@ -1167,11 +1187,10 @@ impl<'a> Sim<'a> {
                 k += 1;
                 if k == n {
                     self.issue(n);
-                    iteration += 1;
-                    self.now_iteration = iteration;
+                    self.iteration += 1;
                     self.last_done = None;
                     k = 0;
-                    if iteration == self.opts.iterations {
+                    if self.iteration == self.opts.iterations {
                         let time = self.t - self.iter_start;
                         return Ok(self.report(
                             Outcome::Completed,
@@ -1181,7 +1200,7 @@ impl<'a> Sim<'a> {
                             recompute,
                         ));
                     }
-                    if iteration + 1 == self.opts.iterations {
+                    if self.iteration + 1 == self.opts.iterations {
                         self.begin_measuring();
                         stall = 0.0;
                         host_step = 0.0;
@@ -1191,7 +1210,7 @@ impl<'a> Sim<'a> {
             }
         }
         Err(Error::SimulationStuck {
-            iteration,
+            iteration: self.iteration,
             kernel: k,
             detail: "event budget exhausted (livelock)".into(),
         })

@@ -382,6 +382,14 @@ fn clean_drop_frees_the_ssd_for_the_read() {
     // while A's write runs, both are allocated (2 GB).
     assert_eq!(d.peak_gpu_bytes, GB);
     assert_eq!(w.peak_gpu_bytes, 2 * GB);
+    // A drop writes nothing but its copy stays on the SSD: A's (written by a run's first
+    // iteration, though A starts resident) and B's. An array that holds one of them is full.
+    assert_eq!(d.peak_ssd_bytes, 2 * GB);
+    assert!(!d.ssd_cap_exceeded);
+    let small = Hardware { ssd_capacity_bytes: Some(3 * GB / 2), ..hw.clone() };
+    assert!(one_iteration(&t, &clean, &small).ssd_cap_exceeded);
+    let two = simulate(&t, &clean, &small, &SimOptions::default()).unwrap();
+    assert!(two.ssd_cap_exceeded && two.peak_ssd_bytes == 2 * GB, "{two:?}");
 }
 
 #[test]

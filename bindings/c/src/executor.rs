@@ -570,8 +570,9 @@ pub unsafe extern "C" fn teraio_executor_end_iteration(
 /// resident with its bytes in place until the next iteration's first kernel, for the caller's
 /// own code between steps (logging, a checkpoint). Offloads still being written keep their
 /// memory; tensors already off the GPU are read back (on a GPU the caller's stream waits for
-/// them). The report as JSON (`read_back`, `read_back_bytes`, `kept_in_flight`, `waited_s`,
-/// `used_bytes`). Kernel 0 of the next iteration puts them back where the plan starts them.
+/// them). The report as JSON (`read_back`, `read_back_bytes`, `kept_in_flight`, `kept_by_plan`,
+/// `waited_s`, `used_bytes`). Kernel 0 of the next iteration puts them back where the plan
+/// starts them.
 ///
 /// # Safety
 /// `out_report_json` is valid for a write of a pointer.

@@ -810,7 +810,10 @@ fn executor_iterations(device: bool) {
         let mut rep = null_mut();
         assert_eq!(teraio_executor_gather_globals(ex, &mut rep), TERAIO_OK, "{}", last_error());
         let g: serde_json::Value = serde_json::from_str(&take_string(rep)).unwrap();
-        let kept = g0["kept_in_flight"].as_u64().unwrap() + g["kept_in_flight"].as_u64().unwrap();
+        let count = |r: &serde_json::Value| {
+            r["kept_in_flight"].as_u64().unwrap() + r["kept_by_plan"].as_u64().unwrap()
+        };
+        let kept = count(&g0) + count(&g);
         assert_eq!(g["read_back"], g0["left_off"], "{g0} then {g}");
         let globals = tensors.iter().filter(|x| x.1).count() as u64;
         // Every resident global holds its bytes.

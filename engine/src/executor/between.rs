@@ -40,8 +40,12 @@ pub struct GatherReport {
     pub read_back: u64,
     /// Their bytes.
     pub read_back_bytes: u64,
-    /// Global tensors whose offload was still being written: they keep their GPU memory.
+    /// Global tensors whose offload was still being written: they keep their GPU memory (and
+    /// go out again where the next iteration starts them offloaded).
     pub kept_in_flight: u64,
+    /// Global tensors whose offload was still being written and which the plan keeps already
+    /// (its prefetch was issued during the write): they keep their GPU memory, as planned.
+    pub kept_by_plan: u64,
     /// Time the call waited, seconds.
     pub waited_s: f64,
     /// GPU bytes accounted once every global tensor is resident (may exceed the budget: the
@@ -84,15 +88,17 @@ impl Executor {
         // (in safe mode nothing is planned: everything comes back)
         let limit = if planned { limit } else { u64::MAX };
         // Offloads still being written keep their memory (accounted already); reads come after.
-        // (one the plan already keeps, its prefetch issued while the write was in flight, is
-        // counted too: it holds its GPU memory, not resident until the write completes)
+        // (one the plan already keeps, its prefetch issued while the write was in flight, holds
+        // its GPU memory too, not resident until the write completes)
         for &t in &globals {
             if let State::Offloading { keep, .. } = &mut self.slots[t].state {
-                if !*keep {
+                if *keep {
+                    rep.kept_by_plan += 1;
+                } else {
                     *keep = true;
                     self.slots[t].regather = planned;
+                    rep.kept_in_flight += 1;
                 }
-                rep.kept_in_flight += 1;
             }
         }
         // The reads go ahead of what the plan queued (a prefetch of the next iteration waiting

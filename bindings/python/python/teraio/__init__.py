@@ -687,8 +687,9 @@ class Executor:
         between steps. Offloads still being written keep their memory, tensors already off the
         GPU are read back. With ``limit_bytes`` (e.g. the budget) only while the GPU bytes stay
         within it, those the iteration uses first first; the others stay stored. A dict:
-        ``read_back``, ``read_back_bytes``, ``kept_in_flight``, ``left_off``,
-        ``left_off_bytes``, ``waited_s``, ``used_bytes``."""
+        ``read_back``, ``read_back_bytes``, ``kept_in_flight``, ``kept_by_plan`` (in flight,
+        kept by the plan's own prefetch), ``left_off``, ``left_off_bytes``, ``waited_s``,
+        ``used_bytes``."""
         if limit_bytes is not None and (not isinstance(limit_bytes, int) or limit_bytes < 0):
             raise InvalidArgumentError(f"gather_globals(limit_bytes={limit_bytes!r}): a byte count >= 0, or None")
         return json.loads(self._native.gather_globals_json(limit_bytes))
