@@ -3,7 +3,7 @@
 transformers-free MLP stack of small matrices, so the host's time per operator, not the GPU,
 sets the pace), one step profiled each way, against the same step's GPU time unprofiled (CUDA
 events around it, the host far ahead of the GPU). With ``gpu_time`` the durations must add up
-to within 25% of that GPU time, and be less than without it (where each operator's launch
+to within 25% of that GPU time (neither more nor less), and be less than without it (where each operator's launch
 counts too). Prints the figures and PASS or FAIL (exit status 1 on FAIL). Run on the GPU
 machine:
 
@@ -59,6 +59,6 @@ print(f"step's GPU time (unprofiled, median of 5): {gpu_s * 1e3:.2f} ms")
 print(f"profiled, launches counted: {launch[1]} operators add up to {launch[0] * 1e3:.2f} ms (wall {launch[3] * 1e3:.0f} ms)")
 print(f"profiled, gpu_time: {timed[1]} operators add up to {timed[0] * 1e3:.2f} ms "
       f"({timed[2]} spin kernels; wall {timed[3] * 1e3:.0f} ms)")
-ok = timed[0] <= 1.25 * gpu_s and timed[0] < launch[0] and timed[1] == launch[1] and timed[2] > 0
+ok = 0.75 * gpu_s <= timed[0] <= 1.25 * gpu_s and timed[0] < launch[0] and timed[1] == launch[1] and timed[2] > 0
 print("PROFILE GPU TIME", "PASS" if ok else "FAIL", flush=True)
 sys.exit(0 if ok else 1)

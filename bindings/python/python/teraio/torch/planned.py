@@ -478,6 +478,7 @@ class PlannedRun:
         self._quiet_until = -1
         self._producers = {}
         self.recomputed = 0
+        self.verified = 0  # (this step's checks: only a run's first step makes any)
         self.recomputed_in_place = 0
         self._timed = 0
         self._remade_n = 0
