@@ -281,9 +281,9 @@ pub fn budgets(request: &SelectRequest, largest_tensor_bytes: u64) -> Result<(u6
 
 /// The budgets of a selection for `trace` (`teraio_scheduler::Budget::resolve`) as JSON:
 /// `executor_bytes`, `planning_bytes`, `allowance_bytes`, the largest working set and whether
-/// the budgets were raised to it; a kernel that can never fit is not an error here but
-/// `{"never_fits": {"kernel", "name", "needed_bytes", "capacity_bytes", "message"}}`, so a
-/// front end can raise its own error naming its own arguments.
+/// the budgets were raised for it (`Budget::resolve` says how); a kernel that can never fit is
+/// not an error here but `{"never_fits": {"kernel", "name", "needed_bytes", "capacity_bytes",
+/// "message"}}`, so a front end can raise its own error naming its own arguments.
 pub fn resolve_budgets(trace: &Trace, request: &SelectRequest) -> Result<Value> {
     let gpu = request.gpu_budget_bytes.ok_or_else(|| {
         Error::InvalidArgument("plan selection options: gpu_budget_bytes is required here".into())

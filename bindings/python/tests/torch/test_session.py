@@ -1240,7 +1240,8 @@ def test_a_step_that_can_never_fit_stops_at_the_operator_naming_it(tmp_path):
 
 def test_a_kernel_that_fits_the_budget_is_planned_whatever_the_allowance(tmp_path):
     """The allowance would leave less than the largest working set: the plan and its executor get
-    that working set (the budget holds it), where the Session used to refuse it."""
+    that working set and 1% of it (the scheduler's WORKING_SET_SLACK; the budget holds it),
+    where the Session used to refuse it."""
     store = engine_store(tmp_path)
     model, opt = make(seq=64)
     seen = {}
@@ -1264,9 +1265,10 @@ def test_a_kernel_that_fits_the_budget_is_planned_whatever_the_allowance(tmp_pat
     ws = max(sum(t["bytes"] for t in seen["trace"]["tensors"] if k in t["accesses"])
              for k in range(len(seen["trace"]["kernels"])))
     assert s.plan_budget < ws <= budget
-    assert seen["planned"] == ws and seen["executor"] == ws
+    raised = min(ws + int(ws * 0.01), budget)
+    assert seen["planned"] == raised and seen["executor"] == raised
     (entry,) = s.plans.values()
-    assert entry.budget == ws
+    assert entry.budget == raised
     s.close()
 
 
