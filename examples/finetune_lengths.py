@@ -180,7 +180,7 @@ def main() -> int:
             r = session.steps[-1]
             rec["mode"] = r["mode"]
             for k in ("plan", "decided_at", "diverged", "stall_s", "bounded_by", "recomputed",
-                      "recomputations_checked", "unstable_recompute"):
+                      "recomputations_checked", "unstable_recompute", "bytes_moved", "top_stalls"):
                 if k in r:
                     rec[k] = r[k]
         steps.append(rec)
