@@ -127,7 +127,7 @@ impl Budget {
         let mut b = match self.allowance {
             Allowance::None => budget,
             Allowance::Fixed { keep_fraction } => {
-                let mut b = (budget as f64 * keep_fraction) as u64;
+                let mut b = self.kept(keep_fraction);
                 let headroom = largest_tensor_bytes.saturating_mul(2);
                 if headroom > 0 && headroom < budget / 2 {
                     b = b.min(budget - headroom);
@@ -149,15 +149,21 @@ impl Budget {
     /// [`WORKING_SET_SLACK`] of it, within the budget.
     fn raised_executor_bytes(&self, largest_tensor_bytes: u64, ws: u64) -> u64 {
         let once = match self.allowance {
-            Allowance::Fixed { keep_fraction } => ((self.gpu_budget_bytes as f64 * keep_fraction)
-                as u64)
+            Allowance::Fixed { keep_fraction } => self
+                .kept(keep_fraction)
                 .min(self.gpu_budget_bytes.saturating_sub(largest_tensor_bytes))
                 .saturating_sub(self.reserved_bytes),
             Allowance::None | Allowance::Measured { .. } => 0,
         };
         let capacity = self.gpu_budget_bytes.saturating_sub(self.reserved_bytes);
         let slack = (ws as f64 * WORKING_SET_SLACK) as u64;
-        once.max(ws.saturating_add(slack).min(capacity)).max(ws)
+        // `resolve` refused a `ws` above `capacity`, so this is at least `ws`.
+        once.max(ws.saturating_add(slack).min(capacity))
+    }
+
+    /// The fixed rule's kept share of the budget.
+    fn kept(&self, keep_fraction: f64) -> u64 {
+        (self.gpu_budget_bytes as f64 * keep_fraction) as u64
     }
 
     /// The bytes plans are made for, given the executor's: that less the margin. At least 1.
@@ -558,8 +564,8 @@ pub fn choose(trace: &Trace, hw: &Hardware, opts: &SelectOptions) -> Result<Sele
         (second.plan, second_report, Choice::SlowerTransfers, why)
     } else {
         let why = format!(
-            "the {} plan, checked in the simulator (the one for slower transfers moves {second_moved} \
-             bytes, {:+.1}% in the model)",
+            "the {} plan, checked in the simulator (the one for slower transfers moves \
+             {second_moved} bytes, {:+.1}% in the model)",
             opts.policy,
             100.0 * (second_report.iteration_time_us / first_us - 1.0)
         );

@@ -6,9 +6,9 @@
 //! issue order (FIFO), waiting while memory is full; a kernel starts once its creations are
 //! allocated and every tensor it accesses is resident. A prefetch issued while the same
 //! tensor's offload is still copying keeps the GPU copy: the offload completes (the tier copy
-//! is written) and the tensor is resident again without a read. A clean drop ([`crate::Instruction::clean`])
-//! releases the GPU memory when issued and moves nothing (a valid plan drops only resident
-//! tensors).
+//! is written) and the tensor is resident again without a read. A clean drop
+//! ([`crate::Instruction::clean`]) releases the GPU memory when issued and moves nothing (a
+//! valid plan drops only resident tensors).
 //!
 //! Bandwidth: every active migration uses the resources of its path
 //! ([`Hardware::offload_path`], [`Hardware::prefetch_path`]); rates are max-min fair
@@ -31,9 +31,9 @@
 //! GPU's kernels; an update with a `cpu_after_kernel` also waits for that kernel to finish, as
 //! a trainer's optimizer step reaches it); then its weights' copies start (into GPU memory
 //! over `host_memory` + `pcie_h2d` + `pcie_duplex`, or into the tier copy where the plan has
-//! the weight offloaded then). A GPU kernel that accesses one of these tensors waits until its copy completed
-//! ([`SimReport::host_update_us`] is the CPU's busy time). A weight written this way while
-//! resident makes its SSD copy stale: a later clean drop of it writes.
+//! the weight offloaded then). A GPU kernel that accesses one of these tensors waits until its
+//! copy completed ([`SimReport::host_update_us`] is the CPU's busy time). A weight written
+//! this way while resident makes its SSD copy stale: a later clean drop of it writes.
 //!
 //! Recomputations ([`crate::plan::Recompute`]): the drop releases the tensor's memory at its
 //! boundary; before its kernel the tensor is allocated (ahead of the kernel's creations), the

@@ -71,7 +71,8 @@ impl Executor {
     pub fn gather_globals_within(&mut self, limit: u64) -> Result<GatherReport> {
         if self.phase != Phase::Idle {
             return Err(Error::InvalidArgument(
-                "gather_globals() between iterations only: after start(), end_iteration() or abort_iteration()"
+                "gather_globals() between iterations only: after start(), end_iteration() or \
+                 abort_iteration()"
                     .into(),
             ));
         }
@@ -217,7 +218,8 @@ impl Executor {
         let i = self.tensor_index(t)?;
         if !self.trace.tensors[i].global {
             return Err(Error::InvalidArgument(format!(
-                "modified({t}): {} is not a global tensor (only global tensors live between iterations)",
+                "modified({t}): {} is not a global tensor (only global tensors live between \
+                 iterations)",
                 self.trace.tensors[i].name
             )));
         }
@@ -235,7 +237,8 @@ impl Executor {
             return Err(Error::InvalidState {
                 tensor: t.to_string(),
                 detail: format!(
-                    "{} is off the GPU: it was written without being resident (call gather_globals() after end_iteration())",
+                    "{} is off the GPU: it was written without being resident (call \
+                     gather_globals() after end_iteration())",
                     self.trace.tensors[i].name
                 ),
             });

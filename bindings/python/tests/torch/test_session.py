@@ -516,6 +516,40 @@ def test_pager_pages_while_storages_die_in_a_garbage_collection():
     assert all(torch.equal(x, torch.full((1024,), float(i))) for i, x in enumerate(xs))
 
 
+def test_pager_makes_room_before_an_operator_for_what_it_made_the_last_time():
+    """An operator's outputs land beside its inputs before :meth:`after` can page anything out:
+    the first time it runs the pager cannot know their size and memory goes over the budget
+    until the operator ends; from the second step on the room is made before it runs (seen on
+    GPT-2's paged steps: 7.49 GiB in use under a 7.02 GiB cap at the logits' backward)."""
+    store = MemStore()
+    kib4 = 4096
+    pager = tt.Pager(tt.StorageMover(store), budget_bytes=4 * kib4, min_bytes=0)
+    a, b, c = (torch.full((1024,), float(i)) for i in range(3))  # the step's globals, 4 KiB each
+    for x in (a, b, c):
+        pager.seen(x.untyped_storage(), -1)
+    peaks = []
+    after = pager.after
+
+    def measured_after(storages, op, name=""):
+        peaks[-1] = max(peaks[-1], pager.used_bytes())  # the operator's outputs are in
+        after(storages, op, name)
+
+    pager.after = measured_after
+    losses = []
+    for _ in range(3):
+        peaks.append(0)
+        d = pager.dispatch(torch.ops.aten.add.Tensor, (a, b), {}, 0, a.device)  # makes 4 KiB
+        e = pager.dispatch(torch.ops.aten.cat.default, ([c, d],), {}, 1, a.device)  # makes 8 KiB
+        losses.append(float(pager.dispatch(torch.ops.aten.sum.default, (e,), {}, 2, a.device)))
+        del d, e
+    assert peaks[0] > pager.budget, "the first step cannot know what the operator makes"
+    assert peaks[1:] == [pager.budget, pager.budget], peaks
+    assert pager.made[1] == 2 * kib4
+    assert losses == [3072.0] * 3  # sum(cat([c, a + b])): 1024 * 2 + 1024 * (0 + 1)
+    pager.restore_all()
+    assert [x.tolist() for x in (a, b, c)] == [[float(i)] * 1024 for i in range(3)]
+
+
 def test_pager_retries_an_operator_that_ran_out_of_memory():
     store = MemStore()
     pager = tt.Pager(tt.StorageMover(store), budget_bytes=1 << 30, min_bytes=0)
@@ -662,10 +696,27 @@ def _flaky_recompute(monkeypatch):
     return flaky
 
 
+def _fixed_durations(monkeypatch, us=10.0):
+    """Plans made from operators of ``us`` microseconds each instead of the CPU's measured times:
+    what a plan recomputes then follows from the bytes alone, the same on every machine and
+    under any load (with measured times a loaded CPU made some plans recompute nothing)."""
+    from teraio.torch import session
+
+    real = session._median_durations
+
+    def fixed(trace, times):
+        real(trace, times)
+        for k in trace["kernels"]:
+            k["duration_us"] = us
+
+    monkeypatch.setattr(session, "_median_durations", fixed)
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_a_recomputation_that_does_not_reproduce_its_bytes_is_caught_and_never_planned_again(
         tmp_path, monkeypatch, verify):
     flaky = _flaky_recompute(monkeypatch)
+    _fixed_durations(monkeypatch)
     store = engine_store(tmp_path)
     data = batches(6, batch=16, seq=64)
     ref_model, ref_opt = make(seq=64)
@@ -697,10 +748,10 @@ def test_a_recomputation_that_does_not_reproduce_its_bytes_is_caught_and_never_p
     # trace gives its results no producer
     later = s.steps[s.steps.index(caught[0]) + 1:]
     assert later and all("unstable_recompute" not in r for r in later)
-    # the newer plan's recomputations (where it has any: the plan follows the CPU's timings)
-    # are checked in its first step only
+    # the newer plan's recomputations are checked in its first step only
     again = [r for r in later if r["mode"] == "planned"]
-    assert len(again) >= 2 and all("recomputations_checked" not in r for r in again[1:]), s.steps
+    assert len(again) >= 2 and again[0].get("recomputations_checked", 0) > 0, s.steps
+    assert all("recomputations_checked" not in r for r in again[1:]), s.steps
     for e in s.plans.values():
         kernels, tensors = e.trace["kernels"], e.trace["tensors"]
         for t in tensors:

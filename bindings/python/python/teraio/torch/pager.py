@@ -147,7 +147,10 @@ class Pager:
     The profiler (or any dispatch mode) calls :meth:`seen` for every storage an operator
     touches, :meth:`before` with the storages of the operator about to run (offloaded ones come
     back, after making room), and :meth:`after` when it ran (memory above the budget is paged
-    out, least recently used first). Storages smaller than ``min_bytes`` stay.
+    out, least recently used first). Storages smaller than ``min_bytes`` stay. The room made
+    before an operator also holds what it made the last time an operator of its index ran (the
+    storages first seen there: its outputs), so that from the second step on its outputs land
+    within the budget instead of above it until :meth:`after`.
     ``used_bytes``: how much memory is in use (default: the storages it knows, resident).
     ``limit_bytes`` (the Session's GPU budget): an operator whose own storages (inputs and
     outputs) take more can never fit any plan: :meth:`after` raises
@@ -171,6 +174,8 @@ class Pager:
         self.wait_s = 0.0
         self.limit_bytes: int | None = None
         self.untraced_peak_bytes = 0
+        self.made: dict[int, int] = {}  # operator index -> bytes it made when it last ran
+        self._making: dict[int, int] = {}  # the same, for the operator running now
 
     def used_bytes(self) -> int:
         return self._used() if self._used is not None else self.resident_bytes
@@ -187,6 +192,8 @@ class Pager:
             p = _Paged(ref=weakref.ref(s), bytes=n, last_use=op)
             self.known[key] = p
             self.resident_bytes += n
+            if op >= 0:
+                self._making[op] = self._making.get(op, 0) + n
             weakref.finalize(s, self._died, key, p)
         p.last_use = op
 
@@ -202,7 +209,8 @@ class Pager:
                 pass
 
     def before(self, storages: list[torch.UntypedStorage], op: int) -> None:
-        """Make the operator's storages resident."""
+        """Make the operator's storages resident, with room beside them for what the operator
+        made the last time it ran."""
         want = {}
         for s in storages:
             key = storage_key(s)
@@ -210,12 +218,13 @@ class Pager:
             if p is not None and not p.resident:
                 want[key] = (s, p)  # once per storage, however often the operator names it
         want = list(want.values())
-        if not want:
+        made = self.made.get(op, 0)
+        if not want and (made == 0 or self.used_bytes() + made <= self.budget):
             return
         t0 = time.perf_counter()
         need = sum(p.bytes for _, p in want)
         keep = {storage_key(s) for s in storages}
-        self._evict(op, keep, extra=need)
+        self._evict(op, keep, extra=need + made)
         for s, p in want:
             self.mover.fetch(s, p.tensor_id, p.bytes)
             p.resident = True
@@ -234,6 +243,7 @@ class Pager:
                 from .optimizer import WorkingSetTooLarge
 
                 raise WorkingSetTooLarge(op, name or f"operator {op}", need, self.limit_bytes, len(mine))
+        self.made[op] = self._making.pop(op, 0)
         if self._used is not None:
             self.untraced_peak_bytes = max(self.untraced_peak_bytes, self._used() - self.resident_bytes)
         t0 = time.perf_counter()
