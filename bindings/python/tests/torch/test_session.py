@@ -516,11 +516,13 @@ def test_pager_pages_while_storages_die_in_a_garbage_collection():
     assert all(torch.equal(x, torch.full((1024,), float(i))) for i, x in enumerate(xs))
 
 
-def test_pager_makes_room_before_an_operator_for_what_it_made_the_last_time():
+def test_pager_makes_room_before_an_operator_for_what_its_like_made_the_last_time():
     """An operator's outputs land beside its inputs before :meth:`after` can page anything out:
-    the first time it runs the pager cannot know their size and memory goes over the budget
-    until the operator ends; from the second step on the room is made before it runs (seen on
-    GPT-2's paged steps: 7.49 GiB in use under a 7.02 GiB cap at the logits' backward)."""
+    the first time an operator of its name and input sizes runs the pager cannot know their
+    size and memory goes over the budget until the operator ends; after that the room is made
+    before it runs (seen on GPT-2's paged steps: 7.49 GiB in use under a 7.02 GiB cap at the
+    logits' backward), also where the step's operators shifted (a step with checkpointed layers
+    runs more of them) and for a model's later layers in its first step."""
     store = MemStore()
     kib4 = 4096
     pager = tt.Pager(tt.StorageMover(store), budget_bytes=4 * kib4, min_bytes=0)
@@ -535,17 +537,41 @@ def test_pager_makes_room_before_an_operator_for_what_it_made_the_last_time():
         after(storages, op, name)
 
     pager.after = measured_after
-    losses = []
-    for _ in range(3):
+
+    def step(shift, layers=1):
         peaks.append(0)
-        d = pager.dispatch(torch.ops.aten.add.Tensor, (a, b), {}, 0, a.device)  # makes 4 KiB
-        e = pager.dispatch(torch.ops.aten.cat.default, ([c, d],), {}, 1, a.device)  # makes 8 KiB
-        losses.append(float(pager.dispatch(torch.ops.aten.sum.default, (e,), {}, 2, a.device)))
-        del d, e
-    assert peaks[0] > pager.budget, "the first step cannot know what the operator makes"
+        op = 0
+        if shift:  # an operator more first: every later index moves
+            pager.dispatch(torch.ops.aten.neg.default, (torch.ones(2),), {}, op, a.device)
+            op += 1
+        total = 0.0
+        for _ in range(layers):
+            d = pager.dispatch(torch.ops.aten.add.Tensor, (a, b), {}, op, a.device)  # makes 4 KiB
+            e = pager.dispatch(torch.ops.aten.cat.default, ([c, d],), {}, op + 1, a.device)  # 8 KiB
+            total += float(pager.dispatch(torch.ops.aten.sum.default, (e,), {}, op + 2, a.device))
+            op += 3
+            del d, e
+        return total
+
+    losses = [step(False), step(False), step(True)]
+    assert peaks[0] > pager.budget, "the first time, the pager cannot know what the operator makes"
     assert peaks[1:] == [pager.budget, pager.budget], peaks
-    assert pager.made[1] == 2 * kib4
+    assert pager.made[("cat", (kib4, kib4))] == 2 * kib4
     assert losses == [3072.0] * 3  # sum(cat([c, a + b])): 1024 * 2 + 1024 * (0 + 1)
+    # a fresh pager, three layers in its first step: only the first layer goes over
+    pager.restore_all()
+    pager.made.clear()
+    seen_peaks = []
+
+    def per_op_after(storages, op, name=""):
+        seen_peaks.append(pager.used_bytes())
+        after(storages, op, name)
+
+    pager.after = per_op_after
+    peaks.append(0)
+    assert step(False, layers=3) == 3 * 3072.0
+    after_first = seen_peaks[3:]
+    assert max(seen_peaks[:3]) > pager.budget and max(after_first) <= pager.budget, seen_peaks
     pager.restore_all()
     assert [x.tolist() for x in (a, b, c)] == [[float(i)] * 1024 for i in range(3)]
 

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import teraio
 
-from ._storages import iter_tensors, run_op, storage_key, storage_of
+from ._storages import iter_tensors, op_name, run_op, storage_key, storage_of
 
 # storage keys from the engine's callers' key space: clear of a session's executor's keys
 _ids = itertools.count(teraio.KEY_CALLER_FIRST)
@@ -148,9 +148,10 @@ class Pager:
     touches, :meth:`before` with the storages of the operator about to run (offloaded ones come
     back, after making room), and :meth:`after` when it ran (memory above the budget is paged
     out, least recently used first). Storages smaller than ``min_bytes`` stay. The room made
-    before an operator also holds what it made the last time an operator of its index ran (the
-    storages first seen there: its outputs), so that from the second step on its outputs land
-    within the budget instead of above it until :meth:`after`.
+    before an operator also holds what the last operator of its name and input sizes made (the
+    storages first seen there: its outputs), so that its outputs land within the budget instead
+    of above it until :meth:`after`: from a model's second layer on, and in every later step
+    (also one whose operators shifted, as checkpointing some layers shifts them).
     ``used_bytes``: how much memory is in use (default: the storages it knows, resident).
     ``limit_bytes`` (the Session's GPU budget): an operator whose own storages (inputs and
     outputs) take more can never fit any plan: :meth:`after` raises
@@ -174,8 +175,10 @@ class Pager:
         self.wait_s = 0.0
         self.limit_bytes: int | None = None
         self.untraced_peak_bytes = 0
-        self.made: dict[int, int] = {}  # operator index -> bytes it made when it last ran
-        self._making: dict[int, int] = {}  # the same, for the operator running now
+        # (operator name, its storages' bytes) -> the bytes such an operator made when it last ran
+        self.made: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._making: dict[int, int] = {}  # operator index -> bytes it made, while it runs
+        self._running: tuple[int, tuple[str, tuple[int, ...]]] | None = None  # (index, key)
 
     def used_bytes(self) -> int:
         return self._used() if self._used is not None else self.resident_bytes
@@ -208,17 +211,21 @@ class Pager:
             except Exception:
                 pass
 
-    def before(self, storages: list[torch.UntypedStorage], op: int) -> None:
-        """Make the operator's storages resident, with room beside them for what the operator
-        made the last time it ran."""
+    def before(self, storages: list[torch.UntypedStorage], op: int, name: str = "") -> None:
+        """Make the operator's storages resident, with room beside them for what the last
+        operator of its ``name`` and storages' sizes made."""
         want = {}
+        sizes = []
         for s in storages:
             key = storage_key(s)
             p = self.known.get(key)
+            sizes.append(p.bytes if p is not None else s.nbytes())
             if p is not None and not p.resident:
                 want[key] = (s, p)  # once per storage, however often the operator names it
         want = list(want.values())
-        made = self.made.get(op, 0)
+        like = (name, tuple(sizes))
+        self._running = (op, like)
+        made = self.made.get(like, 0)
         if not want and (made == 0 or self.used_bytes() + made <= self.budget):
             return
         t0 = time.perf_counter()
@@ -243,7 +250,10 @@ class Pager:
                 from .optimizer import WorkingSetTooLarge
 
                 raise WorkingSetTooLarge(op, name or f"operator {op}", need, self.limit_bytes, len(mine))
-        self.made[op] = self._making.pop(op, 0)
+        made = self._making.pop(op, 0)
+        if self._running is not None and self._running[0] == op:
+            self.made[self._running[1]] = made
+            self._running = None
         if self._used is not None:
             self.untraced_peak_bytes = max(self.untraced_peak_bytes, self._used() - self.resident_bytes)
         t0 = time.perf_counter()
@@ -312,7 +322,6 @@ class Pager:
         bytes (what it allocates besides is in the allocator's message)."""
         if self.limit_bytes is None:
             return
-        from ._storages import op_name
         from .optimizer import WorkingSetTooLarge
 
         mine = {storage_key(s): s.nbytes() for s in keep}
@@ -369,12 +378,11 @@ class Pager:
         """Run one operator under the pager alone (no recording)."""
         stor = [s for s in (storage_of(t) for t in iter_tensors((args, kwargs)) if t.device == device)
                 if s is not None]
-        self.before(stor, op)
+        name = op_name(func)
+        self.before(stor, op, name)
         out = self.run_op(func, args, kwargs, stor, op)
         outs = [s for s in (storage_of(t) for t in iter_tensors(out) if t.device == device) if s is not None]
         for s in stor + outs:
             self.seen(s, op)
-        from ._storages import op_name
-
-        self.after(stor + outs, op, name=op_name(func))
+        self.after(stor + outs, op, name=name)
         return out

@@ -374,7 +374,7 @@ class Profiler:
         if pager is not None:
             # resident first: a storage paged out (0 bytes) when first seen would go unrecorded
             stor = [s for s in (storage_of(t) for t in in_tensors if t.device == self.device) if s is not None]
-            pager.before(stor, op)
+            pager.before(stor, op, op_name(func))
         created_at: list[int] = []
         ins = []
         for i, t in enumerate(in_tensors):
