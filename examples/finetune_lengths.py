@@ -99,6 +99,9 @@ def main() -> int:
                     help="the hardware model the plans use: a preset (paper, dev), a JSON file "
                          "(teraio hw measure -o), or this machine measured (default)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
+    ap.add_argument("--session-records", default=None, metavar="FILE",
+                    help="teraio mode: every step's whole Session record (session.steps: the executor's "
+                         "and the store's figures, the plan, stalls), one JSON line a step")
     ap.add_argument("--compare", nargs=2, metavar=("IDEAL", "TERAIO"), help="compare two results")
     args = ap.parse_args()
     if args.compare:
@@ -200,6 +203,10 @@ def main() -> int:
         out["mean_planned_s"] = statistics.mean(planned) if planned else None
         out["total_over_steps_x_mean_planned"] = total / (len(steps) * statistics.mean(planned)) if planned else None
         out["plans"] = len(session.plans)
+        if args.session_records:
+            with open(args.session_records, "w") as f:
+                for r in session.steps:
+                    f.write(json.dumps(r, default=str) + "\n")
         session.close()
     else:
         out["mean_step_s"] = statistics.mean(s["time_s"] for s in steps[3:]) if len(steps) > 3 else None

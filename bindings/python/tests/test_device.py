@@ -105,3 +105,27 @@ def test_the_executor_moves_device_memory_in_stream_order(tmp_path):
                 assert np.array_equal(got, fill(i, mem.nbytes)), i
         assert alloc.allocs > 0 and alloc.releases > 0
         ex.finish()
+
+
+def test_the_host_tier_bench_runs_its_three_passes_on_the_emulated_gpu(tmp_path):
+    """scripts/host-tier-bench.py (the fresh / reused / other-size host regions measurement for
+    the GPU machine) as a user runs it on any machine: every pass offloads all its tensors into
+    the host tier, none to the SSD, the third pass one huge page more each."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "scripts" / "host-tier-bench.py"
+    env = dict(os.environ, SSD=str(tmp_path))
+    out = subprocess.run([sys.executable, str(script), "--emulated", "--gib", "0.06", "--tensors", "8", "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    passes = json.loads(out.stdout.splitlines()[-1])["passes"]
+    assert [p["pass"] for p in passes] == ["fresh", "reused", "other sizes"]
+    n = passes[0]["tensors"]
+    assert n > 1 and all(p["tensors"] == n and p["to_ssd"] == 0 for p in passes), passes
+    assert passes[0]["bytes"] == passes[1]["bytes"] == passes[2]["bytes"] - n * (2 << 20)
+    bad = subprocess.run([sys.executable, str(script), "--gib", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--gib must be > 0" in bad.stderr
