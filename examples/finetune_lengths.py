@@ -99,6 +99,11 @@ def main() -> int:
                     help="the hardware model the plans use: a preset (paper, dev), a JSON file "
                          "(teraio hw measure -o), or this machine measured (default)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
+    ap.add_argument("--gather", choices=["true", "budget", "false"], default="true",
+                    help="teraio mode: Session(gather_between_steps=...): true (the default) brings every "
+                         "parameter, gradient and optimizer state back after each step, past the budget "
+                         "where they do not fit; budget: as far as the budget allows; false: they stay where "
+                         "the plan has them (this loop touches none of them between steps)")
     ap.add_argument("--session-records", default=None, metavar="FILE",
                     help="teraio mode: every step's whole Session record (session.steps: the executor's "
                          "and the store's figures, the plan, stalls), one JSON line a step")
@@ -143,7 +148,8 @@ def main() -> int:
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=int(args.cap_gib * 2**30),
                              host_budget_bytes=host, report_every=0, bounded_shapes=not args.no_bounded,
                              recompute=not args.no_recompute, hardware=args.hw,
-                             optimizer_on=args.optimizer_on)
+                             optimizer_on=args.optimizer_on,
+                             gather_between_steps={"true": True, "budget": "budget", "false": False}[args.gather])
     elif args.optimizer_on == "host":
         import teraio.torch as tt
 
@@ -191,7 +197,7 @@ def main() -> int:
     total = time.perf_counter() - t_all
     out = {"mode": args.mode, "dtype": args.dtype, "size": "small" if args.small else args.size,
            "optimizer_on": args.optimizer_on, "update_in_backward": args.update_in_backward, "steps": steps, "total_s": total, "lengths": lens,
-           "checkpointing": args.checkpointing,
+           "checkpointing": args.checkpointing, "gather": args.gather if args.mode == "teraio" else None,
            "cap_gib": args.cap_gib if args.mode != "ideal" else None, "device": args.device}
     if session is not None:
         planned = [s["time_s"] for s in steps if s.get("mode") == "planned"]
