@@ -177,8 +177,8 @@ class Pager:
         self.untraced_peak_bytes = 0
         # (operator name, its storages' bytes) -> the bytes such an operator made when it last ran
         self.made: dict[tuple[str, tuple[int, ...]], int] = {}
-        self._making: dict[int, int] = {}  # operator index -> bytes it made, while it runs
         self._running: tuple[int, tuple[str, tuple[int, ...]]] | None = None  # (index, key)
+        self._made_now = 0  # the bytes the running operator made so far
 
     def used_bytes(self) -> int:
         return self._used() if self._used is not None else self.resident_bytes
@@ -195,8 +195,8 @@ class Pager:
             p = _Paged(ref=weakref.ref(s), bytes=n, last_use=op)
             self.known[key] = p
             self.resident_bytes += n
-            if op >= 0:
-                self._making[op] = self._making.get(op, 0) + n
+            if self._running is not None and self._running[0] == op:
+                self._made_now += n
             weakref.finalize(s, self._died, key, p)
         p.last_use = op
 
@@ -224,7 +224,7 @@ class Pager:
                 want[key] = (s, p)  # once per storage, however often the operator names it
         want = list(want.values())
         like = (name, tuple(sizes))
-        self._running = (op, like)
+        self._running, self._made_now = (op, like), 0
         made = self.made.get(like, 0)
         if not want and (made == 0 or self.used_bytes() + made <= self.budget):
             return
@@ -250,9 +250,8 @@ class Pager:
                 from .optimizer import WorkingSetTooLarge
 
                 raise WorkingSetTooLarge(op, name or f"operator {op}", need, self.limit_bytes, len(mine))
-        made = self._making.pop(op, 0)
         if self._running is not None and self._running[0] == op:
-            self.made[self._running[1]] = made
+            self.made[self._running[1]] = self._made_now
             self._running = None
         if self._used is not None:
             self.untraced_peak_bytes = max(self.untraced_peak_bytes, self._used() - self.resident_bytes)
