@@ -30,6 +30,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=8.0, help="bytes offloaded a pass, and the host tier's size (GiB)")
     ap.add_argument("--tensors", type=int, default=64, help="tensors a pass, of as many sizes")
+    ap.add_argument("--size-mib", type=float, default=None,
+                    help="every tensor this size (MiB) instead of --tensors distinct sizes: a model's "
+                         "activations are many tensors of a few sizes (pass 3: each one huge page larger)")
     ap.add_argument("--emulated", action="store_true",
                     help="the engine's host-memory emulation of a GPU (no CUDA needed; nothing is page-locked)")
     ap.add_argument("--json", action="store_true", help="one JSON line with every pass")
@@ -38,6 +41,12 @@ def main() -> int:
         ap.error(f"--gib must be > 0 and --tensors >= 1 (got {args.gib}, {args.tensors})")
     huge = 2 << 20
     total = int(args.gib * (1 << 30))
+    if args.size_mib is not None:
+        size = int(args.size_mib * (1 << 20))
+        if size <= 0 or size > total:
+            ap.error(f"--size-mib must be > 0 and at most --gib (got {args.size_mib} MiB, {args.gib} GiB)")
+        n = total // size
+        return report(args, [size] * n, [size + huge] * n, huge)
     # n distinct sizes, each an even number of huge pages (base, base + 4 MiB, base + 8 MiB, ...),
     # and for pass 3 each one huge page more: no size of pass 3 is one of pass 1 (the pool reuses a
     # cached region of the same capacity only)
@@ -46,7 +55,11 @@ def main() -> int:
         n -= 1
     base = max(2 * huge, (total - huge * n * (n - 1)) // n // (2 * huge) * (2 * huge))
     sizes = [base + 2 * i * huge for i in range(n)]
-    other = [b + huge for b in sizes]
+    return report(args, sizes, [b + huge for b in sizes], huge)
+
+
+def report(args, sizes: list[int], other: list[int], huge: int) -> int:
+    """Run the passes in a fresh engine folder (removed after) and print them."""
     d = tempfile.mkdtemp(dir=os.environ.get("SSD", "/var/tmp"))
     try:
         passes = measure(args, d, sizes, other, huge)

@@ -127,5 +127,16 @@ def test_the_host_tier_bench_runs_its_three_passes_on_the_emulated_gpu(tmp_path)
     n = passes[0]["tensors"]
     assert n > 1 and all(p["tensors"] == n and p["to_ssd"] == 0 for p in passes), passes
     assert passes[0]["bytes"] == passes[1]["bytes"] == passes[2]["bytes"] - n * (2 << 20)
+    # one size for every tensor, as a model's activations are: 0.0625 GiB in 4 MiB tensors
+    same = subprocess.run([sys.executable, str(script), "--emulated", "--gib", "0.0625", "--size-mib", "4", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert same.returncode == 0, same.stderr
+    passes = json.loads(same.stdout.splitlines()[-1])["passes"]
+    assert [(p["tensors"], p["bytes"], p["to_ssd"]) for p in passes] == \
+        [(16, 16 << 22, 0), (16, 16 << 22, 0), (16, 16 * (6 << 20), 0)], passes
+    assert os.listdir(tmp_path) == [], "the engine's folder is removed"
     bad = subprocess.run([sys.executable, str(script), "--gib", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--gib must be > 0" in bad.stderr
+    big = subprocess.run([sys.executable, str(script), "--gib", "0.01", "--size-mib", "64"],
+                         capture_output=True, text=True, timeout=60)
+    assert big.returncode == 2 and "--size-mib must be > 0 and at most --gib" in big.stderr

@@ -179,6 +179,11 @@ def test_a_budgeted_gather_keeps_the_budget_and_gathered_brings_back_the_rest(tm
             g = rec["gathered"]
             assert g["used_bytes"] <= budget, g
             left_off.append(g["left_off"])
+            # the record says where the plan's bytes went: this engine has no host tier
+            st = rec["store"]
+            assert st["ssd_write"]["bytes"] > 0 and st["ssd_write"]["busy_s"] > 0, st
+            assert "host_write" not in st and st["host_fallbacks"] == 0, st
+            assert sum(v["bytes"] for k, v in st.items() if k != "host_fallbacks") <= rec["bytes_moved"], rec
         if i in (2, 4):
             with s.gathered():
                 (run,) = [e.run for e in s.plans.values() if e.run]

@@ -586,8 +586,13 @@ class Session:
                 else run.stall_s - mode.stall0
             if isinstance(rep, dict) and isinstance(rep.get("store"), dict):
                 st = rep["store"]
-                rec["planned_bytes_moved"] = sum(
-                    st.get(d, {}).get("bytes", 0) for d in ("ssd_write", "ssd_read", "host_write", "host_read"))
+                ways = ("ssd_write", "ssd_read", "host_write", "host_read")
+                rec["planned_bytes_moved"] = sum(st.get(d, {}).get("bytes", 0) for d in ways)
+                # where the plan's bytes went and how long the store was busy moving them, and the
+                # host-tier offloads that found the tier full and went to SSD
+                rec["store"] = {d: {"bytes": st[d].get("bytes", 0), "busy_s": st[d].get("busy_ns", 0) / 1e9}
+                                for d in ways if isinstance(st.get(d), dict) and st[d].get("ops")}
+                rec["store"]["host_fallbacks"] = st.get("host_fallbacks", 0)
             if run.diverged is not None:
                 rec["diverged"] = str(run.diverged)
                 self._diverged(mode.key, run.diverged)
