@@ -104,6 +104,10 @@ def main() -> int:
                          "parameter, gradient and optimizer state back after each step, past the budget "
                          "where they do not fit; budget: as far as the budget allows; false: they stay where "
                          "the plan has them (this loop touches none of them between steps)")
+    ap.add_argument("--no-verify-recompute", action="store_true",
+                    help="teraio mode: Session(verify_recompute=False): a plan's first step does not copy "
+                         "the tensors it drops for a recomputation to the host to compare the recomputation "
+                         "with (the default checks them bitwise, once per plan)")
     ap.add_argument("--session-records", default=None, metavar="FILE",
                     help="teraio mode: every step's whole Session record (session.steps: the executor's "
                          "and the store's figures, the plan, stalls), one JSON line a step")
@@ -148,7 +152,7 @@ def main() -> int:
         session = tt.Session(model, opt, engine=engine, gpu_budget_bytes=int(args.cap_gib * 2**30),
                              host_budget_bytes=host, report_every=0, bounded_shapes=not args.no_bounded,
                              recompute=not args.no_recompute, hardware=args.hw,
-                             optimizer_on=args.optimizer_on,
+                             optimizer_on=args.optimizer_on, verify_recompute=not args.no_verify_recompute,
                              gather_between_steps={"true": True, "budget": "budget", "false": False}[args.gather])
     elif args.optimizer_on == "host":
         import teraio.torch as tt
